@@ -1,0 +1,11 @@
+"""flashsink: fused TileLang attention kernels with learnable attention sinks (gpt-oss style).
+
+``import flashsink`` stays light: tilelang is only imported when a CUDA tensor reaches a kernel.
+"""
+
+from . import reference, testing
+from .api import attention, attention_varlen
+
+__version__ = "0.1.0"
+
+__all__ = ["attention", "attention_varlen", "reference", "testing", "__version__"]

@@ -1,0 +1,83 @@
+"""Public entry points: validate once, then dispatch to the TileLang kernels (CUDA) or the reference."""
+
+from __future__ import annotations
+
+from . import reference
+from ._validate import validate_attention, validate_varlen
+
+__all__ = ["attention", "attention_varlen"]
+
+
+def _check_deterministic(deterministic) -> None:
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__} ({deterministic!r})")
+
+
+def attention(
+    q,
+    k,
+    v,
+    sinks=None,
+    *,
+    window=None,
+    causal=True,
+    scale=None,
+    layout="bhsd",
+    return_lse=False,
+    deterministic=False,
+):
+    """Attention with learnable sinks; differentiable in q, k, v and sinks.
+
+    Args:
+        q: ``[B, H, S_q, D]`` (layout "bhsd") or ``[B, S_q, H, D]`` (layout "bshd").
+        k, v: ``[B, H_kv, S_kv, D]`` / ``[B, H_kv, S_kv, D_v]`` (or the "bshd" order); ``H % H_kv == 0``.
+        sinks: ``[H]`` sink logits (one per query head) or None.
+        window: sliding window W, keys ``[i-W+1, i]`` (FlashAttention ``window_size=(W-1, 0)``);
+            needs ``causal=True``.
+        causal: causal mask, bottom-right aligned when ``S_q != S_kv``.
+        scale: score scale, default ``1/sqrt(D)``.
+        return_lse: also return the natural-log LSE including the sink, float32 ``[B, H, S_q]``.
+        deterministic: ask the CUDA backward for a deterministic reduction order.
+
+    CUDA tensors run the TileLang kernels; tensors on any other device run the PyTorch reference.
+    """
+    spec = validate_attention(q, k, v, sinks, window=window, causal=causal, scale=scale, layout=layout)
+    _check_deterministic(deterministic)
+    if q.is_cuda:
+        # Imported here so that `import flashsink` never loads tilelang.
+        from flashsink.ops.interface import kernel_attention
+
+        return kernel_attention(spec, q, k, v, sinks, return_lse=return_lse, deterministic=deterministic)
+    return reference._attention(q, k, v, sinks, spec, return_lse=return_lse)
+
+
+def attention_varlen(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    sinks=None,
+    *,
+    window=None,
+    causal=True,
+    scale=None,
+    return_lse=False,
+    deterministic=False,
+):
+    """Varlen (THD) attention with sinks: q ``[total_q, H, D]``, k/v ``[total_k, H_kv, D]``.
+
+    Sequence i is rows ``cu_seqlens[i]:cu_seqlens[i+1]``; masks apply within each sequence,
+    bottom-right aligned per sequence. lse (with ``return_lse``) is float32 ``[H, total_q]``.
+    """
+    spec = validate_varlen(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks,
+        window=window, causal=causal, scale=scale,
+    )
+    _check_deterministic(deterministic)
+    # No varlen kernel yet: every device, CUDA included, runs the reference for now.
+    cu_q = cu_seqlens_q.detach().cpu().tolist()
+    cu_k = cu_seqlens_k.detach().cpu().tolist()
+    return reference._attention_varlen(q, k, v, cu_q, cu_k, sinks, spec, return_lse=return_lse)

@@ -1,0 +1,194 @@
+"""Pure-PyTorch reference for attention with learnable sinks.
+
+It is the ground truth the kernels are judged against (and is itself proven against an
+independent eager formula in ``tests/test_reference.py``). It runs on any device, and its
+backward is plain autograd, for q, k, v and sinks.
+
+Math, per query head h and query row at absolute position i::
+
+    s_j  = scale * q . k_j                      for visible keys j
+    p_j  = exp(s_j) / (sum_j exp(s_j) + exp(sink_h))
+    o    = sum_j p_j v_j                        (the sink has no value)
+    lse  = log(sum_j exp(s_j) + exp(sink_h))    (natural log, includes the sink)
+
+Visibility: causal keys j <= i; with a window W, keys [i-W+1, i]. Query row r has absolute
+position r + (seq_kv - seq_q) (bottom-right alignment). A row that sees no key gives o = 0 and
+lse = sink_h (or -inf without sinks), with finite (zero) gradients.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._validate import AttnSpec, validate_attention, validate_varlen
+
+__all__ = ["attention", "attention_varlen", "visible_mask"]
+
+
+def visible_mask(seq_q: int, seq_kv: int, *, window: int | None, causal: bool, device=None) -> torch.Tensor:
+    """Bool ``[seq_q, seq_kv]``: True where query row r may see key j (bottom-right aligned)."""
+    rows = torch.arange(seq_q, device=device).unsqueeze(1) + (seq_kv - seq_q)  # absolute positions
+    cols = torch.arange(seq_kv, device=device).unsqueeze(0)
+    visible = torch.ones(seq_q, seq_kv, dtype=torch.bool, device=device)
+    if causal:
+        visible = visible & (cols <= rows)
+    if window is not None:
+        visible = visible & (cols > rows - window)
+    return visible
+
+
+def _compute_dtype(dtype: torch.dtype, compute_dtype: torch.dtype | None) -> torch.dtype:
+    if compute_dtype is not None:
+        if not isinstance(compute_dtype, torch.dtype) or not compute_dtype.is_floating_point:
+            raise TypeError(f"compute_dtype must be a floating torch.dtype or None, got {compute_dtype!r}")
+        return compute_dtype
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _attention_bhsd(q, k, v, sinks, spec: AttnSpec, cdt: torch.dtype):
+    """Core on ``[B, H, S, D]`` views. Returns o ``[B, H, S_q, D_v]`` (compute dtype) and lse ``[B, H, S_q]``."""
+    b, hk, g = spec.batch, spec.kv_heads, spec.groups
+    sq, skv = spec.seq_q, spec.seq_kv
+    qc, kc, vc = q.to(cdt), k.to(cdt), v.to(cdt)
+
+    # GQA without copying K/V: query head h uses kv head h // g, so fold the g query heads of
+    # one kv head into the row dimension of a batched matmul.
+    q5 = qc.reshape(b, hk, g * sq, spec.head_dim)
+    s = torch.matmul(q5, kc.transpose(-1, -2)).view(b, hk, g, sq, skv) * spec.scale  # [B, Hk, G, Sq, Skv]
+
+    visible = visible_mask(sq, skv, window=spec.window, causal=spec.causal, device=q.device)
+    neg_inf = torch.tensor(float("-inf"), dtype=cdt, device=q.device)
+    s = torch.where(visible, s, neg_inf)  # backward of where only routes grad, never multiplies by inf
+
+    if skv > 0:
+        m = s.amax(dim=-1)  # [B, Hk, G, Sq]
+    else:
+        m = torch.full((b, hk, g, sq), float("-inf"), dtype=cdt, device=q.device)
+    if sinks is not None:
+        sink = sinks.to(cdt).view(1, hk, g, 1)
+        m = torch.maximum(m, sink)
+    # m only stabilises exp; the result does not depend on it, so no gradient flows through it.
+    m = m.detach()
+    m = torch.where(torch.isfinite(m), m, torch.zeros((), dtype=cdt, device=q.device))
+
+    e = torch.exp(s - m.unsqueeze(-1))  # masked entries: exp(-inf) = 0, gradient 0
+    denom = e.sum(dim=-1)
+    if sinks is not None:
+        denom = denom + torch.exp(sink - m)
+    empty = denom <= 0  # only possible without sinks: a row that sees no key
+    one = torch.ones((), dtype=cdt, device=q.device)
+    denom_safe = torch.where(empty, one, denom)
+
+    p = e / denom_safe.unsqueeze(-1)
+    o = torch.matmul(p.view(b, hk, g * sq, skv), vc).view(b, spec.heads, sq, spec.head_dim_v)
+    lse = torch.where(empty, neg_inf, m + torch.log(denom_safe)).view(b, spec.heads, sq)
+    return o, lse
+
+
+def _lse_dtype(cdt: torch.dtype) -> torch.dtype:
+    return torch.float64 if cdt == torch.float64 else torch.float32
+
+
+def _attention(q, k, v, sinks, spec: AttnSpec, *, return_lse: bool, compute_dtype=None):
+    """Reference on an already validated problem (``spec`` from ``validate_attention``)."""
+    cdt = _compute_dtype(q.dtype, compute_dtype)
+    if spec.layout == "bshd":
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    o, lse = _attention_bhsd(q, k, v, sinks, spec, cdt)
+    o = o.to(q.dtype)
+    if spec.layout == "bshd":
+        o = o.transpose(1, 2)
+    if return_lse:
+        return o, lse.to(_lse_dtype(cdt))
+    return o
+
+
+def attention(
+    q,
+    k,
+    v,
+    sinks=None,
+    *,
+    window=None,
+    causal=True,
+    scale=None,
+    layout="bhsd",
+    return_lse=False,
+    compute_dtype=None,
+):
+    """Attention with learnable sinks, in plain PyTorch.
+
+    Args:
+        q: ``[B, H, S_q, D]`` (layout "bhsd") or ``[B, S_q, H, D]`` (layout "bshd").
+        k, v: ``[B, H_kv, S_kv, D]`` / ``[B, H_kv, S_kv, D_v]`` (or the "bshd" order); ``H % H_kv == 0``.
+        sinks: ``[H]`` sink logits, any float dtype, or None for plain softmax attention.
+        window: keys ``[i-W+1, i]`` visible to the query at position i (needs ``causal=True``).
+        causal: causal mask, bottom-right aligned when ``S_q != S_kv``.
+        scale: score scale, default ``1/sqrt(D)``.
+        return_lse: also return the natural-log LSE (sink included), ``[B, H, S_q]`` in both layouts.
+        compute_dtype: dtype of the computation; default float32 (float64 for float64 inputs).
+
+    Returns:
+        o in q's dtype and layout, and, with ``return_lse``, lse in float32 (float64 when computing
+        in float64).
+    """
+    spec = validate_attention(q, k, v, sinks, window=window, causal=causal, scale=scale, layout=layout)
+    return _attention(q, k, v, sinks, spec, return_lse=return_lse, compute_dtype=compute_dtype)
+
+
+def _attention_varlen(q, k, v, cu_q: list[int], cu_k: list[int], sinks, spec: AttnSpec, *, return_lse, compute_dtype=None):
+    """Varlen reference on a validated problem: one dense reference call per sequence."""
+    cdt = _compute_dtype(q.dtype, compute_dtype)
+    outs, lses = [], []
+    for i in range(spec.batch):
+        qi = q[cu_q[i]:cu_q[i + 1]].unsqueeze(0)  # [1, Sq_i, H, D]
+        ki = k[cu_k[i]:cu_k[i + 1]].unsqueeze(0)
+        vi = v[cu_k[i]:cu_k[i + 1]].unsqueeze(0)
+        sub = AttnSpec(
+            batch=1, heads=spec.heads, kv_heads=spec.kv_heads,
+            seq_q=qi.shape[1], seq_kv=ki.shape[1], head_dim=spec.head_dim, head_dim_v=spec.head_dim_v,
+            window=spec.window, causal=spec.causal, scale=spec.scale, layout="bshd",
+            dtype=spec.dtype, has_sinks=spec.has_sinks,
+        )
+        o, lse = _attention(qi, ki, vi, sinks, sub, return_lse=True, compute_dtype=cdt)
+        outs.append(o[0])  # [Sq_i, H, Dv]
+        lses.append(lse[0])  # [H, Sq_i]
+    if outs:
+        o = torch.cat(outs, dim=0)
+        lse = torch.cat(lses, dim=1)
+    else:  # no sequences at all (cu_seqlens = [0]); total tokens is then 0
+        o = q.new_zeros(0, spec.heads, spec.head_dim_v)
+        lse = torch.zeros(spec.heads, 0, dtype=_lse_dtype(cdt), device=q.device)
+    return (o, lse) if return_lse else o
+
+
+def attention_varlen(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    sinks=None,
+    *,
+    window=None,
+    causal=True,
+    scale=None,
+    return_lse=False,
+    compute_dtype=None,
+):
+    """Varlen (THD) attention with sinks in plain PyTorch.
+
+    q ``[total_q, H, D]``, k ``[total_k, H_kv, D]``, v ``[total_k, H_kv, D_v]``; sequence i is rows
+    ``cu_seqlens[i]:cu_seqlens[i+1]``, and causal / window masks apply within each sequence,
+    bottom-right aligned per sequence. Returns o ``[total_q, H, D_v]`` and, with ``return_lse``,
+    lse ``[H, total_q]`` (float32, or float64 when computing in float64).
+    """
+    spec = validate_varlen(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks,
+        window=window, causal=causal, scale=scale,
+    )
+    cu_q = cu_seqlens_q.detach().cpu().tolist()
+    cu_k = cu_seqlens_k.detach().cpu().tolist()
+    return _attention_varlen(q, k, v, cu_q, cu_k, sinks, spec, return_lse=return_lse, compute_dtype=compute_dtype)

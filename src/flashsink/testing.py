@@ -1,0 +1,466 @@
+"""The precision standard of flashsink, and the helpers every test, ``flashsink check`` and the
+benchmark use to apply it.
+
+Expected values come from the reference computed in float64 on the *same* low-precision inputs,
+so the only error being judged is the implementation's own arithmetic.
+
+Gate 1 (double gate), per tensor:
+    * at least 99% of the elements satisfy ``|a - e| <= atol + rtol * |e|``, and
+    * ``max |a - e| <= 0.1``.
+
+Gate 2 (FlashAttention-style, robust to magnitudes), when ``lowp`` is given -- the reference
+computed in the low-precision dtype itself, i.e. what plain PyTorch would give:
+    * ``max |a - e| <= 2 * max |lowp - e| + atol_small``.
+
+A tensor passes when gate 1 passes and, if ``lowp`` is given, gate 2 passes too. A non-finite
+actual value where the expected value is finite always fails; matching infinities (lse = -inf in
+rows that see no key and have no sink) count as exact. Empty tensors pass.
+
+Tolerances, one logic for every format. The outputs of a fused kernel are rounded once to the
+output format, and that final rounding (half an ulp, relative) dominates the fp32 accumulation
+error inside the kernel. So:
+    * rtol = 2 ulp at 1 of the format (= 4 unit roundoffs): the final rounding plus the same again
+      of headroom for the rounding of intermediates (P is rounded to the input dtype before P @ V).
+    * atol = rtol / 32: the floor below which an element is judged absolutely, for elements that
+      are small only through cancellation (o is a weighted mean of values of size ~1; its error
+      follows the size of v, not of o).
+    * atol_small (gate 2) = 1 ulp at 1 of the format: FlashAttention's ``2 * |x + 0.3 - 0.3 - x|``,
+      the rounding noise of one add at magnitude ~1, which keeps gate 2 meaningful when the
+      low-precision reference is (nearly) exact.
+
+    fp16: ulp(1) = 2^-10  -> rtol 2^-9  = 1.95e-3, atol 2^-14 = 6.10e-5 (also fp16's smallest
+          normal), atol_small 2^-10 = 9.77e-4.  These are the seed's numbers.
+    bf16: ulp(1) = 2^-7   -> rtol 2^-6  = 1.56e-2, atol 2^-11 = 4.88e-4, atol_small 2^-7 = 7.81e-3.
+    fp32: ulp(1) = 2^-23 would give rtol 2^-22 = 2.4e-7, but in fp32 the final rounding no longer
+          dominates: the fp32 reductions themselves do (dot products over D, sums over up to N
+          keys or queries), whose error grows like sqrt(length) ulps. The unit is therefore the
+          error of a 4096-term fp32 reduction, sqrt(4096) * 2^-23 = 2^-17, and, as above,
+          rtol = 2 units = 2^-16 = 1.53e-5, atol = rtol / 32 = 2^-21 = 4.77e-7, atol_small = 1 unit
+          = 2^-17 = 7.63e-6. Measured: the fp32 reference against the fp64 one keeps > 99.9% of
+          elements inside these at N=512, D=128. They assume true fp32 arithmetic (no TF32).
+
+The lse and dsink tensors are float32 in every flashsink API, but they are computed from
+low-precision inputs; they are judged with the tolerances of the problem's input dtype.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from . import reference
+from ._validate import validate_attention
+
+__all__ = [
+    "MAX_ABS_LIMIT",
+    "MIN_RATIO",
+    "TOLERANCES",
+    "Tolerance",
+    "PrecisionReport",
+    "assert_precision",
+    "case_id",
+    "check_precision",
+    "compare_all",
+    "dtype_name",
+    "make_inputs",
+    "reference_grads",
+    "tolerance",
+]
+
+MIN_RATIO = 0.99  # gate 1: share of elements within atol + rtol * |e|
+MAX_ABS_LIMIT = 0.1  # gate 1: max |a - e|
+GATE2_FACTOR = 2.0  # gate 2: max |a - e| <= GATE2_FACTOR * max |lowp - e| + atol_small
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    atol: float
+    rtol: float
+    atol_small: float
+
+
+TOLERANCES: dict[torch.dtype, Tolerance] = {
+    torch.float16: Tolerance(atol=2.0**-14, rtol=2.0**-9, atol_small=2.0**-10),
+    torch.bfloat16: Tolerance(atol=2.0**-11, rtol=2.0**-6, atol_small=2.0**-7),
+    torch.float32: Tolerance(atol=2.0**-21, rtol=2.0**-16, atol_small=2.0**-17),
+}
+
+_DTYPE_NAMES = {
+    torch.float16: "fp16",
+    torch.bfloat16: "bf16",
+    torch.float32: "fp32",
+    torch.float64: "fp64",
+}
+_DTYPE_ALIASES = {
+    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
+    "fp64": torch.float64, "float64": torch.float64, "double": torch.float64,
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """Short name: fp16, bf16, fp32, fp64."""
+    return _DTYPE_NAMES.get(dtype, str(dtype).replace("torch.", ""))
+
+
+def _resolve_dtype(dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str) and dtype.lower() in _DTYPE_ALIASES:
+        return _DTYPE_ALIASES[dtype.lower()]
+    raise ValueError(f"dtype must be a torch.dtype or one of {sorted(_DTYPE_ALIASES)}, got {dtype!r}")
+
+
+def tolerance(dtype) -> Tolerance:
+    """The tolerances of the precision standard for ``dtype`` (fp16, bf16 or fp32)."""
+    dt = _resolve_dtype(dtype)
+    if dt not in TOLERANCES:
+        raise ValueError(
+            f"the precision standard covers fp16, bf16 and fp32, got {dt}; "
+            f"compare float64 results directly with a max-abs bound"
+        )
+    return TOLERANCES[dt]
+
+
+# ----------------------------------------------------------------------------------------------
+# Reports
+
+
+@dataclass
+class PrecisionReport:
+    """Outcome of :func:`check_precision` for one tensor."""
+
+    name: str
+    dtype: str
+    shape: tuple
+    max_abs: float
+    ratio: float
+    passed: bool
+    atol: float
+    rtol: float
+    gate1_ratio_ok: bool
+    gate1_max_ok: bool
+    gate2_limit: float | None = None  # 2 * lowp_max_abs + atol_small, when lowp was given
+    gate2_ok: bool | None = None
+    lowp_max_abs: float | None = None
+    reason: str = ""
+    timing: str = ""  # free text filled by callers that time the op (e.g. "fwd 1.2 ms")
+
+    _COLUMNS = (
+        ("tensor", 7, "<"),
+        ("dtype", 5, "<"),
+        ("shape", 20, "<"),
+        ("max |a-e|", 10, ">"),
+        ("within tol", 10, ">"),
+        ("gate-2 lim", 10, ">"),
+        ("result", 6, "<"),
+        ("time", 14, "<"),
+    )
+
+    @classmethod
+    def header(cls) -> str:
+        cells = [f"{title:{align}{width}}" for title, width, align in cls._COLUMNS]
+        return "  ".join(cells) + "  reason"
+
+    def row(self) -> str:
+        shape = "[" + ",".join(str(s) for s in self.shape) + "]"
+        values = (
+            self.name,
+            self.dtype,
+            shape,
+            f"{self.max_abs:.3e}",
+            f"{100.0 * self.ratio:.3f}%",
+            "-" if self.gate2_limit is None else f"{self.gate2_limit:.3e}",
+            "PASS" if self.passed else "FAIL",
+            self.timing,
+        )
+        cells = [f"{val:{align}{width}}" for val, (_, width, align) in zip(values, self._COLUMNS)]
+        return "  ".join(cells) + "  " + self.reason
+
+    def __str__(self) -> str:
+        return self.header() + "\n" + self.row()
+
+
+def _errors(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
+    """Elementwise |a - e| in float64; matching infinities count 0, any other non-finite pair inf."""
+    err = (actual - expected).abs()
+    same_inf = torch.isinf(expected) & (actual == expected)
+    err = torch.where(same_inf, torch.zeros((), dtype=err.dtype, device=err.device), err)
+    return torch.nan_to_num(err, nan=math.inf)
+
+
+def check_precision(name: str, actual, expected, dtype, *, lowp=None) -> PrecisionReport:
+    """Judge ``actual`` against ``expected`` (float64 reference) under the precision standard.
+
+    ``dtype`` picks the tolerances (the problem's input dtype). ``lowp``, if given, is the
+    reference computed in the low-precision dtype and turns on gate 2.
+    """
+    dt = _resolve_dtype(dtype)
+    tol = tolerance(dt)
+    shape = tuple(expected.shape)
+    base = dict(name=name, dtype=dtype_name(dt), shape=shape, atol=tol.atol, rtol=tol.rtol)
+
+    def fail(reason: str) -> PrecisionReport:
+        return PrecisionReport(
+            **base, max_abs=math.inf, ratio=0.0, passed=False,
+            gate1_ratio_ok=False, gate1_max_ok=False, reason=reason,
+        )
+
+    if actual is None:
+        return fail("actual is missing (None)")
+    if tuple(actual.shape) != shape:
+        return fail(f"shape {list(actual.shape)} != expected {list(shape)}")
+    if lowp is not None and tuple(lowp.shape) != shape:
+        raise ValueError(f"{name}: lowp shape {list(lowp.shape)} != expected {list(shape)}")
+    if expected.numel() == 0:
+        return PrecisionReport(
+            **base, max_abs=0.0, ratio=1.0, passed=True, gate1_ratio_ok=True, gate1_max_ok=True,
+            reason="empty",
+        )
+
+    e = expected.detach().to(torch.float64)
+    a = actual.detach().to(device=e.device, dtype=torch.float64)
+    err = _errors(a, e)
+    max_abs = float(err.max())
+    within = err <= tol.atol + tol.rtol * e.abs()
+    ratio = float(within.double().mean())
+    ratio_ok = ratio >= MIN_RATIO
+    max_ok = max_abs <= MAX_ABS_LIMIT
+
+    reasons = []
+    bad_nonfinite = int((~torch.isfinite(a) & torch.isfinite(e)).sum())
+    if bad_nonfinite:
+        reasons.append(f"{bad_nonfinite} non-finite where expected is finite")
+    if torch.isnan(e).any():
+        reasons.append("expected contains NaN")
+    if not ratio_ok:
+        reasons.append(f"only {100 * ratio:.3f}% within tol (< {100 * MIN_RATIO:.0f}%)")
+    if not max_ok:
+        reasons.append(f"max abs err {max_abs:.3e} > {MAX_ABS_LIMIT}")
+
+    gate2_limit = gate2_ok = lowp_max = None
+    if lowp is not None:
+        lowp_max = float(_errors(lowp.detach().to(device=e.device, dtype=torch.float64), e).max())
+        gate2_limit = GATE2_FACTOR * lowp_max + tol.atol_small
+        gate2_ok = max_abs <= gate2_limit
+        if not gate2_ok:
+            reasons.append(
+                f"gate 2: {max_abs:.3e} > {GATE2_FACTOR:g} * {lowp_max:.3e} (torch {dtype_name(dt)}) "
+                f"+ {tol.atol_small:.2e}"
+            )
+
+    passed = ratio_ok and max_ok and not bad_nonfinite and gate2_ok is not False
+    return PrecisionReport(
+        **base, max_abs=max_abs, ratio=ratio, passed=passed, gate1_ratio_ok=ratio_ok,
+        gate1_max_ok=max_ok, gate2_limit=gate2_limit, gate2_ok=gate2_ok, lowp_max_abs=lowp_max,
+        reason="; ".join(reasons),
+    )
+
+
+def assert_precision(name: str, actual, expected, dtype, *, lowp=None) -> PrecisionReport:
+    """:func:`check_precision` that raises AssertionError carrying the table row on failure."""
+    report = check_precision(name, actual, expected, dtype, lowp=lowp)
+    if not report.passed:
+        raise AssertionError("precision standard failed\n" + str(report))
+    return report
+
+
+# ----------------------------------------------------------------------------------------------
+# Inputs, reference gradients, and the six-tensor comparison
+
+
+def case_id(
+    *,
+    batch: int,
+    heads: int,
+    kv_heads: int,
+    seq_q: int,
+    head_dim: int,
+    dtype,
+    seq_kv: int | None = None,
+    window: int | None = None,
+    causal: bool = True,
+    layout: str = "bhsd",
+    sinks: bool = True,
+    head_dim_v: int | None = None,
+) -> str:
+    """Readable parametrize id, e.g. ``B2-H16-HK4-N1000-D64-W100-bf16``."""
+    parts = [f"B{batch}", f"H{heads}", f"HK{kv_heads}"]
+    if seq_kv is None or seq_kv == seq_q:
+        parts.append(f"N{seq_q}")
+    else:
+        parts.append(f"NQ{seq_q}-NK{seq_kv}")
+    parts.append(f"D{head_dim}")
+    if head_dim_v is not None and head_dim_v != head_dim:
+        parts.append(f"DV{head_dim_v}")
+    parts.append("Wnone" if window is None else f"W{window}")
+    if not causal:
+        parts.append("noncausal")
+    if layout != "bhsd":
+        parts.append(layout)
+    if not sinks:
+        parts.append("nosink")
+    parts.append(dtype_name(_resolve_dtype(dtype)))
+    return "-".join(parts)
+
+
+def make_inputs(
+    batch: int,
+    heads: int,
+    kv_heads: int,
+    seq_q: int,
+    seq_kv: int,
+    head_dim: int,
+    dtype,
+    device,
+    *,
+    layout: str = "bhsd",
+    seed: int | None = None,
+    sink_range: tuple[float, float] = (-2.0, 2.0),
+    sinks: bool = True,
+    head_dim_v: int | None = None,
+) -> dict:
+    """Fresh random inputs: dict with q, k, v, sinks (float32 ``[H]`` uniform in ``sink_range``,
+    or None) and do (the output gradient, shaped like the output).
+
+    Values are drawn on the CPU from a generator seeded with ``seed`` (a random seed if None), so
+    a seed gives the same tensors on every device.
+    """
+    dt = _resolve_dtype(dtype)
+    dv = head_dim if head_dim_v is None else head_dim_v
+    if seed is None:
+        seed = random.SystemRandom().getrandbits(62)
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+
+    def shape(h, s, d):
+        return (batch, h, s, d) if layout == "bhsd" else (batch, s, h, d)
+
+    def randn(*shp):
+        return torch.randn(shp, generator=gen, dtype=torch.float32).to(device=device, dtype=dt)
+
+    out = {
+        "q": randn(*shape(heads, seq_q, head_dim)),
+        "k": randn(*shape(kv_heads, seq_kv, head_dim)),
+        "v": randn(*shape(kv_heads, seq_kv, dv)),
+        "sinks": None,
+        "do": None,
+    }
+    if sinks:
+        lo, hi = sink_range
+        s = torch.rand(heads, generator=gen, dtype=torch.float32) * (hi - lo) + lo
+        out["sinks"] = s.to(device)
+    out["do"] = randn(*shape(heads, seq_q, dv))
+    return out
+
+
+# Bound on the score elements of one reference chunk (fp64: 2 GiB per [.., S_q, S_kv] tensor).
+_CHUNK_SCORE_ELEMS = 2**28
+
+
+def _head_dim_index(layout: str) -> int:
+    return 1 if layout == "bhsd" else 2
+
+
+def _upcast(x: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
+    """Cast to ``dt`` only if that is more precise than x's dtype; always a detached copy."""
+    if torch.finfo(dt).eps < torch.finfo(x.dtype).eps:
+        return x.detach().to(dt)
+    return x.detach().clone()
+
+
+def reference_grads(q, k, v, sinks, do, *, window=None, causal=True, scale=None, layout="bhsd", compute_dtype=None) -> dict:
+    """Reference forward and backward: dict o, lse, dq, dk, dv, dsink (None without sinks).
+
+    Inputs are detached copies, upcast to ``compute_dtype`` when that is more precise (so
+    ``compute_dtype=torch.float64`` gives the exact answer for the given low-precision inputs, and
+    ``compute_dtype=q.dtype`` gives what PyTorch computes in that dtype). Large problems are run
+    in chunks of KV heads, which is exact: heads never interact.
+    """
+    spec = validate_attention(q, k, v, sinks, window=window, causal=causal, scale=scale, layout=layout)
+    cdt = reference._compute_dtype(q.dtype, compute_dtype)
+    hdim = _head_dim_index(layout)
+    g = spec.groups
+    per_kv_head = max(1, spec.batch * g * spec.seq_q * spec.seq_kv)
+    step = max(1, min(spec.kv_heads, _CHUNK_SCORE_ELEMS // per_kv_head))
+
+    parts = []
+    for h0 in range(0, spec.kv_heads, step):
+        h1 = min(spec.kv_heads, h0 + step)
+        qs = slice(h0 * g, h1 * g)
+        ks = slice(h0, h1)
+        leaves = {
+            "q": _upcast(q.narrow(hdim, qs.start, qs.stop - qs.start), cdt).requires_grad_(True),
+            "k": _upcast(k.narrow(hdim, ks.start, ks.stop - ks.start), cdt).requires_grad_(True),
+            "v": _upcast(v.narrow(hdim, ks.start, ks.stop - ks.start), cdt).requires_grad_(True),
+        }
+        if sinks is not None:
+            leaves["sinks"] = _upcast(sinks[qs], cdt).requires_grad_(True)
+        dos = _upcast(do.narrow(hdim, qs.start, qs.stop - qs.start), cdt)
+        with torch.enable_grad():
+            o, lse = reference.attention(
+                leaves["q"], leaves["k"], leaves["v"], leaves.get("sinks"), window=window,
+                causal=causal, scale=spec.scale, layout=layout, return_lse=True, compute_dtype=cdt,
+            )
+            grads = torch.autograd.grad(o, list(leaves.values()), dos.to(o.dtype), allow_unused=True)
+        grads = [torch.zeros_like(x) if gr is None else gr for x, gr in zip(leaves.values(), grads)]
+        named = dict(zip(leaves.keys(), grads))
+        parts.append(
+            {
+                "o": o.detach(), "lse": lse.detach(),
+                "dq": named["q"], "dk": named["k"], "dv": named["v"], "dsink": named.get("sinks"),
+            }
+        )
+
+    if len(parts) == 1:
+        return parts[0]
+    return {
+        "o": torch.cat([p["o"] for p in parts], dim=hdim),
+        "lse": torch.cat([p["lse"] for p in parts], dim=1),
+        "dq": torch.cat([p["dq"] for p in parts], dim=hdim),
+        "dk": torch.cat([p["dk"] for p in parts], dim=hdim),
+        "dv": torch.cat([p["dv"] for p in parts], dim=hdim),
+        "dsink": None if sinks is None else torch.cat([p["dsink"] for p in parts], dim=0),
+    }
+
+
+TENSORS = ("o", "lse", "dq", "dk", "dv", "dsink")
+
+
+def compare_all(
+    actual: dict,
+    q,
+    k,
+    v,
+    sinks,
+    do,
+    *,
+    window=None,
+    causal=True,
+    scale=None,
+    layout="bhsd",
+    gate2: bool = True,
+    progress: Callable[[str], None] | None = None,
+) -> list[PrecisionReport]:
+    """Judge ``actual`` (dict o, lse, dq, dk, dv, dsink) against the float64 reference.
+
+    Gate 2 uses the reference computed in q's dtype (skipped for float64 inputs or ``gate2=False``).
+    ``dsink`` is skipped when ``sinks`` is None. ``progress`` receives a line before each slow step.
+    """
+    kw = dict(window=window, causal=causal, scale=scale, layout=layout)
+    say = progress or (lambda _msg: None)
+    say("reference forward+backward in fp64 ...")
+    expected = reference_grads(q, k, v, sinks, do, compute_dtype=torch.float64, **kw)
+    lowp = None
+    if gate2 and q.dtype != torch.float64:
+        say(f"reference forward+backward in {dtype_name(q.dtype)} (gate 2) ...")
+        lowp = reference_grads(q, k, v, sinks, do, compute_dtype=q.dtype, **kw)
+    names = [n for n in TENSORS if not (n == "dsink" and sinks is None)]
+    return [
+        check_precision(n, actual.get(n), expected[n], q.dtype, lowp=None if lowp is None else lowp[n])
+        for n in names
+    ]
