@@ -1,0 +1,185 @@
+"""Command line: ``flashsink <command>`` (also ``python -m flashsink <command>``).
+
+Commands:
+    check   run the golden problem forward and backward through ``flashsink.attention`` and judge
+            all six outputs against the float64 reference under the precision standard.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+# The seed's golden problem.
+GOLDEN = dict(batch=1, heads=64, kv_heads=8, seq=4096, head_dim=128, window=128, dtype="fp16")
+# On CPU the fp64 reference of the golden problem needs tens of GB and minutes; this keeps the
+# head_dim, window and GQA ratio and is done in seconds.
+CPU_SCALED = dict(batch=1, heads=16, kv_heads=2, seq=512, head_dim=128, window=128, dtype="fp16")
+
+_DTYPES = ("fp16", "bf16", "fp32")
+_FROM_BASE = object()  # --window not given: take the base problem's window
+
+
+def _window(text: str):
+    if text.lower() == "none":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"window must be an int or 'none', got {text!r}") from None
+
+
+def _add_problem_args(p: argparse.ArgumentParser) -> None:
+    """Shape options shared by commands that run one problem (check; later bench)."""
+    p.add_argument("--batch", type=int, help=f"batch size (golden {GOLDEN['batch']})")
+    p.add_argument("--heads", type=int, help=f"query heads (golden {GOLDEN['heads']})")
+    p.add_argument("--kv-heads", type=int, help=f"key/value heads (golden {GOLDEN['kv_heads']})")
+    p.add_argument("--seq", type=int, help=f"sequence length of q and k/v (golden {GOLDEN['seq']})")
+    p.add_argument("--seq-q", type=int, help="query length (overrides --seq)")
+    p.add_argument("--seq-kv", type=int, help="key/value length (overrides --seq)")
+    p.add_argument("--head-dim", type=int, help=f"head dim (golden {GOLDEN['head_dim']})")
+    p.add_argument("--dtype", choices=_DTYPES, help=f"input dtype (golden {GOLDEN['dtype']})")
+    p.add_argument("--window", type=_window, default=_FROM_BASE, help=f"sliding window W or 'none' (golden {GOLDEN['window']})")
+    p.add_argument("--no-causal", action="store_true", help="full attention (needs --window none)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: cuda if available")
+    p.add_argument("--seed", type=int, default=0, help="input seed (default 0)")
+
+
+def _resolve_problem(args, device: str) -> tuple[dict, str | None]:
+    """Golden problem with the user's overrides; scaled down on CPU unless a shape was given."""
+    given = {
+        "batch": args.batch, "heads": args.heads, "kv_heads": args.kv_heads, "seq": args.seq,
+        "head_dim": args.head_dim, "dtype": args.dtype,
+    }
+    base, note = GOLDEN, None
+    shape_given = any(v is not None for k, v in given.items() if k != "dtype") or args.seq_q or args.seq_kv
+    if device == "cpu" and not shape_given:
+        base = CPU_SCALED
+        note = (
+            "note: running on CPU, where flashsink.attention is the PyTorch reference and the fp64 "
+            "reference of the golden problem (B=1 H=64 H_kv=8 N=4096 D=128) would need tens of GB; "
+            "scaled down to B={batch} H={heads} H_kv={kv_heads} N={seq} D={head_dim} W={window}. "
+            "Run on a CUDA machine to check the kernels.".format(**CPU_SCALED)
+        )
+    prob = {k: (v if v is not None else base[k]) for k, v in given.items()}
+    prob["window"] = base["window"] if args.window is _FROM_BASE else args.window
+    if args.no_causal and args.window is _FROM_BASE:
+        prob["window"] = None  # a window needs causal; --no-causal alone means full attention
+    prob["seq_q"] = args.seq_q if args.seq_q is not None else prob["seq"]
+    prob["seq_kv"] = args.seq_kv if args.seq_kv is not None else prob["seq"]
+    prob["causal"] = not args.no_causal
+    return prob, note
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms"
+
+
+def cmd_check(args) -> int:
+    import torch
+
+    import flashsink
+    from flashsink import testing
+    from flashsink._validate import validate_attention
+
+    def say(msg: str) -> None:
+        print(msg, flush=True)
+
+    if args.device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    else:
+        device = args.device
+        if device == "cuda" and not torch.cuda.is_available():
+            print("error: --device cuda given but CUDA is not available", file=sys.stderr)
+            return 2
+    prob, note = _resolve_problem(args, device)
+    if note:
+        say(note)
+
+    dtype = testing._resolve_dtype(prob["dtype"])
+    name = testing.case_id(
+        batch=prob["batch"], heads=prob["heads"], kv_heads=prob["kv_heads"], seq_q=prob["seq_q"],
+        seq_kv=prob["seq_kv"], head_dim=prob["head_dim"], window=prob["window"], dtype=dtype,
+        causal=prob["causal"],
+    )
+    where = torch.cuda.get_device_name() if device == "cuda" else "CPU (PyTorch reference path)"
+    say(f"flashsink {flashsink.__version__}, torch {torch.__version__}, device: {where}")
+    say(f"problem {name}, seed {args.seed}")
+
+    inp = testing.make_inputs(
+        prob["batch"], prob["heads"], prob["kv_heads"], prob["seq_q"], prob["seq_kv"],
+        prob["head_dim"], dtype, device, seed=args.seed,
+    )
+    kw = dict(window=prob["window"], causal=prob["causal"])
+    try:
+        validate_attention(inp["q"], inp["k"], inp["v"], inp["sinks"], scale=None, layout="bhsd", **kw)
+    except (TypeError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+    def run():
+        leaves = [inp[n].detach().clone().requires_grad_(True) for n in ("q", "k", "v", "sinks")]
+        _sync(device)
+        t0 = time.perf_counter()
+        o, lse = flashsink.attention(*leaves, return_lse=True, **kw)
+        _sync(device)
+        t1 = time.perf_counter()
+        grads = torch.autograd.grad(o, leaves, inp["do"])
+        _sync(device)
+        t2 = time.perf_counter()
+        out = dict(o=o.detach(), lse=lse.detach(), dq=grads[0], dk=grads[1], dv=grads[2], dsink=grads[3])
+        return out, t1 - t0, t2 - t1
+
+    try:
+        say("flashsink.attention forward+backward (warm-up, includes any kernel compilation) ...")
+        run()
+        actual, t_fwd, t_bwd = run()
+    except Exception as exc:  # a crash is a failed check, reported like one
+        say(f"FAIL: flashsink.attention raised {type(exc).__name__}: {exc}")
+        return 1
+    say(f"timed run: forward {_ms(t_fwd)}, backward {_ms(t_bwd)}")
+
+    reports = testing.compare_all(actual, **inp, **kw, progress=say)
+    for r in reports:
+        r.timing = f"fwd {_ms(t_fwd)}" if r.name in ("o", "lse") else f"bwd {_ms(t_bwd)}"
+    say("")
+    say(testing.PrecisionReport.header())
+    for r in reports:
+        say(r.row())
+    failed = [r.name for r in reports if not r.passed]
+    say("")
+    say(f"check {'FAILED: ' + ', '.join(failed) if failed else 'passed'} ({len(reports) - len(failed)}/{len(reports)} tensors)")
+    return 1 if failed else 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="flashsink", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="command")
+    sub.required = True
+    p = sub.add_parser(
+        "check",
+        help="golden problem forward+backward vs the fp64 reference",
+        description="Run the golden problem (B=1 H=64 H_kv=8 N=4096 D=128 W=128 fp16, causal) forward "
+        "and backward through flashsink.attention on the best device and judge o, lse, dq, dk, dv "
+        "and dsink under the precision standard. Exit code 1 if any fails.",
+    )
+    _add_problem_args(p)
+    p.set_defaults(func=cmd_check)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
