@@ -1,0 +1,184 @@
+"""The precision standard itself (flashsink.testing.check_precision)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from flashsink import testing
+from flashsink.testing import PrecisionReport, assert_precision, check_precision
+
+pytestmark = pytest.mark.l0
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+IDS = ["fp16", "bf16", "fp32"]
+
+
+def _expected(n=10_000, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, generator=g, dtype=torch.float64)
+
+
+def test_documented_tolerances():
+    fp16 = testing.tolerance(torch.float16)
+    assert fp16.atol == pytest.approx(6.10e-5, rel=1e-2) and fp16.atol == 2.0**-14
+    assert fp16.rtol == pytest.approx(1.95e-3, rel=1e-2) and fp16.rtol == 2.0**-9
+    assert fp16.atol_small == 2.0**-10
+    bf16 = testing.tolerance("bf16")
+    assert (bf16.atol, bf16.rtol, bf16.atol_small) == (2.0**-11, 2.0**-6, 2.0**-7)
+    fp32 = testing.tolerance("fp32")
+    assert (fp32.atol, fp32.rtol, fp32.atol_small) == (2.0**-21, 2.0**-16, 2.0**-17)
+    assert testing.MIN_RATIO == 0.99 and testing.MAX_ABS_LIMIT == 0.1
+    with pytest.raises(ValueError, match="float64"):
+        testing.tolerance(torch.float64)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_identical_and_rounded_pass(dtype):
+    e = _expected()
+    assert check_precision("x", e.clone(), e, dtype).passed
+    r = check_precision("x", e.to(dtype), e, dtype)  # one rounding to the format: well inside
+    assert r.passed and r.ratio == 1.0, r
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_nan_fails(dtype):
+    e = _expected()
+    a = e.clone()
+    a[123] = math.nan
+    r = check_precision("x", a, e, dtype)
+    assert not r.passed and "non-finite" in r.reason and r.max_abs == math.inf
+
+
+def test_inf_where_finite_fails():
+    e = _expected()
+    a = e.clone()
+    a[5] = math.inf
+    assert not check_precision("x", a, e, torch.float16).passed
+
+
+def test_matching_infinities_allowed():
+    e = _expected()
+    e[:10] = -math.inf  # lse of rows that see no key, without sinks
+    r = check_precision("lse", e.clone(), e, torch.float16)
+    assert r.passed and r.max_abs == 0.0
+    a = e.clone()
+    a[:10] = 0.0  # finite where -inf is expected
+    assert not check_precision("lse", a, e, torch.float16).passed
+    a = e.clone()
+    a[0] = math.inf  # +inf where -inf is expected
+    assert not check_precision("lse", a, e, torch.float16).passed
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_single_large_error_fails_max_gate(dtype):
+    e = _expected()
+    a = e.clone()
+    a[7] += 0.2
+    r = check_precision("x", a, e, dtype)
+    assert r.gate1_ratio_ok and not r.gate1_max_ok and not r.passed
+    assert "max abs" in r.reason
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_two_percent_small_errors_fail_ratio_gate(dtype):
+    tol = testing.tolerance(dtype)
+    e = _expected().tanh()  # |e| < 1, so 4x the tolerance stays below the 0.1 max gate
+    a = e.clone()
+    idx = torch.randperm(e.numel(), generator=torch.Generator().manual_seed(1))[: e.numel() // 50]
+    a[idx] += 4 * (tol.atol + tol.rtol * e[idx].abs())  # outside tolerance, far below 0.1
+    r = check_precision("x", a, e, dtype)
+    assert r.gate1_max_ok and not r.gate1_ratio_ok and not r.passed
+    assert r.ratio == pytest.approx(0.98)
+    # 0.5% of such errors is allowed by the 99% gate.
+    a = e.clone()
+    a[idx[: e.numel() // 200]] += 4 * (tol.atol + tol.rtol * e[idx[: e.numel() // 200]].abs())
+    assert check_precision("x", a, e, dtype).passed
+
+
+def test_gate2():
+    tol = testing.tolerance(torch.float16)
+    e = _expected()
+    lowp = e + 1e-3  # torch's own low-precision error: 1e-3 everywhere
+    ok = e + (2e-3 + tol.atol_small) * 0.99
+    bad = e + (2e-3 + tol.atol_small) * 1.01
+    # Both are outside gate 1's fp16 tolerance in places, so check gate 2 on its own fields.
+    r_ok = check_precision("x", ok, e, torch.float16, lowp=lowp)
+    r_bad = check_precision("x", bad, e, torch.float16, lowp=lowp)
+    assert r_ok.gate2_ok and r_ok.gate2_limit == pytest.approx(2e-3 + tol.atol_small)
+    assert r_ok.lowp_max_abs == pytest.approx(1e-3)
+    assert r_bad.gate2_ok is False and not r_bad.passed and "gate 2" in r_bad.reason
+    # An exact low-precision reference leaves atol_small of room.
+    a = e.to(torch.float16)
+    r = check_precision("x", a, e, torch.float16, lowp=e.clone())
+    assert r.passed and r.gate2_limit == tol.atol_small
+    # Gate 2 adds to gate 1: passing gate 2 does not rescue a NaN.
+    a = e.clone()
+    a[0] = math.nan
+    assert not check_precision("x", a, e, torch.float16, lowp=lowp).passed
+    # Without lowp there is no gate 2.
+    r = check_precision("x", e.clone(), e, torch.float16)
+    assert r.gate2_ok is None and r.gate2_limit is None
+
+
+def test_empty_passes():
+    e = torch.empty(0, 4, dtype=torch.float64)
+    r = check_precision("x", torch.zeros(0, 4), e, torch.bfloat16)
+    assert r.passed
+
+
+def test_shape_mismatch_and_missing_fail():
+    e = _expected(10)
+    assert not check_precision("x", e[:9], e, torch.float16).passed
+    r = check_precision("x", None, e, torch.float16)
+    assert not r.passed and "missing" in r.reason
+
+
+def test_report_table_and_assert():
+    e = _expected()
+    r = check_precision("dq", e.clone(), e, torch.float16)
+    head, row = PrecisionReport.header(), r.row()
+    assert "tensor" in head and "max |a-e|" in head and "within tol" in head and "time" in head
+    assert row.startswith("dq") and "PASS" in row and "100.000%" in row
+    assert row.index("PASS") == head.index("result")
+    assert assert_precision("dq", e.clone(), e, torch.float16).passed
+    a = e.clone()
+    a[0] += 1.0
+    with pytest.raises(AssertionError) as info:
+        assert_precision("dq", a, e, torch.float16)
+    assert "FAIL" in str(info.value) and "dq" in str(info.value)
+
+
+def test_case_id():
+    assert testing.case_id(batch=2, heads=16, kv_heads=4, seq_q=1000, head_dim=64, window=100, dtype=torch.bfloat16) == "B2-H16-HK4-N1000-D64-W100-bf16"
+    assert testing.case_id(
+        batch=1, heads=8, kv_heads=8, seq_q=3, seq_kv=9, head_dim=32, dtype="fp16", causal=False,
+        layout="bshd", sinks=False,
+    ) == "B1-H8-HK8-NQ3-NK9-D32-Wnone-noncausal-bshd-nosink-fp16"
+
+
+def test_make_inputs():
+    a = testing.make_inputs(2, 6, 2, 5, 7, 8, torch.bfloat16, "cpu", seed=3, layout="bshd")
+    b = testing.make_inputs(2, 6, 2, 5, 7, 8, torch.bfloat16, "cpu", seed=3, layout="bshd")
+    assert a["q"].shape == (2, 5, 6, 8) and a["k"].shape == (2, 7, 2, 8) and a["do"].shape == a["q"].shape
+    assert a["q"].dtype == torch.bfloat16 and a["sinks"].dtype == torch.float32 and a["sinks"].shape == (6,)
+    assert all(torch.equal(a[n], b[n]) for n in ("q", "k", "v", "sinks", "do"))
+    assert ((a["sinks"] >= -2) & (a["sinks"] <= 2)).all()
+    for n in ("q", "k", "v", "do"):
+        assert torch.isfinite(a[n]).all() and (a[n] != 0).any() and a[n].std() > 0.5
+    c = testing.make_inputs(1, 2, 1, 4, 4, 8, torch.float32, "cpu")
+    d = testing.make_inputs(1, 2, 1, 4, 4, 8, torch.float32, "cpu")
+    assert not torch.equal(c["q"], d["q"])  # no seed: fresh values
+    assert testing.make_inputs(1, 2, 1, 4, 4, 8, "fp16", "cpu", sinks=False)["sinks"] is None
+
+
+def test_reference_grads_chunking_is_exact(monkeypatch):
+    inp = testing.make_inputs(1, 8, 4, 13, 13, 8, torch.float16, "cpu", seed=4)
+    whole = testing.reference_grads(**inp, window=5, compute_dtype=torch.float64)
+    monkeypatch.setattr(testing, "_CHUNK_SCORE_ELEMS", 1)  # one KV head per chunk
+    parts = testing.reference_grads(**inp, window=5, compute_dtype=torch.float64)
+    for n in ("o", "lse", "dq", "dk", "dv", "dsink"):
+        assert torch.equal(whole[n], parts[n]), n
+    assert whole["o"].dtype == torch.float64 and whole["dsink"].dtype == torch.float64
