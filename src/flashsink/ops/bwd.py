@@ -1,0 +1,307 @@
+"""Backward: a preprocess, ONE main kernel for dQ/dK/dV, and a dQ cast.
+
+With ``P = exp(S * scale - lse)`` (lse includes the sink) the gradients are
+FlashAttention's::
+
+    dV = P^T dO        dP = dO V^T        dS = P * (dP - Delta) * scale
+    dK = dS^T Q        dQ = dS K          Delta = rowsum(dO * O)
+
+and the sink gets ``dsink[h] = -sum_rows exp(sink[h] - lse) * Delta``.
+
+- ``build_preprocess``: Delta per row and, in the same pass, the rows' sink gradient,
+  added into an fp32 ``[heads]`` accumulator (one atomic per block) or, when
+  deterministic, written as per-block partials summed in a fixed order.
+- ``build_bwd``: KV-stationary. One program per (KV block, KV head, batch) keeps its K/V
+  tile and its dK/dV accumulators on chip and streams the query tiles of *every* query
+  head of its GQA group through them, recomputing P and dS from ``lse``: no GM
+  workspace, no dK/dV atomics, no ``[B, H, N, D]`` fp32 buffers for dK/dV. dQ tiles
+  are added in fp32 into a row-padded accumulator (atomics), or skipped when
+  deterministic.
+- ``build_dq``: the deterministic dQ pass (query-stationary, no atomics).
+- ``build_postprocess``: casts the fp32 dQ accumulator into dQ in the input layout.
+"""
+
+import tilelang
+import tilelang.language as T
+
+from .block_range import kv_blocks_for_rows, row_blocks_for_keys
+from .config import ROW_BLOCK, KernelConfig, bwd_tiles, dq_tiles
+from .layout import qkv_shapes, tile
+from .mask import visible
+from .softmax import LOG2E
+
+PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
+
+
+def build_preprocess(cfg: KernelConfig):
+    blk = ROW_BLOCK
+    dim_v, dtype, accum = cfg.head_dim_v, cfg.dtype, "float32"
+    batch, heads, seq_q, rows_pad, n_part = T.dynamic("batch, heads, seq_q, rows_pad, n_part")
+    o_shape = qkv_shapes(cfg.layout, batch, heads, heads, seq_q, seq_q, dim_v, dim_v)[3]
+
+    @T.prim_func
+    def flashsink_bwd_preprocess(
+        O: T.Tensor(o_shape, dtype),
+        dO: T.Tensor(o_shape, dtype),
+        LSE: T.Tensor([batch, heads, rows_pad], accum),
+        dLSE: T.Tensor([batch, heads, rows_pad], accum),
+        Sinks: T.Tensor([heads], accum),
+        Delta: T.Tensor([batch, heads, rows_pad], accum),
+        dSinkAcc: T.Tensor([heads], accum),
+        dSinkPart: T.Tensor([batch, heads, n_part], accum),
+    ):
+        with T.Kernel(T.ceildiv(seq_q, blk), heads, batch, threads=128) as (bx, head, b):
+            o = T.alloc_fragment([blk, dim_v], accum)
+            do = T.alloc_fragment([blk, dim_v], dtype)
+            delta = T.alloc_fragment([blk], accum)
+            contrib = T.alloc_fragment([blk], accum)
+            total = T.alloc_fragment([1], accum)
+            row0 = bx * blk
+            T.copy(tile(O, cfg.layout, b, head, row0, blk), o)
+            T.copy(tile(dO, cfg.layout, b, head, row0, blk), do)
+            for i, j in T.Parallel(blk, dim_v):
+                o[i, j] *= do[i, j]
+            T.reduce_sum(o, delta, dim=1)
+            # A gradient flowing into lse folds into Delta: dS = P * (dP - (Delta - dlse)).
+            for i in T.Parallel(blk):
+                delta[i] -= dLSE[b, head, row0 + i]
+            T.copy(delta, Delta[b, head, row0 : row0 + blk])
+            if cfg.has_sinks:
+                for i in T.Parallel(blk):
+                    contrib[i] = T.if_then_else(
+                        row0 + i < seq_q,
+                        -T.exp2((Sinks[head] - LSE[b, head, row0 + i]) * LOG2E) * delta[i],
+                        0.0,
+                    )
+                T.reduce_sum(contrib, total, dim=0)
+                tx = T.get_thread_binding(0)
+                if tx == 0:
+                    if cfg.deterministic:
+                        dSinkPart[b, head, bx] = total[0]
+                    else:
+                        T.atomic_add(dSinkAcc[head], total[0])
+
+    return flashsink_bwd_preprocess
+
+
+def build_bwd(cfg: KernelConfig):
+    t = bwd_tiles(cfg)
+    bm, bn = t.block_m, t.block_n  # bm query rows stream past bn resident keys
+    dim, dim_v, groups = cfg.head_dim, cfg.head_dim_v, cfg.groups
+    dtype, accum = cfg.dtype, "float32"
+    batch, heads, seq_q, seq_kv, rows_pad = T.dynamic("batch, heads, seq_q, seq_kv, rows_pad")
+    heads_kv = heads // groups
+    q_shape, k_shape, v_shape, o_shape = qkv_shapes(cfg.layout, batch, heads, heads_kv, seq_q, seq_kv, dim, dim_v)
+    with_dq = not cfg.deterministic
+
+    @T.macro
+    def body(Q, K, V, dO, LSE, Delta, window, scale, dQAcc, dK, dV):
+        with T.Kernel(T.ceildiv(seq_kv, bn), heads_kv, batch, threads=t.threads) as (bx, kv_head, b):
+            k_s = T.alloc_shared([bn, dim], dtype)
+            v_s = T.alloc_shared([bn, dim_v], dtype)
+            q_s = T.alloc_shared([bm, dim], dtype)
+            do_s = T.alloc_shared([bm, dim_v], dtype)
+            lse_s = T.alloc_shared([bm], accum)
+            delta_s = T.alloc_shared([bm], accum)
+            ds_s = T.alloc_shared([bn, bm], dtype)
+            pT = T.alloc_fragment([bn, bm], accum)  # P^T, this key tile x this query tile
+            pT_cast = T.alloc_fragment([bn, bm], dtype)
+            dpT = T.alloc_fragment([bn, bm], accum)  # dP^T, then dS^T
+            dsT_cast = T.alloc_fragment([bn, bm], dtype)
+            dk = T.alloc_fragment([bn, dim], accum)
+            dv = T.alloc_fragment([bn, dim_v], accum)
+            dk_s = T.alloc_shared([bn, dim], dtype)
+            dv_s = T.alloc_shared([bn, dim_v], dtype)
+            if with_dq:
+                dq = T.alloc_fragment([bm, dim], accum)
+                dq_s = T.alloc_shared([bm, dim], accum)
+
+            key0 = bx * bn
+            scale_log2 = scale * LOG2E
+            T.copy(tile(K, cfg.layout, b, kv_head, key0, bn), k_s)
+            T.copy(tile(V, cfg.layout, b, kv_head, key0, bn), v_s)
+            T.clear(dk)
+            T.clear(dv)
+            lo, hi = row_blocks_for_keys(key0, bn, bm, seq_q, seq_kv, window, cfg.causal)
+            n_rows = hi - lo
+
+            # One flat loop over (query head of the group, query tile): dK/dV of this KV
+            # head accumulate across the whole group without leaving the chip.
+            for it in T.Pipelined(groups * n_rows, num_stages=t.stages):
+                head = kv_head * groups + it // n_rows
+                row0 = (lo + it % n_rows) * bm
+                T.copy(tile(Q, cfg.layout, b, head, row0, bm), q_s)
+                T.copy(LSE[b, head, row0 : row0 + bm], lse_s)
+                T.clear(pT)
+                T.gemm(k_s, q_s, pT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                for i, j in T.Parallel(bn, bm):
+                    pT[i, j] = T.if_then_else(
+                        visible(row0 + j, key0 + i, seq_q, seq_kv, window, cfg.causal),
+                        T.exp2(pT[i, j] * scale_log2 - lse_s[j] * LOG2E),
+                        0.0,
+                    )
+                T.copy(tile(dO, cfg.layout, b, head, row0, bm), do_s)
+                T.clear(dpT)
+                T.gemm(v_s, do_s, dpT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                T.copy(pT, pT_cast)
+                T.gemm(pT_cast, do_s, dv, policy=T.GemmWarpPolicy.FullRow)
+                T.copy(Delta[b, head, row0 : row0 + bm], delta_s)
+                for i, j in T.Parallel(bn, bm):
+                    dsT_cast[i, j] = pT[i, j] * (dpT[i, j] - delta_s[j]) * scale
+                T.gemm(dsT_cast, q_s, dk, policy=T.GemmWarpPolicy.FullRow)
+                if with_dq:
+                    T.copy(dsT_cast, ds_s)
+                    T.clear(dq)
+                    T.gemm(ds_s, k_s, dq, transpose_A=True, policy=T.GemmWarpPolicy.FullRow)
+                    T.copy(dq, dq_s)
+                    T.atomic_add(dQAcc[b, head, row0 : row0 + bm, :], dq_s)
+
+            T.copy(dk, dk_s)
+            T.copy(dv, dv_s)
+            for i, j in T.Parallel(bn, dim):
+                if key0 + i < seq_kv:
+                    if cfg.layout == "bhsd":
+                        dK[b, kv_head, key0 + i, j] = dk_s[i, j]
+                    else:
+                        dK[b, key0 + i, kv_head, j] = dk_s[i, j]
+            for i, j in T.Parallel(bn, dim_v):
+                if key0 + i < seq_kv:
+                    if cfg.layout == "bhsd":
+                        dV[b, kv_head, key0 + i, j] = dv_s[i, j]
+                    else:
+                        dV[b, key0 + i, kv_head, j] = dv_s[i, j]
+
+
+    if with_dq:
+
+        @T.prim_func
+        def flashsink_bwd(
+            Q: T.Tensor(q_shape, dtype),
+            K: T.Tensor(k_shape, dtype),
+            V: T.Tensor(v_shape, dtype),
+            dO: T.Tensor(o_shape, dtype),
+            LSE: T.Tensor([batch, heads, rows_pad], accum),
+            Delta: T.Tensor([batch, heads, rows_pad], accum),
+            window: T.int32,
+            scale: T.float32,
+            dQAcc: T.Tensor([batch, heads, rows_pad, dim], accum),
+            dK: T.Tensor(k_shape, dtype),
+            dV: T.Tensor(v_shape, dtype),
+        ):
+            body(Q, K, V, dO, LSE, Delta, window, scale, dQAcc, dK, dV)
+
+    else:
+
+        @T.prim_func
+        def flashsink_bwd(
+            Q: T.Tensor(q_shape, dtype),
+            K: T.Tensor(k_shape, dtype),
+            V: T.Tensor(v_shape, dtype),
+            dO: T.Tensor(o_shape, dtype),
+            LSE: T.Tensor([batch, heads, rows_pad], accum),
+            Delta: T.Tensor([batch, heads, rows_pad], accum),
+            window: T.int32,
+            scale: T.float32,
+            dK: T.Tensor(k_shape, dtype),
+            dV: T.Tensor(v_shape, dtype),
+        ):
+            body(Q, K, V, dO, LSE, Delta, window, scale, None, dK, dV)
+
+    return flashsink_bwd
+
+
+def build_dq(cfg: KernelConfig):
+    """Deterministic dQ: each program owns a query tile and loops over its KV blocks."""
+    t = dq_tiles(cfg)
+    bm, bn = t.block_m, t.block_n
+    dim, dim_v, groups = cfg.head_dim, cfg.head_dim_v, cfg.groups
+    dtype, accum = cfg.dtype, "float32"
+    batch, heads, seq_q, seq_kv, rows_pad = T.dynamic("batch, heads, seq_q, seq_kv, rows_pad")
+    heads_kv = heads // groups
+    q_shape, k_shape, v_shape, o_shape = qkv_shapes(cfg.layout, batch, heads, heads_kv, seq_q, seq_kv, dim, dim_v)
+
+    @T.prim_func
+    def flashsink_bwd_dq(
+        Q: T.Tensor(q_shape, dtype),
+        K: T.Tensor(k_shape, dtype),
+        V: T.Tensor(v_shape, dtype),
+        dO: T.Tensor(o_shape, dtype),
+        LSE: T.Tensor([batch, heads, rows_pad], accum),
+        Delta: T.Tensor([batch, heads, rows_pad], accum),
+        window: T.int32,
+        scale: T.float32,
+        dQ: T.Tensor(q_shape, dtype),
+    ):
+        with T.Kernel(T.ceildiv(seq_q, bm), heads, batch, threads=t.threads) as (bx, head, b):
+            q_s = T.alloc_shared([bm, dim], dtype)
+            do_s = T.alloc_shared([bm, dim_v], dtype)
+            k_s = T.alloc_shared([bn, dim], dtype)
+            v_s = T.alloc_shared([bn, dim_v], dtype)
+            lse = T.alloc_fragment([bm], accum)
+            delta = T.alloc_fragment([bm], accum)
+            s = T.alloc_fragment([bm, bn], accum)
+            dp = T.alloc_fragment([bm, bn], accum)
+            ds = T.alloc_fragment([bm, bn], dtype)
+            dq = T.alloc_fragment([bm, dim], accum)
+            dq_s = T.alloc_shared([bm, dim], dtype)
+
+            row0 = bx * bm
+            kv_head = head // groups
+            scale_log2 = scale * LOG2E
+            T.copy(tile(Q, cfg.layout, b, head, row0, bm), q_s)
+            T.copy(tile(dO, cfg.layout, b, head, row0, bm), do_s)
+            T.copy(LSE[b, head, row0 : row0 + bm], lse)
+            T.copy(Delta[b, head, row0 : row0 + bm], delta)
+            T.clear(dq)
+            lo, hi = kv_blocks_for_rows(row0, bm, bn, seq_q, seq_kv, window, cfg.causal)
+            for kb in T.Pipelined(lo, hi, num_stages=t.stages):
+                key0 = kb * bn
+                T.copy(tile(K, cfg.layout, b, kv_head, key0, bn), k_s)
+                T.copy(tile(V, cfg.layout, b, kv_head, key0, bn), v_s)
+                T.clear(s)
+                T.gemm(q_s, k_s, s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                T.clear(dp)
+                T.gemm(do_s, v_s, dp, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                for i, j in T.Parallel(bm, bn):
+                    ds[i, j] = T.if_then_else(
+                        visible(row0 + i, key0 + j, seq_q, seq_kv, window, cfg.causal),
+                        T.exp2(s[i, j] * scale_log2 - lse[i] * LOG2E) * (dp[i, j] - delta[i]) * scale,
+                        0.0,
+                    )
+                T.gemm(ds, k_s, dq, policy=T.GemmWarpPolicy.FullRow)
+            T.copy(dq, dq_s)
+            for i, j in T.Parallel(bm, dim):
+                if row0 + i < seq_q:
+                    if cfg.layout == "bhsd":
+                        dQ[b, head, row0 + i, j] = dq_s[i, j]
+                    else:
+                        dQ[b, row0 + i, head, j] = dq_s[i, j]
+
+    return flashsink_bwd_dq
+
+
+def build_postprocess(cfg: KernelConfig):
+    blk = ROW_BLOCK
+    dim, dtype, accum = cfg.head_dim, cfg.dtype, "float32"
+    batch, heads, seq_q, rows_pad = T.dynamic("batch, heads, seq_q, rows_pad")
+    q_shape = qkv_shapes(cfg.layout, batch, heads, heads, seq_q, seq_q, dim, dim)[0]
+
+    @T.prim_func
+    def flashsink_bwd_postprocess(
+        dQAcc: T.Tensor([batch, heads, rows_pad, dim], accum),
+        dQ: T.Tensor(q_shape, dtype),
+    ):
+        with T.Kernel(T.ceildiv(seq_q, blk), heads, batch, threads=128) as (bx, head, b):
+            acc = T.alloc_fragment([blk, dim], accum)
+            out = T.alloc_shared([blk, dim], dtype)
+            row0 = bx * blk
+            T.copy(dQAcc[b, head, row0 : row0 + blk, :], acc)
+            T.copy(acc, out)
+            for i, j in T.Parallel(blk, dim):
+                if row0 + i < seq_q:
+                    if cfg.layout == "bhsd":
+                        dQ[b, head, row0 + i, j] = out[i, j]
+                    else:
+                        dQ[b, row0 + i, head, j] = out[i, j]
+
+    return flashsink_bwd_postprocess

@@ -1,0 +1,114 @@
+"""Static kernel configuration and the per-architecture tile table.
+
+Everything in :class:`KernelConfig` is baked into a compiled kernel and is therefore
+part of the compile-cache key. Batch, sequence lengths, the window size and the
+softmax scale are runtime arguments: a new length never recompiles.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+#: Architectures we build for. sm_90a is Hopper with wgmma/TMA/setmaxnreg; sm_80 covers
+#: Ampere and Ada (sm_86/sm_89 run sm_80 code).
+SUPPORTED_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90a")
+SUPPORTED_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+MAX_HEAD_DIM = 256
+
+# A window larger than any sequence: used when the caller asked for no window, so one
+# kernel serves windowed and full causal attention (the window is a runtime value).
+NO_WINDOW = 1 << 30
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    arch: str  # "sm_80" or "sm_90a"
+    dtype: str  # "float16" or "bfloat16"
+    head_dim: int
+    head_dim_v: int
+    groups: int  # query heads per KV head
+    causal: bool
+    has_sinks: bool
+    layout: str  # "bhsd" or "bshd"
+    deterministic: bool = False
+
+    @property
+    def hopper(self) -> bool:
+        return self.arch == "sm_90a"
+
+    def target(self) -> dict:
+        return {"kind": "cuda", "arch": self.arch}
+
+    def short(self) -> str:
+        w = "causal" if self.causal else "full"
+        s = "sink" if self.has_sinks else "nosink"
+        det = "-det" if self.deterministic else ""
+        return (
+            f"{self.arch}-{self.dtype}-D{self.head_dim}x{self.head_dim_v}-G{self.groups}-{w}-{s}-{self.layout}{det}"
+        )
+
+
+@dataclass(frozen=True)
+class Tiles:
+    block_m: int  # query rows per tile
+    block_n: int  # keys per tile
+    threads: int
+    stages: int
+
+
+def fwd_tiles(cfg: KernelConfig) -> Tiles:
+    """Forward tiles. Hopper numbers follow TileLang's measured 128x128/256-thread
+    configuration (492 TFLOP/s, bf16 D=128 causal, H200, see TILELANG-NOTES);
+    wider key tiles for D<=64 halve the number of softmax rescales."""
+    d = max(cfg.head_dim, cfg.head_dim_v)
+    if cfg.hopper:
+        if d <= 64:
+            return Tiles(128, 128, 256, 2)
+        if d <= 128:
+            return Tiles(128, 128, 256, 2)
+        return Tiles(128, 64, 256, 1)
+    if d <= 128:
+        return Tiles(128, 64, 256, 2)
+    return Tiles(64, 64, 128, 1)
+
+
+def bwd_tiles(cfg: KernelConfig) -> Tiles:
+    """Main backward tiles: ``block_n`` keys stay resident (dK, dV accumulate in
+    registers), ``block_m`` query rows stream through."""
+    d = max(cfg.head_dim, cfg.head_dim_v)
+    if cfg.hopper:
+        if d <= 128:
+            return Tiles(64, 128, 256, 2)
+        return Tiles(32, 64, 256, 1)
+    if d <= 128:
+        return Tiles(32, 64, 128, 1)
+    return Tiles(32, 64, 128, 1)
+
+
+def dq_tiles(cfg: KernelConfig) -> Tiles:
+    """Deterministic dQ pass: query rows stay resident, keys stream through."""
+    d = max(cfg.head_dim, cfg.head_dim_v)
+    if cfg.hopper and d <= 128:
+        return Tiles(64, 64, 128, 2)
+    return Tiles(64, 32, 128, 1)
+
+
+ROW_BLOCK = 64  # rows per block of the elementwise kernels (preprocess, postprocess)
+
+
+def arch_of(device: torch.device) -> str:
+    """Map a CUDA device to the architecture we build for, or raise NotImplementedError."""
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) == (9, 0):
+        return "sm_90a"
+    if major == 8:
+        # Ampere and Ada run the portable path, compiled for their own arch.
+        return f"sm_{major}{minor}"
+    name = torch.cuda.get_device_name(device)
+    raise NotImplementedError(
+        f"flashsink kernels support NVIDIA GPUs of compute capability 8.x (sm_80, sm_86, sm_89) "
+        f"and 9.0 (sm_90a, Hopper); {name} is sm_{major}{minor}. "
+        "Move the tensors to the CPU to use the reference implementation."
+    )

@@ -1,0 +1,64 @@
+"""Online softmax whose normalizer starts from the sink.
+
+All logits are kept in base 2 and pre-scaled: ``x = scale * log2(e) * q.k``, so each
+exponential is one ``exp2``. For a row with sink logit ``sigma`` the running state
+``(m, l)`` starts at ``(sigma * log2(e), 1)``: the sink is the first term of the
+normalizer ``exp(sigma) + sum_j exp(s_j)``, never a fake key with a value vector.
+Starting from the sink also keeps ``m`` finite, so rows whose keys are all masked
+need no special case (they end with ``l = 1`` and ``o = 0``). Without a sink the
+state starts at ``(-inf, 0)`` and ``m`` is replaced by 0 where it is still ``-inf``.
+
+``lse`` (natural log, sink included) is ``(m + log2(l)) * ln(2)``.
+"""
+
+
+import tilelang.language as T
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@T.macro
+def init_state(m, l, sinks, head, block_m: int, has_sinks: bool):
+    for i in T.Parallel(block_m):
+        if has_sinks:
+            m[i] = sinks[head] * LOG2E
+            l[i] = 1.0
+        else:
+            m[i] = -T.infinity("float32")
+            l[i] = 0.0
+
+
+@T.macro
+def update(acc_s, acc_o, m, m_prev, alpha, row_sum, l, block_m: int, block_n: int, dim_v: int):
+    """Fold one tile of masked, pre-scaled logits ``acc_s`` into the state.
+
+    On return ``acc_s`` holds the unnormalized probabilities ``exp2(x - m)`` and
+    ``acc_o`` has been rescaled to the new maximum; the caller adds ``acc_s @ V``.
+    """
+    T.copy(m, m_prev)
+    T.reduce_max(acc_s, m, dim=1, clear=False)
+    for i in T.Parallel(block_m):
+        # A row with no visible key so far (no sink) keeps m = -inf: pivot on 0 instead.
+        m[i] = T.if_then_else(m[i] == -T.infinity("float32"), 0.0, m[i])
+        alpha[i] = T.exp2(m_prev[i] - m[i])
+    for i, j in T.Parallel(block_m, dim_v):
+        acc_o[i, j] *= alpha[i]
+    for i, j in T.Parallel(block_m, block_n):
+        acc_s[i, j] = T.exp2(acc_s[i, j] - m[i])
+    T.reduce_sum(acc_s, row_sum, dim=1)
+    for i in T.Parallel(block_m):
+        l[i] = l[i] * alpha[i] + row_sum[i]
+
+
+@T.macro
+def finalize(acc_o, m, l, lse_out, block_m: int, dim_v: int):
+    """Normalize ``acc_o`` in place and write the natural-log LSE into ``lse_out``.
+
+    ``l == 0`` only for a row with no sink and no visible key: its output is 0 and its
+    LSE is -inf (the reference's convention).
+    """
+    for i, j in T.Parallel(block_m, dim_v):
+        acc_o[i, j] = T.if_then_else(l[i] > 0, acc_o[i, j] / l[i], 0.0)
+    for i in T.Parallel(block_m):
+        lse_out[i] = T.if_then_else(l[i] > 0, (m[i] + T.log2(l[i])) * LN2, -T.infinity("float32"))

@@ -1,0 +1,109 @@
+"""The GPU test matrix, shared by tests/test_kernels_gpu.py and the precompile step of
+tools/gpu_suite.sh (which builds exactly these kernels in parallel before pytest runs)."""
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class Case:
+    batch: int
+    heads: int
+    kv_heads: int
+    seq_q: int
+    head_dim: int
+    window: int | None
+    dtype: torch.dtype
+    seq_kv: int | None = None
+    causal: bool = True
+    sinks: bool = True
+    layout: str = "bhsd"
+    sink_range: tuple = (-2.0, 2.0)
+    name: str = field(default="", compare=False)
+
+    @property
+    def skv(self) -> int:
+        return self.seq_q if self.seq_kv is None else self.seq_kv
+
+
+F16, BF16 = torch.float16, torch.bfloat16
+HEADS = [(8, 8), (12, 4), (16, 1), (64, 8)]
+
+
+def main_matrix() -> list:
+    """B x (H, H_kv) x N x D x W x dtype, thinned so every value of every axis appears with
+    every other axis' common values, but not the full product (that is hours of references)."""
+    cases = []
+    lengths = [1, 17, 128, 1000]
+    windows = [None, 1, 100, 128, "ge"]
+    i = 0
+    for dtype in (F16, BF16):
+        for d in (64, 128):
+            for h, hk in HEADS:
+                for n in lengths:
+                    w = windows[i % len(windows)]
+                    i += 1
+                    w = (n + 7) if w == "ge" else w
+                    b = 2 if (i % 3 == 0) else 1
+                    cases.append(Case(b, h, hk, n, d, w, dtype))
+    return cases
+
+
+def named_cases() -> list:
+    return [
+        Case(1, 64, 8, 4096, 128, 128, F16, name="golden"),
+        Case(1, 64, 8, 4096, 64, 128, BF16, name="gptoss-swa"),
+        Case(1, 64, 8, 4096, 64, None, BF16, name="gptoss-full"),
+        Case(2, 16, 1, 4096, 128, None, F16, name="mqa-4k-causal"),
+        Case(1, 12, 4, 4096, 64, 100, BF16, name="gqa3-4k-w100"),
+    ]
+
+
+def extra_cases() -> list:
+    """Shapes and options off the main grid: seq_q < seq_kv, extreme sinks, no sinks, bshd,
+    non-causal, odd head dims."""
+    return [
+        Case(2, 8, 8, 100, 128, None, BF16, seq_kv=1000, name="chunked-prefill"),
+        Case(1, 12, 4, 1, 64, None, F16, seq_kv=777, name="decode-1"),
+        Case(1, 16, 1, 129, 64, 64, BF16, seq_kv=4096, name="prefill-window"),
+        Case(1, 8, 8, 1000, 128, 100, F16, sink_range=(-30.0, -30.0), name="sink-30"),
+        Case(1, 8, 8, 1000, 128, None, BF16, sink_range=(10.0, 10.0), name="sink+10"),
+        Case(2, 12, 4, 1000, 64, 128, BF16, sinks=False, name="nosink"),
+        Case(2, 12, 4, 1000, 128, None, F16, sinks=False, name="nosink-full"),
+        Case(2, 12, 4, 1000, 64, 100, BF16, layout="bshd", name="bshd"),
+        Case(1, 8, 8, 1000, 64, None, BF16, causal=False, name="noncausal"),
+        Case(1, 8, 2, 333, 32, 50, F16, name="d32"),
+        Case(1, 8, 2, 333, 80, None, BF16, name="d80"),
+        Case(1, 8, 2, 333, 256, 100, BF16, name="d256"),
+    ]
+
+
+def all_cases() -> list:
+    return main_matrix() + named_cases() + extra_cases()
+
+
+def kernel_configs(arch: str, cases=None):
+    """The KernelConfigs the cases need on ``arch`` (deterministic variants included)."""
+    from flashsink.ops.config import SUPPORTED_DTYPES, KernelConfig
+
+    out = []
+    for c in cases or all_cases():
+        base = dict(
+            arch=arch, dtype=SUPPORTED_DTYPES[c.dtype], head_dim=c.head_dim, head_dim_v=c.head_dim,
+            groups=c.heads // c.kv_heads, causal=c.causal, has_sinks=c.sinks, layout=c.layout,
+        )
+        out.append(KernelConfig(**base))
+    for c in determinism_cases():
+        out.append(
+            KernelConfig(
+                arch=arch, dtype=SUPPORTED_DTYPES[c.dtype], head_dim=c.head_dim, head_dim_v=c.head_dim,
+                groups=c.heads // c.kv_heads, causal=c.causal, has_sinks=c.sinks, layout=c.layout,
+                deterministic=True,
+            )
+        )
+    return out
+
+
+def determinism_cases() -> list:
+    return [Case(1, 64, 8, 1000, 128, 128, F16, name="det-golden-ish"), Case(2, 12, 4, 333, 64, None, BF16, name="det-gqa3")]

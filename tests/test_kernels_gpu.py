@@ -1,0 +1,143 @@
+"""The TileLang kernels on a CUDA GPU against the float64 reference, under the precision standard.
+
+Every output and gradient (o, lse, dq, dk, dv, dsink) of `flashsink.attention` is judged by
+`flashsink.testing.compare_all`. Outputs come from buffers the kernels allocate with
+torch.empty, which conftest poisons with NaN, so an element a kernel never writes fails.
+"""
+
+import pytest
+import torch
+
+import flashsink
+from flashsink.testing import case_id, compare_all, make_inputs
+
+from gpu_cases import Case, all_cases, determinism_cases, extra_cases, main_matrix, named_cases
+
+pytestmark = pytest.mark.gpu
+
+
+def _ident(c):
+    base = case_id(
+        batch=c.batch, heads=c.heads, kv_heads=c.kv_heads, seq_q=c.seq_q, seq_kv=c.skv,
+        head_dim=c.head_dim, dtype=c.dtype, window=c.window, causal=c.causal, layout=c.layout,
+        sinks=c.sinks,
+    )
+    return f"{c.name}:{base}" if c.name else base
+
+
+def run_flashsink(c, inp, deterministic=False):
+    q, k, v = (inp[n].clone().requires_grad_(True) for n in ("q", "k", "v"))
+    sinks = None if inp["sinks"] is None else inp["sinks"].clone().requires_grad_(True)
+    o, lse = flashsink.attention(
+        q, k, v, sinks, window=c.window, causal=c.causal, layout=c.layout, return_lse=True,
+        deterministic=deterministic,
+    )
+    o.backward(inp["do"])
+    return {
+        "o": o.detach(), "lse": lse.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad,
+        "dsink": None if sinks is None else sinks.grad,
+    }
+
+
+def check_case(c):
+    inp = make_inputs(
+        c.batch, c.heads, c.kv_heads, c.seq_q, c.skv, c.head_dim, c.dtype, "cuda",
+        layout=c.layout, sinks=c.sinks, sink_range=c.sink_range,
+    )
+    actual = run_flashsink(c, inp)
+    reports = compare_all(
+        actual, inp["q"], inp["k"], inp["v"], inp["sinks"], inp["do"],
+        window=c.window, causal=c.causal, layout=c.layout,
+    )
+    failed = [r for r in reports if not r.passed]
+    assert not failed, "precision standard failed\n" + reports[0].header() + "\n" + "\n".join(r.row() for r in reports)
+
+
+@pytest.mark.l1
+@pytest.mark.parametrize("c", main_matrix(), ids=_ident)
+def test_matrix(c):
+    check_case(c)
+
+
+@pytest.mark.l0
+@pytest.mark.parametrize("c", named_cases(), ids=_ident)
+def test_named(c):
+    check_case(c)
+
+
+@pytest.mark.l2
+@pytest.mark.parametrize("c", extra_cases(), ids=_ident)
+def test_extra(c):
+    check_case(c)
+
+
+@pytest.mark.l1
+@pytest.mark.parametrize("c", determinism_cases(), ids=_ident)
+def test_deterministic_bitwise(c):
+    """deterministic=True: two runs on the same inputs give bitwise-identical gradients,
+    and they pass the precision standard."""
+    inp = make_inputs(c.batch, c.heads, c.kv_heads, c.seq_q, c.skv, c.head_dim, c.dtype, "cuda", layout=c.layout)
+    first = run_flashsink(c, inp, deterministic=True)
+    second = run_flashsink(c, inp, deterministic=True)
+    for name in ("o", "lse", "dq", "dk", "dv", "dsink"):
+        assert torch.equal(first[name], second[name]), f"{name} differs between two deterministic runs"
+    reports = compare_all(first, inp["q"], inp["k"], inp["v"], inp["sinks"], inp["do"], window=c.window, causal=c.causal)
+    assert all(r.passed for r in reports), "\n".join(r.row() for r in reports)
+
+
+@pytest.mark.l1
+def test_default_path_is_stable():
+    """The default (atomic dQ / dsink) path: o, lse, dK, dV are bitwise stable across runs and
+    dQ, dsink move only at rounding level (a larger movement would be a race)."""
+    c = Case(1, 16, 2, 1000, 128, 128, torch.float16)
+    inp = make_inputs(1, 16, 2, 1000, 1000, 128, torch.float16, "cuda")
+    runs = [run_flashsink(c, inp) for _ in range(3)]
+    for name in ("o", "lse", "dk", "dv"):
+        assert all(torch.equal(runs[0][name], r[name]) for r in runs[1:]), f"{name} moved between runs"
+    for name in ("dq", "dsink"):
+        ref = runs[0][name].float()
+        spread = max(float((r[name].float() - ref).abs().max()) for r in runs[1:])
+        assert spread <= 1e-3 * float(ref.abs().max()) + 1e-4, f"{name} moved by {spread} between runs"
+
+
+@pytest.mark.l0
+def test_no_recompile_across_lengths():
+    """One compiled kernel per static configuration serves every length."""
+    from flashsink.ops.compile import cache_size
+
+    def run(n, b):
+        inp = make_inputs(b, 8, 2, n, n, 64, torch.bfloat16, "cuda")
+        q, k, v = (inp[x].requires_grad_(True) for x in ("q", "k", "v"))
+        flashsink.attention(q, k, v, inp["sinks"], window=64).sum().backward()
+
+    run(100, 1)
+    before = cache_size()
+    for i, n in enumerate([1, 7, 64, 65, 127, 129, 200, 333, 500, 511, 513, 777, 1000, 1023, 1025, 1500, 2000, 2049, 3000, 4096]):
+        run(n, 1 + i % 3)
+    assert cache_size() == before
+
+
+@pytest.mark.boundary
+def test_empty_and_noncontiguous():
+    q = torch.randn(1, 4, 0, 64, device="cuda", dtype=torch.float16)
+    k = torch.randn(1, 2, 0, 64, device="cuda", dtype=torch.float16)
+    o = flashsink.attention(q, k, k, torch.zeros(4, device="cuda"))
+    assert o.shape == (1, 4, 0, 64)
+    # transposed views (bshd data viewed as bhsd) are accepted: at most one copy each
+    base = make_inputs(1, 8, 2, 300, 300, 64, torch.bfloat16, "cuda", layout="bshd")
+    q, k, v = (base[n].transpose(1, 2) for n in ("q", "k", "v"))
+    c = Case(1, 8, 2, 300, 64, 50, torch.bfloat16)
+    actual = run_flashsink(c, {"q": q, "k": k, "v": v, "sinks": base["sinks"], "do": base["do"].transpose(1, 2)})
+    reports = compare_all(actual, q, k, v, base["sinks"], base["do"].transpose(1, 2), window=50)
+    assert all(r.passed for r in reports), "\n".join(r.row() for r in reports)
+
+
+@pytest.mark.boundary
+def test_unsupported_raise():
+    q = torch.randn(1, 4, 16, 64, device="cuda", dtype=torch.float32)
+    with pytest.raises(NotImplementedError, match="float16 and bfloat16"):
+        flashsink.attention(q, q, q)
+    q = torch.randn(1, 4, 16, 72, device="cuda", dtype=torch.float16)
+    with pytest.raises(NotImplementedError, match="multiples of 16"):
+        flashsink.attention(q, q, q)
+
