@@ -161,7 +161,9 @@ def cmd_check(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="flashsink", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="flashsink", description="flashsink: fused TileLang attention with learnable attention sinks"
+    )
     sub = parser.add_subparsers(dest="command", metavar="command")
     sub.required = True
     p = sub.add_parser(
