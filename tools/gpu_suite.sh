@@ -13,18 +13,11 @@ export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$out/gpu.txt"
 git rev-parse HEAD 2>/dev/null | tee "$out/commit.txt"
 
-python - <<'PY' 2>&1 | tee "$out/precompile.log"
-import sys
-sys.path.insert(0, "tests")
-from gpu_cases import kernel_configs
-from flashsink.ops.precompile import precompile
-failures = precompile(kernel_configs("sm_90a"))
-sys.exit(1 if failures else 0)
-PY
+python tools/precompile_gpu_cases.py sm_90a 2>&1 | tee "$out/precompile.log"
 pc=$?
 
 kexpr=${1:-}
-timeout ${PYTEST_TIMEOUT:-420} python -m pytest tests/test_kernels_gpu.py -m gpu -q -rfE -p no:cacheprovider \
+FLASHSINK_TEST_LOG="$out/precision.log" timeout ${PYTEST_TIMEOUT:-420} python -m pytest tests/test_kernels_gpu.py -m gpu -q -rfE -p no:cacheprovider \
   ${kexpr:+-k "$kexpr"} --junitxml="$out/junit.xml" 2>&1 | tee "$out/pytest.log"
 pt=$?
 

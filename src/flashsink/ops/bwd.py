@@ -8,15 +8,17 @@ FlashAttention's::
 
 and the sink gets ``dsink[h] = -sum_rows exp(sink[h] - lse) * Delta``.
 
-- ``build_preprocess``: Delta per row and, in the same pass, the rows' sink gradient,
-  added into an fp32 ``[heads]`` accumulator (one atomic per block) or, when
-  deterministic, written as per-block partials summed in a fixed order.
+- ``build_preprocess``: Delta per row (minus any gradient flowing into lse).
 - ``build_bwd``: KV-stationary. One program per (KV block, KV head, batch) keeps its K/V
   tile and its dK/dV accumulators on chip and streams the query tiles of *every* query
   head of its GQA group through them, recomputing P and dS from ``lse``: no GM
   workspace, no dK/dV atomics, no ``[B, H, N, D]`` fp32 buffers for dK/dV. dQ tiles
   are added in fp32 into a row-padded accumulator (atomics), or skipped when
-  deterministic.
+  deterministic. The products with P and dS are two-term (``split.py``) so the
+  gradients meet the precision standard. The sink gradient is summed here too, from
+  ``P * dP`` in fp32 (``rowsum(P * dP) = Delta`` exactly, while the preprocess's Delta
+  carries O's rounding to fp16/bf16, which alone fails 1 head in 8 at fp16): one fp32
+  atomic per (program, head), or per-program partials when deterministic.
 - ``build_dq``: the deterministic dQ pass (query-stationary, no atomics).
 - ``build_postprocess``: casts the fp32 dQ accumulator into dQ in the input layout.
 """
@@ -29,6 +31,7 @@ from .config import ROW_BLOCK, KernelConfig, bwd_tiles, dq_tiles
 from .layout import qkv_shapes, tile
 from .mask import visible
 from .softmax import LOG2E
+from .split import split
 
 PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
 
@@ -36,26 +39,20 @@ PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
 def build_preprocess(cfg: KernelConfig):
     blk = ROW_BLOCK
     dim_v, dtype, accum = cfg.head_dim_v, cfg.dtype, "float32"
-    batch, heads, seq_q, rows_pad, n_part = T.dynamic("batch, heads, seq_q, rows_pad, n_part")
+    batch, heads, seq_q, rows_pad = T.dynamic("batch, heads, seq_q, rows_pad")
     o_shape = qkv_shapes(cfg.layout, batch, heads, heads, seq_q, seq_q, dim_v, dim_v)[3]
 
     @T.prim_func
     def flashsink_bwd_preprocess(
         O: T.Tensor(o_shape, dtype),
         dO: T.Tensor(o_shape, dtype),
-        LSE: T.Tensor([batch, heads, rows_pad], accum),
         dLSE: T.Tensor([batch, heads, rows_pad], accum),
-        Sinks: T.Tensor([heads], accum),
         Delta: T.Tensor([batch, heads, rows_pad], accum),
-        dSinkAcc: T.Tensor([heads], accum),
-        dSinkPart: T.Tensor([batch, heads, n_part], accum),
     ):
         with T.Kernel(T.ceildiv(seq_q, blk), heads, batch, threads=128) as (bx, head, b):
             o = T.alloc_fragment([blk, dim_v], accum)
             do = T.alloc_fragment([blk, dim_v], dtype)
             delta = T.alloc_fragment([blk], accum)
-            contrib = T.alloc_fragment([blk], accum)
-            total = T.alloc_fragment([1], accum)
             row0 = bx * blk
             T.copy(tile(O, cfg.layout, b, head, row0, blk), o)
             T.copy(tile(dO, cfg.layout, b, head, row0, blk), do)
@@ -66,20 +63,6 @@ def build_preprocess(cfg: KernelConfig):
             for i in T.Parallel(blk):
                 delta[i] -= dLSE[b, head, row0 + i]
             T.copy(delta, Delta[b, head, row0 : row0 + blk])
-            if cfg.has_sinks:
-                for i in T.Parallel(blk):
-                    contrib[i] = T.if_then_else(
-                        row0 + i < seq_q,
-                        -T.exp2((Sinks[head] - LSE[b, head, row0 + i]) * LOG2E) * delta[i],
-                        0.0,
-                    )
-                T.reduce_sum(contrib, total, dim=0)
-                tx = T.get_thread_binding(0)
-                if tx == 0:
-                    if cfg.deterministic:
-                        dSinkPart[b, head, bx] = total[0]
-                    else:
-                        T.atomic_add(dSinkAcc[head], total[0])
 
     return flashsink_bwd_preprocess
 
@@ -89,13 +72,13 @@ def build_bwd(cfg: KernelConfig):
     bm, bn = t.block_m, t.block_n  # bm query rows stream past bn resident keys
     dim, dim_v, groups = cfg.head_dim, cfg.head_dim_v, cfg.groups
     dtype, accum = cfg.dtype, "float32"
-    batch, heads, seq_q, seq_kv, rows_pad = T.dynamic("batch, heads, seq_q, seq_kv, rows_pad")
+    batch, heads, seq_q, seq_kv, rows_pad, n_kv = T.dynamic("batch, heads, seq_q, seq_kv, rows_pad, n_kv")
     heads_kv = heads // groups
     q_shape, k_shape, v_shape, o_shape = qkv_shapes(cfg.layout, batch, heads, heads_kv, seq_q, seq_kv, dim, dim_v)
     with_dq = not cfg.deterministic
 
     @T.macro
-    def body(Q, K, V, dO, LSE, Delta, window, scale, dQAcc, dK, dV):
+    def body(Q, K, V, dO, LSE, Delta, Sinks, window, scale, dQAcc, dK, dV, dSinkAcc, dSinkPart):
         with T.Kernel(T.ceildiv(seq_kv, bn), heads_kv, batch, threads=t.threads) as (bx, kv_head, b):
             k_s = T.alloc_shared([bn, dim], dtype)
             v_s = T.alloc_shared([bn, dim_v], dtype)
@@ -103,16 +86,22 @@ def build_bwd(cfg: KernelConfig):
             do_s = T.alloc_shared([bm, dim_v], dtype)
             lse_s = T.alloc_shared([bm], accum)
             delta_s = T.alloc_shared([bm], accum)
-            ds_s = T.alloc_shared([bn, bm], dtype)
-            pT = T.alloc_fragment([bn, bm], accum)  # P^T, this key tile x this query tile
-            pT_cast = T.alloc_fragment([bn, bm], dtype)
-            dpT = T.alloc_fragment([bn, bm], accum)  # dP^T, then dS^T
-            dsT_cast = T.alloc_fragment([bn, bm], dtype)
+            pT = T.alloc_fragment([bn, bm], accum)  # P^T (this key tile x this query tile), then dS^T
+            dpT = T.alloc_fragment([bn, bm], accum)  # dP^T, then P * dP
+            hi = T.alloc_fragment([bn, bm], dtype)  # two-term split of P^T, then of dS^T
+            lo = T.alloc_fragment([bn, bm], dtype)
             dk = T.alloc_fragment([bn, dim], accum)
             dv = T.alloc_fragment([bn, dim_v], accum)
             dk_s = T.alloc_shared([bn, dim], dtype)
             dv_s = T.alloc_shared([bn, dim_v], dtype)
+            if cfg.has_sinks:
+                w_s = T.alloc_shared([bm], accum)  # p_sink of each query row
+                key_sum = T.alloc_fragment([bn], accum)
+                tile_sum = T.alloc_fragment([1], accum)
+                head_sum = T.alloc_fragment([1], accum)
             if with_dq:
+                ds_hi_s = T.alloc_shared([bn, bm], dtype)
+                ds_lo_s = T.alloc_shared([bn, bm], dtype)
                 dq = T.alloc_fragment([bm, dim], accum)
                 dq_s = T.alloc_shared([bm, dim], accum)
 
@@ -122,14 +111,16 @@ def build_bwd(cfg: KernelConfig):
             T.copy(tile(V, cfg.layout, b, kv_head, key0, bn), v_s)
             T.clear(dk)
             T.clear(dv)
-            lo, hi = row_blocks_for_keys(key0, bn, bm, seq_q, seq_kv, window, cfg.causal)
-            n_rows = hi - lo
+            if cfg.has_sinks:
+                T.clear(head_sum)
+            lo_blk, hi_blk = row_blocks_for_keys(key0, bn, bm, seq_q, seq_kv, window, cfg.causal)
+            n_rows = hi_blk - lo_blk
 
             # One flat loop over (query head of the group, query tile): dK/dV of this KV
             # head accumulate across the whole group without leaving the chip.
             for it in T.Pipelined(groups * n_rows, num_stages=t.stages):
                 head = kv_head * groups + it // n_rows
-                row0 = (lo + it % n_rows) * bm
+                row0 = (lo_blk + it % n_rows) * bm
                 T.copy(tile(Q, cfg.layout, b, head, row0, bm), q_s)
                 T.copy(LSE[b, head, row0 : row0 + bm], lse_s)
                 T.clear(pT)
@@ -143,18 +134,46 @@ def build_bwd(cfg: KernelConfig):
                 T.copy(tile(dO, cfg.layout, b, head, row0, bm), do_s)
                 T.clear(dpT)
                 T.gemm(v_s, do_s, dpT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-                T.copy(pT, pT_cast)
-                T.gemm(pT_cast, do_s, dv, policy=T.GemmWarpPolicy.FullRow)
+                # dV += P^T dO, as hi + lo
+                split(pT, hi, lo, bn, bm)
+                T.gemm(hi, do_s, dv, policy=T.GemmWarpPolicy.FullRow)
+                T.gemm(lo, do_s, dv, policy=T.GemmWarpPolicy.FullRow)
                 T.copy(Delta[b, head, row0 : row0 + bm], delta_s)
                 for i, j in T.Parallel(bn, bm):
-                    dsT_cast[i, j] = pT[i, j] * (dpT[i, j] - delta_s[j]) * scale
-                T.gemm(dsT_cast, q_s, dk, policy=T.GemmWarpPolicy.FullRow)
+                    dpT[i, j] = pT[i, j] * dpT[i, j]  # P * dP
+                    pT[i, j] = (dpT[i, j] - pT[i, j] * delta_s[j]) * scale  # dS^T
+                if cfg.has_sinks:
+                    # dsink = -sum_r p_sink[r] * Delta[r], with Delta[r] = sum_j P[r, j] dP[r, j]
+                    # summed here in fp32 from P and dP (not from the rounded O).
+                    for j in T.Parallel(bm):
+                        w_s[j] = T.if_then_else(row0 + j < seq_q, T.exp2((Sinks[head] - lse_s[j]) * LOG2E), 0.0)
+                    for i, j in T.Parallel(bn, bm):
+                        dpT[i, j] *= w_s[j]
+                    T.reduce_sum(dpT, key_sum, dim=1)
+                    T.reduce_sum(key_sum, tile_sum, dim=0)
+                    head_sum[0] += tile_sum[0]
+                # dK += dS^T Q, as hi + lo
+                split(pT, hi, lo, bn, bm)
+                T.gemm(hi, q_s, dk, policy=T.GemmWarpPolicy.FullRow)
+                T.gemm(lo, q_s, dk, policy=T.GemmWarpPolicy.FullRow)
                 if with_dq:
-                    T.copy(dsT_cast, ds_s)
+                    # dQ = dS K for this tile, added into the fp32 accumulator
+                    T.copy(hi, ds_hi_s)
+                    T.copy(lo, ds_lo_s)
                     T.clear(dq)
-                    T.gemm(ds_s, k_s, dq, transpose_A=True, policy=T.GemmWarpPolicy.FullRow)
+                    T.gemm(ds_hi_s, k_s, dq, transpose_A=True, policy=T.GemmWarpPolicy.FullRow)
+                    T.gemm(ds_lo_s, k_s, dq, transpose_A=True, policy=T.GemmWarpPolicy.FullRow)
                     T.copy(dq, dq_s)
                     T.atomic_add(dQAcc[b, head, row0 : row0 + bm, :], dq_s)
+                if cfg.has_sinks:
+                    if it % n_rows == n_rows - 1:  # last tile of this head
+                        tx = T.get_thread_binding(0)
+                        if tx == 0:
+                            if cfg.deterministic:
+                                dSinkPart[b, head, bx] = -head_sum[0]
+                            else:
+                                T.atomic_add(dSinkAcc[head], -head_sum[0])
+                        T.clear(head_sum)
 
             T.copy(dk, dk_s)
             T.copy(dv, dv_s)
@@ -171,7 +190,6 @@ def build_bwd(cfg: KernelConfig):
                     else:
                         dV[b, key0 + i, kv_head, j] = dv_s[i, j]
 
-
     if with_dq:
 
         @T.prim_func
@@ -182,13 +200,15 @@ def build_bwd(cfg: KernelConfig):
             dO: T.Tensor(o_shape, dtype),
             LSE: T.Tensor([batch, heads, rows_pad], accum),
             Delta: T.Tensor([batch, heads, rows_pad], accum),
+            Sinks: T.Tensor([heads], accum),
             window: T.int32,
             scale: T.float32,
             dQAcc: T.Tensor([batch, heads, rows_pad, dim], accum),
             dK: T.Tensor(k_shape, dtype),
             dV: T.Tensor(v_shape, dtype),
+            dSinkAcc: T.Tensor([heads], accum),
         ):
-            body(Q, K, V, dO, LSE, Delta, window, scale, dQAcc, dK, dV)
+            body(Q, K, V, dO, LSE, Delta, Sinks, window, scale, dQAcc, dK, dV, dSinkAcc, None)
 
     else:
 
@@ -200,12 +220,14 @@ def build_bwd(cfg: KernelConfig):
             dO: T.Tensor(o_shape, dtype),
             LSE: T.Tensor([batch, heads, rows_pad], accum),
             Delta: T.Tensor([batch, heads, rows_pad], accum),
+            Sinks: T.Tensor([heads], accum),
             window: T.int32,
             scale: T.float32,
             dK: T.Tensor(k_shape, dtype),
             dV: T.Tensor(v_shape, dtype),
+            dSinkPart: T.Tensor([batch, heads, n_kv], accum),
         ):
-            body(Q, K, V, dO, LSE, Delta, window, scale, None, dK, dV)
+            body(Q, K, V, dO, LSE, Delta, Sinks, window, scale, None, dK, dV, None, dSinkPart)
 
     return flashsink_bwd
 
@@ -241,7 +263,9 @@ def build_dq(cfg: KernelConfig):
             delta = T.alloc_fragment([bm], accum)
             s = T.alloc_fragment([bm, bn], accum)
             dp = T.alloc_fragment([bm, bn], accum)
-            ds = T.alloc_fragment([bm, bn], dtype)
+            ds = T.alloc_fragment([bm, bn], accum)
+            ds_hi = T.alloc_fragment([bm, bn], dtype)
+            ds_lo = T.alloc_fragment([bm, bn], dtype)
             dq = T.alloc_fragment([bm, dim], accum)
             dq_s = T.alloc_shared([bm, dim], dtype)
 
@@ -268,7 +292,9 @@ def build_dq(cfg: KernelConfig):
                         T.exp2(s[i, j] * scale_log2 - lse[i] * LOG2E) * (dp[i, j] - delta[i]) * scale,
                         0.0,
                     )
-                T.gemm(ds, k_s, dq, policy=T.GemmWarpPolicy.FullRow)
+                split(ds, ds_hi, ds_lo, bm, bn)
+                T.gemm(ds_hi, k_s, dq, policy=T.GemmWarpPolicy.FullRow)
+                T.gemm(ds_lo, k_s, dq, policy=T.GemmWarpPolicy.FullRow)
             T.copy(dq, dq_s)
             for i, j in T.Parallel(bm, dim):
                 if row0 + i < seq_q:

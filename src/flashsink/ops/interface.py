@@ -55,31 +55,39 @@ def _forward(q, k, v, sinks32, cfg, spec, window):
 
 
 def _backward(do, q, k, v, o, lse, dlse, sinks32, cfg, spec, window):
-    B, H, Hk, Sq = spec.batch, spec.heads, spec.kv_heads, spec.seq_q
+    from .config import bwd_tiles
+
+    B, H, Sq = spec.batch, spec.heads, spec.seq_q
     dev = q.device
     rows = lse.shape[-1]
     delta = torch.empty((B, H, rows), dtype=torch.float32, device=dev)
-    if dlse is None:
-        dlse = torch.zeros((B, H, rows), dtype=torch.float32, device=dev)
-    n_part = (Sq + 63) // 64
-    dsink_acc = torch.zeros((H,), dtype=torch.float32, device=dev)
-    dsink_part = torch.empty((B, H, n_part if cfg.deterministic else 1), dtype=torch.float32, device=dev)
-    get_kernel("preprocess", cfg)(o, do, lse, dlse, sinks32, delta, dsink_acc, dsink_part)
+    dlse_padded = torch.zeros((B, H, rows), dtype=torch.float32, device=dev)
+    if dlse is not None:
+        dlse_padded[:, :, :Sq] = dlse
+    get_kernel("preprocess", cfg)(o, do, dlse_padded, delta)
 
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
-    scale = float(spec.scale)
     dq = torch.empty_like(q)
+    scale = float(spec.scale)
     if cfg.deterministic:
-        # dK/dV here, dQ in a second, atomic-free pass: bitwise reproducible.
-        get_kernel("bwd", cfg)(q, k, v, do, lse, delta, window, scale, dk, dv)
+        # dK/dV (and per-program sink partials) here, dQ in a second, atomic-free pass:
+        # bitwise reproducible.
+        n_kv = -(-spec.seq_kv // bwd_tiles(cfg).block_n)
+        dsink_part = torch.zeros((B, H, max(n_kv, 1)), dtype=torch.float32, device=dev)
+        get_kernel("bwd", cfg)(q, k, v, do, lse, delta, sinks32, window, scale, dk, dv, dsink_part)
         get_kernel("dq", cfg)(q, k, v, do, lse, delta, window, scale, dq)
-        dsink = dsink_part.sum(dim=(0, 2)) if cfg.has_sinks else None
+        dsink = dsink_part.sum(dim=(0, 2))
     else:
         dq_acc = torch.zeros((B, H, rows, spec.head_dim), dtype=torch.float32, device=dev)
-        get_kernel("bwd", cfg)(q, k, v, do, lse, delta, window, scale, dq_acc, dk, dv)
+        dsink = torch.zeros((H,), dtype=torch.float32, device=dev)
+        get_kernel("bwd", cfg)(q, k, v, do, lse, delta, sinks32, window, scale, dq_acc, dk, dv, dsink)
         get_kernel("postprocess", cfg)(dq_acc, dq)
-        dsink = dsink_acc if cfg.has_sinks else None
+    if not cfg.has_sinks:
+        return dq, dk, dv, None
+    if dlse is not None:
+        # d lse / d sink = exp(sink - lse): the part of dsink that flows through lse.
+        dsink = dsink + (torch.exp(sinks32[None, :, None] - lse[:, :, :Sq]) * dlse).sum(dim=(0, 2))
     return dq, dk, dv, dsink
 
 
@@ -98,10 +106,6 @@ class _SinkAttention(torch.autograd.Function):
         q, k, v, o, lse, sinks32 = ctx.saved_tensors
         spec = ctx.spec
         do = do.contiguous()
-        if dlse is not None:
-            padded = torch.zeros_like(lse)
-            padded[:, :, : spec.seq_q] = dlse
-            dlse = padded
         dq, dk, dv, dsink = _backward(do, q, k, v, o, lse, dlse, sinks32, ctx.cfg, spec, ctx.window)
         if dsink is not None:
             dsink = dsink.to(ctx.sinks_dtype)

@@ -1,0 +1,45 @@
+"""Every kernel compiles for Hopper (sm_90a) and Ampere (sm_80) without a GPU.
+
+TileLang lowers and nvcc builds with an explicit target, so CI (CPU only) proves each kernel
+and each architecture-specific code path builds. One variant per kernel and arch here; the
+full matrix is `tools/precompile_gpu_cases.py` (and, later, `flashsink precompile`).
+"""
+
+import shutil
+
+import pytest
+
+from flashsink.ops.compile import KINDS, compile_kernel
+from flashsink.ops.config import KernelConfig
+
+pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+
+
+def _cfg(arch, kind, **over):
+    base = dict(
+        arch=arch, dtype="bfloat16", head_dim=64, head_dim_v=64, groups=8, causal=True, has_sinks=True,
+        layout="bhsd", deterministic=(kind == "dq"),
+    )
+    base.update(over)
+    return KernelConfig(**base)
+
+
+@pytest.mark.l1
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_kernel_compiles(arch, kind):
+    # fp16 + D=128 + bshd for the forward so the other dtype, head dim and layout build too.
+    over = dict(dtype="float16", head_dim=128, head_dim_v=128, layout="bshd") if kind == "fwd" else {}
+    kernel = compile_kernel(kind, _cfg(arch, kind, **over))
+    src = kernel.get_kernel_source()
+    assert "__global__" in src
+    if kind in ("fwd", "bwd", "dq"):
+        # The matrix products use Hopper's warpgroup MMA on sm_90a, and must not on sm_80.
+        assert ("wgmma" in src) == (arch == "sm_90a"), f"{kind} on {arch}: wgmma presence is wrong"
+
+
+@pytest.mark.l2
+def test_deterministic_main_kernel_compiles():
+    """The deterministic main backward (no dQ atomics, per-program sink partials)."""
+    src = compile_kernel("bwd", _cfg("sm_90a", "bwd", deterministic=True, has_sinks=True)).get_kernel_source()
+    assert "AtomicAdd" not in src
