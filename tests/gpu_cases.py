@@ -86,18 +86,19 @@ def all_cases() -> list:
 def kernel_configs(arch: str, cases=None):
     """The KernelConfigs the cases need on ``arch`` (deterministic variants included)."""
     from flashsink.ops.config import SUPPORTED_DTYPES, KernelConfig
+    from flashsink.ops.interface import _kernel_dim
 
     out = []
     for c in cases or all_cases():
         base = dict(
-            arch=arch, dtype=SUPPORTED_DTYPES[c.dtype], head_dim=c.head_dim, head_dim_v=c.head_dim,
+            arch=arch, dtype=SUPPORTED_DTYPES[c.dtype], head_dim=_kernel_dim(c.head_dim), head_dim_v=_kernel_dim(c.head_dim),
             groups=c.heads // c.kv_heads, causal=c.causal, has_sinks=c.sinks, layout=c.layout,
         )
         out.append(KernelConfig(**base))
     for c in determinism_cases():
         out.append(
             KernelConfig(
-                arch=arch, dtype=SUPPORTED_DTYPES[c.dtype], head_dim=c.head_dim, head_dim_v=c.head_dim,
+                arch=arch, dtype=SUPPORTED_DTYPES[c.dtype], head_dim=_kernel_dim(c.head_dim), head_dim_v=_kernel_dim(c.head_dim),
                 groups=c.heads // c.kv_heads, causal=c.causal, has_sinks=c.sinks, layout=c.layout,
                 deterministic=True,
             )

@@ -16,6 +16,8 @@ import torch
 SUPPORTED_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90a")
 SUPPORTED_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 MAX_HEAD_DIM = 256
+#: Head dims with tiles of their own; other multiples of 16 run zero-padded to the next one.
+NATIVE_HEAD_DIMS = (32, 64, 128, 256)
 
 # A window larger than any sequence: used when the caller asked for no window, so one
 # kernel serves windowed and full causal attention (the window is a runtime value).
@@ -81,10 +83,20 @@ def bwd_tiles(cfg: KernelConfig) -> Tiles:
     if cfg.hopper:
         if d <= 128:
             return Tiles(64, 128, 256, 2)
-        return Tiles(32, 64, 256, 1)
+        # D=256: 128 resident keys over two warpgroups (a 64-key tile gives the P^T
+        # fragment and the MMA operand layouts TileLang cannot reconcile).
+        return Tiles(32, 128, 256, 1)
     if d <= 128:
         return Tiles(32, 64, 128, 1)
     return Tiles(32, 64, 128, 1)
+
+
+def pre_tiles(cfg: KernelConfig) -> Tiles:
+    """Backward preprocess (Delta from P and dP, query-stationary)."""
+    d = max(cfg.head_dim, cfg.head_dim_v)
+    if cfg.hopper and d <= 128:
+        return Tiles(128, 64, 256, 2)
+    return Tiles(64, 64, 128, 1)
 
 
 def dq_tiles(cfg: KernelConfig) -> Tiles:

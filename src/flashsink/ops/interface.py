@@ -4,10 +4,12 @@ The autograd function is thin: it saves tensors and calls ``_forward`` / ``_back
 Validation happened once, in the public function (``flashsink.api``).
 """
 
+from dataclasses import replace
+
 import torch
 
 from .compile import get_kernel
-from .config import MAX_HEAD_DIM, NO_WINDOW, SUPPORTED_DTYPES, KernelConfig, arch_of
+from .config import MAX_HEAD_DIM, NATIVE_HEAD_DIMS, NO_WINDOW, SUPPORTED_DTYPES, KernelConfig, arch_of, pre_tiles
 
 # Row statistics (lse, Delta) and the fp32 dQ accumulator are allocated with this many
 # rows per multiple: every kernel's row tile is then in bounds, and the row stride of
@@ -17,6 +19,16 @@ ROW_PAD = 128
 
 def _padded_rows(seq_q: int) -> int:
     return max(ROW_PAD, (seq_q + ROW_PAD - 1) // ROW_PAD * ROW_PAD)
+
+
+def _kernel_dim(d: int) -> int:
+    """Head dim the kernels run with: tiles are built for these sizes; other multiples of 16
+    are zero-padded up to the next one (exact: zero columns add nothing to q.k, and the
+    padded columns of o, dq, dk, dv are dropped)."""
+    for native in NATIVE_HEAD_DIMS:
+        if d <= native:
+            return native
+    raise AssertionError(d)  # unreachable after kernel_config's check
 
 
 def kernel_config(spec, device, deterministic: bool) -> KernelConfig:
@@ -35,8 +47,8 @@ def kernel_config(spec, device, deterministic: bool) -> KernelConfig:
     return KernelConfig(
         arch=arch_of(device),
         dtype=SUPPORTED_DTYPES[spec.dtype],
-        head_dim=spec.head_dim,
-        head_dim_v=spec.head_dim_v,
+        head_dim=_kernel_dim(spec.head_dim),
+        head_dim_v=_kernel_dim(spec.head_dim_v),
         groups=spec.heads // spec.kv_heads,
         causal=spec.causal,
         has_sinks=spec.has_sinks,
@@ -54,41 +66,34 @@ def _forward(q, k, v, sinks32, cfg, spec, window):
     return o, lse
 
 
-def _backward(do, q, k, v, o, lse, dlse, sinks32, cfg, spec, window):
-    from .config import bwd_tiles
-
+def _backward(do, q, k, v, lse, dlse, sinks32, cfg, spec, window):
     B, H, Sq = spec.batch, spec.heads, spec.seq_q
     dev = q.device
     rows = lse.shape[-1]
+    scale = float(spec.scale)
     delta = torch.empty((B, H, rows), dtype=torch.float32, device=dev)
     dlse_padded = torch.zeros((B, H, rows), dtype=torch.float32, device=dev)
     if dlse is not None:
         dlse_padded[:, :, :Sq] = dlse
-    get_kernel("preprocess", cfg)(o, do, dlse_padded, delta)
+    dsink = torch.zeros((H,), dtype=torch.float32, device=dev)
+    n_part = -(-Sq // pre_tiles(cfg).block_m) if cfg.deterministic else 1
+    dsink_part = torch.zeros((B, H, n_part), dtype=torch.float32, device=dev)
+    get_kernel("preprocess", cfg)(q, k, v, do, lse, dlse_padded, sinks32, window, scale, delta, dsink, dsink_part)
 
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     dq = torch.empty_like(q)
-    scale = float(spec.scale)
     if cfg.deterministic:
-        # dK/dV (and per-program sink partials) here, dQ in a second, atomic-free pass:
-        # bitwise reproducible.
-        n_kv = -(-spec.seq_kv // bwd_tiles(cfg).block_n)
-        dsink_part = torch.zeros((B, H, max(n_kv, 1)), dtype=torch.float32, device=dev)
-        get_kernel("bwd", cfg)(q, k, v, do, lse, delta, sinks32, window, scale, dk, dv, dsink_part)
+        # dK/dV here, dQ in a second, atomic-free pass; dsink from per-program partials
+        # summed in a fixed order: bitwise reproducible.
+        get_kernel("bwd", cfg)(q, k, v, do, lse, delta, window, scale, dk, dv)
         get_kernel("dq", cfg)(q, k, v, do, lse, delta, window, scale, dq)
         dsink = dsink_part.sum(dim=(0, 2))
     else:
         dq_acc = torch.zeros((B, H, rows, spec.head_dim), dtype=torch.float32, device=dev)
-        dsink = torch.zeros((H,), dtype=torch.float32, device=dev)
-        get_kernel("bwd", cfg)(q, k, v, do, lse, delta, sinks32, window, scale, dq_acc, dk, dv, dsink)
+        get_kernel("bwd", cfg)(q, k, v, do, lse, delta, window, scale, dq_acc, dk, dv)
         get_kernel("postprocess", cfg)(dq_acc, dq)
-    if not cfg.has_sinks:
-        return dq, dk, dv, None
-    if dlse is not None:
-        # d lse / d sink = exp(sink - lse): the part of dsink that flows through lse.
-        dsink = dsink + (torch.exp(sinks32[None, :, None] - lse[:, :, :Sq]) * dlse).sum(dim=(0, 2))
-    return dq, dk, dv, dsink
+    return dq, dk, dv, (dsink if cfg.has_sinks else None)
 
 
 class _SinkAttention(torch.autograd.Function):
@@ -96,17 +101,18 @@ class _SinkAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, sinks, cfg, spec, window):
         sinks32 = _sinks_f32(sinks, spec.heads, q.device)
         o, lse = _forward(q, k, v, sinks32, cfg, spec, window)
-        ctx.save_for_backward(q, k, v, o, lse, sinks32)
+        # O itself is not needed: the backward recomputes Delta from P and dP.
+        ctx.save_for_backward(q, k, v, lse, sinks32)
         ctx.cfg, ctx.spec, ctx.window = cfg, spec, window
         ctx.sinks_dtype = None if sinks is None else sinks.dtype
         return o, lse[:, :, : spec.seq_q]
 
     @staticmethod
     def backward(ctx, do, dlse):
-        q, k, v, o, lse, sinks32 = ctx.saved_tensors
+        q, k, v, lse, sinks32 = ctx.saved_tensors
         spec = ctx.spec
         do = do.contiguous()
-        dq, dk, dv, dsink = _backward(do, q, k, v, o, lse, dlse, sinks32, ctx.cfg, spec, ctx.window)
+        dq, dk, dv, dsink = _backward(do, q, k, v, lse, dlse, sinks32, ctx.cfg, spec, ctx.window)
         if dsink is not None:
             dsink = dsink.to(ctx.sinks_dtype)
         return dq, dk, dv, dsink, None, None, None
@@ -124,9 +130,21 @@ def kernel_attention(spec, q, k, v, sinks, *, return_lse=False, deterministic=Fa
     window = NO_WINDOW if spec.window is None else min(int(spec.window), NO_WINDOW)
     if spec.batch == 0 or spec.heads == 0 or spec.seq_q == 0:
         return _empty_result(spec, q, k, v, sinks, return_lse)
-    q, k, v = (x if x.is_contiguous() else x.contiguous() for x in (q, k, v))
-    o, lse = _SinkAttention.apply(q, k, v, sinks, cfg, spec, window)
+    q, k = (_pad_dim(x, cfg.head_dim) for x in (q, k))
+    v = _pad_dim(v, cfg.head_dim_v)
+    padded = replace(spec, head_dim=cfg.head_dim, head_dim_v=cfg.head_dim_v)
+    o, lse = _SinkAttention.apply(q, k, v, sinks, cfg, padded, window)
+    if cfg.head_dim_v != spec.head_dim_v:
+        o = o[..., : spec.head_dim_v]
     return (o, lse) if return_lse else o
+
+
+def _pad_dim(x, d):
+    """Contiguous, with the last dim zero-padded to ``d`` (one copy at most; autograd slices
+    the gradient back)."""
+    if x.shape[-1] != d:
+        return torch.nn.functional.pad(x, (0, d - x.shape[-1]))
+    return x if x.is_contiguous() else x.contiguous()
 
 
 def _empty_result(spec, q, k, v, sinks, return_lse):
