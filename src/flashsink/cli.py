@@ -3,6 +3,8 @@
 Commands:
     check   run the golden problem forward and backward through ``flashsink.attention`` and judge
             all six outputs against the float64 reference under the precision standard.
+    bench   gate flashsink and its peers against the float64 reference, then time them
+            (implementation in ``flashsink.bench``).
 """
 
 from __future__ import annotations
@@ -175,6 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_problem_args(p)
     p.set_defaults(func=cmd_check)
+    from .bench import add_parser as add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 

@@ -1,0 +1,1051 @@
+"""``flashsink bench``: flashsink against its peers, with a correctness gate before any timing.
+
+For every problem (a preset, or ``--shape``) and every system:
+
+1. **Gate.** The system runs forward and backward once on fresh inputs; its output (and, when a
+   backward mode is asked for, dq / dk / dv / dsink) is judged against the float64 reference with
+   :func:`flashsink.testing.check_precision` (gate 1 and gate 2, the precision standard). A
+   system that fails, or raises, is reported ``FAIL`` and is not timed. SDPA has no sink: it is
+   judged against the reference computed with ``sinks=None``.
+2. **Timing** (METHOD.md): warm-up, then the median of many runs, through
+   ``triton.testing.do_bench`` (CUDA events; it writes a 256 MB buffer between runs, so the L2
+   never holds a previous iteration's data) or, without triton, CUDA events around each run with
+   the same L2 flush. On ``--device cpu``: ``time.perf_counter``, median.
+3. **Numbers.** TFLOP/s over the visible (q, k) pairs (exact count, bottom-right aligned), achieved
+   GB/s over the fewest bytes the mode must move, the floor ``max(FLOPs / matmul ceiling,
+   bytes / copy ceiling)`` with both ceilings measured at the start of the same run, % of floor,
+   peak memory over the inputs, and the speedup over the best peer that has sinks (flex, fla).
+
+The pieces are plain functions so the tests can check them on the CPU (pair count, FLOP and byte
+formulas, the gate) and inject systems (:data:`SYSTEMS`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import importlib.metadata
+import inspect
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from . import testing
+from .testing import check_precision, dtype_name
+
+# ----------------------------------------------------------------------------------------------
+# Problems
+
+
+@dataclass(frozen=True)
+class Problem:
+    preset: str
+    batch: int
+    heads: int
+    kv_heads: int
+    seq_q: int
+    seq_kv: int
+    head_dim: int
+    window: int | None
+    dtype: str  # fp16 / bf16 / fp32
+    causal: bool = True
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return testing._resolve_dtype(self.dtype)
+
+    @property
+    def scale(self) -> float:
+        return self.head_dim ** -0.5
+
+    def label(self) -> str:
+        n = f"N={self.seq_q}" if self.seq_q == self.seq_kv else f"Nq={self.seq_q},Nk={self.seq_kv}"
+        w = "" if self.window is None else f" W={self.window}"
+        c = "" if self.causal else " noncausal"
+        return (f"{self.preset} B={self.batch} H={self.heads} Hkv={self.kv_heads} {n} "
+                f"D={self.head_dim}{w}{c} {self.dtype}")
+
+
+# name -> (dtype, B, H, H_kv, D, W, sequence lengths)
+PRESETS: dict[str, tuple] = {
+    # The seed's golden problem.
+    "golden": ("fp16", 1, 64, 8, 128, 128, (4096,)),
+    # gpt-oss sliding-window layers (64 query heads, 8 KV heads, head dim 64, window 128).
+    "gptoss-swa": ("bf16", 1, 64, 8, 64, 128, (4096,)),
+    # gpt-oss full (causal) layers, swept over the context length.
+    "gptoss-full": ("bf16", 1, 64, 8, 64, None, (2048, 4096, 8192, 16384)),
+    # A Llama-style causal layer with head dim 128 (GQA 4), swept over the context length.
+    "causal-d128": ("bf16", 1, 32, 8, 128, None, (1024, 2048, 4096, 8192, 16384)),
+}
+MODES = ("fwd", "bwd", "fwd+bwd")
+
+
+def preset_problems(name: str) -> list[Problem]:
+    dt, b, h, hk, d, w, seqs = PRESETS[name]
+    return [Problem(name, b, h, hk, n, n, d, w, dt) for n in seqs]
+
+
+def parse_shape(text: str, dtype: str, *, causal: bool = True) -> Problem:
+    """``B,H,HKV,N,D[,W]`` (N may be ``NQ:NK``) -> a custom problem."""
+    parts = [p.strip() for p in text.split(",")]
+    if len(parts) not in (5, 6):
+        raise ValueError(f"--shape wants B,H,HKV,N,D[,W], got {text!r}")
+    try:
+        b, h, hk = (int(x) for x in parts[:3])
+        if ":" in parts[3]:
+            sq, skv = (int(x) for x in parts[3].split(":"))
+        else:
+            sq = skv = int(parts[3])
+        d = int(parts[4])
+        w = None if len(parts) == 5 or parts[5].lower() == "none" else int(parts[5])
+    except ValueError:
+        raise ValueError(f"--shape wants integers B,H,HKV,N,D[,W], got {text!r}") from None
+    return Problem("custom", b, h, hk, sq, skv, d, w, dtype, causal)
+
+
+# ----------------------------------------------------------------------------------------------
+# Work: pairs, FLOPs, bytes
+
+
+def visible_pairs(seq_q: int, seq_kv: int, window: int | None = None, causal: bool = True) -> int:
+    """Exact number of visible (query, key) pairs of one head, bottom-right aligned: query row r
+    has absolute position ``i = r + seq_kv - seq_q`` and sees keys ``[max(0, i-W+1), min(i, seq_kv-1)]``
+    (causal) or all keys (not causal, no window)."""
+    total = 0
+    off = seq_kv - seq_q
+    for r in range(seq_q):
+        i = r + off
+        hi = min(i, seq_kv - 1) if causal else seq_kv - 1
+        lo = max(0, i - window + 1) if window is not None else 0
+        total += max(0, hi - lo + 1)
+    return total
+
+
+# FLOPs per visible pair per head-dim element: fwd QK^T + PV = 2 matmuls (4); bwd recomputes
+# QK^T and does dP = dO V^T, dV = P^T dO, dQ = dS K, dK = dS^T Q = 5 matmuls (10).
+FLOP_FACTOR = {"fwd": 4, "bwd": 10, "fwd+bwd": 14}
+
+
+def flops(prob: Problem, mode: str) -> int:
+    pairs = prob.batch * prob.heads * visible_pairs(prob.seq_q, prob.seq_kv, prob.window, prob.causal)
+    return FLOP_FACTOR[mode] * pairs * prob.head_dim
+
+
+def min_bytes(prob: Problem, mode: str) -> int:
+    """Fewest bytes the mode must move through device memory: every input read once, every
+    output written once. fwd: read q, k, v; write o. bwd: read q, k, v, do; write dq, dk, dv
+    (the small lse / Delta rows and the sinks are left out). fwd+bwd: both, o written once."""
+    es = prob.torch_dtype.itemsize
+    q = prob.batch * prob.heads * prob.seq_q * prob.head_dim * es
+    kv = prob.batch * prob.kv_heads * prob.seq_kv * prob.head_dim * es
+    fwd = q + 2 * kv + q  # q, k, v in; o out
+    bwd = q + 2 * kv + q + q + 2 * kv  # q, k, v, do in; dq, dk, dv out
+    return {"fwd": fwd, "bwd": bwd, "fwd+bwd": bwd + q}[mode]
+
+
+# ----------------------------------------------------------------------------------------------
+# Systems
+
+
+class Unavailable(Exception):
+    """The system cannot run here (or not this problem); the message says why."""
+
+
+class System:
+    name = "?"
+    has_sink = True
+    peer = False  # a peer with sinks: counts for "speedup over the best peer"
+    note = ""
+
+    def check_available(self, device: str) -> None:
+        """Raise :class:`Unavailable` if the system cannot run on this machine."""
+
+    def check_problem(self, prob: Problem, device: str, opts: dict) -> None:
+        """Raise :class:`Unavailable` if the system cannot run this problem."""
+
+    def problem_note(self, prob: Problem) -> str:
+        return self.note
+
+    def prepare(self, inp: dict, prob: Problem) -> dict:
+        """Native-layout copies of the inputs (not timed)."""
+        return dict(inp)
+
+    def forward(self, t: dict, prob: Problem):
+        """o in the native layout, differentiable in t's leaves."""
+        raise NotImplementedError
+
+    def leaves(self, t: dict) -> list[str]:
+        return ["q", "k", "v", "sinks"] if self.has_sink else ["q", "k", "v"]
+
+    def to_bhsd(self, name: str, x: torch.Tensor, prob: Problem) -> torch.Tensor:
+        """A result (o, dq, dk, dv, dsink) back in [B, H, S, D] for the gate."""
+        return x
+
+
+class FlashSink(System):
+    name = "flashsink"
+
+    def forward(self, t, prob):
+        import flashsink
+
+        return flashsink.attention(t["q"], t["k"], t["v"], t["sinks"], window=prob.window,
+                                   causal=prob.causal, scale=prob.scale)
+
+
+class Eager(System):
+    name = "eager"
+    note = "fp32 reference"
+
+    def check_problem(self, prob, device, opts):
+        # The reference materialises [B, H, Sq, Skv] float32 scores; forward+backward keeps about
+        # eight such tensors alive (scores, mask result, exp, P, and their gradients).
+        need = 8 * 4 * prob.batch * prob.heads * prob.seq_q * prob.seq_kv
+        budget = opts.get("eager_max_gib", 48.0) * 2**30
+        if need > budget:
+            raise Unavailable(f"skipped: needs ~{need / 2**30:.0f} GiB of fp32 scores "
+                              f"(> --eager-max-gib {budget / 2**30:g})")
+
+    def forward(self, t, prob):
+        from . import reference
+
+        return reference.attention(t["q"], t["k"], t["v"], t["sinks"], window=prob.window,
+                                   causal=prob.causal, scale=prob.scale)
+
+
+class Sdpa(System):
+    name = "sdpa"
+    has_sink = False
+    note = "no sink"
+
+    def check_available(self, device):
+        if device != "cuda":
+            raise Unavailable("CUDA only in the bench")
+
+    def _dense(self, prob) -> bool:
+        return prob.window is not None or (prob.causal and prob.seq_q != prob.seq_kv)
+
+    def problem_note(self, prob):
+        if self._dense(prob):
+            return "no sink; dense bool mask, K/V expanded: computes all Sq*Skv pairs"
+        return "no sink"
+
+    def prepare(self, inp, prob):
+        t = dict(inp)
+        g = prob.heads // prob.kv_heads
+        if self._dense(prob):
+            from .reference import visible_mask
+
+            t["mask"] = visible_mask(prob.seq_q, prob.seq_kv, window=prob.window, causal=prob.causal,
+                                     device=inp["q"].device)
+            # A masked call with enable_gqa falls back to the math backend; expanded K/V keep the
+            # memory-efficient kernel. The expansion is not timed.
+            if g > 1:
+                t["k"] = inp["k"].repeat_interleave(g, dim=1)
+                t["v"] = inp["v"].repeat_interleave(g, dim=1)
+        return t
+
+    def forward(self, t, prob):
+        import torch.nn.functional as F
+
+        if "mask" in t:
+            return F.scaled_dot_product_attention(t["q"], t["k"], t["v"], attn_mask=t["mask"], scale=prob.scale)
+        return F.scaled_dot_product_attention(t["q"], t["k"], t["v"], is_causal=prob.causal, scale=prob.scale,
+                                              enable_gqa=prob.heads != prob.kv_heads)
+
+    def to_bhsd(self, name, x, prob):
+        g = prob.heads // prob.kv_heads
+        if name in ("dk", "dv") and x.shape[1] == prob.heads and g > 1:
+            b, _, s, d = x.shape
+            return x.view(b, prob.kv_heads, g, s, d).sum(2)
+        return x
+
+
+class Flex(System):
+    """torch FlexAttention with the sink applied through its LSE.
+
+    Without the sink, flex gives ``o0 = sum_j e^{s_j} v_j / Z`` and ``lse = log Z``. With it,
+    ``o = sum_j e^{s_j} v_j / (Z + e^{sink}) = o0 * Z / (Z + e^{sink}) = o0 * sigmoid(lse - sink)``.
+    Gradients reach the sink, and q / k through the lse, by autograd.
+    """
+
+    name = "flex"
+    peer = True
+    note = "o*sigmoid(lse-sink), torch.compile"
+
+    def __init__(self, compile: bool = True):
+        self.compile = compile
+        self._fn = None
+
+    def check_available(self, device):
+        try:
+            from torch.nn.attention import flex_attention  # noqa: F401
+        except Exception as exc:  # noqa: BLE001
+            raise Unavailable(f"torch.nn.attention.flex_attention not importable: {exc}") from None
+        if device != "cuda":
+            raise Unavailable("CUDA only (flex has no CPU backward)")
+
+    def _build(self):
+        from torch.nn.attention.flex_attention import flex_attention
+
+        use_aux = "return_aux" in inspect.signature(flex_attention).parameters
+        if use_aux:
+            from torch.nn.attention.flex_attention import AuxRequest
+
+        def flex_sink(q, k, v, sinks, block_mask, scale, gqa):
+            if use_aux:
+                o, aux = flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa,
+                                        return_aux=AuxRequest(lse=True))
+                lse = aux.lse
+            else:
+                o, lse = flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa,
+                                        return_lse=True)
+            factor = torch.sigmoid(lse.float() - sinks.float().view(1, -1, 1))
+            return (o.float() * factor.unsqueeze(-1)).to(q.dtype)
+
+        if not self.compile:
+            return flex_sink
+        # One graph per problem shape (dynamic=False: static shapes, as a tuned layer would run).
+        # The bench runs a dozen shapes through this one function; past dynamo's recompile limit
+        # (8) it would silently fall back to eager flex, so raise the limit.
+        import torch._dynamo
+
+        for knob in ("recompile_limit", "cache_size_limit"):
+            if hasattr(torch._dynamo.config, knob):
+                setattr(torch._dynamo.config, knob, max(256, getattr(torch._dynamo.config, knob)))
+        return torch.compile(flex_sink, dynamic=False)
+
+    def prepare(self, inp, prob):
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        off, w, causal = prob.seq_kv - prob.seq_q, prob.window, prob.causal
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            i = q_idx + off
+            keep = (kv_idx <= i) if causal else (kv_idx >= 0)
+            if w is not None:
+                keep = keep & (i - kv_idx < w)
+            return keep
+
+        t = dict(inp)
+        if causal or w is not None:
+            t["block_mask"] = create_block_mask(mask_mod, None, None, prob.seq_q, prob.seq_kv,
+                                                device=inp["q"].device)
+        else:
+            t["block_mask"] = None
+        return t
+
+    def forward(self, t, prob):
+        if self._fn is None:
+            self._fn = self._build()
+        return self._fn(t["q"], t["k"], t["v"], t["sinks"], t["block_mask"], prob.scale,
+                        prob.heads != prob.kv_heads)
+
+
+class Fla(System):
+    """flash-linear-attention's softmax attention, ``fla.ops.attn.parallel.parallel_attn`` with
+    ``sink_bias`` (Triton; [B, T, H, D] layout; causal only, T_q = T_k)."""
+
+    name = "fla"
+    peer = True
+    note = "parallel_attn(sink_bias=), bshd"
+
+    def check_available(self, device):
+        try:
+            importlib.import_module("fla.ops.attn.parallel")
+        except Exception as exc:  # noqa: BLE001
+            raise Unavailable(f"`import fla.ops.attn.parallel` failed: {type(exc).__name__}: {exc}") from None
+        if device != "cuda":
+            raise Unavailable("CUDA only (Triton)")
+
+    def check_problem(self, prob, device, opts):
+        if not prob.causal:
+            raise Unavailable("n/a: parallel_attn is causal only")
+        if prob.seq_q != prob.seq_kv:
+            raise Unavailable("n/a: parallel_attn needs seq_q == seq_kv")
+
+    def prepare(self, inp, prob):
+        t = dict(inp)
+        for n in ("q", "k", "v", "do"):
+            t[n] = inp[n].transpose(1, 2).contiguous()
+        return t
+
+    def forward(self, t, prob):
+        from fla.ops.attn.parallel import parallel_attn
+
+        return parallel_attn(t["q"], t["k"], t["v"], scale=prob.scale, window_size=prob.window,
+                             sink_bias=t["sinks"])
+
+    def to_bhsd(self, name, x, prob):
+        return x.transpose(1, 2) if name in ("o", "dq", "dk", "dv") else x
+
+
+# The registry, in table order. Tests may add entries (a deliberately wrong system).
+SYSTEMS: dict[str, type] = {"flashsink": FlashSink, "flex": Flex, "fla": Fla, "sdpa": Sdpa, "eager": Eager}
+
+# ----------------------------------------------------------------------------------------------
+# Reference (chunked over query heads, so the largest presets fit)
+
+_REF_SCORE_ELEMS = 2**28  # fp64 scores per chunk: 2 GiB per [.., Sq, Skv] tensor
+
+
+def reference(inp: dict, prob: Problem, *, sinks: bool, compute_dtype) -> dict:
+    """o, dq, dk, dv (and dsink) of the reference, in ``compute_dtype``. Chunks over query heads
+    within each KV head (dk / dv summed over the chunks), so the score tensor of one chunk stays
+    under 2**28 elements even at N = 16k."""
+    q, k, v, do = inp["q"], inp["k"], inp["v"], inp["do"]
+    s = inp["sinks"] if sinks else None
+    g = prob.heads // prob.kv_heads
+    kw = dict(window=prob.window, causal=prob.causal, scale=prob.scale, compute_dtype=compute_dtype)
+    per_head = max(1, prob.batch * prob.seq_q * prob.seq_kv)
+    if per_head * prob.heads <= _REF_SCORE_ELEMS:
+        return testing.reference_grads(q, k, v, s, do, **kw)
+    step = max(1, min(g, _REF_SCORE_ELEMS // per_head))
+    out = {n: [] for n in ("o", "dq", "dsink")}
+    dks, dvs = [], []
+    for h in range(prob.kv_heads):
+        dk = dv = None
+        for j0 in range(0, g, step):
+            a, b = h * g + j0, h * g + min(g, j0 + step)
+            r = testing.reference_grads(q[:, a:b], k[:, h:h + 1], v[:, h:h + 1], None if s is None else s[a:b],
+                                        do[:, a:b], **kw)
+            out["o"].append(r["o"])
+            out["dq"].append(r["dq"])
+            if s is not None:
+                out["dsink"].append(r["dsink"])
+            dk = r["dk"] if dk is None else dk + r["dk"]
+            dv = r["dv"] if dv is None else dv + r["dv"]
+        dks.append(dk)
+        dvs.append(dv)
+    return {
+        "o": torch.cat(out["o"], 1), "dq": torch.cat(out["dq"], 1),
+        "dk": torch.cat(dks, 1), "dv": torch.cat(dvs, 1),
+        "dsink": torch.cat(out["dsink"]) if s is not None else None,
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# Gate
+
+
+@dataclass
+class GateResult:
+    fwd_ok: bool
+    bwd_ok: bool
+    reports: list = field(default_factory=list)  # PrecisionReport
+    error: str = ""
+
+    def reason(self, mode: str) -> str:
+        if self.error:
+            return self.error
+        names = ("o",) if mode == "fwd" else ("o", "dq", "dk", "dv", "dsink")
+        bad = [f"{r.name}: {r.reason or 'failed'}" for r in self.reports if r.name in names and not r.passed]
+        return "; ".join(bad)
+
+
+def gate(system: System, prob: Problem, inp: dict, expected: dict, lowp: dict | None, *, grads: bool) -> GateResult:
+    """Run the system forward (+ backward) once and judge it with the precision standard."""
+    dt = prob.torch_dtype
+    try:
+        t = system.prepare(inp, prob)
+        names = system.leaves(t)
+        for n in names:
+            t[n] = t[n].detach().clone().requires_grad_(grads)
+        o = system.forward(t, prob)
+        got = {"o": system.to_bhsd("o", o.detach(), prob)}
+        if grads:
+            gr = torch.autograd.grad(o, [t[n] for n in names], t["do"].to(o.dtype))
+            for n, x in zip(names, gr):
+                key = "dsink" if n == "sinks" else "d" + n
+                got[key] = system.to_bhsd(key, x, prob)
+    except Exception as exc:  # noqa: BLE001 -- a crash is a failed gate, reported like one
+        msg = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+        return GateResult(False, False, [], error=msg[:300])
+    reports = []
+    check = ["o"] + (["dq", "dk", "dv"] + (["dsink"] if system.has_sink else []) if grads else [])
+    for n in check:
+        reports.append(check_precision(n, got.get(n), expected[n], dt, lowp=None if lowp is None else lowp[n]))
+    fwd_ok = reports[0].passed
+    bwd_ok = grads and all(r.passed for r in reports)
+    return GateResult(fwd_ok, bwd_ok, reports)
+
+
+# ----------------------------------------------------------------------------------------------
+# Timing
+
+
+def _sync(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+class Timer:
+    """Median time of ``fn`` in ms. CUDA: triton.testing.do_bench when importable, else CUDA
+    events; both flush the L2 between runs (a 256 MB write), so a small windowed problem whose
+    inputs fit in the 50-60 MB L2 is not timed from a warm cache -- a real layer reads its q, k, v
+    from HBM. CPU: time.perf_counter."""
+
+    def __init__(self, device: str, warmup_ms: float = 25.0, rep_ms: float = 100.0, min_reps: int = 10):
+        self.device, self.warmup_ms, self.rep_ms, self.min_reps = device, warmup_ms, rep_ms, min_reps
+        self.method = "perf_counter median"
+        self._do_bench = None
+        if device == "cuda":
+            try:
+                from triton.testing import do_bench
+
+                self._do_bench = do_bench
+                self.method = "triton.testing.do_bench median (L2 flushed between runs)"
+            except Exception:  # noqa: BLE001
+                self.method = "CUDA events median (L2 flushed between runs)"
+
+    def __call__(self, fn) -> float:
+        if self.device != "cuda":
+            fn()
+            start = time.perf_counter()
+            fn()
+            est = max(time.perf_counter() - start, 1e-6) * 1e3
+            n = max(self.min_reps, min(1000, int(self.rep_ms / est)))
+            times = []
+            for _ in range(n):
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e3)
+            return statistics.median(times)
+        if self._do_bench is not None:
+            return float(self._do_bench(fn, warmup=self.warmup_ms, rep=self.rep_ms, return_mode="median"))
+        return self._events(fn)
+
+    def _events(self, fn) -> float:
+        flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
+        fn()
+        torch.cuda.synchronize()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for _ in range(5):
+            flush.zero_()
+            fn()
+        e.record()
+        torch.cuda.synchronize()
+        est = max(s.elapsed_time(e) / 5, 1e-3)
+        for _ in range(max(1, int(self.warmup_ms / est))):
+            fn()
+        n = max(self.min_reps, int(self.rep_ms / est))
+        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
+        for a, b in ev:
+            flush.zero_()
+            a.record()
+            fn()
+            b.record()
+        torch.cuda.synchronize()
+        return statistics.median(a.elapsed_time(b) for a, b in ev)
+
+
+def measure_ceilings(device: str, timer: Timer) -> dict:
+    """The two ceilings of the floor, measured now: a matmul rate and a device copy rate."""
+    if device == "cuda":
+        n, dt = 8192, torch.bfloat16
+        copy_bytes = 2**30
+    else:
+        n, dt = 512, torch.float32
+        copy_bytes = 2**24
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    a = torch.randn(n, n, generator=gen).to(device=device, dtype=dt)  # random, never zeros
+    b = torch.randn(n, n, generator=gen).to(device=device, dtype=dt)
+    ms_mm = timer(lambda: torch.matmul(a, b))
+    src = torch.randn(copy_bytes // 4, device=device)
+    dst = torch.empty_like(src)
+    ms_cp = timer(lambda: dst.copy_(src))
+    del a, b, src, dst
+    return {
+        "matmul_tflops": 2 * n**3 / (ms_mm * 1e-3) / 1e12,
+        "matmul": f"{dtype_name(dt)} {n}x{n}x{n} torch.matmul",
+        "copy_gbs": 2 * copy_bytes / (ms_cp * 1e-3) / 1e9,  # read + write
+        "copy": f"device copy of {copy_bytes / 2**30:g} GiB (read+write counted)",
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# The run
+
+
+def _commit() -> str:
+    env = os.environ.get("FLASHSINK_COMMIT")
+    if env:
+        return env
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        out = subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        if out.returncode == 0:
+            dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
+                                   capture_output=True, text=True, timeout=10).stdout.strip()
+            return out.stdout.strip()[:12] + ("+dirty" if dirty else "")
+    except Exception:  # noqa: BLE001
+        pass
+    return "unknown (no .git; set FLASHSINK_COMMIT)"
+
+
+def _version(pkg: str) -> str:
+    try:
+        return importlib.metadata.version(pkg)
+    except Exception:  # noqa: BLE001
+        mod = sys.modules.get(pkg)
+        return getattr(mod, "__version__", "not installed")
+
+
+def header(device: str) -> dict:
+    gpu = torch.cuda.get_device_name() if device == "cuda" else "CPU (smoke run; not a performance number)"
+    return {
+        "device": gpu,
+        "torch": torch.__version__,
+        "triton": _version("triton"),
+        "tilelang": _version("tilelang"),
+        "fla": _version("fla-core"),
+        "commit": _commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _peak_mib(fn, device) -> float | None:
+    if device != "cuda":
+        return None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def _callables(system: System, prob: Problem, inp: dict):
+    """fwd, bwd, fwd+bwd closures on native-layout inputs (layout conversion not timed)."""
+    t = system.prepare(inp, prob)
+    names = system.leaves(t)
+    for n in names:
+        t[n] = t[n].detach().clone().requires_grad_(True)
+    leaves = [t[n] for n in names]
+
+    def fwd():
+        with torch.no_grad():
+            return system.forward(t, prob)
+
+    def fwd_bwd():
+        o = system.forward(t, prob)
+        return torch.autograd.grad(o, leaves, t["do"].to(o.dtype))
+
+    state = {}
+
+    def bwd():
+        if "o" not in state:  # forward once, outside the timed region; backward replays its graph
+            state["o"] = system.forward(t, prob)
+        return torch.autograd.grad(state["o"], leaves, t["do"].to(state["o"].dtype), retain_graph=True)
+
+    return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd_bwd}, state
+
+
+def run_bench(problems: list[Problem], *, systems: list[str], modes: list[str], device: str,
+              timer: Timer | None = None, opts: dict | None = None, profile: bool = False,
+              gate2: bool = True, seed: int = 0) -> dict:
+    """Gate, then time, every (problem, system, mode). Returns the JSON-ready result."""
+    opts = dict(opts or {})
+    timer = timer or Timer(device)
+    result = {"header": header(device), "timing": timer.method, "rows": [], "profiles": [], "gates": []}
+    _say(f"bench on {result['header']['device']}; measuring the ceilings ...")
+    ceil = measure_ceilings(device, timer)
+    result["ceilings"] = ceil
+    _say(f"  matmul {ceil['matmul_tflops']:.4g} TFLOP/s ({ceil['matmul']}), copy {ceil['copy_gbs']:.4g} GB/s")
+
+    sys_objs = {}
+    for name in systems:
+        obj = SYSTEMS[name]()
+        try:
+            obj.check_available(device)
+            sys_objs[name] = (obj, "")
+        except Unavailable as exc:
+            sys_objs[name] = (obj, f"unavailable: {exc}")
+
+    grads = any(m != "fwd" for m in modes)
+    for prob in problems:
+        tag = f"[{prob.label()}]"
+        inp = testing.make_inputs(prob.batch, prob.heads, prob.kv_heads, prob.seq_q, prob.seq_kv, prob.head_dim,
+                                  prob.torch_dtype, device, seed=seed)
+        refs = {}
+
+        def ref(sinks: bool):
+            if sinks not in refs:
+                what = "with sinks" if sinks else "without sinks (for sdpa)"
+                _say(f"{tag} reference fp64 {what} ...")
+                exp = reference(inp, prob, sinks=sinks, compute_dtype=torch.float64)
+                low = None
+                if gate2 and prob.torch_dtype != torch.float64:
+                    _say(f"{tag} reference {prob.dtype} {what} (gate 2) ...")
+                    low = reference(inp, prob, sinks=sinks, compute_dtype=prob.torch_dtype)
+                refs[sinks] = (exp, low)
+            return refs[sinks]
+
+        prob_rows = []
+        for name in systems:
+            system, unavailable = sys_objs[name]
+            note = system.problem_note(prob)
+            status = unavailable
+            if not status:
+                try:
+                    system.check_problem(prob, device, opts)
+                except Unavailable as exc:
+                    status = str(exc) if str(exc).startswith(("n/a", "skipped")) else f"n/a: {exc}"
+            g = None
+            if not status:
+                exp, low = ref(system.has_sink)
+                _say(f"{tag} {name}: correctness gate (first call compiles) ...")
+                t0 = time.perf_counter()
+                g = gate(system, prob, inp, exp, low, grads=grads)
+                _say(f"{tag} {name}: gate {'passed' if (g.fwd_ok and (g.bwd_ok or not grads)) else 'FAILED'} "
+                     f"in {time.perf_counter() - t0:.1f} s")
+                result["gates"].append({
+                    "problem": asdict(prob), "system": name, "error": g.error,
+                    "reports": [{k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(r).items()}
+                                for r in g.reports],
+                })
+            calls = None
+            for mode in modes:
+                row = {
+                    "preset": prob.preset, "problem": prob.label(), "N": prob.seq_q, "mode": mode, "system": name,
+                    "note": note, "status": "", "ms": None, "tflops": None, "gbs": None,
+                    "floor_ms": None, "pct_floor": None, "peak_mib": None, "speedup": None,
+                    "flops": flops(prob, mode), "bytes": min_bytes(prob, mode),
+                }
+                fl_ms = max(row["flops"] / (ceil["matmul_tflops"] * 1e12), row["bytes"] / (ceil["copy_gbs"] * 1e9)) * 1e3
+                row["floor_ms"] = fl_ms
+                row["bound"] = "flops" if row["flops"] / ceil["matmul_tflops"] / 1e3 >= row["bytes"] / ceil["copy_gbs"] else "bytes"
+                if status:
+                    row["status"] = status
+                elif not (g.fwd_ok if mode == "fwd" else g.bwd_ok):
+                    row["status"] = "FAIL: " + g.reason(mode)
+                else:
+                    if calls is None:
+                        calls, state = _callables(system, prob, inp)
+                    _say(f"{tag} {name} {mode}: timing ...")
+                    try:
+                        row["peak_mib"] = _peak_mib(calls[mode], device)
+                        ms = timer(calls[mode])
+                    except Exception as exc:  # noqa: BLE001
+                        row["status"] = f"error while timing: {type(exc).__name__}: {str(exc)[:200]}"
+                    else:
+                        row["status"] = "ok"
+                        row["ms"] = ms
+                        row["tflops"] = row["flops"] / (ms * 1e-3) / 1e12
+                        row["gbs"] = row["bytes"] / (ms * 1e-3) / 1e9
+                        row["pct_floor"] = 100.0 * fl_ms / ms
+                prob_rows.append(row)
+            calls = state = None
+            if profile and name == "flashsink" and device == "cuda" and g is not None and g.bwd_ok:
+                _say(f"{tag} flashsink: profiling one fwd+bwd ...")
+                result["profiles"].append({"problem": prob.label(), "kernels": profile_flashsink(prob, inp)})
+        # speedup over the best peer with sinks, per mode
+        for mode in modes:
+            peers = [r["ms"] for r in prob_rows if r["mode"] == mode and r["ms"] is not None
+                     and SYSTEMS[r["system"]].peer]
+            best = min(peers) if peers else None
+            for r in prob_rows:
+                if r["mode"] == mode and r["ms"] is not None and best is not None:
+                    r["speedup"] = best / r["ms"]
+            result.setdefault("best_peer_ms", {})[f"{prob.label()} {mode}"] = best
+        result["rows"].extend(prob_rows)
+        del inp, refs
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return result
+
+
+# ----------------------------------------------------------------------------------------------
+# Profile
+
+
+_KERNEL_ROLES = (
+    ("flashsink_fwd", "forward"),
+    ("flashsink_bwd_preprocess", "preprocess (Delta, dsink)"),
+    ("flashsink_bwd_postprocess", "postprocess (dQ cast)"),
+    ("flashsink_bwd_dq", "dQ pass (deterministic)"),
+    ("flashsink_bwd", "main backward"),
+)
+
+
+def kernel_role(name: str) -> str:
+    for key, role in _KERNEL_ROLES:
+        if key in name:
+            return role
+    low = name.lower()
+    if "fill" in low or "zero" in low:
+        return "torch fill (zeros)"
+    if "copy" in low or "cast" in low or "elementwise" in low:
+        return "torch copy / cast"
+    return "other"
+
+
+def profile_flashsink(prob: Problem, inp: dict, iters: int = 5) -> list[dict]:
+    """Per-kernel device time of flashsink's fwd+bwd (torch.profiler, CUDA activity)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    calls, _ = _callables(FlashSink(), prob, inp)
+    calls["fwd+bwd"]()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            calls["fwd+bwd"]()
+        torch.cuda.synchronize()
+    rows = {}
+    for evt in prof.key_averages():
+        if str(getattr(evt, "device_type", "")).split(".")[-1] != "CUDA":
+            continue
+        us = getattr(evt, "self_device_time_total", None)
+        if us is None:
+            us = getattr(evt, "self_cuda_time_total", 0.0)
+        if us <= 0:
+            continue
+        rows[evt.key] = {"kernel": evt.key, "role": kernel_role(evt.key),
+                         "calls_per_iter": evt.count / iters, "us_per_iter": us / iters}
+    out = sorted(rows.values(), key=lambda r: -r["us_per_iter"])
+    total = sum(r["us_per_iter"] for r in out) or 1.0
+    for r in out:
+        r["share"] = 100.0 * r["us_per_iter"] / total
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Output
+
+
+def _f(x, fmt):
+    if x is None:
+        return "-"
+    if fmt.endswith("f") and 0 < abs(x) < 10 and fmt != ".4f":
+        return format(x, ".3g")  # CPU smoke runs: small numbers keep their digits
+    return format(x, fmt)
+
+
+def format_table(result: dict) -> str:
+    h, c = result["header"], result["ceilings"]
+    lines = [
+        f"device: {h['device']} | torch {h['torch']} | triton {h['triton']} | tilelang {h['tilelang']} | "
+        f"fla {h['fla']} | commit {h['commit']} | {h['date']}",
+        f"ceilings (measured in this run): matmul {c['matmul_tflops']:.4g} TFLOP/s ({c['matmul']}); "
+        f"copy {c['copy_gbs']:.4g} GB/s ({c['copy']})",
+        f"timing: {result['timing']}",
+        "",
+    ]
+    cols = [("preset", 12, "<"), ("N", 6, ">"), ("mode", 7, "<"), ("system", 9, "<"), ("ms", 9, ">"),
+            ("TFLOP/s", 8, ">"), ("GB/s", 7, ">"), ("floor ms", 9, ">"), ("bound", 5, "<"),
+            ("%floor", 6, ">"), ("peak MiB", 9, ">"), ("vs peer", 7, ">")]
+    lines.append("  ".join(f"{t:{a}{w}}" for t, w, a in cols) + "  status / note")
+    lines.append("-" * (sum(w for _, w, _ in cols) + 2 * len(cols) + 14))
+    last, shown = None, set()
+    for r in result["rows"]:
+        if last is not None and r["problem"] != last:
+            lines.append("")
+        last = r["problem"]
+        untimed = r["ms"] is None and not r["status"].startswith("FAIL")
+        if untimed:  # unavailable / n/a / skipped: one row for all modes
+            key = (r["problem"], r["system"], r["status"])
+            if key in shown:
+                continue
+            shown.add(key)
+            r = dict(r, mode="all", floor_ms=None, bound="")
+        vals = (r["preset"], str(r["N"]), r["mode"], r["system"], _f(r["ms"], ".4f"), _f(r["tflops"], ".1f"),
+                _f(r["gbs"], ".0f"), _f(r["floor_ms"], ".4f"), r["bound"], _f(r["pct_floor"], ".1f"),
+                _f(r["peak_mib"], ".0f"), "-" if r["speedup"] is None else f"{r['speedup']:.2f}x")
+        status = r["status"] if r["status"] != "ok" else "ok"
+        if r["note"]:
+            status += f" ({r['note']})"
+        lines.append("  ".join(f"{v:{a}{w}}" for v, (_, w, a) in zip(vals, cols)) + "  " + status)
+    lines += [
+        "",
+        "TFLOP/s over visible (q,k) pairs: fwd 4*pairs*D, bwd 10*pairs*D, fwd+bwd 14*pairs*D. GB/s over the "
+        "fewest bytes (q,k,v[,do] read once; o[,dq,dk,dv] written once). floor = max(FLOPs/matmul ceiling, "
+        "bytes/copy ceiling); %floor = floor/ms. peak MiB: max allocated over the inputs during one call. "
+        "vs peer: best peer with sinks (flex, fla) ms / this ms (>1 = faster). sdpa has no sink (judged against "
+        "the no-sink reference); a FAIL row failed the precision gate and was not timed.",
+    ]
+    for p in result["profiles"]:
+        lines += ["", f"profile: flashsink fwd+bwd, {p['problem']} (per iteration, torch.profiler CUDA)",
+                  f"{'kernel':<60} {'role':<28} {'calls':>5} {'us':>9} {'share':>6}"]
+        for k in p["kernels"]:
+            lines.append(f"{k['kernel'][:60]:<60} {k['role']:<28} {k['calls_per_iter']:5.1f} "
+                         f"{k['us_per_iter']:9.1f} {k['share']:5.1f}%")
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: str) -> str | None:
+    """PNG: per preset and mode, TFLOP/s vs N (sweeps) or bars (single length). None if no matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as exc:  # noqa: BLE001
+        return f"--plot: matplotlib is not importable ({exc}); no plot written"
+    rows = [r for r in result["rows"] if r["tflops"] is not None]
+    presets = list(dict.fromkeys(r["preset"] for r in result["rows"]))
+    modes = list(dict.fromkeys(r["mode"] for r in result["rows"]))
+    systems = list(dict.fromkeys(r["system"] for r in result["rows"]))
+    fig, axes = plt.subplots(len(presets), len(modes), figsize=(5 * len(modes), 3.6 * len(presets)), squeeze=False)
+    for i, pr in enumerate(presets):
+        for j, mode in enumerate(modes):
+            ax = axes[i][j]
+            sel = [r for r in rows if r["preset"] == pr and r["mode"] == mode]
+            ns = sorted({r["N"] for r in result["rows"] if r["preset"] == pr})
+            if len(ns) > 1:
+                for s in systems:
+                    pts = sorted((r["N"], r["tflops"]) for r in sel if r["system"] == s)
+                    if pts:
+                        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=s)
+                ax.set_xscale("log", base=2)
+                ax.set_xlabel("N")
+            else:
+                names = [r["system"] for r in sel]
+                vals = [r["tflops"] for r in sel]
+                ax.bar(names, vals, color=[f"C{systems.index(n)}" for n in names])
+                for x, v in enumerate(vals):
+                    ax.text(x, v, f"{v:.0f}", ha="center", va="bottom", fontsize=8)
+            ax.set_title(f"{pr} {mode}")
+            ax.set_ylabel("TFLOP/s (visible pairs)")
+            if len(ns) > 1 and sel:
+                ax.legend(fontsize=8)
+    h = result["header"]
+    fig.suptitle(f"flashsink bench - {h['device']} - {h['commit']} - {h['date']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# Command
+
+
+NO_CUDA_MESSAGE = (
+    "error: flashsink bench needs a CUDA GPU (torch.cuda.is_available() is False here). "
+    "Run it on a GPU machine, or pass --device cpu for a tiny smoke run of the CPU paths "
+    "(reference and flashsink's PyTorch fallback; not a performance number)."
+)
+CPU_DEFAULT_SHAPE = "1,4,2,128,32,32"
+
+
+def _precompile(problems: list[Problem], device: str) -> None:
+    """Build flashsink's kernels for these problems in parallel processes (TileLang's disk cache),
+    so the in-process first calls load rather than compile them one after another."""
+    from ._validate import validate_attention
+    from .ops.interface import kernel_config
+    from .ops.precompile import precompile
+
+    cfgs = []
+    for p in problems:
+        inp = testing.make_inputs(p.batch, p.heads, p.kv_heads, 1, 1, p.head_dim, p.torch_dtype, "cpu", seed=0)
+        spec = validate_attention(inp["q"], inp["k"], inp["v"], inp["sinks"], window=p.window, causal=p.causal,
+                                  scale=None, layout="bhsd")
+        try:
+            cfgs.append(kernel_config(spec, torch.device(device), False))
+        except NotImplementedError:
+            pass  # the gate reports it
+    if cfgs:
+        precompile(cfgs)
+
+
+def cmd_bench(args) -> int:
+    if args.device == "cpu":
+        device = "cpu"
+    elif not torch.cuda.is_available():
+        print(NO_CUDA_MESSAGE, file=sys.stderr)
+        return 2
+    else:
+        device = "cuda"
+
+    try:
+        if args.shape:
+            problems = [parse_shape(args.shape, args.dtype or "bf16", causal=not args.no_causal)]
+        elif device == "cpu":
+            problems = [parse_shape(CPU_DEFAULT_SHAPE, args.dtype or "fp32")]
+        else:
+            names = list(PRESETS) if args.preset in (None, "all") else [p.strip() for p in args.preset.split(",")]
+            bad = [n for n in names if n not in PRESETS]
+            if bad:
+                raise ValueError(f"unknown preset {bad}; choose from {list(PRESETS)} or 'all'")
+            problems = [p for n in names for p in preset_problems(n)]
+            if args.seq:
+                keep = {int(x) for x in args.seq.split(",")}
+                problems = [p for p in problems if p.seq_q in keep]
+        if args.shape and args.preset:
+            raise ValueError("give --preset or --shape, not both")
+        for p in problems:
+            if p.heads % max(1, p.kv_heads) or min(p.batch, p.heads, p.kv_heads, p.seq_q, p.seq_kv, p.head_dim) < 1:
+                raise ValueError(f"invalid shape {p.label()}: need positive sizes and H % H_kv == 0")
+            if p.window is not None and not p.causal:
+                raise ValueError("a window needs causal attention (drop --no-causal)")
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+    # Every registered system gets rows; on the CPU the CUDA-only ones say "unavailable".
+    systems = [s.strip() for s in (args.systems or "").split(",") if s.strip()] or list(SYSTEMS)
+    unknown = [s for s in systems if s not in SYSTEMS]
+    if unknown:
+        print(f"error: unknown system {unknown}; choose from {list(SYSTEMS)}", file=sys.stderr)
+        return 2
+    modes = list(MODES) if args.mode in (None, "all") else [args.mode]
+
+    if device == "cuda" and not args.no_precompile and "flashsink" in systems:
+        _precompile(problems, device)
+    if device == "cpu":  # a smoke run: a few repetitions are enough
+        timer = Timer(device, rep_ms=min(args.rep_ms, 20.0), min_reps=3)
+    else:
+        timer = Timer(device, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
+    result = run_bench(problems, systems=systems, modes=modes, device=device, timer=timer,
+                       opts={"eager_max_gib": args.eager_max_gib}, profile=args.profile,
+                       gate2=not args.no_gate2, seed=args.seed)
+    print(format_table(result), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1, default=str)
+        _say(f"wrote {args.json}")
+    if args.plot:
+        msg = plot(result, args.plot)
+        _say(msg or f"wrote {args.plot}")
+    failed = [r for r in result["rows"] if r["status"].startswith("FAIL") and r["system"] == "flashsink"]
+    return 1 if failed else 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="benchmark flashsink against FlexAttention, FLA, SDPA and the eager reference",
+        description="Gate every system against the fp64 reference (precision standard), then time it: "
+        "ms, TFLOP/s over visible pairs, GB/s, floor from ceilings measured in the same run, peak memory, "
+        "speedup over the best peer with sinks. Exit 1 if flashsink fails its gate; 2 without CUDA "
+        "(unless --device cpu, a tiny smoke run).",
+    )
+    p.add_argument("--preset", help=f"comma-separated of {', '.join(PRESETS)} or 'all' (default all)")
+    p.add_argument("--shape", help="custom problem B,H,HKV,N,D[,W] (N may be NQ:NK)")
+    p.add_argument("--dtype", choices=("fp16", "bf16", "fp32"), help="dtype of --shape (default bf16; fp32 on cpu)")
+    p.add_argument("--no-causal", action="store_true", help="--shape without the causal mask")
+    p.add_argument("--seq", help="only these sequence lengths of the presets' sweeps, e.g. 4096,8192")
+    p.add_argument("--mode", choices=("fwd", "bwd", "fwd+bwd", "all"), help="default: all three")
+    p.add_argument("--systems", help=f"comma-separated subset of {', '.join(SYSTEMS)} (default all)")
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                   help="cpu: tiny smoke run (flashsink CPU path and reference only)")
+    p.add_argument("--json", metavar="PATH", help="write all rows, gates and header as JSON")
+    p.add_argument("--plot", metavar="PATH", help="write a PNG (needs matplotlib)")
+    p.add_argument("--profile", action="store_true", help="per-kernel time table of flashsink's fwd+bwd")
+    p.add_argument("--warmup-ms", type=float, default=25.0, help="do_bench warm-up (default 25 ms)")
+    p.add_argument("--rep-ms", type=float, default=100.0, help="do_bench repetition time (default 100 ms)")
+    p.add_argument("--eager-max-gib", type=float, default=48.0, help="skip eager above this score memory")
+    p.add_argument("--no-gate2", action="store_true", help="gate 1 only (skips the low-precision reference)")
+    p.add_argument("--no-precompile", action="store_true", help="compile flashsink kernels in-process")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_bench)
