@@ -156,3 +156,15 @@ def test_no_cuda_exits_with_message():
     r = _run()
     assert r.returncode == 2
     assert "needs a CUDA GPU" in r.stderr and "--device cpu" in r.stderr
+
+
+def test_chunked_reference_matches_unchunked(monkeypatch):
+    from flashsink import testing
+
+    prob = bench.Problem("t", 2, 6, 2, 24, 24, 16, 7, "bf16")
+    inp = testing.make_inputs(2, 6, 2, 24, 24, 16, torch.bfloat16, "cpu", seed=3)
+    whole = bench.reference(inp, prob, sinks=True, compute_dtype=torch.float64)
+    monkeypatch.setattr(bench, "_REF_SCORE_ELEMS", 2 * 24 * 24 * 2)  # two query heads per chunk
+    parts = bench.reference(inp, prob, sinks=True, compute_dtype=torch.float64)
+    for n in ("o", "dq", "dk", "dv", "dsink"):
+        torch.testing.assert_close(parts[n], whole[n], rtol=1e-12, atol=1e-12)
