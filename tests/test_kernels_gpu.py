@@ -135,6 +135,12 @@ def test_empty_and_noncontiguous():
     k = torch.randn(1, 2, 0, 64, device="cuda", dtype=torch.float16)
     o = flashsink.attention(q, k, k, torch.zeros(4, device="cuda"))
     assert o.shape == (1, 4, 0, 64)
+    # rows but no keys: o = 0 and lse = the sink alone
+    q = torch.randn(1, 4, 5, 64, device="cuda", dtype=torch.float16)
+    sinks = torch.randn(4, device="cuda")
+    o, lse = flashsink.attention(q, k, k, sinks, return_lse=True)
+    assert o.shape == (1, 4, 5, 64) and not o.isnan().any() and (o == 0).all()
+    torch.testing.assert_close(lse, sinks[None, :, None].expand(1, 4, 5))
     # transposed views (bshd data viewed as bhsd) are accepted: at most one copy each
     base = make_inputs(1, 8, 2, 300, 300, 64, torch.bfloat16, "cuda", layout="bshd")
     q, k, v = (base[n].transpose(1, 2) for n in ("q", "k", "v"))
@@ -153,3 +159,27 @@ def test_unsupported_raise():
     with pytest.raises(NotImplementedError, match="multiples of 16"):
         flashsink.attention(q, q, q)
 
+
+
+@pytest.mark.l1
+@pytest.mark.parametrize("sinks_on", [True, False], ids=["sink", "nosink"])
+def test_gradient_through_lse(sinks_on):
+    """A loss that uses lse too (context-parallel merges do): the kernels fold dlse into Delta."""
+    from flashsink import reference
+    from flashsink.testing import check_precision
+
+    inp = make_inputs(1, 8, 2, 300, 300, 64, torch.bfloat16, "cuda", sinks=sinks_on)
+    g = torch.randn(1, 8, 300, device="cuda")
+
+    def grads(fn, cast):
+        leaves = [cast(inp[n]).requires_grad_(True) for n in ("q", "k", "v")]
+        s = None if inp["sinks"] is None else cast(inp["sinks"]).requires_grad_(True)
+        o, lse = fn(*leaves, s, window=100, return_lse=True)
+        ((o.to(cast(inp["do"]).dtype) * cast(inp["do"])).sum() + (lse * cast(g)).sum()).backward()
+        return [x.grad for x in leaves] + ([] if s is None else [s.grad])
+
+    actual = grads(flashsink.attention, lambda x: x.clone())
+    expected = grads(reference.attention, lambda x: x.detach().double())
+    for name, a, e in zip(("dq", "dk", "dv", "dsink"), actual, expected):
+        report = check_precision(name, a, e, torch.bfloat16)
+        assert report.passed, str(report)

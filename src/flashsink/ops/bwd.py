@@ -27,12 +27,28 @@ import tilelang.language as T
 
 from .block_range import kv_blocks_for_rows, row_blocks_for_keys
 from .config import ROW_BLOCK, KernelConfig, bwd_tiles, dq_tiles, pre_tiles
-from .layout import qkv_shapes, tile
+from .layout import qkv_shapes, store_rows, tile
 from .mask import visible
 from .softmax import LOG2E
 from .split import split
 
 PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
+
+
+@T.macro
+def probs_and_grads(q_s, do_s, k_s, v_s, lse, p, dp, row0, key0, seq_q, seq_kv, window, scale_log2, causal: bool):
+    """For a resident query tile and one KV tile: ``p = P`` (masked, from lse) and
+    ``dp = dO V^T``, both ``[rows, keys]`` fp32 (preprocess and deterministic dQ)."""
+    T.clear(p)
+    T.gemm(q_s, k_s, p, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+    T.clear(dp)
+    T.gemm(do_s, v_s, dp, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+    for i, j in T.Parallel(p.shape[0], p.shape[1]):
+        p[i, j] = T.if_then_else(
+            visible(row0 + i, key0 + j, seq_q, seq_kv, window, causal),
+            T.exp2(p[i, j] * scale_log2 - lse[i] * LOG2E),
+            0.0,
+        )
 
 
 def build_preprocess(cfg: KernelConfig):
@@ -93,16 +109,9 @@ def build_preprocess(cfg: KernelConfig):
                 key0 = kb * bn
                 T.copy(tile(K, cfg.layout, b, kv_head, key0, bn), k_s)
                 T.copy(tile(V, cfg.layout, b, kv_head, key0, bn), v_s)
-                T.clear(p)
-                T.gemm(q_s, k_s, p, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-                T.clear(dp)
-                T.gemm(do_s, v_s, dp, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                probs_and_grads(q_s, do_s, k_s, v_s, lse, p, dp, row0, key0, seq_q, seq_kv, window, scale_log2, cfg.causal)
                 for i, j in T.Parallel(bm, bn):
-                    p[i, j] = T.if_then_else(
-                        visible(row0 + i, key0 + j, seq_q, seq_kv, window, cfg.causal),
-                        T.exp2(p[i, j] * scale_log2 - lse[i] * LOG2E) * dp[i, j],
-                        0.0,
-                    )
+                    p[i, j] *= dp[i, j]
                 T.reduce_sum(p, part, dim=1)
                 for i in T.Parallel(bm):
                     delta[i] += part[i]
@@ -210,18 +219,8 @@ def build_bwd(cfg: KernelConfig):
 
             T.copy(dk, dk_s)
             T.copy(dv, dv_s)
-            for i, j in T.Parallel(bn, dim):
-                if key0 + i < seq_kv:
-                    if cfg.layout == "bhsd":
-                        dK[b, kv_head, key0 + i, j] = dk_s[i, j]
-                    else:
-                        dK[b, key0 + i, kv_head, j] = dk_s[i, j]
-            for i, j in T.Parallel(bn, dim_v):
-                if key0 + i < seq_kv:
-                    if cfg.layout == "bhsd":
-                        dV[b, kv_head, key0 + i, j] = dv_s[i, j]
-                    else:
-                        dV[b, key0 + i, kv_head, j] = dv_s[i, j]
+            store_rows(dK, cfg.layout, b, kv_head, key0, seq_kv, dk_s, bn, dim)
+            store_rows(dV, cfg.layout, b, kv_head, key0, seq_kv, dv_s, bn, dim_v)
 
     if with_dq:
 
@@ -290,9 +289,8 @@ def build_dq(cfg: KernelConfig):
             v_s = T.alloc_shared([bn, dim_v], dtype)
             lse = T.alloc_fragment([bm], accum)
             delta = T.alloc_fragment([bm], accum)
-            s = T.alloc_fragment([bm, bn], accum)
+            p = T.alloc_fragment([bm, bn], accum)  # P, then dS
             dp = T.alloc_fragment([bm, bn], accum)
-            ds = T.alloc_fragment([bm, bn], accum)
             ds_hi = T.alloc_fragment([bm, bn], dtype)
             ds_lo = T.alloc_fragment([bm, bn], dtype)
             dq = T.alloc_fragment([bm, dim], accum)
@@ -311,26 +309,14 @@ def build_dq(cfg: KernelConfig):
                 key0 = kb * bn
                 T.copy(tile(K, cfg.layout, b, kv_head, key0, bn), k_s)
                 T.copy(tile(V, cfg.layout, b, kv_head, key0, bn), v_s)
-                T.clear(s)
-                T.gemm(q_s, k_s, s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-                T.clear(dp)
-                T.gemm(do_s, v_s, dp, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                probs_and_grads(q_s, do_s, k_s, v_s, lse, p, dp, row0, key0, seq_q, seq_kv, window, scale_log2, cfg.causal)
                 for i, j in T.Parallel(bm, bn):
-                    ds[i, j] = T.if_then_else(
-                        visible(row0 + i, key0 + j, seq_q, seq_kv, window, cfg.causal),
-                        T.exp2(s[i, j] * scale_log2 - lse[i] * LOG2E) * (dp[i, j] - delta[i]) * scale,
-                        0.0,
-                    )
-                split(ds, ds_hi, ds_lo, bm, bn)
+                    p[i, j] = p[i, j] * (dp[i, j] - delta[i]) * scale  # dS
+                split(p, ds_hi, ds_lo, bm, bn)
                 T.gemm(ds_hi, k_s, dq, policy=T.GemmWarpPolicy.FullRow)
                 T.gemm(ds_lo, k_s, dq, policy=T.GemmWarpPolicy.FullRow)
             T.copy(dq, dq_s)
-            for i, j in T.Parallel(bm, dim):
-                if row0 + i < seq_q:
-                    if cfg.layout == "bhsd":
-                        dQ[b, head, row0 + i, j] = dq_s[i, j]
-                    else:
-                        dQ[b, row0 + i, head, j] = dq_s[i, j]
+            store_rows(dQ, cfg.layout, b, head, row0, seq_q, dq_s, bm, dim)
 
     return flashsink_bwd_dq
 
@@ -352,11 +338,6 @@ def build_postprocess(cfg: KernelConfig):
             row0 = bx * blk
             T.copy(dQAcc[b, head, row0 : row0 + blk, :], acc)
             T.copy(acc, out)
-            for i, j in T.Parallel(blk, dim):
-                if row0 + i < seq_q:
-                    if cfg.layout == "bhsd":
-                        dQ[b, head, row0 + i, j] = out[i, j]
-                    else:
-                        dQ[b, row0 + i, head, j] = out[i, j]
+            store_rows(dQ, cfg.layout, b, head, row0, seq_q, out, blk, dim)
 
     return flashsink_bwd_postprocess

@@ -12,7 +12,7 @@ import tilelang.language as T
 from . import softmax
 from .block_range import kv_blocks_for_rows
 from .config import KernelConfig, fwd_tiles
-from .layout import qkv_shapes, tile
+from .layout import qkv_shapes, store_rows, tile
 from .mask import visible
 
 PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
@@ -78,12 +78,7 @@ def build_fwd(cfg: KernelConfig):
 
             softmax.finalize(acc_o, m, l, lse, bm, dim_v)
             T.copy(acc_o, o_s)
-            for i, j in T.Parallel(bm, dim_v):
-                if row0 + i < seq_q:
-                    if cfg.layout == "bhsd":
-                        O[b, head, row0 + i, j] = o_s[i, j]
-                    else:
-                        O[b, row0 + i, head, j] = o_s[i, j]
+            store_rows(O, cfg.layout, b, head, row0, seq_q, o_s, bm, dim_v)
             T.copy(lse, LSE[b, head, row0 : row0 + bm])
 
     return flashsink_fwd

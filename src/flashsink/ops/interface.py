@@ -128,8 +128,12 @@ def kernel_attention(spec, q, k, v, sinks, *, return_lse=False, deterministic=Fa
     """Run validated inputs through the kernels (autograd for q, k, v and sinks)."""
     cfg = kernel_config(spec, q.device, deterministic)
     window = NO_WINDOW if spec.window is None else min(int(spec.window), NO_WINDOW)
-    if spec.batch == 0 or spec.heads == 0 or spec.seq_q == 0:
-        return _empty_result(spec, q, k, v, sinks, return_lse)
+    if 0 in (spec.batch, spec.heads, spec.seq_q, spec.seq_kv):
+        # Empty problems (no rows, or no keys: o = 0 and lse = the sink) have no tiles to
+        # launch; the reference gives their exact, differentiable result on q's device.
+        from .. import reference
+
+        return reference._attention(q, k, v, sinks, spec, return_lse=return_lse)
     q, k = (_pad_dim(x, cfg.head_dim) for x in (q, k))
     v = _pad_dim(v, cfg.head_dim_v)
     padded = replace(spec, head_dim=cfg.head_dim, head_dim_v=cfg.head_dim_v)
@@ -146,11 +150,3 @@ def _pad_dim(x, d):
         return torch.nn.functional.pad(x, (0, d - x.shape[-1]))
     return x if x.is_contiguous() else x.contiguous()
 
-
-def _empty_result(spec, q, k, v, sinks, return_lse):
-    """No query rows: empty outputs, still attached to the graph so backward works."""
-    shape = list(q.shape)
-    shape[-1] = spec.head_dim_v
-    o = q.new_zeros(shape) + 0 * (q.sum() + k.sum() + v.sum() + (0 if sinks is None else sinks.sum()))
-    lse = torch.full((spec.batch, spec.heads, spec.seq_q), float("-inf"), dtype=torch.float32, device=q.device)
-    return (o, lse) if return_lse else o

@@ -4,7 +4,7 @@
 (Hugging Face, FlashAttention). LSE and the row statistics are always ``[batch, heads, seq]``.
 """
 
-from __future__ import annotations
+import tilelang.language as T
 
 
 def qkv_shapes(layout, batch, heads, heads_kv, seq_q, seq_kv, dim, dim_v):
@@ -31,3 +31,15 @@ def tile(x, layout, b, h, s0, n):
     return x[b, s0 : s0 + n, h, :]
 
 
+
+
+@T.macro
+def store_rows(x, layout: str, b, h, s0, seq, src, rows: int, cols: int):
+    """Write the ``[rows, cols]`` tile ``src`` to rows ``s0 ..`` of head ``h``, dropping the rows
+    at or past ``seq`` (tiles that hang over the end of a sequence)."""
+    for i, j in T.Parallel(rows, cols):
+        if s0 + i < seq:
+            if layout == "bhsd":
+                x[b, h, s0 + i, j] = src[i, j]
+            else:
+                x[b, s0 + i, h, j] = src[i, j]
