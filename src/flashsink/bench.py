@@ -28,6 +28,7 @@ import importlib.metadata
 import inspect
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -517,7 +518,17 @@ class Timer:
                 times.append((time.perf_counter() - t0) * 1e3)
             return statistics.median(times)
         if self._do_bench is not None:
-            return float(self._do_bench(fn, warmup=self.warmup_ms, rep=self.rep_ms, return_mode="median"))
+            # do_bench repeats for rep_ms; a slow call (tens of ms at N = 16k) would get one or two
+            # runs, so stretch rep_ms to at least min_reps calls (capped at ~3 s per row).
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            s.record()
+            fn()
+            e.record()
+            torch.cuda.synchronize()
+            est = s.elapsed_time(e)
+            rep = min(max(self.rep_ms, self.min_reps * est), max(self.rep_ms, 3000.0))
+            return float(self._do_bench(fn, warmup=self.warmup_ms, rep=rep, return_mode="median"))
         return self._events(fn)
 
     def _events(self, fn) -> float:
@@ -534,7 +545,7 @@ class Timer:
         est = max(s.elapsed_time(e) / 5, 1e-3)
         for _ in range(max(1, int(self.warmup_ms / est))):
             fn()
-        n = max(self.min_reps, int(self.rep_ms / est))
+        n = max(self.min_reps, min(int(self.rep_ms / est), 10000))
         ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
         for a, b in ev:
             flush.zero_()
@@ -653,11 +664,15 @@ def _callables(system: System, prob: Problem, inp: dict):
 
 def run_bench(problems: list[Problem], *, systems: list[str], modes: list[str], device: str,
               timer: Timer | None = None, opts: dict | None = None, profile: bool = False,
-              gate2: bool = True, seed: int = 0) -> dict:
-    """Gate, then time, every (problem, system, mode). Returns the JSON-ready result."""
+              gate2: bool = True, seed: int = 0, result: dict | None = None,
+              on_problem=None) -> dict:
+    """Gate, then time, every (problem, system, mode). Returns the JSON-ready result; pass
+    ``result`` (a dict, filled in place) to keep the rows done so far if the run is cut short.
+    ``on_problem(result)`` is called after each problem."""
     opts = dict(opts or {})
     timer = timer or Timer(device)
-    result = {"header": header(device), "timing": timer.method, "rows": [], "profiles": [], "gates": []}
+    result = {} if result is None else result
+    result.update({"header": header(device), "timing": timer.method, "rows": [], "profiles": [], "gates": []})
     _say(f"bench on {result['header']['device']}; measuring the ceilings ...")
     ceil = measure_ceilings(device, timer)
     result["ceilings"] = ceil
@@ -761,6 +776,8 @@ def run_bench(problems: list[Problem], *, systems: list[str], modes: list[str], 
                     r["speedup"] = best / r["ms"]
             result.setdefault("best_peer_ms", {})[f"{prob.label()} {mode}"] = best
         result["rows"].extend(prob_rows)
+        if on_problem is not None:
+            on_problem(result)
         del inp, refs
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -848,6 +865,8 @@ def format_table(result: dict) -> str:
         f"timing: {result['timing']}",
         "",
     ]
+    if result.get("interrupted"):
+        lines.insert(3, "INTERRUPTED (SIGTERM / Ctrl-C): only the problems finished before it are below")
     cols = [("preset", 12, "<"), ("N", 6, ">"), ("mode", 7, "<"), ("system", 9, "<"), ("ms", 9, ">"),
             ("TFLOP/s", 8, ">"), ("GB/s", 7, ">"), ("floor ms", 9, ">"), ("bound", 5, "<"),
             ("%floor", 6, ">"), ("peak MiB", 9, ">"), ("vs peer", 7, ">")]
@@ -1013,19 +1032,47 @@ def cmd_bench(args) -> int:
         timer = Timer(device, rep_ms=min(args.rep_ms, 20.0), min_reps=3)
     else:
         timer = Timer(device, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
-    result = run_bench(problems, systems=systems, modes=modes, device=device, timer=timer,
-                       opts={"eager_max_gib": args.eager_max_gib}, profile=args.profile,
-                       gate2=not args.no_gate2, seed=args.seed)
+
+    def save(res):
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(res, f, indent=1, default=str)
+
+    # `timeout` sends SIGTERM: keep what was measured (table, JSON, plot of the problems done).
+    def on_term(signum, frame):
+        raise _Interrupted()
+
+    old_handler = signal.signal(signal.SIGTERM, on_term)
+    result: dict = {}
+    interrupted = False
+    try:
+        run_bench(problems, systems=systems, modes=modes, device=device, timer=timer,
+                  opts={"eager_max_gib": args.eager_max_gib}, profile=args.profile,
+                  gate2=not args.no_gate2, seed=args.seed, result=result, on_problem=save)
+    except (_Interrupted, KeyboardInterrupt):
+        interrupted = True
+        _say("interrupted: reporting the problems finished so far")
+        if "ceilings" not in result:
+            return 124
+    finally:
+        signal.signal(signal.SIGTERM, old_handler)
+    if interrupted:
+        result["interrupted"] = True
     print(format_table(result), flush=True)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1, default=str)
+        save(result)
         _say(f"wrote {args.json}")
     if args.plot:
         msg = plot(result, args.plot)
         _say(msg or f"wrote {args.plot}")
     failed = [r for r in result["rows"] if r["status"].startswith("FAIL") and r["system"] == "flashsink"]
+    if interrupted:
+        return 124
     return 1 if failed else 0
+
+
+class _Interrupted(Exception):
+    pass
 
 
 def add_parser(sub) -> None:
