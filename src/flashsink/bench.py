@@ -887,8 +887,9 @@ def format_table(result: dict) -> str:
         vals = (r["preset"], str(r["N"]), r["mode"], r["system"], _f(r["ms"], ".4f"), _f(r["tflops"], ".1f"),
                 _f(r["gbs"], ".0f"), _f(r["floor_ms"], ".4f"), r["bound"], _f(r["pct_floor"], ".1f"),
                 _f(r["peak_mib"], ".0f"), "-" if r["speedup"] is None else f"{r['speedup']:.2f}x")
-        status = r["status"] if r["status"] != "ok" else "ok"
-        if r["note"]:
+        status = r["status"]
+        default_note = getattr(SYSTEMS.get(r["system"]), "note", "")
+        if r["note"] and r["note"] != default_note:  # default notes are in the legend below
             status += f" ({r['note']})"
         lines.append("  ".join(f"{v:{a}{w}}" for v, (_, w, a) in zip(vals, cols)) + "  " + status)
     lines += [
@@ -898,6 +899,8 @@ def format_table(result: dict) -> str:
         "bytes/copy ceiling); %floor = floor/ms. peak MiB: max allocated over the inputs during one call. "
         "vs peer: best peer with sinks (flex, fla) ms / this ms (>1 = faster). sdpa has no sink (judged against "
         "the no-sink reference); a FAIL row failed the precision gate and was not timed.",
+        "systems: " + "; ".join(f"{n} = {getattr(SYSTEMS[n], 'note', '') or n}"
+                                for n in dict.fromkeys(r["system"] for r in result["rows"]) if n in SYSTEMS),
     ]
     for p in result["profiles"]:
         lines += ["", f"profile: flashsink fwd+bwd, {p['problem']} (per iteration, torch.profiler CUDA)",
@@ -905,7 +908,31 @@ def format_table(result: dict) -> str:
         for k in p["kernels"]:
             lines.append(f"{k['kernel'][:60]:<60} {k['role']:<28} {k['calls_per_iter']:5.1f} "
                          f"{k['us_per_iter']:9.1f} {k['share']:5.1f}%")
+    lines += ["", summary(result)]
     return "\n".join(lines)
+
+
+def summary(result: dict) -> str:
+    """One line per (problem, mode): flashsink against the best peer with sinks and SDPA."""
+    out = [f"summary: {'problem':<44} {'mode':<7} {'flashsink ms':>12} {'TFLOP/s':>8} {'%floor':>6}  "
+           f"{'best peer':<18} {'vs peer':>7}  {'sdpa(no sink) ms':>16}"]
+    keys = list(dict.fromkeys((r["problem"], r["mode"]) for r in result["rows"]))
+    for prob, mode in keys:
+        rs = {r["system"]: r for r in result["rows"] if r["problem"] == prob and r["mode"] == mode}
+        fs = rs.get("flashsink", {})
+        peers = [r for r in rs.values() if r["ms"] is not None and getattr(SYSTEMS.get(r["system"]), "peer", False)]
+        best = min(peers, key=lambda r: r["ms"]) if peers else None
+        sd = rs.get("sdpa", {})
+        fs_ms = fs.get("ms")
+        fs_txt = _f(fs_ms, ".4f") if fs_ms is not None else (fs.get("status", "-")[:12] or "-")
+        out.append(
+            f"         {prob[:44]:<44} {mode:<7} {fs_txt:>12} {_f(fs.get('tflops'), '.1f'):>8} "
+            f"{_f(fs.get('pct_floor'), '.1f'):>6}  "
+            f"{(best['system'] + ' ' + format(best['ms'], '.4f')) if best else 'none timed':<18} "
+            f"{'-' if fs.get('speedup') is None else format(fs['speedup'], '.2f') + 'x':>7}  "
+            f"{_f(sd.get('ms'), '.4f'):>16}"
+        )
+    return "\n".join(out)
 
 
 def plot(result: dict, path: str) -> str | None:
