@@ -4,7 +4,7 @@
 #   source .gpu/setup.sh && bash tools/gpu_suite.sh [pytest -k expression]
 # 1. precompiles every kernel the GPU tests need, in parallel processes (TileLang's disk cache);
 # 2. runs the GPU tests (pytest -m gpu), 3. `flashsink check` on the golden problem,
-# 4. times the golden and gpt-oss configurations. Logs go to $OUT (or ./gpu-out).
+# 4. `flashsink bench` (flashsink only) on the golden and gpt-oss presets. Logs go to $OUT (or ./gpu-out).
 set -uo pipefail
 out=${OUT:-gpu-out}
 mkdir -p "$out"
@@ -24,7 +24,11 @@ pt=$?
 timeout 300 python -m flashsink check 2>&1 | tee "$out/check.log"
 ck=$?
 
-timeout 300 python tools/time_configs.py 2>&1 | tee "$out/timing.log"
+# (--seq filters the presets' sweeps and drops fixed-length presets, hence two calls)
+{ timeout 200 python -m flashsink bench --systems flashsink --preset golden,gptoss-swa --no-gate2 \
+    --json "$out/bench-windowed.json" \
+  && timeout 200 python -m flashsink bench --systems flashsink --preset gptoss-full --seq 8192 --no-gate2 \
+    --json "$out/bench-full.json"; } 2>"$out/bench.log" | tee "$out/timing.log"
 tm=$?
 
 echo
@@ -32,4 +36,4 @@ echo "==== summary ===="
 echo "precompile rc=$pc  pytest rc=$pt  check rc=$ck  timing rc=$tm"
 tail -n 1 "$out/pytest.log"
 grep -E "^(FAILED|ERROR)" "$out/pytest.log" | head -40
-cat "$out/timing.log" | tail -n 12
+grep -A 12 "^summary" "$out/timing.log"
