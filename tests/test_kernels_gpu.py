@@ -13,7 +13,7 @@ import torch
 import flashsink
 from flashsink.testing import case_id, compare_all, make_inputs
 
-from gpu_cases import Case, all_cases, determinism_cases, extra_cases, main_matrix, named_cases
+from gpu_cases import Case, determinism_cases, extra_cases, main_matrix, named_cases
 
 pytestmark = pytest.mark.gpu
 
