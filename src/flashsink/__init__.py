@@ -5,7 +5,8 @@
 
 from . import reference, testing
 from .api import attention, attention_varlen
+from .combine import combine
 
 __version__ = "0.1.0"
 
-__all__ = ["attention", "attention_varlen", "reference", "testing", "__version__"]
+__all__ = ["attention", "attention_varlen", "combine", "reference", "testing", "__version__"]
