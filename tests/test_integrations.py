@@ -1,0 +1,287 @@
+"""Hugging Face transformers integration and the ``flashsink.nn`` module, on the CPU path.
+
+The client is transformers' own ``GptOssForCausalLM`` (nobody here wrote it), tiny and built locally
+from a ``GptOssConfig`` with random weights (no download). ``attn_implementation="flashsink"`` is
+judged against the model's own ``"eager"`` attention with the same weights:
+
+* logits and the gradient of every parameter (sinks included) under the precision standard at fp32:
+  expected = the eager model in float64, ``lowp`` = the eager model in float32 (gate 2 on), actual =
+  the flashsink model in float32;
+* padded batches (left and right padding), greedy ``generate()`` with the KV cache (dynamic and
+  static caches, with and without left padding), packed sequences, and what it must refuse.
+
+``flashsink.nn.SinkAttention`` is tested in ``tests/test_nn.py`` (no transformers needed).
+
+The experts run with ``experts_implementation="eager"``: transformers' default grouped_mm experts do not
+run in float64, which the reference model needs.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import flashsink
+from flashsink.testing import assert_precision
+
+transformers = pytest.importorskip("transformers", reason="Hugging Face transformers is not installed (pip install 'flashsink[hf]')")
+from transformers import GptOssConfig, GptOssForCausalLM  # noqa: E402
+
+import flashsink.integrations.transformers as fs_hf  # noqa: E402  (registers "flashsink")
+
+pytestmark = pytest.mark.l1
+
+SEQ = 40  # > the window of 16
+VOCAB = 128
+# fp32 against fp32 (flashsink vs eager, both float32) where no float64 model is run: 1e-5, about the
+# precision standard's fp32 rtol (2^-16 = 1.5e-5); the differences measured here are ~1e-6.
+FP32 = dict(rtol=1e-5, atol=1e-5)
+
+
+def tiny_config(**over) -> GptOssConfig:
+    kw = dict(
+        num_hidden_layers=2, hidden_size=256, intermediate_size=256,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+        sliding_window=16, layer_types=["sliding_attention", "full_attention"],
+        vocab_size=VOCAB, num_local_experts=4, num_experts_per_tok=2,
+        pad_token_id=0, eos_token_id=1, bos_token_id=2,
+        attn_implementation="eager", experts_implementation="eager",
+    )
+    kw.update(over)
+    return GptOssConfig(**kw)
+
+
+def tiny_model(seed: int = 0, **over) -> GptOssForCausalLM:
+    torch.manual_seed(seed)
+    return GptOssForCausalLM(tiny_config(**over)).float().eval()
+
+
+def with_attn(model, impl: str, dtype=torch.float32):
+    m = copy.deepcopy(model).to(dtype)
+    m.config._attn_implementation = impl
+    return m
+
+
+@pytest.fixture(scope="module")
+def base_model():
+    return tiny_model()
+
+
+def _ids(batch=2, seq=SEQ, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (batch, seq), generator=g)
+
+
+# ------------------------------------------------------------------------------------------------
+# Registration
+
+
+def test_register_is_idempotent():
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    fs_hf.register()
+    fs_hf.register()
+    assert AttentionInterface._global_mapping["flashsink"] is fs_hf.flashsink_attention_forward
+    assert "flashsink" in AttentionMaskInterface._global_mapping
+
+
+def test_model_builds_with_flashsink():
+    torch.manual_seed(0)
+    model = GptOssForCausalLM(tiny_config(attn_implementation="flashsink"))
+    assert model.config._attn_implementation == "flashsink"
+    assert all(layer.self_attn.config._attn_implementation == "flashsink" for layer in model.model.layers)
+    with torch.no_grad():
+        assert torch.isfinite(model(_ids()).logits).all()
+
+
+# ------------------------------------------------------------------------------------------------
+# Logits and gradients of every parameter
+
+
+def _run(model, ids, **kw):
+    model.zero_grad(set_to_none=True)
+    out = model(ids, labels=ids, **kw)
+    out.loss.backward()
+    return out.logits.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def test_logits_and_all_gradients_match_eager(base_model):
+    ids = _ids()
+    exp_logits, exp_grads = _run(with_attn(base_model, "eager", torch.float64), ids)
+    low_logits, low_grads = _run(with_attn(base_model, "eager"), ids)
+    act_logits, act_grads = _run(with_attn(base_model, "flashsink"), ids)
+
+    assert_precision("logits", act_logits.double(), exp_logits, torch.float32, lowp=low_logits.double())
+    names = [n for n, _ in base_model.named_parameters()]
+    assert sum(".sinks" in n for n in names) == 2
+    for name in names:
+        assert act_grads[name] is not None, f"{name}: no gradient through flashsink"
+        assert_precision(name, act_grads[name].double(), exp_grads[name], torch.float32, lowp=low_grads[name].double())
+
+
+# ------------------------------------------------------------------------------------------------
+# Padding masks (unpad to varlen, pad back)
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padded_batch_matches_eager(base_model, side, calls):
+    ids = _ids(batch=3)
+    mask = torch.ones_like(ids)
+    pads = [0, 7, 25]  # 25 > window: a sliding row that starts deep into the padding
+    for row, n in enumerate(pads):
+        if n == 0:
+            continue
+        if side == "left":
+            mask[row, :n] = 0
+        else:
+            mask[row, -n:] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    eager, fs = with_attn(base_model, "eager"), with_attn(base_model, "flashsink")
+    with torch.no_grad():
+        e = eager(ids, attention_mask=mask).logits
+        a = fs(ids, attention_mask=mask).logits
+    real = mask.bool()
+    torch.testing.assert_close(a[real], e[real], **FP32)
+    assert [kind for kind, _, _ in calls] == ["varlen", "varlen"]  # both layers unpadded
+    # The padding-free row is the same with or without the others' padding.
+    with torch.no_grad():
+        alone = fs(ids[:1]).logits
+    torch.testing.assert_close(a[0], alone[0], **FP32)
+
+
+def test_padding_holes_under_a_window_raise(base_model):
+    ids = _ids()
+    mask = torch.ones_like(ids)
+    mask[0, 10:13] = 0  # a hole between real tokens
+    fs = with_attn(base_model, "flashsink")
+    with pytest.raises(NotImplementedError, match="contiguous"):
+        fs(ids, attention_mask=mask)
+
+
+# ------------------------------------------------------------------------------------------------
+# generate() with the KV cache (S_q < S_kv, bottom-right alignment)
+
+
+def _generate(model, ids, mask=None, **kw):
+    with torch.no_grad():
+        return model.generate(
+            ids, attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False, use_cache=True,
+            pad_token_id=0, **kw,
+        )
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Record (entry point, S_q, S_kv) of every flashsink call the integration makes."""
+    seen = []
+    dense, varlen = flashsink.attention, flashsink.attention_varlen
+
+    def spy_dense(q, k, v, *a, **kw):
+        seen.append(("attention", q.shape[2], k.shape[2]))
+        return dense(q, k, v, *a, **kw)
+
+    def spy_varlen(q, k, v, *a, **kw):
+        seen.append(("varlen", q.shape[0], k.shape[0]))
+        return varlen(q, k, v, *a, **kw)
+
+    monkeypatch.setattr(flashsink, "attention", spy_dense)
+    monkeypatch.setattr(flashsink, "attention_varlen", spy_varlen)
+    return seen
+
+
+def test_generate_with_cache_matches_eager(base_model, calls):
+    ids = _ids(batch=1, seq=20)  # 20 + 8 tokens crosses the window of 16
+    e = _generate(with_attn(base_model, "eager"), ids)
+    calls.clear()
+    a = _generate(with_attn(base_model, "flashsink"), ids)
+    assert e.shape[1] == ids.shape[1] + 8
+    assert torch.equal(a, e)
+    # The decode steps ran through flashsink with one query against a longer cache (bottom-right).
+    assert any(kind == "attention" and sq == 1 and skv > 1 for kind, sq, skv in calls)
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_generate_left_padded_batch_matches_eager(base_model, calls, cache):
+    ids = _ids(batch=2, seq=20, seed=3)
+    mask = torch.ones_like(ids)
+    mask[1, :6] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    kw = {"cache_implementation": "static"} if cache == "static" else {}
+    e = _generate(with_attn(base_model, "eager"), ids, mask, **kw)
+    calls.clear()
+    a = _generate(with_attn(base_model, "flashsink"), ids, mask, **kw)
+    assert torch.equal(a, e)
+    assert any(kind == "varlen" for kind, _, _ in calls)  # the padding went through unpad / varlen / pad
+
+
+# ------------------------------------------------------------------------------------------------
+# Packed sequences (batch 1, position ids that restart): varlen, as transformers' FlashAttention path
+
+
+def test_packed_sequences_match_separate_runs(base_model):
+    lens = [15, 25]
+    seqs = [_ids(batch=1, seq=n, seed=10 + i) for i, n in enumerate(lens)]
+    packed = torch.cat(seqs, dim=1)
+    pos = torch.cat([torch.arange(n) for n in lens]).unsqueeze(0)
+    fs = with_attn(base_model, "flashsink")
+    with torch.no_grad():
+        a = fs(packed, position_ids=pos).logits
+        parts = [fs(s).logits for s in seqs]
+    torch.testing.assert_close(a, torch.cat(parts, dim=1), **FP32)
+
+
+# ------------------------------------------------------------------------------------------------
+# Masks and options it cannot honour raise
+
+
+def test_arbitrary_float_4d_mask_raises(base_model):
+    ids = _ids()
+    fs = with_attn(base_model, "flashsink")
+    g = torch.Generator().manual_seed(0)
+    mask = torch.randn(2, 1, SEQ, SEQ, generator=g)
+    with pytest.raises(NotImplementedError, match="arbitrary 4-D"):
+        fs(ids, attention_mask=mask)
+
+
+def test_plain_causal_4d_mask_is_accepted(base_model):
+    ids = _ids()
+    fs = with_attn(base_model, "flashsink")
+    causal = torch.ones(SEQ, SEQ, dtype=torch.bool).tril()
+    # A 4-D mask is used as is for every layer: the plain causal one is right for the full layer only, so
+    # it must be refused on the sliding layer, and accepted on a model whose layers are all full.
+    with pytest.raises(NotImplementedError, match="arbitrary 4-D"):
+        fs(ids, attention_mask=causal.expand(2, 1, SEQ, SEQ))
+    full = with_attn(tiny_model(layer_types=["full_attention", "full_attention"]), "flashsink")
+    eager = with_attn(tiny_model(layer_types=["full_attention", "full_attention"]), "eager")
+    with torch.no_grad():
+        a = full(ids, attention_mask=causal.expand(2, 1, SEQ, SEQ)).logits
+        e = eager(ids).logits
+    torch.testing.assert_close(a, e, **FP32)
+
+
+def test_dropout_in_training_raises():
+    model = tiny_model(attention_dropout=0.1)
+    model.config._attn_implementation = "flashsink"
+    model.train()
+    with pytest.raises(NotImplementedError, match="dropout"):
+        model(_ids())
+    model.eval()  # eval passes dropout=0.0
+    with torch.no_grad():
+        model(_ids())
+
+
+def test_attention_function_direct_gqa_and_cache_alignment():
+    """The function itself: [B,H,S,D] in, [B,S,H,D] out, GQA, s_aux, S_q < S_kv bottom-right."""
+    torch.manual_seed(0)
+    b, h, hk, sq, skv, d = 2, 8, 2, 3, 11, 16
+    q = torch.randn(b, h, sq, d)
+    k, v = torch.randn(b, hk, skv, d), torch.randn(b, hk, skv, d)
+    sinks = torch.randn(h)
+    module = torch.nn.Module()
+    out, weights = fs_hf.flashsink_attention_forward(module, q, k, v, None, scaling=0.3, sliding_window=4, s_aux=sinks)
+    assert weights is None and out.shape == (b, sq, h, d)
+    ref = flashsink.reference.attention(q, k, v, sinks, window=4, scale=0.3)
+    torch.testing.assert_close(out, ref.transpose(1, 2))
