@@ -67,6 +67,9 @@ def extra_cases() -> list:
         Case(2, 8, 8, 100, 128, None, BF16, seq_kv=1000, name="chunked-prefill"),
         Case(1, 12, 4, 1, 64, None, F16, seq_kv=777, name="decode-1"),
         Case(1, 16, 1, 129, 64, 64, BF16, seq_kv=4096, name="prefill-window"),
+        # more queries than keys: the first rows see no key (o = 0, lse = the sink)
+        Case(1, 8, 2, 300, 64, None, BF16, seq_kv=200, name="more-queries-than-keys"),
+        Case(1, 8, 2, 300, 64, 50, BF16, seq_kv=200, name="more-queries-than-keys-window"),
         Case(1, 8, 8, 1000, 128, 100, F16, sink_range=(-30.0, -30.0), name="sink-30"),
         Case(1, 8, 8, 1000, 128, None, BF16, sink_range=(10.0, 10.0), name="sink+10"),
         Case(2, 12, 4, 1000, 64, 128, BF16, sinks=False, name="nosink"),
