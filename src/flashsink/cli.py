@@ -5,6 +5,8 @@ Commands:
             all six outputs against the float64 reference under the precision standard.
     bench   gate flashsink and its peers against the float64 reference, then time them
             (implementation in ``flashsink.bench``).
+    precompile  compile kernels ahead of time into the kernel cache, no GPU needed
+            (implementation in ``flashsink.ops.precompile``).
 """
 
 from __future__ import annotations
@@ -180,6 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench import add_parser as add_bench_parser
 
     add_bench_parser(sub)
+    from .ops.precompile import add_parser as add_precompile_parser
+
+    add_precompile_parser(sub)
     return parser
 
 

@@ -52,3 +52,84 @@ def precompile(configs, *, kinds=None, jobs=None, out=sys.stderr) -> list:
     for kind, cfg, err in failures:
         print(f"  {kind} {cfg.short()}: {err[-2000:]}", file=out, flush=True)
     return failures
+
+
+# ----------------------------------------------------------------------------------------------
+# `flashsink precompile`: fill the kernel cache ahead of time (a login node, CI, a Docker build)
+
+_DTYPES = {"fp16": "float16", "bf16": "bfloat16"}
+
+
+def configs_from_args(args) -> list:
+    """Every KernelConfig the options ask for (the product of the option lists)."""
+    from .config import MAX_HEAD_DIM
+    from .interface import _kernel_dim
+
+    for d in args.head_dim:
+        if d % 16 != 0 or not 16 <= d <= MAX_HEAD_DIM:
+            raise ValueError(f"--head-dim: {d} is not a multiple of 16 in [16, {MAX_HEAD_DIM}]")
+    for g in args.groups:
+        if g < 1:
+            raise ValueError(f"--groups: {g} must be >= 1 (query heads per KV head)")
+    sinks = {"yes": (True,), "no": (False,), "both": (True, False)}[args.sinks]
+    causal = {"causal": (True,), "full": (False,), "both": (True, False)}[args.mask]
+    det = (False, True) if args.deterministic else (False,)
+    out = []
+    for arch in args.arch:
+        for dtype in args.dtype:
+            for d in dict.fromkeys(_kernel_dim(d) for d in args.head_dim):
+                for g in args.groups:
+                    for layout in args.layout:
+                        for s in sinks:
+                            for c in causal:
+                                for dt in det:
+                                    out.append(
+                                        KernelConfig(
+                                            arch=arch, dtype=_DTYPES[dtype], head_dim=d, head_dim_v=d,
+                                            groups=g, causal=c, has_sinks=s, layout=layout, deterministic=dt,
+                                        )
+                                    )
+    return out
+
+
+def cmd_precompile(args) -> int:
+    try:
+        configs = configs_from_args(args)
+    except ValueError as exc:
+        print(f"flashsink precompile: {exc}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        for cfg in configs:
+            kinds = args.kinds or kinds_for(cfg)
+            print(f"{cfg.short():<60} {' '.join(kinds)}")
+        print(f"{len(configs)} configurations, {sum(len(args.kinds or kinds_for(c)) for c in configs)} kernels")
+        return 0
+    return 1 if precompile(configs, kinds=args.kinds, jobs=args.jobs, out=sys.stdout) else 0
+
+
+def add_parser(sub) -> None:
+    from .config import SUPPORTED_ARCHS
+
+    p = sub.add_parser(
+        "precompile",
+        help="compile kernels ahead of time into the kernel cache (no GPU needed)",
+        description="Compile the kernels for every combination of the options below, in parallel "
+        "processes, into TileLang's kernel cache (TILELANG_CACHE_DIR, default ~/.tilelang/cache), "
+        "so a later process loads them instead of compiling on its first call. Works on a machine "
+        "without a GPU (nvcc is needed). Sequence lengths, batch, window size and scale are runtime "
+        "values: they need no kernels of their own. Exit code 1 if any kernel fails to build.",
+    )
+    p.add_argument("--arch", nargs="+", choices=SUPPORTED_ARCHS, default=["sm_90a"], help="default sm_90a")
+    p.add_argument("--dtype", nargs="+", choices=tuple(_DTYPES), default=["bf16", "fp16"], help="default bf16 fp16")
+    p.add_argument("--head-dim", nargs="+", type=int, default=[64, 128], help="default 64 128")
+    p.add_argument("--groups", nargs="+", type=int, default=[1, 8],
+                   help="query heads per KV head (GQA ratio H/H_kv); default 1 8 (gpt-oss: 8)")
+    p.add_argument("--layout", nargs="+", choices=("bhsd", "bshd"), default=["bhsd"], help="default bhsd")
+    p.add_argument("--sinks", choices=("yes", "no", "both"), default="yes", help="default yes")
+    p.add_argument("--mask", choices=("causal", "full", "both"), default="causal",
+                   help="causal (with or without a window: the window is a runtime value) or full; default causal")
+    p.add_argument("--deterministic", action="store_true", help="also the deterministic=True backward")
+    p.add_argument("--kinds", nargs="+", choices=KINDS, help="only these kernels (default: all a configuration needs)")
+    p.add_argument("--jobs", type=int, default=None, help="parallel processes (default: CPU count)")
+    p.add_argument("--dry-run", action="store_true", help="list what would be compiled and exit")
+    p.set_defaults(func=cmd_precompile)

@@ -1,0 +1,39 @@
+"""`flashsink precompile`: the configurations it plans, its errors, and one real build (no GPU)."""
+
+import shutil
+
+import pytest
+
+from flashsink.cli import main
+
+
+@pytest.mark.l0
+def test_dry_run_plans_the_product(capsys):
+    rc = main(["precompile", "--dry-run", "--arch", "sm_90a", "sm_80", "--dtype", "bf16", "fp16",
+               "--head-dim", "64", "80", "--groups", "1", "8", "--sinks", "both", "--deterministic"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    # 2 archs x 2 dtypes x 2 tiles (80 runs on the 128 tile) x 2 ratios x 2 sink modes x 2 (det or not)
+    assert "64 configurations, 256 kernels" in out
+    assert "sm_80-float16-D128x128-G8-causal-nosink-bhsd-det" in out and " dq" in out
+
+
+@pytest.mark.boundary
+@pytest.mark.parametrize("argv, needle", [
+    (["--head-dim", "72"], "--head-dim: 72"),
+    (["--head-dim", "512"], "--head-dim: 512"),
+    (["--groups", "0"], "--groups: 0"),
+])
+def test_bad_options_exit_2(argv, needle, capsys):
+    assert main(["precompile", "--dry-run", *argv]) == 2
+    assert needle in capsys.readouterr().err
+
+
+@pytest.mark.l1
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+def test_builds_a_kernel_without_a_gpu(capsys):
+    rc = main(["precompile", "--arch", "sm_80", "--dtype", "bf16", "--head-dim", "64", "--groups", "1",
+               "--kinds", "postprocess", "--jobs", "1"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "[1/1] postprocess" in out and " ok" in out and "0 failed" in out
