@@ -22,7 +22,6 @@ and the sink gets ``dsink[h] = -sum_rows exp(sink[h] - lse) * Delta``.
 - ``build_postprocess``: casts the fp32 dQ accumulator into dQ in the input layout.
 """
 
-import tilelang
 import tilelang.language as T
 
 from .block_range import kv_blocks_for_rows, row_blocks_for_keys
@@ -31,9 +30,6 @@ from .layout import qkv_shapes, store_rows, tile
 from .mask import visible
 from .softmax import LOG2E
 from .split import split
-
-PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
-
 
 @T.macro
 def probs_and_grads(q_s, do_s, k_s, v_s, lse, p, dp, row0, key0, seq_q, seq_kv, window, scale_log2, causal: bool):

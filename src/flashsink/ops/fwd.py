@@ -6,7 +6,6 @@ runtime values.
 """
 
 
-import tilelang
 import tilelang.language as T
 
 from . import softmax
@@ -14,9 +13,6 @@ from .block_range import kv_blocks_for_rows
 from .config import KernelConfig, fwd_tiles
 from .layout import qkv_shapes, store_rows, tile
 from .mask import visible
-
-PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
-
 
 def build_fwd(cfg: KernelConfig):
     t = fwd_tiles(cfg)
