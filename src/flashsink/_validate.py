@@ -114,7 +114,13 @@ def _check_same_dtype_device(q, k, v) -> None:
         )
 
 
-def _check_heads(heads: int, kv_heads: int, head_dim: int, head_dim_v: int, what: str) -> None:
+def _check_heads(heads: int, kv_heads: int, head_dim: int, head_dim_v: int, what) -> None:
+    """``what`` describes the inputs in the messages: a str, or a callable giving one, so that the
+    description is only built on an error (formatting symbolic shapes breaks a torch.compile graph)."""
+    if not (heads < 1 or kv_heads < 1 or heads % kv_heads != 0 or head_dim < 1 or head_dim_v < 1):
+        return
+    if callable(what):
+        what = what()
     if heads < 1 or kv_heads < 1:
         raise ValueError(
             f"q and k need at least one head, got q heads {heads} and k/v heads {kv_heads} ({what})"
@@ -169,7 +175,7 @@ def validate_attention(q, k, v, sinks, *, window, causal, scale, layout) -> Attn
         raise ValueError(
             f"v must match k in batch, heads and sequence length ({layout}): k {_shape(k)}, v {_shape(v)}"
         )
-    _check_heads(h, hk, d, dv, f"layout={layout!r}, q {_shape(q)}, k {_shape(k)}, v {_shape(v)}")
+    _check_heads(h, hk, d, dv, lambda: f"layout={layout!r}, q {_shape(q)}, k {_shape(k)}, v {_shape(v)}")
     _check_sinks(sinks, h, q.device)
 
     return AttnSpec(

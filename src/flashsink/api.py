@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from . import reference
 from ._validate import validate_attention, validate_varlen
+from .ops.interface import kernel_attention  # registers the flashsink:: custom ops; never imports tilelang
 
 __all__ = ["attention", "attention_varlen"]
 
@@ -39,14 +40,13 @@ def attention(
         return_lse: also return the natural-log LSE including the sink, float32 ``[B, H, S_q]``.
         deterministic: ask the CUDA backward for a deterministic reduction order.
 
-    CUDA tensors run the TileLang kernels; tensors on any other device run the PyTorch reference.
+    CUDA tensors run the TileLang kernels (through the custom ops ``flashsink::fwd`` / ``flashsink::bwd``);
+    tensors on any other device run the PyTorch reference. Both paths trace with
+    ``torch.compile(fullgraph=True, dynamic=True)``.
     """
     spec = validate_attention(q, k, v, sinks, window=window, causal=causal, scale=scale, layout=layout)
     _check_deterministic(deterministic)
     if q.is_cuda:
-        # Imported here so that `import flashsink` never loads tilelang.
-        from flashsink.ops.interface import kernel_attention
-
         return kernel_attention(spec, q, k, v, sinks, return_lse=return_lse, deterministic=deterministic)
     return reference._attention(q, k, v, sinks, spec, return_lse=return_lse)
 

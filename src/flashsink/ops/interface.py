@@ -1,15 +1,15 @@
-"""``flashsink.attention`` on CUDA tensors: input preparation, launches, autograd.
+"""``flashsink.attention`` on CUDA tensors: input preparation and launches.
 
-The autograd function is thin: it saves tensors and calls ``_forward`` / ``_backward``.
-Validation happened once, in the public function (``flashsink.api``).
+``_forward`` / ``_backward`` launch the kernels; the custom ops ``flashsink::fwd`` /
+``flashsink::bwd`` (``custom_ops.py``) wrap them with fake implementations and autograd, and
+``kernel_attention`` pads head dims and calls the forward op. Validation happened once, in the
+public function (``flashsink.api``). Nothing here imports tilelang: kernels are built on first launch.
 """
-
-from dataclasses import replace
 
 import torch
 
 from .compile import get_kernel
-from .config import MAX_HEAD_DIM, NATIVE_HEAD_DIMS, NO_WINDOW, SUPPORTED_DTYPES, KernelConfig, arch_of, pre_tiles
+from .config import MAX_HEAD_DIM, NATIVE_HEAD_DIMS, SUPPORTED_DTYPES, KernelConfig, arch_of, pre_tiles
 
 # Row statistics (lse, Delta) and the fp32 dQ accumulator are allocated with this many
 # rows per multiple: every kernel's row tile is then in bounds, and the row stride of
@@ -18,7 +18,8 @@ ROW_PAD = 128
 
 
 def _padded_rows(seq_q: int) -> int:
-    return max(ROW_PAD, (seq_q + ROW_PAD - 1) // ROW_PAD * ROW_PAD)
+    # sym_max: also right for the symbolic lengths of a torch.compile trace (no guard on seq_q).
+    return torch.sym_max(ROW_PAD, (seq_q + ROW_PAD - 1) // ROW_PAD * ROW_PAD)
 
 
 def _kernel_dim(d: int) -> int:
@@ -28,11 +29,11 @@ def _kernel_dim(d: int) -> int:
     for native in NATIVE_HEAD_DIMS:
         if d <= native:
             return native
-    raise AssertionError(d)  # unreachable after kernel_config's check
+    raise AssertionError(d)  # unreachable after check_supported
 
 
-def kernel_config(spec, device, deterministic: bool) -> KernelConfig:
-    """The static configuration for a validated problem, or NotImplementedError."""
+def check_supported(spec) -> None:
+    """NotImplementedError unless the kernels take this (validated) problem's dtype and head dims."""
     if spec.dtype not in SUPPORTED_DTYPES:
         raise NotImplementedError(
             f"flashsink kernels support float16 and bfloat16 inputs on CUDA; got {spec.dtype}. "
@@ -44,6 +45,11 @@ def kernel_config(spec, device, deterministic: bool) -> KernelConfig:
                 f"flashsink kernels support head dims that are multiples of 16 up to {MAX_HEAD_DIM} "
                 f"(64 and 128 are the fast ones); the {name} is {d}."
             )
+
+
+def kernel_config(spec, device, deterministic: bool) -> KernelConfig:
+    """The static configuration for a validated problem, or NotImplementedError."""
+    check_supported(spec)
     return KernelConfig(
         arch=arch_of(device),
         dtype=SUPPORTED_DTYPES[spec.dtype],
@@ -96,28 +102,6 @@ def _backward(do, q, k, v, lse, dlse, sinks32, cfg, spec, window):
     return dq, dk, dv, (dsink if cfg.has_sinks else None)
 
 
-class _SinkAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, sinks, cfg, spec, window):
-        sinks32 = _sinks_f32(sinks, spec.heads, q.device)
-        o, lse = _forward(q, k, v, sinks32, cfg, spec, window)
-        # O itself is not needed: the backward recomputes Delta from P and dP.
-        ctx.save_for_backward(q, k, v, lse, sinks32)
-        ctx.cfg, ctx.spec, ctx.window = cfg, spec, window
-        ctx.sinks_dtype = None if sinks is None else sinks.dtype
-        return o, lse[:, :, : spec.seq_q]
-
-    @staticmethod
-    def backward(ctx, do, dlse):
-        q, k, v, lse, sinks32 = ctx.saved_tensors
-        spec = ctx.spec
-        do = do.contiguous()
-        dq, dk, dv, dsink = _backward(do, q, k, v, lse, dlse, sinks32, ctx.cfg, spec, ctx.window)
-        if dsink is not None:
-            dsink = dsink.to(ctx.sinks_dtype)
-        return dq, dk, dv, dsink, None, None, None
-
-
 def _sinks_f32(sinks, heads, device):
     if sinks is None:
         return torch.zeros((heads,), dtype=torch.float32, device=device)  # not read by the kernels
@@ -125,22 +109,30 @@ def _sinks_f32(sinks, heads, device):
 
 
 def kernel_attention(spec, q, k, v, sinks, *, return_lse=False, deterministic=False):
-    """Run validated inputs through the kernels (autograd for q, k, v and sinks)."""
-    cfg = kernel_config(spec, q.device, deterministic)
-    window = NO_WINDOW if spec.window is None else min(int(spec.window), NO_WINDOW)
+    """Run validated inputs through the kernels (autograd for q, k, v and sinks).
+
+    Everything here is traceable by torch.compile (fullgraph, dynamic shapes): the launches are
+    behind the custom ops ``flashsink::fwd`` / ``flashsink::bwd`` (``custom_ops.py``), whose
+    autograd formula calls the backward op. Head-dim padding and the slicing of o and lse are
+    plain torch ops around them, so autograd slices and pads the gradients.
+    """
+    check_supported(spec)
     if 0 in (spec.batch, spec.heads, spec.seq_q, spec.seq_kv):
         # Empty problems (no rows, or no keys: o = 0 and lse = the sink) have no tiles to
         # launch; the reference gives their exact, differentiable result on q's device.
         from .. import reference
 
         return reference._attention(q, k, v, sinks, spec, return_lse=return_lse)
-    q, k = (_pad_dim(x, cfg.head_dim) for x in (q, k))
-    v = _pad_dim(v, cfg.head_dim_v)
-    padded = replace(spec, head_dim=cfg.head_dim, head_dim_v=cfg.head_dim_v)
-    o, lse = _SinkAttention.apply(q, k, v, sinks, cfg, padded, window)
-    if cfg.head_dim_v != spec.head_dim_v:
+    d, dv = _kernel_dim(spec.head_dim), _kernel_dim(spec.head_dim_v)
+    q, k = (_pad_dim(x, d) for x in (q, k))
+    v = _pad_dim(v, dv)
+    # lse comes back with _padded_rows(seq_q) rows (the layout the backward kernels read).
+    o, lse = torch.ops.flashsink.fwd(
+        q, k, v, sinks, spec.window, spec.causal, spec.scale, spec.layout, deterministic
+    )
+    if dv != spec.head_dim_v:
         o = o[..., : spec.head_dim_v]
-    return (o, lse) if return_lse else o
+    return (o, lse[:, :, : spec.seq_q]) if return_lse else o
 
 
 def _pad_dim(x, d):
@@ -150,3 +142,5 @@ def _pad_dim(x, d):
         return torch.nn.functional.pad(x, (0, d - x.shape[-1]))
     return x if x.is_contiguous() else x.contiguous()
 
+
+from . import custom_ops  # noqa: E402,F401  (registers flashsink::fwd / flashsink::bwd; it reads this module's names at call time)

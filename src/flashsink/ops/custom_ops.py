@@ -1,0 +1,241 @@
+"""The kernels as ``torch.library`` custom ops: ``flashsink::fwd`` and ``flashsink::bwd``.
+
+They make the CUDA path of ``flashsink.attention`` traceable by ``torch.compile`` (``fullgraph=True``,
+dynamic shapes): the TileLang launches are opaque to the compiler, so each direction is one op with
+a fake implementation (output shapes, dtypes and strides from the inputs' shapes only) and the
+forward op has an autograd formula that calls the backward op.
+
+    flashsink::fwd(q, k, v, sinks?, window?, causal, scale, layout, deterministic) -> (o, lse)
+    flashsink::bwd(do, q, k, v, sinks?, lse, dlse?, window?, causal, scale, layout, deterministic)
+        -> (dq, dk, dv, dsink)
+
+Arguments are tensors and primitives only; the kernels' static configuration and the problem's
+``AttnSpec`` are rebuilt from them inside. Conventions:
+
+* q, k, v in ``layout`` ("bhsd" or "bshd"), head dims the kernels have tiles for (32, 64, 128,
+  256 on CUDA: ``kernel_attention`` zero-pads others before the op and slices o after it).
+* ``window``: None or W >= 1 (keys ``[i-W+1, i]``); ``scale``: the score scale.
+* o ``[B, H, S_q, D_v]`` ("bhsd") or ``[B, S_q, H, D_v]`` ("bshd"), contiguous, q's dtype.
+* lse float32 (float64 for float64 inputs) ``[B, H, _padded_rows(S_q)]``: the rows the backward
+  kernels read; rows past ``S_q`` are padding and hold 0. ``flashsink.attention`` returns
+  ``lse[:, :, :S_q]``.
+* dlse: the gradient of that padded lse or None; dsink: ``[H]`` in the sinks' dtype (float32 zeros
+  when ``sinks`` is None, and the autograd formula then returns no gradient).
+
+On CUDA the implementations launch the kernels. On every other device they run the reference
+(forward) and its closed-form gradient (backward): ``flashsink.attention`` does not go through
+them there (off CUDA it is the reference itself, plain torch ops), but ``torch.library.opcheck``
+and the CPU tests of the autograd wiring do.
+
+Importing this module registers the ops; it never imports tilelang (kernels build on first launch).
+"""
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .. import reference
+from .._validate import LAYOUTS, AttnSpec
+from . import interface
+from .config import NATIVE_HEAD_DIMS, NO_WINDOW
+
+__all__ = ["fwd", "bwd"]
+
+
+def _spec(q, k, v, sinks, window, causal, scale, layout) -> AttnSpec:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if layout == "bhsd":
+        b, h, sq, d = q.shape
+        hk, skv = k.shape[1], k.shape[2]
+    else:
+        b, sq, h, d = q.shape
+        skv, hk = k.shape[1], k.shape[2]
+    return AttnSpec(
+        batch=b, heads=h, kv_heads=hk, seq_q=sq, seq_kv=skv, head_dim=d, head_dim_v=v.shape[-1],
+        window=window, causal=causal, scale=scale, layout=layout, dtype=q.dtype,
+        has_sinks=sinks is not None,
+    )
+
+
+def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _empty(spec: AttnSpec) -> bool:
+    return 0 in (spec.batch, spec.heads, spec.seq_q, spec.seq_kv)
+
+
+def _kernel_inputs(spec: AttnSpec, device, deterministic: bool, *tensors):
+    """The kernels' config and window, and the tensors made contiguous (no-ops from kernel_attention)."""
+    for name, d in (("q/k", spec.head_dim), ("v", spec.head_dim_v)):
+        if d not in NATIVE_HEAD_DIMS:
+            raise ValueError(
+                f"the flashsink::fwd/bwd ops take head dims {NATIVE_HEAD_DIMS} on CUDA (flashsink.attention "
+                f"zero-pads the others); the {name} head dim is {d}"
+            )
+    cfg = interface.kernel_config(spec, device, deterministic)
+    window = NO_WINDOW if spec.window is None else min(int(spec.window), NO_WINDOW)
+    return cfg, window, [t.contiguous() for t in tensors]
+
+
+# ------------------------------------------------------------------------------------------------
+# Forward
+
+
+def _fwd_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    sinks: Optional[Tensor],
+    window: Optional[int],
+    causal: bool,
+    scale: float,
+    layout: str,
+    deterministic: bool,
+) -> Tuple[Tensor, Tensor]:
+    """Reference implementation (every device but CUDA): o and the row-padded lse."""
+    spec = _spec(q, k, v, sinks, window, causal, scale, layout)
+    o, lse = reference._attention(q, k, v, sinks, spec, return_lse=True)
+    rows = interface._padded_rows(spec.seq_q)
+    return o.contiguous(), torch.nn.functional.pad(lse, (0, rows - spec.seq_q))
+
+
+fwd = torch.library.custom_op("flashsink::fwd", _fwd_reference, mutates_args=())
+
+
+@fwd.register_kernel("cuda")
+def _fwd_cuda(q, k, v, sinks, window, causal, scale, layout, deterministic):
+    spec = _spec(q, k, v, sinks, window, causal, scale, layout)
+    if _empty(spec):
+        return _fwd_reference(q, k, v, sinks, window, causal, scale, layout, deterministic)
+    cfg, win, (q, k, v) = _kernel_inputs(spec, q.device, deterministic, q, k, v)
+    sinks32 = interface._sinks_f32(sinks, spec.heads, q.device)
+    o, lse = interface._forward(q, k, v, sinks32, cfg, spec, win)
+    lse[:, :, spec.seq_q:] = 0  # the padding rows: some are never written by the kernel
+    return o, lse
+
+
+@fwd.register_fake
+def _fwd_fake(q, k, v, sinks, window, causal, scale, layout, deterministic):
+    spec = _spec(q, k, v, sinks, window, causal, scale, layout)
+    if layout == "bhsd":
+        o_shape = (spec.batch, spec.heads, spec.seq_q, spec.head_dim_v)
+    else:
+        o_shape = (spec.batch, spec.seq_q, spec.heads, spec.head_dim_v)
+    o = q.new_empty(o_shape)
+    lse = q.new_empty((spec.batch, spec.heads, interface._padded_rows(spec.seq_q)), dtype=_lse_dtype(q.dtype))
+    return o, lse
+
+
+# ------------------------------------------------------------------------------------------------
+# Backward
+
+
+def _bwd_reference(
+    do: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    sinks: Optional[Tensor],
+    lse: Tensor,
+    dlse: Optional[Tensor],
+    window: Optional[int],
+    causal: bool,
+    scale: float,
+    layout: str,
+    deterministic: bool,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Reference implementation (every device but CUDA): the closed-form gradient."""
+    spec = _spec(q, k, v, sinks, window, causal, scale, layout)
+    dlse = None if dlse is None else dlse[:, :, : spec.seq_q]
+    return _reference_backward(do, q, k, v, sinks, dlse, spec)
+
+
+bwd = torch.library.custom_op("flashsink::bwd", _bwd_reference, mutates_args=())
+
+
+@bwd.register_kernel("cuda")
+def _bwd_cuda(do, q, k, v, sinks, lse, dlse, window, causal, scale, layout, deterministic):
+    spec = _spec(q, k, v, sinks, window, causal, scale, layout)
+    if _empty(spec):
+        return _bwd_reference(do, q, k, v, sinks, lse, dlse, window, causal, scale, layout, deterministic)
+    cfg, win, (do, q, k, v, lse) = _kernel_inputs(spec, q.device, deterministic, do, q, k, v, lse)
+    sinks32 = interface._sinks_f32(sinks, spec.heads, q.device)
+    dlse = None if dlse is None else dlse[:, :, : spec.seq_q]
+    dq, dk, dv, dsink = interface._backward(do, q, k, v, lse, dlse, sinks32, cfg, spec, win)
+    if dsink is None:
+        return dq, dk, dv, sinks32.new_zeros(spec.heads)
+    return dq, dk, dv, dsink.to(sinks.dtype)
+
+
+@bwd.register_fake
+def _bwd_fake(do, q, k, v, sinks, lse, dlse, window, causal, scale, layout, deterministic):
+    heads = q.shape[1] if layout == "bhsd" else q.shape[2]
+    dsink_dtype = torch.float32 if sinks is None else sinks.dtype
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), q.new_empty((heads,), dtype=dsink_dtype)
+
+
+def _reference_backward(do, q, k, v, sinks, dlse, spec: AttnSpec):
+    """dq, dk, dv, dsink of the reference in closed form, in its compute dtype.
+
+    Autograd cannot run inside an op's implementation (the dispatcher is below autograd there), so
+    this is FlashAttention's backward written out: P = exp(S - lse) on visible pairs,
+    dP = dO V^T, Delta = rowsum(P * dP) - dlse, dS = P * (dP - Delta), dQ = scale dS K,
+    dK = scale dS^T Q, dV = P^T dO, dsink = -sum_rows exp(sink - lse) * Delta.
+    """
+    cdt = reference._compute_dtype(q.dtype, None)
+    if spec.layout == "bshd":
+        q, k, v, do = (t.transpose(1, 2) for t in (q, k, v, do))
+    b, hk, g, sq, skv = spec.batch, spec.kv_heads, spec.groups, spec.seq_q, spec.seq_kv
+    _, lse = reference._attention_bhsd(q, k, v, sinks, spec, cdt)  # [B, H, Sq]
+    lse = lse.view(b, hk, g, sq)
+    qc = q.to(cdt).reshape(b, hk, g * sq, spec.head_dim)
+    kc, vc = k.to(cdt), v.to(cdt)
+    doc = do.to(cdt).reshape(b, hk, g * sq, spec.head_dim_v)
+
+    s = torch.matmul(qc, kc.transpose(-1, -2)).view(b, hk, g, sq, skv) * spec.scale
+    visible = reference.visible_mask(sq, skv, window=spec.window, causal=spec.causal, device=q.device)
+    keep = visible & torch.isfinite(lse).unsqueeze(-1)  # lse = -inf: a row with no key and no sink
+    zero = torch.zeros((), dtype=cdt, device=q.device)
+    p = torch.where(keep, torch.exp(s - lse.unsqueeze(-1)), zero)  # [B, Hk, G, Sq, Skv]
+    dp = torch.matmul(doc, vc.transpose(-1, -2)).view(b, hk, g, sq, skv)
+    delta = (p * dp).sum(dim=-1)
+    if dlse is not None:
+        delta = delta - dlse.to(cdt).view(b, hk, g, sq)
+    ds = (p * (dp - delta.unsqueeze(-1))).view(b, hk, g * sq, skv)
+    p = p.view(b, hk, g * sq, skv)
+
+    dq = (torch.matmul(ds, kc) * spec.scale).view(b, spec.heads, sq, spec.head_dim)
+    dk = torch.matmul(ds.transpose(-1, -2), qc) * spec.scale  # sums the G query heads of each KV head
+    dv = torch.matmul(p.transpose(-1, -2), doc)
+    if sinks is not None:
+        p_sink = torch.exp(sinks.to(cdt).view(1, hk, g, 1) - lse)
+        dsink = -(p_sink * delta).sum(dim=(0, 3)).reshape(spec.heads).to(sinks.dtype)
+    else:
+        dsink = torch.zeros(spec.heads, dtype=torch.float32, device=q.device)
+    if spec.layout == "bshd":
+        dq, dk, dv = (t.transpose(1, 2) for t in (dq, dk, dv))
+    return dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous(), dsink
+
+
+# ------------------------------------------------------------------------------------------------
+# Autograd: the forward op's formula calls the backward op
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, sinks, window, causal, scale, layout, deterministic = inputs
+    _, lse = output
+    # o itself is not needed: the backward recomputes Delta from P and dP.
+    ctx.save_for_backward(q, k, v, sinks, lse)
+    ctx.options = (window, causal, scale, layout, deterministic)
+
+
+def _backward(ctx, do, dlse):
+    q, k, v, sinks, lse = ctx.saved_tensors
+    dq, dk, dv, dsink = torch.ops.flashsink.bwd(do, q, k, v, sinks, lse, dlse, *ctx.options)
+    return dq, dk, dv, (None if sinks is None else dsink), None, None, None, None, None
+
+
+fwd.register_autograd(_backward, setup_context=_setup_context)
