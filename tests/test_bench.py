@@ -52,7 +52,7 @@ def test_flops_and_bytes():
 
 
 def test_presets_and_shape():
-    assert set(bench.PRESETS) == {"golden", "gptoss-swa", "gptoss-full", "causal-d128"}
+    assert set(bench.PRESETS) == {"golden", "gptoss-swa", "gptoss-full", "causal-d128", "varlen", "decode"}
     g = bench.preset_problems("golden")[0]
     assert (g.dtype, g.batch, g.heads, g.kv_heads, g.seq_q, g.head_dim, g.window) == ("fp16", 1, 64, 8, 4096, 128, 128)
     assert [p.seq_q for p in bench.preset_problems("gptoss-full")] == [2048, 4096, 8192, 16384]
@@ -168,3 +168,221 @@ def test_chunked_reference_matches_unchunked(monkeypatch):
     parts = bench.reference(inp, prob, sinks=True, compute_dtype=torch.float64)
     for n in ("o", "dq", "dk", "dv", "dsink"):
         torch.testing.assert_close(parts[n], whole[n], rtol=1e-12, atol=1e-12)
+
+
+# ----------------------------------------------------------------------------------------------
+# varlen and decode presets
+
+
+def _brute_pairs_varlen(seqlens, window, causal):
+    """Visible pairs over the packed [T, T] grid: same sequence, causal / window on the packed positions."""
+    doc = torch.repeat_interleave(torch.arange(len(seqlens)), torch.tensor(seqlens, dtype=torch.long))
+    i = torch.arange(len(doc)).unsqueeze(1)
+    j = torch.arange(len(doc)).unsqueeze(0)
+    keep = doc.unsqueeze(1) == doc.unsqueeze(0)
+    if causal:
+        keep &= j <= i
+    if window is not None:
+        keep &= i - j < window
+    return int(keep.sum())
+
+
+def _brute_bytes(inp, o_shape, mode):
+    """Bytes of the tensors each mode must read and write, summed from the real tensors."""
+    def nb(*ts):
+        return sum(t.numel() * t.element_size() for t in ts)
+
+    q, k, v, do = inp["q"], inp["k"], inp["v"], inp["do"]
+    o = torch.empty(o_shape, dtype=q.dtype)
+    fwd = nb(q, k, v) + nb(o)
+    bwd = nb(q, k, v, do) + nb(q, k, v)  # dq, dk, dv are shaped like q, k, v
+    return {"fwd": fwd, "bwd": bwd, "fwd+bwd": bwd + nb(o)}[mode]
+
+
+@pytest.mark.parametrize("window,causal", [(None, True), (1, True), (4, True), (13, True), (1000, True),
+                                           (None, False)])
+def test_varlen_flops_and_bytes_brute_force(window, causal):
+    lens = (0, 1, 7, 20, 3, 0, 33)  # empty sequences and a single token on purpose
+    p = bench.Problem("t", len(lens), 6, 2, max(lens), max(lens), 16, window, "bf16", causal, seqlens=lens)
+    pairs = _brute_pairs_varlen(lens, window, causal)
+    assert bench.problem_pairs(p) == pairs
+    inp = bench.make_problem_inputs(p, "cpu", seed=0)
+    assert inp["q"].shape == (sum(lens), 6, 16) and inp["k"].shape == (sum(lens), 2, 16)
+    assert inp["cu_seqlens"].tolist() == [0, 0, 1, 8, 28, 31, 31, 64] and inp["max_seqlen"] == 33
+    for mode in bench.MODES:
+        assert bench.flops(p, mode) == bench.FLOP_FACTOR[mode] * 6 * pairs * 16
+        assert bench.min_bytes(p, mode) == _brute_bytes(inp, inp["q"].shape, mode)
+
+
+@pytest.mark.parametrize("seq_kv,window", [(37, None), (37, 5), (1, None), (300, 299)])
+def test_decode_flops_and_bytes_brute_force(seq_kv, window):
+    p = bench.Problem("t", 3, 4, 2, 1, seq_kv, 16, window, "bf16", forward_only=True)
+    pairs = 3 * int(visible_mask(1, seq_kv, window=window, causal=True).sum())
+    assert bench.problem_pairs(p) == pairs
+    assert pairs == 3 * (seq_kv if window is None else min(window, seq_kv))  # the last row sees the cache tail
+    inp = bench.make_problem_inputs(p, "cpu", seed=0)
+    assert bench.flops(p, "fwd") == 4 * 4 * pairs * 16
+    assert bench.min_bytes(p, "fwd") == _brute_bytes(inp, inp["q"].shape, "fwd")
+    assert p.n == seq_kv and p.kind == "decode"
+
+
+def test_varlen_and_decode_presets():
+    a, b = bench.preset_problems("varlen")
+    assert (a.window, b.window) == (128, None) and a.causal and b.causal
+    assert a.seqlens == b.seqlens and len(a.seqlens) == 64 and sum(a.seqlens) == 32768 and min(a.seqlens) >= 1
+    assert (a.dtype, a.heads, a.kv_heads, a.head_dim, a.batch) == ("bf16", 64, 8, 64, 64)
+    assert a.seq_q == a.seq_kv == max(a.seqlens) and a.n == 32768
+    assert bench.preset_problems("varlen")[0].seqlens == a.seqlens  # a fixed seed: every run packs the same batch
+    assert bench.lengths_summary(a.seqlens) in a.label()
+    dec = bench.preset_problems("decode")
+    assert [p.seq_kv for p in dec] == [4096, 16384, 65536]
+    assert all(p.seq_q == 1 and p.batch == 8 and p.forward_only and p.causal and p.dtype == "bf16" for p in dec)
+    # decode moves the whole cache for a few FLOPs: bound by bytes at the issue's ceilings
+    for p in dec:
+        assert bench.min_bytes(p, "fwd") / 4.22e12 > 20 * bench.flops(p, "fwd") / 709e12
+    for name in bench.PRESETS:  # every preset has a CPU version of the same kind
+        big, small = bench.preset_problems(name), bench.preset_problems(name, tiny=True)
+        assert {p.kind for p in big} == {p.kind for p in small} and len(small) >= 1
+    lens = bench.varlen_lengths(5, 12, seed=1)
+    assert len(lens) == 5 and sum(lens) == 12 and min(lens) >= 1
+    with pytest.raises(ValueError):
+        bench.varlen_lengths(13, 12)
+
+
+def test_varlen_reference_matches_the_varlen_api():
+    from flashsink import reference
+
+    p = bench.Problem("t", 4, 4, 2, 9, 9, 16, 3, "fp32", seqlens=(9, 1, 0, 5))
+    inp = bench.make_problem_inputs(p, "cpu", seed=1)
+    r = bench.reference(inp, p, sinks=True, compute_dtype=torch.float64)
+    leaves = {n: inp[n].double().requires_grad_(True) for n in ("q", "k", "v", "sinks")}
+    cu = inp["cu_seqlens"]
+    o = reference.attention_varlen(leaves["q"], leaves["k"], leaves["v"], cu, cu, 9, 9, leaves["sinks"], window=3,
+                                   compute_dtype=torch.float64)
+    grads = torch.autograd.grad(o, list(leaves.values()), inp["do"].double())
+    torch.testing.assert_close(r["o"], o.detach())
+    for n, g in zip(("dq", "dk", "dv", "dsink"), grads):
+        torch.testing.assert_close(r[n], g, msg=n)
+
+
+def _tiny_new_presets():
+    return bench.preset_problems("varlen", tiny=True, dtype="fp32") + bench.preset_problems("decode", tiny=True,
+                                                                                            dtype="fp32")
+
+
+def test_varlen_and_decode_run_on_cpu_with_the_gate(monkeypatch):
+    monkeypatch.setitem(bench.SYSTEMS, "wrong", _Wrong)
+    _Wrong.calls = 0
+    probs = _tiny_new_presets()
+    res = bench.run_bench(probs, systems=list(bench.SYSTEMS), modes=list(bench.MODES), device="cpu",
+                          timer=bench.Timer("cpu", rep_ms=1.0, min_reps=1))
+    rows = res["rows"]
+    assert len(rows) == len(probs) * len(bench.SYSTEMS) * len(bench.MODES)  # no system, no mode dropped
+    assert _Wrong.calls == len(probs)  # one gate call per problem, never timed
+    for r in rows:
+        p = next(x for x in probs if x.label() == r["problem"])
+        assert r["kind"] == p.kind and r["N"] == p.n and r["window"] == p.window
+        assert r["flops"] == bench.flops(p, r["mode"]) and r["bytes"] == bench.min_bytes(p, r["mode"])
+        if p.forward_only and r["mode"] != "fwd":
+            assert r["status"] == bench.FORWARD_ONLY and r["ms"] is None
+        elif r["system"] in ("flashsink", "eager"):
+            assert r["status"] == "ok", r
+            assert r["ms"] > 0 and r["tflops"] > 0 and r["gbs"] > 0 and r["pct_floor"] > 0
+        elif r["system"] == "wrong":
+            assert r["status"].startswith("FAIL") and r["ms"] is None
+        else:  # CUDA-only peers: listed with a reason
+            assert r["status"].startswith("unavailable: "), r
+    gated = {(g["problem"]["preset"], g["problem"]["window"], g["problem"]["seq_kv"], g["system"])
+             for g in res["gates"]}
+    assert len(gated) == len(probs) * 3  # flashsink, eager, wrong
+    for g in res["gates"]:
+        assert g["problem"]["forward_only"] == (g["problem"]["preset"] == "decode")
+        names = [x["name"] for x in g["reports"]]
+        assert names == (["o"] if g["problem"]["forward_only"] else ["o", "dq", "dk", "dv", "dsink"])
+    table = bench.format_table(res)
+    assert "forward only" in table and "len " in table and "FAIL" in table
+
+
+def test_systems_that_cannot_run_say_why():
+    varlen, _ = bench.preset_problems("varlen", tiny=True)
+    dec = bench.preset_problems("decode", tiny=True)[0]
+    with pytest.raises(bench.Unavailable, match="not varlen"):
+        bench.Sdpa().check_problem(varlen, "cuda", {})
+    bench.Sdpa().check_problem(dec, "cuda", {})  # sdpa runs decode (no mask needed: one row sees all)
+    assert not bench.Sdpa()._dense(dec) and "no mask" in bench.Sdpa().problem_note(dec)
+    with pytest.raises(bench.Unavailable, match="forward only"):
+        bench.Fla().check_problem(dec, "cuda", {"grads": True})
+
+
+def _fake_fla(monkeypatch):
+    """An `fla` with parallel_attn / attn_decoding_one_step built on the reference, so the bench's
+    FLA plumbing (layouts, cu_seqlens, decode packing) is checked on the CPU."""
+    import types
+
+    from flashsink import reference
+
+    def parallel_attn(q, k, v, g=None, scale=None, window_size=None, cu_seqlens=None, chunk_indices=None, *,
+                      sink_bias=None):
+        if cu_seqlens is None:
+            return reference.attention(q, k, v, sink_bias, window=window_size, scale=scale, layout="bshd")
+        assert q.shape[0] == 1
+        m = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        return reference.attention_varlen(q[0], k[0], v[0], cu_seqlens, cu_seqlens, m, m, sink_bias,
+                                          window=window_size, scale=scale)[None]
+
+    def attn_decoding_one_step(q, k, v, g=None, scale=None, cu_seqlens=None, do_gate_scale=False, *,
+                               sink_bias=None):
+        cu = cu_seqlens.tolist()
+        outs = [reference.attention(q[:, i:i + 1], k[:, cu[i]:cu[i + 1]], v[:, cu[i]:cu[i + 1]], sink_bias,
+                                    scale=scale, layout="bshd") for i in range(len(cu) - 1)]
+        return torch.cat(outs, 1)
+
+    mods = {n: types.ModuleType(n) for n in ("fla", "fla.ops", "fla.ops.attn", "fla.ops.attn.parallel",
+                                             "fla.ops.attn.decoding")}
+    mods["fla.ops.attn.parallel"].parallel_attn = parallel_attn
+    mods["fla.ops.attn.decoding"].attn_decoding_one_step = attn_decoding_one_step
+    for n, m in mods.items():
+        monkeypatch.setitem(sys.modules, n, m)
+
+
+def test_fla_and_flex_plumbing_on_cpu(monkeypatch):
+    """FLA (a fake one on the reference) and FlexAttention (eager, forward: flex has no CPU
+    backward) pass the gate on the varlen and decode problems: their layouts round-trip."""
+    _fake_fla(monkeypatch)
+
+    class FlaCPU(bench.Fla):
+        def check_available(self, device):
+            pass
+
+    class FlexCPU(bench.Flex):
+        def __init__(self):
+            super().__init__(compile=False)
+
+        def check_available(self, device):
+            pass
+
+        def forward(self, t, prob):  # flex refuses CPU inputs that require grad, even under no_grad
+            return super().forward({k: v.detach() if torch.is_tensor(v) else v for k, v in t.items()}, prob)
+
+    monkeypatch.setitem(bench.SYSTEMS, "fla", FlaCPU)
+    monkeypatch.setitem(bench.SYSTEMS, "flex", FlexCPU)
+    probs = _tiny_new_presets()
+    timer = bench.Timer("cpu", rep_ms=1.0, min_reps=1)
+    res = bench.run_bench(probs, systems=["fla", "flex"], modes=["fwd"], device="cpu", timer=timer, gate2=False)
+    for r in res["rows"]:
+        assert r["status"] == "ok", r
+    # FLA with gradients on varlen (the fake is differentiable); decode is forward only
+    res = bench.run_bench(probs[:1], systems=["fla"], modes=list(bench.MODES), device="cpu", timer=timer,
+                          gate2=False)
+    assert all(r["status"] == "ok" for r in res["rows"]), res["rows"]
+
+
+def test_cpu_cli_runs_the_new_presets(tmp_path):
+    out = tmp_path / "bench.json"
+    r = _run("--device", "cpu", "--preset", "varlen,decode", "--systems", "flashsink,sdpa", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    data = json.loads(out.read_text())
+    assert {x["preset"] for x in data["rows"]} == {"varlen", "decode"}
+    assert "lengths min/median/max" in r.stderr
+    ok = {(x["kind"], x["mode"]) for x in data["rows"] if x["status"] == "ok"}
+    assert ok == {("varlen", m) for m in bench.MODES} | {("decode", "fwd")}

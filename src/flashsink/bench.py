@@ -26,13 +26,16 @@ import datetime
 import importlib
 import importlib.metadata
 import inspect
+import itertools
 import json
 import os
+import random
 import signal
 import statistics
 import subprocess
 import sys
 import time
+import dataclasses
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -47,15 +50,19 @@ from .testing import check_precision, dtype_name
 @dataclass(frozen=True)
 class Problem:
     preset: str
-    batch: int
+    batch: int  # varlen: the number of sequences
     heads: int
     kv_heads: int
-    seq_q: int
+    seq_q: int  # varlen: the longest sequence (max_seqlen)
     seq_kv: int
     head_dim: int
     window: int | None
     dtype: str  # fp16 / bf16 / fp32
     causal: bool = True
+    # varlen: the length of every packed sequence (q and k/v alike); None for [B, H, S, D] problems
+    seqlens: tuple[int, ...] | None = None
+    # decode: inference only, so the bwd / fwd+bwd modes are not applicable
+    forward_only: bool = False
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -65,15 +72,37 @@ class Problem:
     def scale(self) -> float:
         return self.head_dim ** -0.5
 
+    @property
+    def kind(self) -> str:
+        return "varlen" if self.seqlens is not None else "decode" if self.forward_only else "dense"
+
+    @property
+    def tokens_q(self) -> int:
+        return sum(self.seqlens) if self.seqlens is not None else self.batch * self.seq_q
+
+    @property
+    def tokens_kv(self) -> int:
+        return sum(self.seqlens) if self.seqlens is not None else self.batch * self.seq_kv
+
+    @property
+    def n(self) -> int:
+        """The table's N: total tokens (varlen), the length (seq_q == seq_kv), else the KV length."""
+        if self.seqlens is not None:
+            return self.tokens_q
+        return self.seq_q if self.seq_q == self.seq_kv else self.seq_kv
+
     def label(self) -> str:
-        n = f"N={self.seq_q}" if self.seq_q == self.seq_kv else f"Nq={self.seq_q},Nk={self.seq_kv}"
         w = "" if self.window is None else f" W={self.window}"
         c = "" if self.causal else " noncausal"
+        if self.seqlens is not None:
+            return (f"{self.preset} T={self.tokens_q} ({len(self.seqlens)} seqs, len {lengths_summary(self.seqlens)}) "
+                    f"H={self.heads} Hkv={self.kv_heads} D={self.head_dim}{w}{c} {self.dtype}")
+        n = f"N={self.seq_q}" if self.seq_q == self.seq_kv else f"Nq={self.seq_q},Nk={self.seq_kv}"
         return (f"{self.preset} B={self.batch} H={self.heads} Hkv={self.kv_heads} {n} "
                 f"D={self.head_dim}{w}{c} {self.dtype}")
 
 
-# name -> (dtype, B, H, H_kv, D, W, sequence lengths)
+# name -> (dtype, B, H, H_kv, D, W, sequence lengths). W may be a tuple: one problem per window.
 PRESETS: dict[str, tuple] = {
     # The seed's golden problem.
     "golden": ("fp16", 1, 64, 8, 128, 128, (4096,)),
@@ -83,13 +112,56 @@ PRESETS: dict[str, tuple] = {
     "gptoss-full": ("bf16", 1, 64, 8, 64, None, (2048, 4096, 8192, 16384)),
     # A Llama-style causal layer with head dim 128 (GQA 4), swept over the context length.
     "causal-d128": ("bf16", 1, 32, 8, 128, None, (1024, 2048, 4096, 8192, 16384)),
+    # gpt-oss shapes on a packed batch: B = 64 sequences of random lengths (seed VARLEN_SEED)
+    # summing to 32768 tokens, [total, H, D]; once with the window, once full causal.
+    "varlen": ("bf16", 64, 64, 8, 64, (128, None), (32768,)),
+    # Decode: one query per sequence (bottom-right causal: it sees the whole cache) against KV
+    # caches of 4k, 16k, 64k; forward only, bound by the bytes of the cache.
+    "decode": ("bf16", 8, 64, 8, 64, None, (4096, 16384, 65536)),
+}
+# --device cpu with --preset: the same kinds of problems, shrunk to a smoke run of a few seconds.
+TINY_PRESETS: dict[str, tuple] = {
+    "golden": ("fp16", 1, 4, 2, 32, 16, (128,)),
+    "gptoss-swa": ("bf16", 1, 4, 2, 16, 16, (128,)),
+    "gptoss-full": ("bf16", 1, 4, 2, 16, None, (32, 64)),
+    "causal-d128": ("bf16", 1, 4, 2, 32, None, (32, 64)),
+    "varlen": ("bf16", 6, 4, 2, 16, (8, None), (96,)),
+    "decode": ("bf16", 2, 4, 2, 16, None, (64, 200)),
 }
 MODES = ("fwd", "bwd", "fwd+bwd")
+VARLEN_PRESETS = ("varlen",)
+DECODE_PRESETS = ("decode",)
+VARLEN_SEED = 5  # fixed: every run packs the same lengths
+FORWARD_ONLY = "n/a: decode is forward only (inference)"
 
 
-def preset_problems(name: str) -> list[Problem]:
-    dt, b, h, hk, d, w, seqs = PRESETS[name]
-    return [Problem(name, b, h, hk, n, n, d, w, dt) for n in seqs]
+def varlen_lengths(n_seqs: int, total: int, seed: int = VARLEN_SEED) -> tuple[int, ...]:
+    """``n_seqs`` random lengths, each >= 1, summing to ``total``: the gaps between ``n_seqs - 1``
+    distinct cut points drawn uniformly from ``[1, total)``. Python's ``random`` with a fixed seed,
+    so every machine and torch version packs the same batch."""
+    if not 1 <= n_seqs <= total:
+        raise ValueError(f"need 1 <= n_seqs <= total, got n_seqs={n_seqs}, total={total}")
+    cuts = sorted(random.Random(seed).sample(range(1, total), n_seqs - 1))
+    edges = [0, *cuts, total]
+    return tuple(b - a for a, b in zip(edges[:-1], edges[1:]))
+
+
+def lengths_summary(lengths) -> str:
+    """``min/median/max`` of the sequence lengths."""
+    return f"{min(lengths)}/{statistics.median(lengths):g}/{max(lengths)}"
+
+
+def preset_problems(name: str, *, tiny: bool = False, dtype: str | None = None) -> list[Problem]:
+    """The problems of a preset (``tiny``: its CPU smoke version; ``dtype`` overrides its dtype)."""
+    dt, b, h, hk, d, w, seqs = (TINY_PRESETS if tiny else PRESETS)[name]
+    dt = dtype or dt
+    windows = w if isinstance(w, tuple) else (w,)
+    if name in VARLEN_PRESETS:
+        lens = varlen_lengths(b, seqs[0])
+        return [Problem(name, b, h, hk, max(lens), max(lens), d, win, dt, seqlens=lens) for win in windows]
+    if name in DECODE_PRESETS:
+        return [Problem(name, b, h, hk, 1, n, d, win, dt, forward_only=True) for win in windows for n in seqs]
+    return [Problem(name, b, h, hk, n, n, d, win, dt) for win in windows for n in seqs]
 
 
 def parse_shape(text: str, dtype: str, *, causal: bool = True) -> Problem:
@@ -133,21 +205,53 @@ def visible_pairs(seq_q: int, seq_kv: int, window: int | None = None, causal: bo
 FLOP_FACTOR = {"fwd": 4, "bwd": 10, "fwd+bwd": 14}
 
 
+def problem_pairs(prob: Problem) -> int:
+    """Visible (q, k) pairs of one head over the whole batch: varlen sums its sequences (each one
+    masked within itself); a dense problem is ``batch`` times one sequence."""
+    if prob.seqlens is not None:
+        return sum(visible_pairs(n, n, prob.window, prob.causal) for n in prob.seqlens)
+    return prob.batch * visible_pairs(prob.seq_q, prob.seq_kv, prob.window, prob.causal)
+
+
+def score_elems(prob: Problem) -> int:
+    """Elements of the score matrices a dense reference materialises (per sequence for varlen)."""
+    if prob.seqlens is not None:
+        return prob.heads * sum(n * n for n in prob.seqlens)
+    return prob.batch * prob.heads * prob.seq_q * prob.seq_kv
+
+
 def flops(prob: Problem, mode: str) -> int:
-    pairs = prob.batch * prob.heads * visible_pairs(prob.seq_q, prob.seq_kv, prob.window, prob.causal)
-    return FLOP_FACTOR[mode] * pairs * prob.head_dim
+    return FLOP_FACTOR[mode] * prob.heads * problem_pairs(prob) * prob.head_dim
 
 
 def min_bytes(prob: Problem, mode: str) -> int:
     """Fewest bytes the mode must move through device memory: every input read once, every
     output written once. fwd: read q, k, v; write o. bwd: read q, k, v, do; write dq, dk, dv
-    (the small lse / Delta rows and the sinks are left out). fwd+bwd: both, o written once."""
+    (the small lse / Delta rows, the sinks and cu_seqlens are left out). fwd+bwd: both, o written
+    once. Decode (one query row per sequence) is almost all K/V-cache reads."""
     es = prob.torch_dtype.itemsize
-    q = prob.batch * prob.heads * prob.seq_q * prob.head_dim * es
-    kv = prob.batch * prob.kv_heads * prob.seq_kv * prob.head_dim * es
+    q = prob.heads * prob.tokens_q * prob.head_dim * es
+    kv = prob.kv_heads * prob.tokens_kv * prob.head_dim * es
     fwd = q + 2 * kv + q  # q, k, v in; o out
     bwd = q + 2 * kv + q + q + 2 * kv  # q, k, v, do in; dq, dk, dv out
     return {"fwd": fwd, "bwd": bwd, "fwd+bwd": bwd + q}[mode]
+
+
+def make_problem_inputs(prob: Problem, device, seed: int) -> dict:
+    """Fresh random inputs of the problem (:func:`flashsink.testing.make_inputs`): [B, H, S, D]
+    tensors, or for varlen packed [total, H, D] ones with ``cu_seqlens`` (int32, on ``device``) and
+    ``max_seqlen``."""
+    if prob.seqlens is None:
+        return testing.make_inputs(prob.batch, prob.heads, prob.kv_heads, prob.seq_q, prob.seq_kv, prob.head_dim,
+                                   prob.torch_dtype, device, seed=seed)
+    t = prob.tokens_q
+    inp = testing.make_inputs(1, prob.heads, prob.kv_heads, t, t, prob.head_dim, prob.torch_dtype, device,
+                              layout="bshd", seed=seed)
+    for n in ("q", "k", "v", "do"):
+        inp[n] = inp[n][0]  # [total, H, D]
+    inp["cu_seqlens"] = torch.tensor([0, *itertools.accumulate(prob.seqlens)], dtype=torch.int32, device=device)
+    inp["max_seqlen"] = max(prob.seqlens)
+    return inp
 
 
 # ----------------------------------------------------------------------------------------------
@@ -185,8 +289,15 @@ class System:
         return ["q", "k", "v", "sinks"] if self.has_sink else ["q", "k", "v"]
 
     def to_bhsd(self, name: str, x: torch.Tensor, prob: Problem) -> torch.Tensor:
-        """A result (o, dq, dk, dv, dsink) back in [B, H, S, D] for the gate."""
+        """A result (o, dq, dk, dv, dsink) back in the layout of the reference: [B, H, S, D], or
+        packed [total, H, D] for varlen."""
         return x
+
+
+def _all_visible(prob: Problem) -> bool:
+    """Every query row sees every key: no mask needed (decode: one row, bottom-right causal)."""
+    return prob.seqlens is None and visible_pairs(prob.seq_q, prob.seq_kv, prob.window, prob.causal) == \
+        prob.seq_q * prob.seq_kv
 
 
 class FlashSink(System):
@@ -195,6 +306,10 @@ class FlashSink(System):
     def forward(self, t, prob):
         import flashsink
 
+        if prob.seqlens is not None:
+            cu, m = t["cu_seqlens"], t["max_seqlen"]
+            return flashsink.attention_varlen(t["q"], t["k"], t["v"], cu, cu, m, m, t["sinks"], window=prob.window,
+                                              causal=prob.causal, scale=prob.scale)
         return flashsink.attention(t["q"], t["k"], t["v"], t["sinks"], window=prob.window,
                                    causal=prob.causal, scale=prob.scale)
 
@@ -204,9 +319,10 @@ class Eager(System):
     note = "fp32 reference"
 
     def check_problem(self, prob, device, opts):
-        # The reference materialises [B, H, Sq, Skv] float32 scores; forward+backward keeps about
-        # eight such tensors alive (scores, mask result, exp, P, and their gradients).
-        need = 8 * 4 * prob.batch * prob.heads * prob.seq_q * prob.seq_kv
+        # The reference materialises [B, H, Sq, Skv] float32 scores (per sequence for varlen);
+        # forward+backward keeps about eight such tensors alive (scores, mask result, exp, P, and
+        # their gradients).
+        need = 8 * 4 * score_elems(prob)
         budget = opts.get("eager_max_gib", 48.0) * 2**30
         if need > budget:
             raise Unavailable(f"skipped: needs ~{need / 2**30:.0f} GiB of fp32 scores "
@@ -215,6 +331,10 @@ class Eager(System):
     def forward(self, t, prob):
         from . import reference
 
+        if prob.seqlens is not None:
+            cu, m = t["cu_seqlens"], t["max_seqlen"]
+            return reference.attention_varlen(t["q"], t["k"], t["v"], cu, cu, m, m, t["sinks"], window=prob.window,
+                                              causal=prob.causal, scale=prob.scale)
         return reference.attention(t["q"], t["k"], t["v"], t["sinks"], window=prob.window,
                                    causal=prob.causal, scale=prob.scale)
 
@@ -228,12 +348,23 @@ class Sdpa(System):
         if device != "cuda":
             raise Unavailable("CUDA only in the bench")
 
+    def check_problem(self, prob, device, opts):
+        if prob.seqlens is not None:
+            raise Unavailable("n/a: SDPA is not varlen (no cu_seqlens); padding to the longest sequence or "
+                              "a block-diagonal mask over all tokens would time other work")
+
     def _dense(self, prob) -> bool:
+        if _all_visible(prob):
+            return False
         return prob.window is not None or (prob.causal and prob.seq_q != prob.seq_kv)
 
     def problem_note(self, prob):
+        if prob.seqlens is not None:
+            return "no sink"
         if self._dense(prob):
             return "no sink; dense bool mask, K/V expanded: computes all Sq*Skv pairs"
+        if prob.causal and _all_visible(prob) and prob.seq_q < prob.seq_kv:
+            return "no sink; no mask (one query row sees the whole cache)"
         return "no sink"
 
     def prepare(self, inp, prob):
@@ -256,8 +387,8 @@ class Sdpa(System):
 
         if "mask" in t:
             return F.scaled_dot_product_attention(t["q"], t["k"], t["v"], attn_mask=t["mask"], scale=prob.scale)
-        return F.scaled_dot_product_attention(t["q"], t["k"], t["v"], is_causal=prob.causal, scale=prob.scale,
-                                              enable_gqa=prob.heads != prob.kv_heads)
+        return F.scaled_dot_product_attention(t["q"], t["k"], t["v"], is_causal=prob.causal and not _all_visible(prob),
+                                              scale=prob.scale, enable_gqa=prob.heads != prob.kv_heads)
 
     def to_bhsd(self, name, x, prob):
         g = prob.heads // prob.kv_heads
@@ -272,7 +403,8 @@ class Flex(System):
 
     Without the sink, flex gives ``o0 = sum_j e^{s_j} v_j / Z`` and ``lse = log Z``. With it,
     ``o = sum_j e^{s_j} v_j / (Z + e^{sink}) = o0 * Z / (Z + e^{sink}) = o0 * sigmoid(lse - sink)``.
-    Gradients reach the sink, and q / k through the lse, by autograd.
+    Gradients reach the sink, and q / k through the lse, by autograd. Varlen runs as one packed
+    sequence [1, H, total, D] with a document mask (same sequence, causal / window within it).
     """
 
     name = "flex"
@@ -290,6 +422,11 @@ class Flex(System):
             raise Unavailable(f"torch.nn.attention.flex_attention not importable: {exc}") from None
         if device != "cuda":
             raise Unavailable("CUDA only (flex has no CPU backward)")
+
+    def problem_note(self, prob):
+        if prob.seqlens is not None:
+            return self.note + "; document mask over the packed batch"
+        return self.note
 
     def _build(self):
         from torch.nn.attention.flex_attention import flex_attention
@@ -314,17 +451,39 @@ class Flex(System):
         # One graph per problem shape (dynamic=False: static shapes, as a tuned layer would run).
         # The bench runs a dozen shapes through this one function; past dynamo's recompile limit
         # (8) it would silently fall back to eager flex, so raise the limit.
-        import torch._dynamo
+        import torch._dynamo as dynamo  # (a plain `import torch._dynamo` would make torch local here)
 
         for knob in ("recompile_limit", "cache_size_limit"):
-            if hasattr(torch._dynamo.config, knob):
-                setattr(torch._dynamo.config, knob, max(256, getattr(torch._dynamo.config, knob)))
+            if hasattr(dynamo.config, knob):
+                setattr(dynamo.config, knob, max(256, getattr(dynamo.config, knob)))
         return torch.compile(flex_sink, dynamic=False)
 
     def prepare(self, inp, prob):
         from torch.nn.attention.flex_attention import create_block_mask
 
-        off, w, causal = prob.seq_kv - prob.seq_q, prob.window, prob.causal
+        w, causal = prob.window, prob.causal
+        t = dict(inp)
+        if prob.seqlens is not None:
+            # packed [total, H, D] -> [1, H, total, D]; doc[i] = the sequence of token i
+            for n in ("q", "k", "v", "do"):
+                t[n] = inp[n].transpose(0, 1).unsqueeze(0).contiguous()
+            dev = inp["q"].device
+            doc = torch.repeat_interleave(torch.arange(len(prob.seqlens), device=dev),
+                                          torch.tensor(prob.seqlens, device=dev))
+
+            def doc_mask(b, h, q_idx, kv_idx):
+                keep = doc[q_idx] == doc[kv_idx]  # q and k/v share the packing: positions line up
+                if causal:
+                    keep = keep & (kv_idx <= q_idx)
+                if w is not None:
+                    keep = keep & (q_idx - kv_idx < w)
+                return keep
+
+            total = prob.tokens_q
+            t["block_mask"] = create_block_mask(doc_mask, None, None, total, total, device=dev)
+            return t
+
+        off = prob.seq_kv - prob.seq_q
 
         def mask_mod(b, h, q_idx, kv_idx):
             i = q_idx + off
@@ -333,12 +492,11 @@ class Flex(System):
                 keep = keep & (i - kv_idx < w)
             return keep
 
-        t = dict(inp)
-        if causal or w is not None:
+        if _all_visible(prob):  # decode: nothing to mask
+            t["block_mask"] = None
+        else:
             t["block_mask"] = create_block_mask(mask_mod, None, None, prob.seq_q, prob.seq_kv,
                                                 device=inp["q"].device)
-        else:
-            t["block_mask"] = None
         return t
 
     def forward(self, t, prob):
@@ -347,10 +505,17 @@ class Flex(System):
         return self._fn(t["q"], t["k"], t["v"], t["sinks"], t["block_mask"], prob.scale,
                         prob.heads != prob.kv_heads)
 
+    def to_bhsd(self, name, x, prob):
+        if prob.seqlens is not None and name in ("o", "dq", "dk", "dv"):
+            return x[0].transpose(0, 1)  # [1, H, total, D] -> [total, H, D]
+        return x
+
 
 class Fla(System):
-    """flash-linear-attention's softmax attention, ``fla.ops.attn.parallel.parallel_attn`` with
-    ``sink_bias`` (Triton; [B, T, H, D] layout; causal only, T_q = T_k)."""
+    """flash-linear-attention's softmax attention (Triton, [B, T, H, D] layout, causal only):
+    ``fla.ops.attn.parallel.parallel_attn(..., sink_bias=)`` for T_q = T_k, varlen through its
+    ``cu_seqlens`` (the packed batch as B = 1); decode through
+    ``fla.ops.attn.decoding.attn_decoding_one_step(..., sink_bias=)`` (forward only)."""
 
     name = "fla"
     peer = True
@@ -364,26 +529,86 @@ class Fla(System):
         if device != "cuda":
             raise Unavailable("CUDA only (Triton)")
 
+    @staticmethod
+    def _params(module: str, fn: str) -> set[str] | None:
+        try:
+            return set(inspect.signature(getattr(importlib.import_module(module), fn)).parameters)
+        except Exception:  # noqa: BLE001
+            return None
+
+    @staticmethod
+    def _is_decode(prob) -> bool:
+        return prob.seqlens is None and prob.seq_q == 1 < prob.seq_kv
+
+    def problem_note(self, prob):
+        if self._is_decode(prob):
+            return "attn_decoding_one_step(sink_bias=), forward only"
+        if prob.seqlens is not None:
+            return "parallel_attn(cu_seqlens=, sink_bias=), packed B=1"
+        return self.note
+
     def check_problem(self, prob, device, opts):
         if not prob.causal:
             raise Unavailable("n/a: parallel_attn is causal only")
+        if self._is_decode(prob):
+            if opts.get("grads"):
+                raise Unavailable("n/a: fla's decoding kernel is forward only (run --mode fwd)")
+            params = self._params("fla.ops.attn.decoding", "attn_decoding_one_step")
+            if params is None or "sink_bias" not in params:
+                raise Unavailable("n/a: this fla has no fla.ops.attn.decoding.attn_decoding_one_step(sink_bias=)")
+            if prob.window is not None and prob.window < prob.seq_kv:
+                raise Unavailable("n/a: fla's decoding kernel has no window")
+            return
+        params = self._params("fla.ops.attn.parallel", "parallel_attn")
+        if params is not None and "sink_bias" not in params:
+            raise Unavailable("n/a: this fla's parallel_attn has no sink_bias")
+        if prob.seqlens is not None:
+            if params is not None and "cu_seqlens" not in params:
+                raise Unavailable("n/a: this fla's parallel_attn has no cu_seqlens")
+            return
         if prob.seq_q != prob.seq_kv:
             raise Unavailable("n/a: parallel_attn needs seq_q == seq_kv")
 
     def prepare(self, inp, prob):
         t = dict(inp)
-        for n in ("q", "k", "v", "do"):
-            t[n] = inp[n].transpose(1, 2).contiguous()
+        if prob.seqlens is not None:  # [total, H, D] -> [1, total, H, D]
+            for n in ("q", "k", "v", "do"):
+                t[n] = inp[n].unsqueeze(0)
+            t["cu_seqlens"] = inp["cu_seqlens"].long()
+        elif self._is_decode(prob):  # q [1, B, H, D]; the caches packed [1, B*N, H_kv, D]
+            b, n = prob.batch, prob.seq_kv
+            t["q"] = inp["q"].transpose(1, 2).reshape(1, b, prob.heads, prob.head_dim).contiguous()
+            for x in ("k", "v"):
+                t[x] = inp[x].transpose(1, 2).reshape(1, b * n, prob.kv_heads, inp[x].shape[-1]).contiguous()
+            t["do"] = inp["do"].transpose(1, 2).reshape(1, b, prob.heads, -1).contiguous()
+            t["cu_seqlens"] = torch.arange(0, (b + 1) * n, n, dtype=torch.long, device=inp["q"].device)
+        else:
+            for n in ("q", "k", "v", "do"):
+                t[n] = inp[n].transpose(1, 2).contiguous()
         return t
 
     def forward(self, t, prob):
+        if self._is_decode(prob):
+            from fla.ops.attn.decoding import attn_decoding_one_step
+
+            return attn_decoding_one_step(t["q"], t["k"], t["v"], scale=prob.scale, cu_seqlens=t["cu_seqlens"],
+                                          sink_bias=t["sinks"])
         from fla.ops.attn.parallel import parallel_attn
 
+        if prob.seqlens is not None:
+            return parallel_attn(t["q"], t["k"], t["v"], scale=prob.scale, window_size=prob.window,
+                                 cu_seqlens=t["cu_seqlens"], sink_bias=t["sinks"])
         return parallel_attn(t["q"], t["k"], t["v"], scale=prob.scale, window_size=prob.window,
                              sink_bias=t["sinks"])
 
     def to_bhsd(self, name, x, prob):
-        return x.transpose(1, 2) if name in ("o", "dq", "dk", "dv") else x
+        if name not in ("o", "dq", "dk", "dv"):
+            return x
+        if prob.seqlens is not None:
+            return x[0]  # [1, total, H, D] -> [total, H, D]
+        if self._is_decode(prob):
+            return x[0].unsqueeze(2)  # [1, B, H, D] -> [B, H, 1, D]
+        return x.transpose(1, 2)
 
 
 # The registry, in table order. Tests may add entries (a deliberately wrong system).
@@ -398,7 +623,9 @@ _REF_SCORE_ELEMS = 2**28  # fp64 scores per chunk: 2 GiB per [.., Sq, Skv] tenso
 def reference(inp: dict, prob: Problem, *, sinks: bool, compute_dtype) -> dict:
     """o, dq, dk, dv (and dsink) of the reference, in ``compute_dtype``. Chunks over query heads
     within each KV head (dk / dv summed over the chunks), so the score tensor of one chunk stays
-    under 2**28 elements even at N = 16k."""
+    under 2**28 elements even at N = 16k. Varlen: one dense reference per sequence."""
+    if prob.seqlens is not None:
+        return _reference_varlen(inp, prob, sinks=sinks, compute_dtype=compute_dtype)
     q, k, v, do = inp["q"], inp["k"], inp["v"], inp["do"]
     s = inp["sinks"] if sinks else None
     g = prob.heads // prob.kv_heads
@@ -428,6 +655,26 @@ def reference(inp: dict, prob: Problem, *, sinks: bool, compute_dtype) -> dict:
         "dk": torch.cat(dks, 1), "dv": torch.cat(dvs, 1),
         "dsink": torch.cat(out["dsink"]) if s is not None else None,
     }
+
+
+def _reference_varlen(inp: dict, prob: Problem, *, sinks: bool, compute_dtype) -> dict:
+    """The varlen reference: :func:`reference` on every sequence as a [1, H, S_i, D] problem, the
+    results packed back to [total, H, D] (dsink summed over the sequences)."""
+    cu = inp["cu_seqlens"].tolist()
+    parts = {n: [] for n in ("o", "dq", "dk", "dv")}
+    dsink = None
+    for i, n in enumerate(prob.seqlens):
+        if n == 0:
+            continue
+        sub = dataclasses.replace(prob, batch=1, seq_q=n, seq_kv=n, seqlens=None)
+        sub_inp = {x: inp[x][cu[i]:cu[i + 1]].transpose(0, 1).unsqueeze(0) for x in ("q", "k", "v", "do")}
+        sub_inp["sinks"] = inp["sinks"]
+        r = reference(sub_inp, sub, sinks=sinks, compute_dtype=compute_dtype)
+        for x in parts:
+            parts[x].append(r[x][0].transpose(0, 1))  # [1, H, S_i, D] -> [S_i, H, D]
+        if sinks:
+            dsink = r["dsink"] if dsink is None else dsink + r["dsink"]
+    return {**{x: torch.cat(v) for x, v in parts.items()}, "dsink": dsink}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -687,11 +934,14 @@ def run_bench(problems: list[Problem], *, systems: list[str], modes: list[str], 
         except Unavailable as exc:
             sys_objs[name] = (obj, f"unavailable: {exc}")
 
-    grads = any(m != "fwd" for m in modes)
     for prob in problems:
         tag = f"[{prob.label()}]"
-        inp = testing.make_inputs(prob.batch, prob.heads, prob.kv_heads, prob.seq_q, prob.seq_kv, prob.head_dim,
-                                  prob.torch_dtype, device, seed=seed)
+        # decode is forward only: no backward in its gate, and its other modes are n/a
+        grads = any(m != "fwd" for m in modes) and not prob.forward_only
+        if prob.seqlens is not None:
+            _say(f"{tag} {len(prob.seqlens)} sequences (seed {VARLEN_SEED}), lengths min/median/max "
+                 f"{lengths_summary(prob.seqlens)}, {prob.tokens_q} tokens")
+        inp = make_problem_inputs(prob, device, seed)
         refs = {}
 
         def ref(sinks: bool):
@@ -713,7 +963,7 @@ def run_bench(problems: list[Problem], *, systems: list[str], modes: list[str], 
             status = unavailable
             if not status:
                 try:
-                    system.check_problem(prob, device, opts)
+                    system.check_problem(prob, device, dict(opts, grads=grads))
                 except Unavailable as exc:
                     status = str(exc) if str(exc).startswith(("n/a", "skipped")) else f"n/a: {exc}"
             g = None
@@ -732,7 +982,8 @@ def run_bench(problems: list[Problem], *, systems: list[str], modes: list[str], 
             calls = None
             for mode in modes:
                 row = {
-                    "preset": prob.preset, "problem": prob.label(), "N": prob.seq_q, "mode": mode, "system": name,
+                    "preset": prob.preset, "problem": prob.label(), "N": prob.n, "mode": mode, "system": name,
+                    "kind": prob.kind, "window": prob.window,
                     "note": note, "status": "", "ms": None, "tflops": None, "gbs": None,
                     "floor_ms": None, "pct_floor": None, "peak_mib": None, "speedup": None,
                     "flops": flops(prob, mode), "bytes": min_bytes(prob, mode),
@@ -740,7 +991,9 @@ def run_bench(problems: list[Problem], *, systems: list[str], modes: list[str], 
                 fl_ms = max(row["flops"] / (ceil["matmul_tflops"] * 1e12), row["bytes"] / (ceil["copy_gbs"] * 1e9)) * 1e3
                 row["floor_ms"] = fl_ms
                 row["bound"] = "flops" if row["flops"] / ceil["matmul_tflops"] / 1e3 >= row["bytes"] / ceil["copy_gbs"] else "bytes"
-                if status:
+                if prob.forward_only and mode != "fwd":
+                    row["status"] = FORWARD_ONLY
+                elif status:
                     row["status"] = status
                 elif not (g.fwd_ok if mode == "fwd" else g.bwd_ok):
                     row["status"] = "FAIL: " + g.reason(mode)
@@ -873,17 +1126,24 @@ def format_table(result: dict) -> str:
     lines.append("  ".join(f"{t:{a}{w}}" for t, w, a in cols) + "  status / note")
     lines.append("-" * (sum(w for _, w, _ in cols) + 2 * len(cols) + 14))
     last, shown = None, set()
-    for r in result["rows"]:
-        if last is not None and r["problem"] != last:
-            lines.append("")
+    rows = [r for r in result["rows"] if r["status"] != FORWARD_ONLY]  # said once, in the problem's heading
+    for r in rows:
+        if r["problem"] != last:
+            if last is not None:
+                lines.append("")
+            fwd_only = any(x["problem"] == r["problem"] and x["status"] == FORWARD_ONLY for x in result["rows"])
+            lines.append(f"# {r['problem']}" + ("   [forward only: bwd, fwd+bwd n/a]" if fwd_only else ""))
         last = r["problem"]
         untimed = r["ms"] is None and not r["status"].startswith("FAIL")
-        if untimed:  # unavailable / n/a / skipped: one row for all modes
+        if untimed:  # unavailable / n/a / skipped: one row for the modes that share the status
             key = (r["problem"], r["system"], r["status"])
             if key in shown:
                 continue
             shown.add(key)
-            r = dict(r, mode="all", floor_ms=None, bound="")
+            same = [x["mode"] for x in rows if (x["problem"], x["system"], x["status"]) == key]
+            every = {x["mode"] for x in rows if x["problem"] == r["problem"]}
+            r = dict(r, mode="all" if len(same) > 1 and set(same) == every else ",".join(same),
+                     floor_ms=None, bound="")
         vals = (r["preset"], str(r["N"]), r["mode"], r["system"], _f(r["ms"], ".4f"), _f(r["tflops"], ".1f"),
                 _f(r["gbs"], ".0f"), _f(r["floor_ms"], ".4f"), r["bound"], _f(r["pct_floor"], ".1f"),
                 _f(r["peak_mib"], ".0f"), "-" if r["speedup"] is None else f"{r['speedup']:.2f}x")
@@ -899,6 +1159,12 @@ def format_table(result: dict) -> str:
         "bytes/copy ceiling); %floor = floor/ms. peak MiB: max allocated over the inputs during one call. "
         "vs peer: best peer with sinks (flex, fla) ms / this ms (>1 = faster). sdpa has no sink (judged against "
         "the no-sink reference); a FAIL row failed the precision gate and was not timed.",
+        *(["varlen: N = total tokens; pairs and bytes summed over the packed sequences (each masked within "
+           "itself); the gate runs the reference per sequence."] if any(r.get("kind") == "varlen" for r in rows)
+          else []),
+        *(["decode: N = KV-cache length, one query row per sequence; bound by bytes, so %floor is the share of "
+           "the copy ceiling reached (GB/s over the copy GB/s)."] if any(r.get("kind") == "decode" for r in rows)
+          else []),
         "systems: " + "; ".join(f"{n} = {getattr(SYSTEMS[n], 'note', '') or n}"
                                 for n in dict.fromkeys(r["system"] for r in result["rows"]) if n in SYSTEMS),
     ]
@@ -914,11 +1180,13 @@ def format_table(result: dict) -> str:
 
 def summary(result: dict) -> str:
     """One line per (problem, mode): flashsink against the best peer with sinks and SDPA."""
-    out = [f"summary: {'problem':<44} {'mode':<7} {'flashsink ms':>12} {'TFLOP/s':>8} {'%floor':>6}  "
+    rows = [r for r in result["rows"] if r["status"] != FORWARD_ONLY]
+    keys = list(dict.fromkeys((r["problem"], r["mode"]) for r in rows))
+    wp = max([len("problem")] + [len(p) for p, _ in keys])
+    out = [f"summary: {'problem':<{wp}} {'mode':<7} {'flashsink ms':>12} {'TFLOP/s':>8} {'GB/s':>6} {'%floor':>6}  "
            f"{'best peer':<18} {'vs peer':>7}  {'sdpa(no sink) ms':>16}"]
-    keys = list(dict.fromkeys((r["problem"], r["mode"]) for r in result["rows"]))
     for prob, mode in keys:
-        rs = {r["system"]: r for r in result["rows"] if r["problem"] == prob and r["mode"] == mode}
+        rs = {r["system"]: r for r in rows if r["problem"] == prob and r["mode"] == mode}
         fs = rs.get("flashsink", {})
         peers = [r for r in rs.values() if r["ms"] is not None and getattr(SYSTEMS.get(r["system"]), "peer", False)]
         best = min(peers, key=lambda r: r["ms"]) if peers else None
@@ -926,8 +1194,8 @@ def summary(result: dict) -> str:
         fs_ms = fs.get("ms")
         fs_txt = _f(fs_ms, ".4f") if fs_ms is not None else (fs.get("status", "-")[:12] or "-")
         out.append(
-            f"         {prob[:44]:<44} {mode:<7} {fs_txt:>12} {_f(fs.get('tflops'), '.1f'):>8} "
-            f"{_f(fs.get('pct_floor'), '.1f'):>6}  "
+            f"         {prob:<{wp}} {mode:<7} {fs_txt:>12} {_f(fs.get('tflops'), '.1f'):>8} "
+            f"{_f(fs.get('gbs'), '.0f'):>6} {_f(fs.get('pct_floor'), '.1f'):>6}  "
             f"{(best['system'] + ' ' + format(best['ms'], '.4f')) if best else 'none timed':<18} "
             f"{'-' if fs.get('speedup') is None else format(fs['speedup'], '.2f') + 'x':>7}  "
             f"{_f(sd.get('ms'), '.4f'):>16}"
@@ -950,27 +1218,40 @@ def plot(result: dict, path: str) -> str | None:
     systems = list(dict.fromkeys(r["system"] for r in result["rows"]))
     fig, axes = plt.subplots(len(presets), len(modes), figsize=(5 * len(modes), 3.6 * len(presets)), squeeze=False)
     for i, pr in enumerate(presets):
+        pr_rows = [r for r in result["rows"] if r["preset"] == pr]
+        # decode is bound by bytes: GB/s says more than TFLOP/s there
+        key, unit = ("gbs", "GB/s") if any(r.get("kind") == "decode" for r in pr_rows) else \
+            ("tflops", "TFLOP/s (visible pairs)")
+        ns = sorted({r["N"] for r in pr_rows})
+        variants = len({r["problem"] for r in pr_rows}) > len(ns)  # e.g. varlen: window 128 and full causal
         for j, mode in enumerate(modes):
             ax = axes[i][j]
             sel = [r for r in rows if r["preset"] == pr and r["mode"] == mode]
-            ns = sorted({r["N"] for r in result["rows"] if r["preset"] == pr})
-            if len(ns) > 1:
+            if not sel:
+                ax.text(0.5, 0.5, "nothing timed (n/a, unavailable or FAIL)", ha="center", va="center",
+                        transform=ax.transAxes, fontsize=8)
+            elif len(ns) > 1:
                 for s in systems:
-                    pts = sorted((r["N"], r["tflops"]) for r in sel if r["system"] == s)
+                    pts = sorted((r["N"], r[key]) for r in sel if r["system"] == s)
                     if pts:
                         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=s)
                 ax.set_xscale("log", base=2)
-                ax.set_xlabel("N")
+                ax.set_xlabel("KV-cache length" if key == "gbs" else "N")
+                ax.legend(fontsize=8)
             else:
-                names = [r["system"] for r in sel]
-                vals = [r["tflops"] for r in sel]
-                ax.bar(names, vals, color=[f"C{systems.index(n)}" for n in names])
+                def tag(r):
+                    if not variants:
+                        return r["system"]
+                    return f"{r['system']}\n{'full' if r.get('window') is None else 'W=' + str(r['window'])}"
+
+                names = [tag(r) for r in sel]
+                vals = [r[key] for r in sel]
+                ax.bar(range(len(names)), vals, color=[f"C{systems.index(r['system'])}" for r in sel])
+                ax.set_xticks(range(len(names)), names, fontsize=7 if variants else None)
                 for x, v in enumerate(vals):
                     ax.text(x, v, f"{v:.0f}", ha="center", va="bottom", fontsize=8)
             ax.set_title(f"{pr} {mode}")
-            ax.set_ylabel("TFLOP/s (visible pairs)")
-            if len(ns) > 1 and sel:
-                ax.legend(fontsize=8)
+            ax.set_ylabel(unit)
     h = result["header"]
     fig.suptitle(f"flashsink bench - {h['device']} - {h['commit']} - {h['date']}", fontsize=10)
     fig.tight_layout()
@@ -1000,6 +1281,8 @@ def _precompile(problems: list[Problem], device: str) -> None:
 
     cfgs = []
     for p in problems:
+        if p.seqlens is not None:
+            continue  # the varlen kernels compile in-process on their first call (the gate)
         inp = testing.make_inputs(p.batch, p.heads, p.kv_heads, 1, 1, p.head_dim, p.torch_dtype, "cpu", seed=0)
         spec = validate_attention(inp["q"], inp["k"], inp["v"], inp["sinks"], window=p.window, causal=p.causal,
                                   scale=None, layout="bhsd")
@@ -1023,17 +1306,20 @@ def cmd_bench(args) -> int:
     try:
         if args.shape:
             problems = [parse_shape(args.shape, args.dtype or "bf16", causal=not args.no_causal)]
-        elif device == "cpu":
+        elif device == "cpu" and args.preset is None:
             problems = [parse_shape(CPU_DEFAULT_SHAPE, args.dtype or "fp32")]
         else:
             names = list(PRESETS) if args.preset in (None, "all") else [p.strip() for p in args.preset.split(",")]
             bad = [n for n in names if n not in PRESETS]
             if bad:
                 raise ValueError(f"unknown preset {bad}; choose from {list(PRESETS)} or 'all'")
-            problems = [p for n in names for p in preset_problems(n)]
+            if device == "cpu":  # the presets' tiny versions: a smoke run of their code paths
+                problems = [p for n in names for p in preset_problems(n, tiny=True, dtype=args.dtype or "fp32")]
+            else:
+                problems = [p for n in names for p in preset_problems(n)]
             if args.seq:
                 keep = {int(x) for x in args.seq.split(",")}
-                problems = [p for p in problems if p.seq_q in keep]
+                problems = [p for p in problems if p.n in keep]
         if args.shape and args.preset:
             raise ValueError("give --preset or --shape, not both")
         for p in problems:
@@ -1115,11 +1401,13 @@ def add_parser(sub) -> None:
     p.add_argument("--shape", help="custom problem B,H,HKV,N,D[,W] (N may be NQ:NK)")
     p.add_argument("--dtype", choices=("fp16", "bf16", "fp32"), help="dtype of --shape (default bf16; fp32 on cpu)")
     p.add_argument("--no-causal", action="store_true", help="--shape without the causal mask")
-    p.add_argument("--seq", help="only these sequence lengths of the presets' sweeps, e.g. 4096,8192")
+    p.add_argument("--seq", help="only these lengths of the presets' sweeps, e.g. 4096,8192 (decode: the KV-cache "
+                   "length; varlen: the total tokens)")
     p.add_argument("--mode", choices=("fwd", "bwd", "fwd+bwd", "all"), help="default: all three")
     p.add_argument("--systems", help=f"comma-separated subset of {', '.join(SYSTEMS)} (default all)")
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
-                   help="cpu: tiny smoke run (flashsink CPU path and reference only)")
+                   help="cpu: tiny smoke run (flashsink CPU path and reference only; with --preset, the "
+                   "presets shrunk to a few heads and tokens)")
     p.add_argument("--json", metavar="PATH", help="write all rows, gates and header as JSON")
     p.add_argument("--plot", metavar="PATH", help="write a PNG (needs matplotlib)")
     p.add_argument("--profile", action="store_true", help="per-kernel time table of flashsink's fwd+bwd")
