@@ -1,0 +1,381 @@
+"""``torch.compile(fullgraph=True, dynamic=True)`` through flashsink, and the custom ops behind the kernels.
+
+* CPU (CI): ``flashsink.attention`` off CUDA is the reference, traced as plain torch ops: a small model
+  and ``flashsink.nn.SinkAttention`` compiled with ``fullgraph=True, dynamic=True``, run at two sequence
+  lengths with recompilation an error, forward and backward (through the returned lse too).
+* The CUDA path's structure on the CPU: ``kernel_attention`` (head-dim padding, the ``flashsink::fwd``
+  op, its autograd formula calling ``flashsink::bwd``, the slicing of o and the row-padded lse) runs on
+  CPU tensors too, where the ops' implementations are the reference and its closed-form gradient. So the
+  wiring the kernels sit behind is proven here, eagerly and compiled, and ``torch.library.opcheck``
+  checks the ops' schemas, fake implementations, autograd registration and AOT dispatch.
+* GPU (``gpu`` marker): the same compiled functions on the kernels, against the eager kernels and the
+  float64 reference.
+
+Every comparison is the precision standard: expected = float64 (the eager reference, or the eager
+model/module in float64), ``lowp`` = the eager computation in the input dtype where one exists.
+"""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import flashsink
+from flashsink import testing
+from flashsink._validate import validate_attention
+from flashsink.nn import SinkAttention
+from flashsink.ops.interface import kernel_attention
+
+pytestmark = pytest.mark.l1
+
+LENGTHS = (37, 70)  # two lengths, neither a multiple of any tile; one compiled graph must serve both
+GPU_LENGTHS = (300, 517)
+
+
+@pytest.fixture
+def counter():
+    """A fresh dynamo state, recompilation as an error, and a backend that keeps the captured graphs."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        yield CompileCounterWithBackend("inductor")
+    torch._dynamo.reset()
+
+
+def _ops_in(counter) -> set:
+    return {str(node.target) for g in counter.graphs for node in g.graph.nodes if node.op == "call_function"}
+
+
+def _flashsink_ops(counter) -> set:
+    return {t for t in _ops_in(counter) if "flashsink" in t}
+
+
+def _assert_all(reports):
+    failed = [r for r in reports if not r.passed]
+    assert not failed, "precision standard failed\n" + "\n".join([testing.PrecisionReport.header()] + [r.row() for r in reports])
+
+
+def _grads(fn, leaves, *args):
+    """Run ``fn(*leaves, *args) -> (outputs, cotangents)`` and return the outputs and the leaves' gradients."""
+    outs, cots = fn(*leaves, *args)
+    grads = torch.autograd.grad(outs, leaves, cots)
+    return [o.detach() for o in outs], list(grads)
+
+
+# ------------------------------------------------------------------------------------------------
+# CPU: the reference path, compiled
+
+
+class TinyAttnModel(nn.Module):
+    """Projections around flashsink.attention ("bshd", GQA, window, sinks), returning the output and lse."""
+
+    def __init__(self, hidden=64, heads=4, kv_heads=2, head_dim=16, window=8):
+        super().__init__()
+        self.h, self.hk, self.d, self.window = heads, kv_heads, head_dim, window
+        self.q = nn.Linear(hidden, heads * head_dim)
+        self.kv = nn.Linear(hidden, 2 * kv_heads * head_dim)
+        self.o = nn.Linear(heads * head_dim, hidden)
+        self.sinks = nn.Parameter(torch.linspace(-1.5, 1.5, heads))
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, self.h, self.d)
+        k, v = self.kv(x).view(b, s, 2, self.hk, self.d).unbind(2)
+        o, lse = flashsink.attention(q, k, v, self.sinks, window=self.window, layout="bshd", return_lse=True)
+        return self.o(o.reshape(b, s, self.h * self.d)), lse
+
+
+def _model_step(model, x, g_out, g_lse):
+    """Outputs and the gradients of every parameter and of x, for the loss <out, g_out> + <lse, g_lse>."""
+    x = x.clone().requires_grad_(True)
+    params = [p for _, p in model.named_parameters()]
+    out, lse = model(x)
+    grads = torch.autograd.grad([out, lse], [x] + params, [g_out.to(out.dtype), g_lse.to(lse.dtype)])
+    names = ["x"] + [n.removeprefix("_orig_mod.") for n, _ in model.named_parameters()]
+    return {"out": out.detach(), "lse": lse.detach(), **dict(zip(names, grads))}
+
+
+def test_model_fullgraph_dynamic_cpu(counter):
+    torch.manual_seed(0)
+    model = TinyAttnModel()
+    expected_model = copy.deepcopy(model).double()
+    compiled = torch.compile(model, backend=counter, fullgraph=True, dynamic=True)
+    for n in LENGTHS:
+        g = torch.Generator().manual_seed(n)
+        x = torch.randn(2, n, 64, generator=g)
+        g_out, g_lse = torch.randn(2, n, 64, generator=g), torch.randn(2, 4, n, generator=g)
+        actual = _model_step(compiled, x, g_out, g_lse)
+        lowp = _model_step(model, x, g_out, g_lse)
+        expected = _model_step(expected_model, x.double(), g_out.double(), g_lse.double())
+        _assert_all([testing.check_precision(f"{name}@{n}", actual[name], expected[name], torch.float32, lowp=lowp[name])
+                     for name in expected])
+    assert counter.frame_count == 1  # one graph for both lengths (a recompile would have raised)
+    assert not _flashsink_ops(counter)  # off CUDA: the reference, as plain torch ops
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_sink_attention_module_fullgraph_dynamic_cpu(counter, layout):
+    torch.manual_seed(1)
+    module = SinkAttention(num_heads=8, num_kv_heads=2, head_dim=32, window=16, layout=layout)
+    with torch.no_grad():
+        module.sinks.normal_(0.0, 1.0)  # sinks that matter (the default init is N(0, 0.02^2))
+    expected_module = copy.deepcopy(module).double()
+    compiled = torch.compile(module, backend=counter, fullgraph=True, dynamic=True)
+
+    def step(mod, q, k, v, do, dlse):
+        return (*mod(q, k, v, return_lse=True),), (do, dlse)
+
+    for n in LENGTHS:
+        inp = testing.make_inputs(2, 8, 2, n, n, 32, torch.float32, "cpu", layout=layout, seed=n)
+        dlse = torch.randn(2, 8, n, generator=torch.Generator().manual_seed(n))
+        leaves = [inp[x].clone().requires_grad_(True) for x in ("q", "k", "v")]
+        lv64 = [inp[x].double().requires_grad_(True) for x in ("q", "k", "v")]
+
+        def run(mod, ls, do, dl):
+            (o, lse), _ = step(mod, *ls, do, dl)
+            grads = torch.autograd.grad([o, lse], ls + [mod.sinks], [do, dl])
+            return [o.detach(), lse.detach(), *grads]
+
+        actual = run(compiled, leaves, inp["do"], dlse)
+        lowp = run(module, leaves, inp["do"], dlse)
+        expected = run(expected_module, lv64, inp["do"].double(), dlse.double())
+        names = ("o", "lse", "dq", "dk", "dv", "dsink")
+        _assert_all([testing.check_precision(f"{nm}@{n}", a, e, torch.float32, lowp=lo)
+                     for nm, a, e, lo in zip(names, actual, expected, lowp)])
+    assert counter.frame_count == 1
+
+
+# ------------------------------------------------------------------------------------------------
+# The kernel path's wiring (custom ops, autograd, padding, slicing), on the CPU
+
+
+def kernel_path(q, k, v, sinks, window=None, causal=True, layout="bhsd", deterministic=False):
+    """What flashsink.attention runs for CUDA tensors, callable on any device."""
+    spec = validate_attention(q, k, v, sinks, window=window, causal=causal, scale=None, layout=layout)
+    return kernel_attention(spec, q, k, v, sinks, return_lse=True, deterministic=deterministic)
+
+
+# b, h, hk, sq, skv, d, window, causal, layout, sinks
+OP_CASES = [
+    (2, 8, 2, 37, 37, 64, 9, True, "bhsd", True),
+    (1, 6, 2, 29, 40, 48, None, True, "bshd", True),  # head dim padded 48 -> 64, seq_q < seq_kv
+    (2, 4, 4, 33, 20, 32, 5, True, "bhsd", False),  # rows that see no key and no sink (lse = -inf)
+    (1, 4, 1, 21, 21, 16, None, False, "bshd", True),  # MQA, non-causal, D 16 -> 32
+]
+
+
+def _op_case_id(c):
+    b, h, hk, sq, skv, d, w, causal, layout, sinks = c
+    return testing.case_id(batch=b, heads=h, kv_heads=hk, seq_q=sq, seq_kv=skv, head_dim=d, window=w,
+                           causal=causal, layout=layout, sinks=sinks, dtype=torch.bfloat16)
+
+
+def _expected_and_lowp(inp, dlse, window, causal, layout, leaves_of):
+    """The reference's o, lse and gradients (loss <o, do> + <lse, dlse>) in float64 and in the input dtype."""
+    out = []
+    for cast in (lambda x: x.double(), lambda x: x):
+        ls = leaves_of(inp, cast)
+        o, lse = flashsink.reference.attention(*ls, window=window, causal=causal, layout=layout, return_lse=True,
+                                               compute_dtype=torch.float64 if cast(inp["q"]).dtype == torch.float64
+                                               else inp["q"].dtype)
+        grads = torch.autograd.grad([o, lse], ls, [cast(inp["do"]), cast(dlse).to(lse.dtype)])
+        out.append([o.detach(), lse.detach(), *grads])
+    return out
+
+
+def _leaves(inp, cast):
+    names = ("q", "k", "v") + (("sinks",) if inp["sinks"] is not None else ())
+    return [cast(inp[n]).detach().clone().requires_grad_(True) for n in names]
+
+
+@pytest.mark.parametrize("case", OP_CASES, ids=_op_case_id)
+def test_kernel_path_on_cpu_eager_and_compiled(counter, case):
+    """The custom-op path (eager, then compiled with fullgraph + dynamic at two lengths) against the
+    float64 reference, every output and gradient, with a gradient through lse; and compiled == eager."""
+    b, h, hk, sq, skv, d, window, causal, layout, sinks = case
+    if case is not OP_CASES[0]:  # inductor for one case; AOT autograd alone (what the ops meet) for the others
+        from torch._dynamo.testing import CompileCounterWithBackend
+
+        counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(kernel_path, backend=counter, fullgraph=True, dynamic=True)
+    for extra in (0, 23):  # a second length for the compiled graph
+        inp = testing.make_inputs(b, h, hk, sq + extra, skv + extra, d, torch.bfloat16, "cpu", layout=layout,
+                                  sinks=sinks, seed=sq + extra)
+        dlse = torch.randn(b, h, sq + extra, generator=torch.Generator().manual_seed(extra))
+        names = ["o", "lse", "dq", "dk", "dv"] + (["dsink"] if sinks else [])
+        expected, lowp = _expected_and_lowp(inp, dlse, window, causal, layout, _leaves)
+
+        def run(fn):
+            ls = _leaves(inp, lambda x: x)
+            s = ls[3] if sinks else None
+            o, lse = fn(*ls[:3], s, window, causal, layout)
+            grads = torch.autograd.grad([o, lse], ls, [inp["do"], dlse])
+            return [o.detach(), lse.detach(), *grads]
+
+        eager, comp = run(kernel_path), run(compiled)
+        for got in (eager, comp):
+            _assert_all([testing.check_precision(nm, a, e, torch.bfloat16, lowp=lo)
+                         for nm, a, e, lo in zip(names, got, expected, lowp)])
+            assert [t.dtype for t in got] == [t.dtype for t in lowp]
+        _assert_all([testing.check_precision(f"compiled-vs-eager {nm}", c, e, torch.bfloat16)
+                     for nm, c, e in zip(names, comp, eager)])
+    assert counter.frame_count == 1
+    assert {"flashsink.fwd.default"} <= _flashsink_ops(counter) or {"flashsink.fwd"} <= _flashsink_ops(counter)
+
+
+def test_kernel_path_without_lse_gradient_and_sinks_dtype():
+    """Only o in the loss (the lse cotangent is materialised as zeros); sinks in bfloat16 get a bfloat16
+    gradient; deterministic is accepted."""
+    inp = testing.make_inputs(1, 4, 2, 30, 30, 32, torch.float16, "cpu", seed=3)
+    ls = [inp[n].clone().requires_grad_(True) for n in ("q", "k", "v")]
+    s = inp["sinks"].to(torch.bfloat16).requires_grad_(True)
+    o, _ = kernel_path(*ls, s, window=7, deterministic=True)
+    grads = torch.autograd.grad(o, ls + [s], inp["do"])
+    assert grads[3].dtype == torch.bfloat16
+    ls64 = [inp[n].double().requires_grad_(True) for n in ("q", "k", "v")] + [s.detach().double().requires_grad_(True)]
+    o64 = flashsink.reference.attention(*ls64, window=7)
+    exp = torch.autograd.grad(o64, ls64, inp["do"].double())
+    _assert_all([testing.check_precision("o", o, o64, torch.float16)]
+                + [testing.check_precision(nm, a, e, torch.float16) for nm, a, e in zip(("dq", "dk", "dv"), grads, exp)]
+                + [testing.check_precision("dsink", grads[3], exp[3], torch.bfloat16)])
+
+
+# ------------------------------------------------------------------------------------------------
+# The ops themselves
+
+
+def _op_args(device, dtype, layout, sinks, window, causal, d=32, seq_q=37, seq_kv=37):
+    inp = testing.make_inputs(2, 4, 2, seq_q, seq_kv, d, dtype, device, layout=layout, sinks=sinks, seed=7)
+    q, k, v = (inp[n].requires_grad_(True) for n in ("q", "k", "v"))
+    s = None if inp["sinks"] is None else inp["sinks"].requires_grad_(True)
+    return inp, (q, k, v, s, window, causal, d ** -0.5, layout, False)
+
+
+OPCHECK_CASES = [("bhsd", True, 9, True), ("bshd", False, None, True), ("bshd", True, None, False)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=testing.dtype_name)
+@pytest.mark.parametrize("layout, sinks, window, causal", OPCHECK_CASES)
+def test_opcheck_cpu(dtype, layout, sinks, window, causal):
+    inp, args = _op_args("cpu", dtype, layout, sinks, window, causal)
+    torch.library.opcheck(torch.ops.flashsink.fwd.default, args)
+    lse = torch.ops.flashsink.fwd(*args)[1].detach()
+    assert lse.shape == (2, 4, 128) and (lse[:, :, 37:] == 0).all()  # row-padded, padding rows zero
+    detached = [None if t is None else t.detach() for t in args[:4]]
+    dlse = torch.randn(lse.shape, generator=torch.Generator().manual_seed(1))
+    torch.library.opcheck(torch.ops.flashsink.bwd.default, (inp["do"], *detached, lse, dlse, *args[4:]))
+    torch.library.opcheck(torch.ops.flashsink.bwd.default, (inp["do"], *detached, lse, None, *args[4:]))
+
+
+def test_fake_shapes():
+    """The fake implementations: o in the layout, lse with _padded_rows(seq_q) rows, dsink in the sinks' dtype."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        for sq, rows in ((1, 128), (128, 128), (129, 256), (1000, 1024)):
+            q = torch.empty(2, sq, 8, 64, dtype=torch.bfloat16)
+            k = torch.empty(2, 50, 2, 64, dtype=torch.bfloat16)
+            v = torch.empty(2, 50, 2, 32, dtype=torch.bfloat16)
+            sinks = torch.empty(8, dtype=torch.float16)
+            o, lse = torch.ops.flashsink.fwd(q, k, v, sinks, None, True, 0.125, "bshd", False)
+            assert o.shape == (2, sq, 8, 32) and o.dtype == torch.bfloat16 and o.is_contiguous()
+            assert lse.shape == (2, 8, rows) and lse.dtype == torch.float32
+            dq, dk, dv, ds = torch.ops.flashsink.bwd(o, q, k, v, sinks, lse, lse, None, True, 0.125, "bshd", False)
+            assert (dq.shape, dk.shape, dv.shape, ds.shape) == (q.shape, k.shape, v.shape, (8,))
+            assert ds.dtype == torch.float16
+            ds = torch.ops.flashsink.bwd(o, q, k, v, None, lse, None, None, True, 0.125, "bshd", False)[3]
+            assert ds.dtype == torch.float32
+
+
+def test_import_registers_ops_without_tilelang():
+    code = ("import sys, torch, flashsink; "
+            "print(hasattr(torch.ops.flashsink, 'fwd'), hasattr(torch.ops.flashsink, 'bwd'), 'tilelang' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["True", "True", "False"]
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU: the kernels, compiled
+
+
+GPU_CASES = [
+    # h, hk, d, window, layout, sinks, deterministic
+    (8, 2, 64, 100, "bhsd", True, False),
+    (16, 2, 128, None, "bshd", True, False),
+    (8, 8, 80, 64, "bhsd", False, False),  # head dim padded 80 -> 128, no sinks
+    (12, 4, 64, 33, "bshd", True, True),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: "H{}-HK{}-D{}-W{}-{}-{}{}".format(
+    c[0], c[1], c[2], c[3], c[4], "sink" if c[5] else "nosink", "-det" if c[6] else ""))
+def test_kernels_fullgraph_dynamic_gpu(counter, case):
+    """flashsink.attention on CUDA bf16 compiled (fullgraph, dynamic, inductor) at two lengths: every output
+    and gradient (lse in the loss) under the precision standard against the float64 reference, and against
+    the eager kernels (o and lse bitwise: the same forward kernel on the same inputs)."""
+    h, hk, d, window, layout, sinks, det = case
+
+    def fn(q, k, v, s):
+        return flashsink.attention(q, k, v, s, window=window, layout=layout, return_lse=True, deterministic=det)
+
+    compiled = torch.compile(fn, backend=counter, fullgraph=True, dynamic=True)
+    for i, n in enumerate(GPU_LENGTHS):
+        inp = testing.make_inputs(1 + i, h, hk, n, n, d, torch.bfloat16, "cuda", layout=layout, sinks=sinks, seed=n)
+        dlse = torch.randn(1 + i, h, n, generator=torch.Generator().manual_seed(n)).cuda()
+        names = ["o", "lse", "dq", "dk", "dv"] + (["dsink"] if sinks else [])
+        expected, lowp = _expected_and_lowp(inp, dlse, window, True, layout, _leaves)
+
+        def run(f):
+            ls = _leaves(inp, lambda x: x)
+            o, lse = f(*ls[:3], ls[3] if sinks else None)
+            return [o.detach(), lse.detach(), *torch.autograd.grad([o, lse], ls, [inp["do"], dlse])]
+
+        eager, comp = run(fn), run(compiled)
+        for label, got in (("eager", eager), ("compiled", comp)):
+            _assert_all([testing.check_precision(f"{label} {nm}@{n}", a, e, torch.bfloat16, lowp=lo)
+                         for nm, a, e, lo in zip(names, got, expected, lowp)])
+        _assert_all([testing.check_precision(f"compiled-vs-eager {nm}@{n}", c, e, torch.bfloat16)
+                     for nm, c, e in zip(names, comp, eager)])
+        assert torch.equal(comp[0], eager[0]) and torch.equal(comp[1], eager[1])
+    assert counter.frame_count == 1
+    ops = _flashsink_ops(counter)
+    assert any("flashsink.fwd" in t for t in ops), f"the kernels' op is not in the graph: {sorted(_ops_in(counter))}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout, sinks, window, causal", OPCHECK_CASES)
+def test_opcheck_gpu(layout, sinks, window, causal):
+    inp, args = _op_args("cuda", torch.bfloat16, layout, sinks, window, causal, d=64, seq_q=150, seq_kv=150)
+    args = args[:-1] + (True,)  # deterministic: the backward is bitwise reproducible, as opcheck compares runs
+    torch.library.opcheck(torch.ops.flashsink.fwd.default, args)
+    lse = torch.ops.flashsink.fwd(*args)[1].detach()
+    assert lse.shape == (2, 4, 256) and (lse[:, :, 150:] == 0).all()
+    detached = [None if t is None else t.detach() for t in args[:4]]
+    dlse = torch.randn(lse.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    torch.library.opcheck(torch.ops.flashsink.bwd.default, (inp["do"], *detached, lse, dlse, *args[4:]))
+
+
+@pytest.mark.gpu
+def test_sink_attention_module_fullgraph_gpu(counter):
+    module = SinkAttention(num_heads=16, num_kv_heads=4, head_dim=64, window=128, layout="bshd").cuda()
+    with torch.no_grad():
+        module.sinks.normal_(0.0, 1.0)
+    compiled = torch.compile(module, backend=counter, fullgraph=True, dynamic=True)
+    for n in GPU_LENGTHS:
+        inp = testing.make_inputs(2, 16, 4, n, n, 64, torch.bfloat16, "cuda", layout="bshd", seed=n)
+        ls = [inp[x].clone().requires_grad_(True) for x in ("q", "k", "v")]
+        o = compiled(*ls)
+        grads = torch.autograd.grad(o, ls + [module.sinks], inp["do"])
+        expected = testing.reference_grads(inp["q"], inp["k"], inp["v"], module.sinks.detach(), inp["do"],
+                                           window=128, layout="bshd", compute_dtype=torch.float64)
+        _assert_all([testing.check_precision(nm, a, expected[nm], torch.bfloat16)
+                     for nm, a in zip(("o", "dq", "dk", "dv", "dsink"), [o, *grads])])
+    assert counter.frame_count == 1
+    assert any("flashsink.fwd" in t for t in _flashsink_ops(counter))
