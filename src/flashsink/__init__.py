@@ -6,7 +6,9 @@
 from . import reference, testing
 from .api import attention, attention_varlen
 from .combine import combine
+from .errors import CacheDirError, CompileError
 
 __version__ = "0.1.0"
 
 __all__ = ["attention", "attention_varlen", "combine", "reference", "testing", "__version__"]
+__all__ += ["CompileError", "CacheDirError"]

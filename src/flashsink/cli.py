@@ -7,6 +7,8 @@ Commands:
             (implementation in ``flashsink.bench``).
     precompile  compile kernels ahead of time into the kernel cache, no GPU needed
             (implementation in ``flashsink.ops.precompile``).
+    cache   ``cache info``: where the kernel cache is, its entries and their state;
+            ``cache clear``: remove them (implementation in ``flashsink.ops.diskcache``).
 """
 
 from __future__ import annotations
@@ -164,6 +166,111 @@ def cmd_check(args) -> int:
     return 1 if failed else 0
 
 
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def _cache_root(args):
+    """The cache directory and how it was chosen; checked, not created."""
+    from pathlib import Path
+
+    from .ops import diskcache
+
+    if args.dir:
+        return Path(args.dir).expanduser().absolute(), "--dir"
+    import os
+
+    how = f"{diskcache.ENV_DIR}" if os.environ.get(diskcache.ENV_DIR) else f"default; set {diskcache.ENV_DIR} to move it"
+    return diskcache.cache_dir(), how
+
+
+def cmd_cache_info(args) -> int:
+    from .errors import CacheDirError
+    from .ops import diskcache
+
+    root, how = _cache_root(args)
+    print(f"flashsink kernel cache: {root} ({how})")
+    if not root.exists():
+        print("it does not exist yet: 0 entries (the first compiled kernel creates it, mode 0700)")
+        return 0
+    try:
+        for d in (root, *(root / s for s in diskcache.SUBDIRS if (root / s).exists())):
+            diskcache.check_private_dir(d)
+    except CacheDirError as exc:
+        print(f"UNSAFE, flashsink refuses to use it: {exc}", file=sys.stderr)
+        return 2
+    print("permissions: owned by you, writable by nobody else: ok")
+    found = diskcache.entries(root)
+    total = sum(e.size for e in found)
+    bad = [e for e in found if e.status != "ok"]
+    print(f"{len(found)} entries, {_size(total)}" + (f", {len(bad)} failing verification" if bad else ""))
+    if found:
+        print(f"{'kind':<11} {'configuration':<58} {'size':>10}  {'tilelang':<9} {'created':<25} status")
+        for e in found:
+            cfg = e.summary.split(" ", 1)[1] if e.summary.startswith(e.kind + " ") else e.summary
+            print(f"{e.kind:<11} {cfg:<58} {_size(e.size):>10}  {e.versions.get('tilelang', '?'):<9} "
+                  f"{e.created:<25} {e.status}")
+            if args.verbose:
+                print(f"{'':<11} {e.name}  nvcc: {e.versions.get('nvcc', '?')}")
+    return 0
+
+
+def cmd_cache_clear(args) -> int:
+    from .errors import CacheDirError
+    from .ops import diskcache
+
+    root, _ = _cache_root(args)
+    if not (root / "kernels").exists():
+        print(f"flashsink kernel cache {root}: nothing to clear")
+        return 0
+    try:
+        diskcache.check_private_dir(root)
+    except CacheDirError as exc:
+        print(f"flashsink cache clear: {exc}", file=sys.stderr)
+        return 2
+    n = sum(1 for _ in (root / "kernels").iterdir())
+    if not args.yes:
+        if not sys.stdin.isatty():
+            print(f"flashsink cache clear: would remove {n} entries from {root}; pass --yes to do it "
+                  "without a prompt", file=sys.stderr)
+            return 2
+        answer = input(f"remove {n} compiled kernels from {root}? [y/N] ")
+        if answer.strip().lower() not in ("y", "yes"):
+            print("nothing removed")
+            return 1
+    removed, freed = diskcache.clear(root)
+    print(f"removed {removed} entries ({_size(freed)}) from {root}")
+    return 0
+
+
+def _add_cache_parser(sub) -> None:
+    p = sub.add_parser(
+        "cache",
+        help="show or clear the on-disk kernel cache",
+        description="flashsink keeps compiled kernels in FLASHSINK_CACHE_DIR (default "
+        "$XDG_CACHE_HOME/flashsink, else ~/.cache/flashsink). `info` lists the entries and checks each "
+        "against its recorded checksums; `clear` removes them (and leftover temporary files), touching "
+        "nothing else in the directory.",
+    )
+    csub = p.add_subparsers(dest="cache_command", metavar="{info,clear}")
+    csub.required = True
+    info = csub.add_parser("info", help="directory, entries, size, per-entry configuration and state")
+    info.add_argument("--dir", help="a cache directory other than this environment's")
+    info.add_argument("-v", "--verbose", action="store_true", help="also the entry names and nvcc versions")
+    info.set_defaults(func=cmd_cache_info)
+    clear = csub.add_parser("clear", help="remove every compiled kernel from the cache",
+                            description="Remove every entry. Asks first on a terminal; --yes skips the "
+                            "question (needed when stdin is not a terminal, e.g. in scripts). A kernel "
+                            "being compiled right now is not disturbed.")
+    clear.add_argument("--dir", help="a cache directory other than this environment's")
+    clear.add_argument("-y", "--yes", action="store_true", help="do not ask")
+    clear.set_defaults(func=cmd_cache_clear)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="flashsink", description="flashsink: fused TileLang attention with learnable attention sinks"
@@ -185,6 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .ops.precompile import add_parser as add_precompile_parser
 
     add_precompile_parser(sub)
+    _add_cache_parser(sub)
     return parser
 
 

@@ -4,21 +4,90 @@ One compiled kernel per (kernel kind, :class:`KernelConfig`); sequence lengths, 
 window and scale are runtime arguments, so a new length never recompiles. Compilation
 only needs nvcc, not a GPU: pass an explicit architecture (``cfg.arch``) and the same
 code path builds kernels on a CPU-only machine (CI, precompile).
+
+Three levels, in order:
+
+1. this process's dict (``get_kernel``);
+2. flashsink's disk cache (``diskcache.py``: ``FLASHSINK_CACHE_DIR``, private, verified entries,
+   one compile per key across processes);
+3. TileLang's compiler, called through ``JITKernel`` directly. TileLang's own disk cache
+   (``~/.tilelang/cache``) is deliberately bypassed: it loads entries it has not checked for
+   owner or permissions, and flashsink kernels must only ever be loaded from verified entries.
+
+A failed compile raises :class:`flashsink.CompileError`; transient failures (a killed compiler,
+a full disk, no memory) are retried ``COMPILE_RETRIES`` times first.
 """
 
+from __future__ import annotations
+
+import collections
+import dataclasses
+import errno
+import functools
+import hashlib
 import logging
+import os
+import platform
+import subprocess
+import sys
+import tempfile
 import threading
 import time
+import traceback
+from pathlib import Path
 
+from ..errors import CompileError, tail
+from . import diskcache
 from .config import KernelConfig
 
 log = logging.getLogger("flashsink")
 
 KINDS = ("fwd", "preprocess", "bwd", "dq", "postprocess")
 
-_cache: dict = {}
-_lock = threading.Lock()
+#: extra attempts after a transient failure (so at most 1 + COMPILE_RETRIES compiles)
+COMPILE_RETRIES = 2
+RETRY_DELAY_S = 1.0
+EXECUTION_BACKEND = "tvm_ffi"
 
+_cache: dict = {}
+_lock = threading.Lock()  # get_kernel: one compile or load at a time in this process
+_compile_lock = threading.RLock()  # compile_kernel: private_tmp swaps the process's temp dir
+
+#: what compile_kernel did in this process: "compiled", "disk" (loaded a verified entry),
+#: "rebuilt" (an entry failed verification and was replaced). Read by tests and precompile.
+counts: collections.Counter = collections.Counter()
+
+
+# ----------------------------------------------------------------------------------------------
+# logging: FLASHSINK_LOG
+
+_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "warn": logging.WARNING,
+           "error": logging.ERROR, "critical": logging.CRITICAL, "off": logging.CRITICAL + 10}
+_logging_done = False
+
+
+def configure_logging() -> None:
+    """Apply ``FLASHSINK_LOG`` (debug, info, warning, error, off; default info) to the "flashsink"
+    logger, once per process. When the application has not configured logging (no handler on
+    the root logger), a stderr handler is added so the lines are seen."""
+    global _logging_done
+    if _logging_done:
+        return
+    _logging_done = True
+    given = os.environ.get("FLASHSINK_LOG", "").strip().lower()
+    level = _LEVELS.get(given or "info")
+    if level is None:
+        level = logging.INFO
+        log.warning("flashsink: FLASHSINK_LOG=%r is not one of %s; using info", given, ", ".join(_LEVELS))
+    log.setLevel(level)
+    if not log.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(handler)
+
+
+# ----------------------------------------------------------------------------------------------
+# what a kernel is: its PrimFunc, its compile arguments, its cache key
 
 def _builder(kind: str):
     from . import bwd, fwd
@@ -39,6 +108,266 @@ def build_prim_func(kind: str, cfg: KernelConfig):
     return _builder(kind)(cfg)
 
 
+def pass_configs() -> dict:
+    """Pass configs for every kernel: exp2/log2 through the fast hardware approximations."""
+    import tilelang
+
+    return {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
+
+
+@dataclasses.dataclass
+class _CompileArgs:
+    out_idx: list | None
+    pass_configs: dict
+    compile_flags: list | None
+
+
+def _compile_args(func) -> _CompileArgs:
+    """What ``tilelang.compile`` would pass to ``JITKernel``: function-level attrs merged with ours."""
+    attrs = func.attrs
+    has = (lambda name: attrs is not None and name in attrs)  # noqa: E731
+    out_idx = [int(i) for i in attrs["tilelang_out_idx"]] if has("tilelang_out_idx") else None
+    configs = dict(attrs["tilelang_pass_configs"]) if has("tilelang_pass_configs") else {}
+    configs.update(pass_configs())
+    flags = [str(f) for f in attrs["tilelang_compile_flags"]] if has("tilelang_compile_flags") else None
+    return _CompileArgs(out_idx, configs, flags)
+
+
+@functools.cache
+def _nvcc_version() -> str:
+    try:
+        from tilelang.contrib.nvcc import get_nvcc_compiler
+
+        nvcc = get_nvcc_compiler()
+    except Exception:  # no CUDA toolkit found
+        return "none"
+    try:
+        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "none"
+    lines = [ln.strip() for ln in out.splitlines() if ln.strip()]
+    return lines[-1] if lines else "unknown"
+
+
+@functools.cache
+def versions() -> dict:
+    """Everything outside the kernel's own code that changes the compiled binary."""
+    import tilelang
+    import tvm_ffi
+
+    from .. import __version__
+
+    return {
+        "flashsink": __version__,
+        "tilelang": tilelang.__version__,
+        "tvm_ffi": getattr(tvm_ffi, "__version__", "?"),
+        "nvcc": _nvcc_version(),
+        "platform": f"{sys.platform}-{platform.machine()}",
+    }
+
+
+def _tiles(cfg) -> dict:
+    """Every tile choice config.py makes for ``cfg`` (each ``*_tiles`` function)."""
+    from . import config
+
+    out = {}
+    for name in sorted(dir(config)):
+        fn = getattr(config, name)
+        if name.endswith("_tiles") and callable(fn):
+            try:
+                out[name] = dataclasses.asdict(fn(cfg))
+            except Exception as exc:  # a table that does not cover this config
+                out[name] = f"n/a ({type(exc).__name__})"
+    return out
+
+
+def cache_key(kind: str, cfg, func, args: _CompileArgs) -> dict:
+    """The disk-cache key: the static configuration, the tiles, the kernel's TIR (so an edit to a
+    kernel's code is a new key even at the same version), compile arguments and versions."""
+    config = dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else repr(cfg)
+    return {
+        "kind": kind,
+        "config_type": type(cfg).__qualname__,
+        "config": config,
+        "tiles": _tiles(cfg),
+        "tir_sha256": hashlib.sha256(func.script(show_meta=True).encode()).hexdigest(),
+        "target": cfg.target(),
+        "execution_backend": EXECUTION_BACKEND,
+        "out_idx": args.out_idx,
+        "pass_configs": {str(k): repr(v) for k, v in sorted(args.pass_configs.items(), key=lambda kv: str(kv[0]))},
+        "compile_flags": args.compile_flags,
+        "versions": versions(),
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# compile, with retries
+
+_TRANSIENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.ENOMEM, errno.EAGAIN, errno.EINTR, errno.EMFILE,
+                     errno.ENFILE, errno.ETXTBSY}
+_TRANSIENT_TEXT = ("No space left on device", "Disk quota exceeded", "Cannot allocate memory", "out of memory",
+                   "Resource temporarily unavailable", "Too many open files", "died due to signal",
+                   "Killed", "killed", "timed out")
+
+
+def _compiler_output(exc: BaseException) -> str:
+    """The exception text without the CUDA source TileLang puts in front of nvcc's output."""
+    text = str(exc)
+    marker = "Compilation error:"
+    return text[text.rfind(marker):] if marker in text else text
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Failures worth another try: the compiler was killed or timed out, or the machine ran out
+    of disk, memory or file handles. Errors in the kernel or the compiler's verdict are not."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, (MemoryError, subprocess.TimeoutExpired)):
+            return True
+        if isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS:
+            return True
+        if any(t in _compiler_output(exc) for t in _TRANSIENT_TEXT):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _error_text(exc: BaseException) -> str:
+    if "Compilation error:" in str(exc):  # nvcc's verdict: its output is what matters
+        return tail(_compiler_output(exc))
+    # a lowering or front-end error: the message and where it was raised
+    return tail("".join(traceback.format_exception(type(exc), exc, exc.__traceback__, limit=-4)))
+
+
+def _jit(func, cfg, args: _CompileArgs):
+    """One TileLang compile (lowering + nvcc + host library), not through TileLang's cache."""
+    from tilelang.jit import JITKernel
+
+    return JITKernel(
+        func, out_idx=args.out_idx, execution_backend=EXECUTION_BACKEND, target=cfg.target(),
+        pass_configs=args.pass_configs, compile_flags=args.compile_flags,
+    )
+
+
+def _compile_with_retries(kind: str, cfg, func, args: _CompileArgs, root: Path):
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            with diskcache.private_tmp(root):
+                return _jit(func, cfg, args)
+        except Exception as exc:
+            if attempt <= COMPILE_RETRIES and is_transient(exc):
+                log.warning(
+                    "flashsink: compiling %s for %s failed with a transient error (%s); retry %d of %d",
+                    kind, cfg.short(), tail(_compiler_output(exc), 300).replace("\n", " "), attempt, COMPILE_RETRIES,
+                )
+                time.sleep(RETRY_DELAY_S * attempt)
+                continue
+            raise CompileError(kind, cfg, cfg.target(), _error_text(exc), attempts=attempt) from exc
+
+
+# ----------------------------------------------------------------------------------------------
+# saving and loading through the disk cache (TileLang's tvm_ffi serialization, our verification)
+
+_SO = "executable.so"
+_DEVICE = "device_kernel.cu"
+_HOST = "host_kernel.cu"
+_PARAMS = "params.json"
+
+
+def _write_kernel(kernel, d: Path) -> None:
+    """The files TileLang's own tvm_ffi cache writes, with its exporter."""
+    from tilelang.engine.param import dump_kernel_params
+    from tilelang.jit.adapter.kernel_cache import TVMFFIKernelCache
+
+    (d / _DEVICE).write_text(kernel.kernel_source or "")
+    (d / _HOST).write_text(kernel.adapter.get_host_source() or "")
+    (d / _PARAMS).write_text(dump_kernel_params(kernel.params))
+    kernel.adapter.get_exportable_executable().export_library(
+        str(d / _SO), **TVMFFIKernelCache._get_export_kwargs(kernel)
+    )
+
+
+def _load_kernel(files: dict, func, cfg, args: _CompileArgs, root: Path):
+    """A kernel from an entry's verified bytes: the library is loaded from a private copy of
+    exactly the bytes that were hashed (removed once loaded)."""
+    from tilelang.engine.param import load_kernel_params
+    from tilelang.jit import JITKernel
+    from tilelang.jit.adapter.base import CachedTextSource
+
+    fd, so_path = tempfile.mkstemp(prefix=f"load-{os.getpid()}-", suffix=".so", dir=root / "tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(files[_SO])
+        return JITKernel.from_database(
+            func=func,
+            host_kernel_source=CachedTextSource(text=files[_HOST].decode()),
+            device_kernel_source=CachedTextSource(text=files[_DEVICE].decode()),
+            kernel_lib_path=so_path,
+            params=load_kernel_params(files[_PARAMS].decode()),
+            target=cfg.target(),
+            target_host=None,
+            out_idx=args.out_idx,
+            execution_backend=EXECUTION_BACKEND,
+            pass_configs=args.pass_configs,
+            compile_flags=args.compile_flags,
+        )
+    finally:
+        os.unlink(so_path)
+
+
+def compile_kernel(kind: str, cfg: KernelConfig):
+    """The kernel for ``(kind, cfg)``: loaded from the disk cache when a verified entry exists,
+    compiled (and saved) otherwise. Raises :class:`flashsink.CompileError` if it cannot be built
+    and :class:`flashsink.errors.CacheDirError` if the cache directory is unsafe."""
+    configure_logging()
+    root = diskcache.ensure_cache_dir()
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    try:
+        func = build_prim_func(kind, cfg)
+    except Exception as exc:  # the kernel's TileLang code failed for this configuration
+        raise CompileError(kind, cfg, cfg.target(), _error_text(exc)) from exc
+    args = _compile_args(func)
+    key = cache_key(kind, cfg, func, args)
+    name = diskcache.entry_name(kind, key)
+    with _compile_lock, diskcache.key_lock(root, name):
+        entry_existed = (root / "kernels" / name).exists()
+        start = time.perf_counter()
+        hit = diskcache.load(root, name, key)
+        if hit is not None:
+            try:
+                kernel = _load_kernel(hit[1], func, cfg, args, root)
+            except Exception as exc:  # e.g. written by an incompatible runtime: rebuild it
+                log.warning("flashsink: could not load cache entry %s (%s: %s); rebuilding it",
+                            root / "kernels" / name, type(exc).__name__, exc)
+                diskcache.discard(root, root / "kernels" / name)
+            else:
+                counts["disk"] += 1
+                log.debug("flashsink: loaded the %s kernel for %s from the disk cache %s in %.2f s",
+                          kind, cfg.short(), root / "kernels" / name, time.perf_counter() - start)
+                return kernel
+        log.info(
+            "flashsink: compiling the %s kernel for %s (first use of this configuration on this machine, "
+            "so this call is slow: ~10-60 s); it is then cached in %s",
+            kind, cfg.short(), root,
+        )
+        kernel = _compile_with_retries(kind, cfg, func, args, root)
+        seconds = time.perf_counter() - start
+        counts["rebuilt" if entry_existed else "compiled"] += 1
+        try:
+            with diskcache.private_tmp(root):
+                diskcache.store(root, name, key, functools.partial(_write_kernel, kernel), kind=kind,
+                                summary=f"{kind} {cfg.short()}", extra={"compile_seconds": round(seconds, 1)})
+        except Exception as exc:  # the kernel works; only the cache is missing it
+            log.warning("flashsink: compiled %s for %s but could not save it to the disk cache %s: %s: %s",
+                        kind, cfg.short(), root, type(exc).__name__, exc)
+        log.debug("flashsink: compiled %s for %s in %.1f s", kind, cfg.short(), seconds)
+        return kernel
+
+
 def get_kernel(kind: str, cfg: KernelConfig):
     """The compiled kernel for ``(kind, cfg)``, compiling it on first use."""
     key = (kind, cfg)
@@ -50,22 +379,6 @@ def get_kernel(kind: str, cfg: KernelConfig):
         if kernel is None:
             kernel = compile_kernel(kind, cfg)
             _cache[key] = kernel
-    return kernel
-
-
-def compile_kernel(kind: str, cfg: KernelConfig):
-    import tilelang
-
-    log.info("flashsink: compiling the %s kernel for %s (first use; cached for this process)", kind, cfg.short())
-    start = time.perf_counter()
-    kernel = tilelang.compile(
-        build_prim_func(kind, cfg),
-        target=cfg.target(),
-        execution_backend="tvm_ffi",
-        # the same for every kernel: exp2/log2 through the fast hardware approximations
-        pass_configs={tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True},
-    )
-    log.info("flashsink: compiled %s for %s in %.1f s", kind, cfg.short(), time.perf_counter() - start)
     return kernel
 
 

@@ -1,8 +1,9 @@
 """Compile many kernels ahead of time, in parallel processes.
 
-TileLang keeps compiled kernels in its on-disk cache (``TILELANG_CACHE_DIR``), so kernels
-built here are loaded, not rebuilt, by later processes. Works without a GPU: the
-architecture is part of each :class:`KernelConfig`.
+Kernels built here go into flashsink's disk cache (``FLASHSINK_CACHE_DIR``, see ``diskcache.py``),
+so later processes load them instead of compiling. A kernel already in the cache is loaded and
+counted as cached, not rebuilt. Works without a GPU: the architecture is part of each
+:class:`KernelConfig`.
 """
 
 import concurrent.futures as cf
@@ -11,7 +12,9 @@ import os
 import sys
 import time
 
-from .compile import KINDS, compile_kernel
+from . import compile as _compile
+from . import diskcache
+from .compile import KINDS
 from .config import KernelConfig
 
 
@@ -20,14 +23,23 @@ def kinds_for(cfg: KernelConfig) -> tuple:
     return ("fwd", "preprocess", "bwd", "dq") if cfg.deterministic else ("fwd", "preprocess", "bwd", "postprocess")
 
 
+def _init_worker():
+    # the parent prints one progress line per kernel; workers only say what goes wrong
+    os.environ.setdefault("FLASHSINK_LOG", "warning")
+
+
 def _compile_one(job):
+    """Returns (kind, cfg, seconds, "compiled" | "cached" | "rebuilt", error text or None)."""
     kind, cfg = job
     start = time.perf_counter()
+    before = dict(_compile.counts)
     try:
-        compile_kernel(kind, cfg)
+        _compile.compile_kernel(kind, cfg)
     except Exception as exc:  # reported by the parent, which decides what failed
-        return kind, cfg, time.perf_counter() - start, f"{type(exc).__name__}: {exc}"
-    return kind, cfg, time.perf_counter() - start, None
+        return kind, cfg, time.perf_counter() - start, "failed", f"{type(exc).__name__}: {exc}"
+    done = {k: v - before.get(k, 0) for k, v in _compile.counts.items()}
+    how = "rebuilt" if done.get("rebuilt") else "compiled" if done.get("compiled") else "cached"
+    return kind, cfg, time.perf_counter() - start, how, None
 
 
 def precompile(configs, *, kinds=None, jobs=None, out=sys.stderr) -> list:
@@ -39,18 +51,28 @@ def precompile(configs, *, kinds=None, jobs=None, out=sys.stderr) -> list:
                 raise ValueError(f"unknown kernel kind {kind!r}; expected one of {KINDS}")
             todo.append((kind, cfg))
     jobs = jobs or max(1, min(len(todo), os.cpu_count() or 1))
+    root = diskcache.ensure_cache_dir()  # an unsafe directory fails here, once, not in every worker
     failures = []
-    print(f"precompiling {len(todo)} kernels in {jobs} processes ...", file=out, flush=True)
+    print(f"precompiling {len(todo)} kernels in {jobs} processes into {root} ...", file=out, flush=True)
     start = time.perf_counter()
-    with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn")) as pool:
-        for n, (kind, cfg, secs, err) in enumerate(pool.map(_compile_one, todo), 1):
-            status = "ok" if err is None else "FAILED"
+    tally = {"compiled": 0, "cached": 0, "rebuilt": 0}
+    ctx = mp.get_context("spawn")
+    with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_init_worker) as pool:
+        for n, (kind, cfg, secs, how, err) in enumerate(pool.map(_compile_one, todo), 1):
+            status = f"ok ({how})" if err is None else "FAILED"
             print(f"[{n}/{len(todo)}] {kind:<11} {cfg.short():<60} {secs:6.1f} s {status}", file=out, flush=True)
-            if err is not None:
+            if err is None:
+                tally[how] += 1
+            else:
                 failures.append((kind, cfg, err))
-    print(f"precompile done in {time.perf_counter() - start:.0f} s, {len(failures)} failed", file=out, flush=True)
+    print(
+        f"precompile done in {time.perf_counter() - start:.0f} s: {tally['compiled']} compiled, "
+        f"{tally['cached']} already cached, {tally['rebuilt']} rebuilt, {len(failures)} failed",
+        file=out, flush=True,
+    )
     for kind, cfg, err in failures:
-        print(f"  {kind} {cfg.short()}: {err[-2000:]}", file=out, flush=True)
+        shown = err if len(err) <= 3000 else err[:400] + "\n...\n" + err[-2500:]
+        print(f"  {kind} {cfg.short()}: {shown}", file=out, flush=True)
     return failures
 
 
@@ -104,7 +126,14 @@ def cmd_precompile(args) -> int:
             print(f"{cfg.short():<60} {' '.join(kinds)}")
         print(f"{len(configs)} configurations, {sum(len(args.kinds or kinds_for(c)) for c in configs)} kernels")
         return 0
-    return 1 if precompile(configs, kinds=args.kinds, jobs=args.jobs, out=sys.stdout) else 0
+    from ..errors import CacheDirError
+
+    try:
+        failures = precompile(configs, kinds=args.kinds, jobs=args.jobs, out=sys.stdout)
+    except CacheDirError as exc:
+        print(f"flashsink precompile: {exc}", file=sys.stderr)
+        return 2
+    return 1 if failures else 0
 
 
 def add_parser(sub) -> None:
@@ -114,8 +143,9 @@ def add_parser(sub) -> None:
         "precompile",
         help="compile kernels ahead of time into the kernel cache (no GPU needed)",
         description="Compile the kernels for every combination of the options below, in parallel "
-        "processes, into TileLang's kernel cache (TILELANG_CACHE_DIR, default ~/.tilelang/cache), "
-        "so a later process loads them instead of compiling on its first call. Works on a machine "
+        "processes, into flashsink's kernel cache (FLASHSINK_CACHE_DIR, default ~/.cache/flashsink; "
+        "see `flashsink cache info`), so a later process loads them instead of compiling on its "
+        "first call. Kernels already cached are checked and kept. Works on a machine "
         "without a GPU (nvcc is needed). Sequence lengths, batch, window size and scale are runtime "
         "values: they need no kernels of their own. Exit code 1 if any kernel fails to build.",
     )

@@ -1,0 +1,155 @@
+"""NaN and Inf inputs give what the reference gives.
+
+The CPU test pins the reference's behaviour (``flashsink.attention`` on CPU tensors *is* the
+reference path) against the independent gpt-oss / Hugging Face formula in float64: same NaN and
+Inf positions, same finite values. The GPU tests then hold the kernels to that reference: same
+NaN / Inf positions in o and lse, finite entries within the precision standard's tolerance.
+
+Cases (B=1, H=4, H_kv=2, causal, no window, so every poisoned key is seen by the same rows in the
+kernels and in the reference):
+
+- NaN in one query row: that row of that head is NaN, nothing else moves;
+- an Inf key whose scores are NaN: every row that sees it (of that key's heads) is NaN, earlier
+  rows are unaffected; a key whose scores are -Inf is simply invisible: nothing changes;
+- NaN in one value row: every row of that key's heads is NaN (masked probabilities are 0, and
+  0 * NaN = NaN in the product, in the reference as in a kernel's tile);
+- a NaN sink: that head is NaN; a -Inf sink: attention without a sink for that head;
+- a +Inf sink (reference only: the formula's softmax gives NaN there, the reference gives the
+  limit o = 0, lse = +Inf): every row puts all its weight on the sink.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import flashsink
+from flashsink import reference
+from flashsink.testing import tolerance
+
+B, H, HKV, N, D = 1, 4, 2, 24, 32
+SCALE = 1 / math.sqrt(D)
+
+
+def _inputs(dtype, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, N, D, generator=g)
+    k = torch.randn(B, HKV, N, D, generator=g)
+    v = torch.randn(B, HKV, N, D, generator=g)
+    sinks = torch.randn(H, generator=g)
+    return [t.to(device=device, dtype=dtype if t.dim() > 1 else torch.float32) for t in (q, k, v, sinks)]
+
+
+def _poison(case, q, k, v, sinks):
+    q, k, v, sinks = (t.clone() for t in (q, k, v, sinks))
+    if case == "nan-q":
+        q[0, 1, 5, 3] = float("nan")
+    elif case == "pinf-k":
+        k[0, 0, 7, :] = float("inf")  # q . k sums +Inf and -Inf terms: a NaN score for every query
+    elif case == "ninf-k-score":
+        # a key whose scores are -Inf for every query: no visible change at all
+        k[0, 1, 9] = 0.0
+        k[0, 1, 9, 0] = float("-inf")
+        q[0, 2:, :, 0] = q[0, 2:, :, 0].abs() + 0.5  # heads 2, 3 use kv head 1: score = -Inf
+    elif case == "nan-v":
+        v[0, 1, 4, 2] = float("nan")
+    elif case == "nan-sink":
+        sinks[2] = float("nan")
+    elif case == "ninf-sink":
+        sinks[0] = float("-inf")
+    elif case == "pinf-sink":
+        sinks[3] = float("inf")
+    else:
+        raise ValueError(case)
+    return q, k, v, sinks
+
+
+CASES = ["nan-q", "pinf-k", "ninf-k-score", "nan-v", "nan-sink", "ninf-sink"]
+
+
+def _eager64(q, k, v, sinks):
+    """softmax over [scores, sink], drop the sink column (gpt-oss / Hugging Face), float64."""
+    q, k, v, sinks = (t.double() for t in (q, k, v, sinks))
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    s = torch.matmul(q, k.transpose(-1, -2)) * SCALE
+    mask = torch.ones(N, N, dtype=torch.bool).triu(1)
+    s = s.masked_fill(mask, float("-inf"))
+    sink = sinks.view(1, -1, 1, 1).expand(q.shape[0], -1, N, 1)
+    both = torch.cat([s, sink], dim=-1)
+    lse = torch.logsumexp(both, dim=-1)
+    p = torch.softmax(both, dim=-1)[..., :-1]
+    return torch.matmul(p, v), lse
+
+
+def _same_nonfinite(name, actual, expected):
+    a, e = actual.double().cpu(), expected.double().cpu()
+    assert torch.equal(a.isnan(), e.isnan()), f"{name}: NaN positions differ"
+    assert torch.equal(a.isposinf(), e.isposinf()) and torch.equal(a.isneginf(), e.isneginf()), (
+        f"{name}: Inf positions differ")
+    return a.isfinite(), a, e
+
+
+@pytest.mark.l0
+@pytest.mark.parametrize("case", CASES)
+def test_reference_propagates_like_the_formula(case):
+    q, k, v, sinks = _poison(case, *_inputs(torch.float32))
+    o, lse = flashsink.attention(q, k, v, sinks, return_lse=True)
+    o_ref, lse_ref = _eager64(q, k, v, sinks)
+    for name, a, e in (("o", o, o_ref), ("lse", lse, lse_ref)):
+        fin, a, e = _same_nonfinite(name, a, e)
+        torch.testing.assert_close(a[fin], e[fin], atol=1e-5, rtol=1e-5, msg=f"{case}: {name} finite values")
+    if case in ("nan-q", "nan-sink", "nan-v", "pinf-k"):
+        assert o.isnan().any(), "the poison must show"
+    if case in ("ninf-k-score", "ninf-sink"):
+        assert o.isfinite().all()
+
+
+@pytest.mark.l0
+def test_reference_pinf_sink_takes_all_weight():
+    q, k, v, sinks = _poison("pinf-sink", *_inputs(torch.float32))
+    o, lse = flashsink.attention(q, k, v, sinks, return_lse=True)
+    assert torch.equal(o[:, 3], torch.zeros_like(o[:, 3])) and lse[:, 3].isposinf().all()
+    o_ok, _ = flashsink.attention(*_inputs(torch.float32)[:3], _inputs(torch.float32)[3], return_lse=True)
+    torch.testing.assert_close(o[:, :3], o_ok[:, :3])
+
+
+# ----------------------------------------------------------------------------------------------
+# the kernels (CUDA)
+
+@pytest.mark.gpu
+@pytest.mark.l1
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("case", [*CASES, "pinf-sink"])
+def test_kernels_match_the_reference_on_nan_inf(case, dtype):
+    q, k, v, sinks = _poison(case, *_inputs(dtype))
+    o_ref, lse_ref = reference.attention(q, k, v, sinks, return_lse=True, compute_dtype=torch.float64)
+    qc, kc, vc, sc = (t.cuda() for t in (q, k, v, sinks))
+    o, lse = flashsink.attention(qc, kc, vc, sc, return_lse=True)
+    torch.cuda.synchronize()
+    tol = tolerance(dtype)
+    for name, a, e in (("o", o, o_ref.to(dtype)), ("lse", lse, lse_ref)):
+        fin, a, e = _same_nonfinite(f"{case} {name}", a, e)
+        torch.testing.assert_close(a[fin], e[fin], atol=tol.atol_small * 4, rtol=tol.rtol * 4,
+                                   msg=f"{case}: {name} finite values")
+
+
+@pytest.mark.gpu
+@pytest.mark.l1
+def test_kernel_backward_survives_nan_inputs():
+    """Poisoned inputs give poisoned (not garbage-elsewhere) gradients and no crash: the gradients
+    of the heads that never see the poison match the reference's."""
+    q, k, v, sinks = _poison("nan-q", *_inputs(torch.float16))
+    leaves = [t.cuda().requires_grad_(True) for t in (q, k, v, sinks)]
+    flashsink.attention(*leaves).float().sum().backward()
+    torch.cuda.synchronize()
+    ref = [t.clone().requires_grad_(True) for t in (q, k, v, sinks)]
+    reference.attention(*ref, compute_dtype=torch.float64).double().sum().backward()
+    # kv head 1 (query heads 2, 3) never meets the NaN query of head 1
+    for name, a, e in (("dq", leaves[0].grad[:, 2:], ref[0].grad[:, 2:]),
+                       ("dk", leaves[1].grad[:, 1], ref[1].grad[:, 1]),
+                       ("dv", leaves[2].grad[:, 1], ref[2].grad[:, 1])):
+        assert a.isfinite().all(), f"{name}: NaN leaked into heads that never see it"
+        torch.testing.assert_close(a.double().cpu(), e.double(), atol=2e-2, rtol=2e-2, msg=name)
