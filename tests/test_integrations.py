@@ -1,4 +1,4 @@
-"""Hugging Face transformers integration and the ``flashsink.nn`` module, on the CPU path.
+"""Hugging Face transformers integration and the ``flashsink.nn`` module: the CPU path, and bf16 on CUDA.
 
 The client is transformers' own ``GptOssForCausalLM`` (nobody here wrote it), tiny and built locally
 from a ``GptOssConfig`` with random weights (no download). ``attn_implementation="flashsink"`` is
@@ -8,7 +8,11 @@ judged against the model's own ``"eager"`` attention with the same weights:
   expected = the eager model in float64, ``lowp`` = the eager model in float32 (gate 2 on), actual =
   the flashsink model in float32;
 * padded batches (left and right padding), greedy ``generate()`` with the KV cache (dynamic and
-  static caches, with and without left padding), packed sequences, and what it must refuse.
+  static caches, with and without left padding), packed sequences, and what it must refuse;
+* in bfloat16 on the device (``cuda``: the kernels, marker ``gpu``; also run on the CPU): logits and
+  every parameter's gradient against the same bf16 model with an exact (float64, rounded once)
+  attention, eager bf16 as gate 2, and greedy ``generate()`` tokens equal to eager's (see the section
+  at the end for why the expected model is built that way).
 
 ``flashsink.nn.SinkAttention`` is tested in ``tests/test_nn.py`` (no transformers needed).
 
@@ -24,7 +28,7 @@ import pytest
 import torch
 
 import flashsink
-from flashsink.testing import assert_precision
+from flashsink.testing import PrecisionReport, assert_precision, check_precision
 
 transformers = pytest.importorskip("transformers", reason="Hugging Face transformers is not installed (pip install 'flashsink[hf]')")
 from transformers import GptOssConfig, GptOssForCausalLM  # noqa: E402
@@ -285,3 +289,92 @@ def test_attention_function_direct_gqa_and_cache_alignment():
     assert weights is None and out.shape == (b, sq, h, d)
     ref = flashsink.reference.attention(q, k, v, sinks, window=4, scale=0.3)
     torch.testing.assert_close(out, ref.transpose(1, 2))
+
+
+# ------------------------------------------------------------------------------------------------
+# bfloat16 on the device: on CUDA the kernels (the GPU tests), on the CPU the same checks through the
+# reference path.
+#
+# The expected model is not the float64 model: a bfloat16 model rounds every activation, so even its
+# own eager attention is far outside the bf16 tolerances of a float64 model (measured on the CPU: ~82%
+# of logits within tolerance, against the 99% the standard asks). As the standard prescribes for a
+# kernel -- the float64 reference on the *same* low-precision inputs -- the expected model is the same
+# bf16 model whose attention is the float64 reference on its own bf16 q, k, v and sinks, rounded once
+# to bf16 ("sinkref64" below); lowp (gate 2) is the model's eager attention in bf16. So what is judged
+# is the attention's own arithmetic, carried through the model.
+#
+# The routers get decisive biases (top-2 = experts 0 and 1 by a margin of 2 logits): a top-k choice that
+# flips on a near-tie is a discrete jump that no precision standard can judge. The router weights and
+# biases still get gradients (softmax over the two chosen logits).
+
+EXACT = "sinkref64"  # no "flash" in the name: transformers treats those names as FlashAttention kernels
+GEN_SEED = 5  # a prompt whose greedy continuation has no near-tie: top-2 gap >= 0.11 over the 8 steps
+
+
+def _exact_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
+                     softcap=None, s_aux=None, **kwargs):
+    if attention_mask is not None or dropout or softcap is not None:
+        raise NotImplementedError("the test's exact attention takes unpadded batches only")
+    o = flashsink.reference.attention(query, key, value, s_aux, window=sliding_window, causal=True, scale=scaling,
+                                      compute_dtype=torch.float64)
+    return o.transpose(1, 2).contiguous(), None
+
+
+@pytest.fixture(scope="module")
+def bf16_model():
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+
+    AttentionInterface.register(EXACT, _exact_attention)
+    AttentionMaskInterface.register(EXACT, flash_attention_mask)  # None for unpadded batches
+    model = tiny_model()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.router.bias.copy_(torch.tensor([4.0, 2.0, 0.0, -2.0]))
+    return model.to(torch.bfloat16)
+
+
+def _on(model, impl: str, device: str):
+    m = copy.deepcopy(model).to(device)
+    m.config._attn_implementation = impl
+    return m
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bf16_logits_and_all_gradients(bf16_model, device, calls):
+    ids = _ids().to(device)
+    exp_logits, exp_grads = _run(_on(bf16_model, EXACT, device), ids)
+    low_logits, low_grads = _run(_on(bf16_model, "eager", device), ids)
+    calls.clear()
+    act_logits, act_grads = _run(_on(bf16_model, "flashsink", device), ids)
+    assert [kind for kind, _, _ in calls] == ["attention", "attention"]  # both layers, dense path
+
+    reports = [check_precision("logits", act_logits, exp_logits, torch.bfloat16, lowp=low_logits)]
+    names = [n for n, _ in bf16_model.named_parameters()]
+    assert sum(".sinks" in n for n in names) == 2
+    for name in names:
+        assert act_grads[name] is not None, f"{name}: no gradient through flashsink"
+        assert act_grads[name].device.type == device and act_grads[name].dtype == torch.bfloat16
+        reports.append(check_precision(name, act_grads[name], exp_grads[name], torch.bfloat16, lowp=low_grads[name]))
+    failed = [r for r in reports if not r.passed]
+    assert not failed, "precision standard failed\n" + "\n".join([PrecisionReport.header()] + [r.row() for r in reports])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bf16_generate_with_cache_matches_eager(bf16_model, device, calls):
+    ids = _ids(batch=1, seq=20, seed=GEN_SEED).to(device)  # 20 + 8 tokens crosses the window of 16
+    e = _generate(_on(bf16_model, "eager", device), ids)
+    calls.clear()
+    a = _generate(_on(bf16_model, "flashsink", device), ids)
+    assert e.shape[1] == ids.shape[1] + 8
+    if not torch.equal(a, e):
+        with torch.no_grad():
+            top = _on(bf16_model, EXACT, device)(e).logits[0, ids.shape[1] - 1:-1].float().topk(2, dim=-1).values
+        raise AssertionError(
+            f"greedy tokens differ\neager     {e[0, ids.shape[1]:].tolist()}\nflashsink {a[0, ids.shape[1]:].tolist()}\n"
+            f"top-2 logit gaps of the exact model along eager's tokens: {(top[:, 0] - top[:, 1]).tolist()}"
+        )
+    assert any(kind == "attention" and sq == 1 and skv > 1 for kind, sq, skv in calls)  # decode steps on the cache
