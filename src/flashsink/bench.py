@@ -16,6 +16,12 @@ For every problem (a preset, or ``--shape``) and every system:
    bytes / copy ceiling)`` with both ceilings measured at the start of the same run, % of floor,
    peak memory over the inputs, and the speedup over the best peer that has sinks (flex, fla).
 
+Problems are dense ``[B, H, S, D]`` (``seq_q < seq_kv`` bottom-right aligned), varlen (a packed
+``[total, H, D]`` batch, :attr:`Problem.seqlens`; pairs and bytes summed over its sequences, the
+reference run per sequence) or decode (``seq_q = 1`` against a KV cache, :attr:`Problem.forward_only`:
+its other modes are n/a). Every system gets a row for every problem and mode; one that cannot run
+says why.
+
 The pieces are plain functions so the tests can check them on the CPU (pair count, FLOP and byte
 formulas, the gate) and inject systems (:data:`SYSTEMS`).
 """
@@ -369,6 +375,7 @@ class Sdpa(System):
 
     def prepare(self, inp, prob):
         t = dict(inp)
+        t["is_causal"] = prob.causal and not _all_visible(prob)  # decided here: forward is timed
         g = prob.heads // prob.kv_heads
         if self._dense(prob):
             from .reference import visible_mask
@@ -387,7 +394,7 @@ class Sdpa(System):
 
         if "mask" in t:
             return F.scaled_dot_product_attention(t["q"], t["k"], t["v"], attn_mask=t["mask"], scale=prob.scale)
-        return F.scaled_dot_product_attention(t["q"], t["k"], t["v"], is_causal=prob.causal and not _all_visible(prob),
+        return F.scaled_dot_product_attention(t["q"], t["k"], t["v"], is_causal=t["is_causal"],
                                               scale=prob.scale, enable_gqa=prob.heads != prob.kv_heads)
 
     def to_bhsd(self, name, x, prob):
@@ -1228,8 +1235,9 @@ def plot(result: dict, path: str) -> str | None:
             ax = axes[i][j]
             sel = [r for r in rows if r["preset"] == pr and r["mode"] == mode]
             if not sel:
-                ax.text(0.5, 0.5, "nothing timed (n/a, unavailable or FAIL)", ha="center", va="center",
-                        transform=ax.transAxes, fontsize=8)
+                fwd_only = any(r["mode"] == mode and r["status"] == FORWARD_ONLY for r in pr_rows)
+                ax.text(0.5, 0.5, FORWARD_ONLY if fwd_only else "nothing timed (n/a, unavailable or FAIL)",
+                        ha="center", va="center", transform=ax.transAxes, fontsize=8)
             elif len(ns) > 1:
                 for s in systems:
                     pts = sorted((r["N"], r[key]) for r in sel if r["system"] == s)
