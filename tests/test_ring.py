@@ -1,12 +1,13 @@
 """flashsink.distributed.ring_attention on CPU processes (gloo), with 2 and 4 ranks: the output and
 every gradient (q, k, v, sinks) equal the single-process result on the full sequence, for zig-zag
 and contiguous sharding, causal, windows (smaller than a chunk, spanning several chunks, larger
-than the sequence), non-causal, GQA/MQA, with and without sinks, both layouts, fp32 and fp64.
+than the sequence), non-causal, GQA/MQA, with and without sinks, both layouts, fp32 and fp64, and
+one bf16 case.
 
 Judging: fp32 results under the precision standard (``check_precision``, gates 1 and 2 against the
 single-process reference computed in fp32); fp64 results under the standard's fp32 gates too and,
 as the standard's module says for float64, directly with a max-abs bound (1e-12) against the fp64
-reference.
+reference; bf16 with bf16's tolerances (its gradients to gate 2: see ``_judge``).
 
 One spawn per world size runs every case (process start-up dominates the time). Each rank takes
 its shard (``shard_sequence``) of the same seeded global inputs, runs forward + backward with the
@@ -33,7 +34,7 @@ from flashsink import combine, reference, testing
 
 pytestmark = pytest.mark.l1
 
-F32, F64 = torch.float32, torch.float64
+F32, F64, BF16 = torch.float32, torch.float64, torch.bfloat16
 F64_TOL = dict(rtol=1e-12, atol=1e-12)
 B, H, D = 2, 4, 8
 
@@ -52,6 +53,7 @@ CASES = {
     "nosink-w6-zz-f32": dict(hk=2, window=6, sinks=False, dtype=F32),
     "bhsd-w7-zz-f32": dict(hk=1, window=7, layout="bhsd", dtype=F32),
     "bhsd-contig": dict(hk=2, layout="bhsd", zigzag=False, s=48),
+    "bf16-w5-zz": dict(hk=2, window=5, dtype=BF16),  # gradients: see _judge
 }
 
 
@@ -69,8 +71,8 @@ def _global_inputs(name, seed):
         B, H, c["hk"], c["s"], c["s"], D, c["dtype"], "cpu", layout=c["layout"], seed=seed,
         sinks=c["sinks"], head_dim_v=c["dv"],
     )
-    if x["sinks"] is not None:
-        x["sinks"] = x["sinks"].to(c["dtype"])
+    if x["sinks"] is not None and c["dtype"] == F64:
+        x["sinks"] = x["sinks"].to(F64)
     return c, x
 
 
@@ -145,11 +147,23 @@ def _reference(c, x, do, compute_dtype=F64):
     return dict(o=g["o"], dq=g["dq"], dk=g["dk"], dv=g["dv"], ds=g["dsink"])
 
 
-def _judge(name, actual, expected, dtype, lowp=None):
-    """The precision standard; float64 results also to a max-abs bound of 1e-12."""
+def _judge(name, actual, expected, dtype, lowp=None, key=None):
+    """The precision standard (fp32's tolerances for fp32 and fp64 results, which are then also held
+    to a max-abs bound of 1e-12).
+
+    bf16 dq, dk, dv: gate 2 and the max-error bound only. Each is a sum of per-piece gradients that
+    flashsink.attention's backward has already rounded to bf16 (one piece per rank for a K/V
+    block, up to three per step for a rank's queries), where the single process rounds once; that
+    keeps them within gate 2 but puts ~96-99% of the elements inside gate 1's tolerance instead of
+    99% (the same limit as Ulysses' replicated KV heads). bf16 dsink too: it is an [H] vector of
+    sums over few rows of the output, which the forward merged from bf16-rounded partials, and one
+    element near zero fails gate 1's 99% share (as in the Ulysses tests)."""
     assert actual.shape == expected.shape, (name, actual.shape, expected.shape)
-    rep = testing.check_precision(name, actual, expected, F32, lowp=lowp)
-    assert rep.passed, str(rep)
+    rep = testing.check_precision(name, actual, expected, F32 if dtype in (F32, F64) else dtype, lowp=lowp)
+    if dtype == BF16 and key in ("dq", "dk", "dv", "ds"):
+        assert rep.gate2_ok and rep.gate1_max_ok, str(rep)
+    else:
+        assert rep.passed, str(rep)
     if dtype == F64:
         torch.testing.assert_close(actual, expected, **F64_TOL, msg=name)
 
@@ -168,14 +182,15 @@ def test_ring_matches_single_process(p, tmp_path):
         sd, zz, dt = _sdim(c["layout"]), c["zigzag"], c["dtype"]
         res = [torch.load(tmp_path / f"{name}_{r}.pt") for r in range(p)]
         ref = _reference(c, x, x["do"])
-        lowp = _reference(c, x, x["do"], compute_dtype=F32)
+        lowp_dt = F32 if dt in (F32, F64) else dt
+        lowp = _reference(c, x, x["do"], compute_dtype=lowp_dt)
         got = {key: unshard_sequence([r[key] for r in res], dim=sd, zigzag=zz) for key in ("o", "dq", "dk", "dv")}
         if c["sinks"]:
             got["ds"] = sum(r["ds"] for r in res)
         else:
             assert all(r["ds"] is None for r in res)
         for key, a in got.items():
-            _judge(f"{name} P={p} {key}", a, ref[key], dt, lowp[key])
+            _judge(f"{name} P={p} {key}", a, ref[key], dt, lowp[key], key)
         if c["sinks"]:
             # Per rank: the gradient of that rank's own loss terms (do zeroed outside its tokens).
             for r in range(p):
@@ -186,7 +201,7 @@ def test_ring_matches_single_process(p, tmp_path):
                 do_r = torch.where(mask.view(shape), x["do"], torch.zeros((), dtype=x["do"].dtype))
                 _judge(
                     f"{name} P={p} ds rank {r}", res[r]["ds"], _reference(c, x, do_r)["ds"], dt,
-                    _reference(c, x, do_r, compute_dtype=F32)["ds"],
+                    _reference(c, x, do_r, compute_dtype=lowp_dt)["ds"], "ds",
                 )
 
     for r in range(p):
@@ -246,6 +261,37 @@ def test_plan_covers_exactly_the_visible_pairs():
     assert _plan_pair(0, 8, 8, 16, True, None) == []
     assert _plan_pair(24, 32, 0, 8, True, 5) == []
     assert _plan_pair(8, 16, 0, 8, True, 5) == [(8, 12, 4, 8, "suffix")]
+
+
+def test_step_plans_cover_exactly_the_global_mask():
+    """Over all ranks and all K/V blocks of a ring (after merging pieces into fewer calls), every
+    visible pair of the global problem is computed exactly once and no masked pair is; with
+    zig-zag shards and no window every step is one call."""
+    from flashsink.distributed import _RingCfg, sequence_positions
+
+    rng = random.Random(random.SystemRandom().getrandbits(62))
+    for _ in range(150):
+        p = rng.choice([1, 2, 3, 4, 5])
+        zigzag = rng.random() < 0.6
+        n = rng.randint(1, 6) * (2 if zigzag else 1)
+        s = n * p
+        causal = rng.random() < 0.85
+        window = rng.choice([None, 1, 2, rng.randint(1, s + 2)]) if causal else None
+        cover = torch.zeros(s, s, dtype=torch.int32)
+        for r in range(p):
+            cfg = _RingCfg(group=None, rank=r, p=p, local_len=n, zigzag=zigzag, causal=causal, window=window,
+                           scale=1.0, deterministic=False)
+            pos_q = sequence_positions(r, p, s, zigzag=zigzag)
+            for src in range(p):
+                pos_k = sequence_positions(src, p, s, zigzag=zigzag)
+                plan = cfg.plan(src)
+                if zigzag and causal and window is None:
+                    assert len(plan) == 1, (p, r, src, plan)
+                for q0, q1, k0, k1, kind in plan:
+                    m = _piece_mask(q0, q1, k0, k1, kind, window).int()
+                    cover[pos_q[q0:q1].unsqueeze(1), pos_k[k0:k1].unsqueeze(0)] += m
+        want = reference.visible_mask(s, s, window=window, causal=causal).int()
+        assert torch.equal(cover, want), (p, zigzag, n, causal, window)
 
 
 def _simulated_ring(q, k, v, sinks, p, zigzag, causal, window, scale):

@@ -453,7 +453,51 @@ def _plan_step(q_segs, k_segs, causal: bool, window: int | None):
         for gk, lk, m in k_segs:
             for x0, x1, a0, a1, kind in _plan_pair(gq, gq + n, gk, gk + m, causal, window):
                 out.append((lq + x0 - gq, lq + x1 - gq, lk + a0 - gk, lk + a1 - gk, kind))
-    return out
+    return _coalesce(out)
+
+
+def _coalesce(pieces):
+    """Fewer, larger calls (and fewer roundings of partial gradients).
+
+    * Unmasked pieces that form one rectangle (same keys and adjacent rows, or same rows and
+      adjacent keys) become one.
+    * The two diagonal pieces of a rank's own block, with the unmasked piece between them (zig-zag:
+      chunk r's keys fully visible to the later chunk 2P-1-r's rows), become one causal call on
+      the whole block: local order follows global order, and local distances are at most the
+      global ones, so a window that covers the unmasked piece globally covers it locally too,
+      while inside each chunk local and global distances are equal.
+
+    With zig-zag shards and a causal mask (no window) every step is then ONE call: the own block
+    (causal), all rows against an earlier rank's first chunk, or the later rows against both
+    chunks of a later rank.
+    """
+    pieces = list(pieces)
+    diag = [p for p in pieces if p[4] == _CAUSAL and p[0:2] == p[2:4]]  # square, same local rows/keys
+    for d1 in diag:
+        for d2 in diag:
+            f = (d2[0], d2[1], d1[0], d1[1], _FULL)
+            if d1[1] == d2[0] and f in pieces and d1 in pieces and d2 in pieces:
+                pieces = [x for x in pieces if x not in (d1, d2, f)] + [(d1[0], d2[1], d1[0], d2[1], _CAUSAL)]
+    merged = True
+    while merged:
+        merged = False
+        for i in range(len(pieces)):
+            for j in range(len(pieces)):
+                a, b = pieces[i], pieces[j]
+                if i == j or a[4] != _FULL or b[4] != _FULL:
+                    continue
+                if a[2:4] == b[2:4] and a[1] == b[0]:  # same keys, b's rows follow a's
+                    new = (a[0], b[1], a[2], a[3], _FULL)
+                elif a[0:2] == b[0:2] and a[3] == b[2]:  # same rows, b's keys follow a's
+                    new = (a[0], a[1], a[2], b[3], _FULL)
+                else:
+                    continue
+                pieces = [x for n, x in enumerate(pieces) if n not in (i, j)] + [new]
+                merged = True
+                break
+            if merged:
+                break
+    return pieces
 
 
 @dataclass(frozen=True)
