@@ -45,6 +45,7 @@ def fresh_logging():
     logger = logging.getLogger("flashsink")
     level, handlers = logger.level, list(logger.handlers)
     C._logging_done = False
+    logger.setLevel(logging.NOTSET)
     yield logger
     C._logging_done = False
     logger.setLevel(level)
@@ -457,12 +458,21 @@ def test_flashsink_log_sets_the_level(monkeypatch, fresh_logging, value, level):
     assert fresh_logging.level == level
 
 
+@pytest.mark.l0
+def test_application_level_is_kept_without_flashsink_log(monkeypatch, fresh_logging):
+    monkeypatch.delenv("FLASHSINK_LOG", raising=False)
+    fresh_logging.setLevel(logging.ERROR)  # the application's choice
+    C.configure_logging()
+    assert fresh_logging.level == logging.ERROR
+
+
 @pytest.mark.boundary
 def test_flashsink_log_bad_value_warns(monkeypatch, fresh_logging, caplog):
     monkeypatch.setenv("FLASHSINK_LOG", "loud")
     with caplog.at_level(logging.WARNING, logger="flashsink"):
         C.configure_logging()
-    assert fresh_logging.level == logging.INFO and "FLASHSINK_LOG='loud'" in caplog.text
+        assert fresh_logging.level == logging.INFO
+    assert "FLASHSINK_LOG='loud'" in caplog.text
 
 
 # ----------------------------------------------------------------------------------------------
