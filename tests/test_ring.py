@@ -57,6 +57,9 @@ CASES = {
 }
 
 
+SUB_CASE = "w3-zz"  # also run on a sub-group of two of the four ranks
+
+
 def _opts(name):
     c = dict(CASES[name])
     for key, val in dict(window=None, causal=True, scale=None, sinks=True, layout="bshd", dtype=F64,
@@ -118,8 +121,24 @@ def _worker(rank, p, store, outdir, seed):
                 dict(o=o.detach(), dq=q.grad, dk=k.grad, dv=v.grad, ds=None if s is None else s.grad),
                 f"{outdir}/{name}_{rank}.pt",
             )
-        # Errors that involve the group: the same error on every rank, and no hang.
         errors = {}
+        if p == 4:
+            # A sub-group whose ranks are not the global ones (group rank 0, 1 = global 1, 3).
+            sub = dist.new_group(ranks=[1, 3])
+            c, x = _global_inputs(SUB_CASE, seed)
+            if rank in (1, 3):
+                gr = dist.get_rank(sub)
+                q, k, v = (shard_sequence(x[n], gr, 2).clone().requires_grad_(True) for n in ("q", "k", "v"))
+                s = x["sinks"].clone().requires_grad_(True)
+                o = ring_attention(q, k, v, s, group=sub, window=c["window"])
+                (o * shard_sequence(x["do"], gr, 2)).sum().backward()
+                torch.save(dict(o=o.detach(), dq=q.grad, dk=k.grad, dv=v.grad, ds=s.grad), f"{outdir}/sub_{gr}.pt")
+            else:
+                try:
+                    ring_attention(x["q"], x["k"], x["v"], group=sub)
+                except ValueError as e:
+                    errors["member"] = str(e)
+        # Errors that involve the group: the same error on every rank, and no hang.
         t = torch.randn(1, 4 if rank == 0 else 6, 2, 8)
         try:
             ring_attention(t, t, t)
@@ -204,8 +223,18 @@ def test_ring_matches_single_process(p, tmp_path):
                     _reference(c, x, do_r, compute_dtype=lowp_dt)["ds"], "ds",
                 )
 
+    if p == 4:
+        c, x = _global_inputs(SUB_CASE, seed)
+        res = [torch.load(tmp_path / f"sub_{r}.pt") for r in range(2)]
+        ref = _reference(c, x, x["do"])
+        for key in ("o", "dq", "dk", "dv", "ds"):
+            a = sum(r["ds"] for r in res) if key == "ds" else unshard_sequence([r[key] for r in res])
+            _judge(f"sub-group {key}", a, ref[key], F64)
+
     for r in range(p):
         e = torch.load(tmp_path / f"errors_{r}.pt")
+        if p == 4 and r in (0, 2):
+            assert e["member"].startswith("group: this process is not a member"), e
         assert e["unequal"].startswith("q: every rank must pass the same local shapes"), e
         assert "window, causal, zigzag and scale must be the same on every rank" in e["options"], e
         assert e["odd"].startswith("q: zig-zag sharding needs an even local sequence length"), e

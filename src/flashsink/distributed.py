@@ -752,9 +752,17 @@ def ring_attention(
     the backward); summing it over the group (the usual gradient all-reduce of a replicated
     parameter) gives the global gradient, counted once.
 
+    Precision: float32/float64 inputs give the single-process result within the precision
+    standard (float64 to ~1e-12). bf16/fp16: the output does too; dq, dk, dv are float32 sums of
+    per-piece gradients that flashsink.attention's backward has already rounded to the input
+    dtype (one per rank for a K/V block), so they meet the standard's gate 2 but may miss gate 1's
+    99% share (96-99% on the CPU tests); a backward that could hand out float32 partial
+    gradients would remove that.
+
     Runs on every device: on CUDA the pieces are the TileLang kernels (forward and backward) and
     the merges, the flips of the reversed pieces and the Delta / sink-gradient sums are PyTorch
-    ops; on CPU everything is the PyTorch reference.
+    ops; on CPU everything is the PyTorch reference. Every rank of the group must call it (and
+    run its backward) with the same shapes and options.
     """
     spec = validate_attention(q, k, v, sinks, window=window, causal=causal, scale=scale, layout=layout)
     if not isinstance(zigzag, bool):
@@ -774,10 +782,18 @@ def ring_attention(
         )
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("group: torch.distributed is not initialized (call init_process_group first)")
+    not_member = ValueError(
+        "group: this process is not a member of the given process group (new_group gave it "
+        "GroupMember.NON_GROUP_MEMBER); call ring_attention only on the group's ranks"
+    )
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise not_member
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
     p = dist.get_world_size(group)
     rank = dist.get_rank(group)
+    if rank < 0:
+        raise not_member
 
     # Every rank must agree on shapes and options (else the ring would mismatch or hang); all
     # ranks see the same gathered values, so all of them raise together.
