@@ -15,7 +15,9 @@ loss ``sum(o_local * do_local)`` and saves its o shard and gradients; the parent
 and compares. Workers poison ``torch.empty`` with NaN as conftest does in this process, so a
 receive buffer or output the ring never writes fails. On rank r, ``sinks.grad`` is the gradient
 of rank r's own loss terms: checked against the reference with ``do`` zeroed outside rank r's
-tokens, and the sum over ranks against the full gradient.
+tokens, and the sum over ranks against the full gradient. With 4 processes one case also runs on
+a sub-group of ranks 1 and 3 (group ranks differ from global ones), and the other two ranks get the
+"not a member" error.
 
 The mask decomposition itself (which ``flashsink.attention`` calls cover a pair of global query
 and key ranges) is checked exactly against the reference mask, and numerically (forward and
