@@ -387,3 +387,15 @@ def test_cpu_cli_runs_the_new_presets(tmp_path):
     assert "lengths min/median/max" in r.stderr
     ok = {(x["kind"], x["mode"]) for x in data["rows"] if x["status"] == "ok"}
     assert ok == {("varlen", m) for m in bench.MODES} | {("decode", "fwd")}
+
+
+def test_preset_all_lists_every_preset(tmp_path):
+    """`--preset all` covers varlen and decode too; sdpa (CUDA only) is listed on every row with its reason."""
+    out = tmp_path / "bench.json"
+    r = _run("--device", "cpu", "--preset", "all", "--systems", "sdpa", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert {x["preset"] for x in rows} == set(bench.PRESETS)
+    for x in rows:
+        assert x["status"] == bench.FORWARD_ONLY if (x["kind"] == "decode" and x["mode"] != "fwd") else \
+            x["status"].startswith("unavailable: CUDA only"), x
