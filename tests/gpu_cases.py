@@ -78,7 +78,20 @@ def extra_cases() -> list:
         Case(1, 8, 8, 1000, 64, None, BF16, causal=False, name="noncausal"),
         Case(1, 8, 2, 333, 32, 50, F16, name="d32"),
         Case(1, 8, 2, 333, 80, None, BF16, name="d80"),
+        Case(1, 8, 2, 333, 96, 100, F16, name="d96"),
         Case(1, 8, 2, 333, 256, 100, BF16, name="d256"),
+    ] + decode_cases()
+
+
+def decode_cases() -> list:
+    """Few query rows against long caches: these run the split-KV forward (ops/decode.py)."""
+    return [
+        Case(4, 64, 8, 1, 64, None, BF16, seq_kv=5000, name="decode-split"),
+        Case(2, 16, 1, 1, 128, None, F16, seq_kv=20000, name="decode-split-mqa"),
+        Case(1, 32, 8, 4, 64, None, BF16, seq_kv=3000, layout="bshd", name="decode-split-4rows-bshd"),
+        Case(2, 8, 8, 1, 64, None, BF16, seq_kv=2000, sinks=False, name="decode-split-nosink"),
+        Case(1, 64, 8, 1, 64, 1000, BF16, seq_kv=9000, name="decode-split-window"),
+        Case(1, 8, 2, 1, 256, None, BF16, seq_kv=3000, name="decode-split-d256"),
     ]
 
 
@@ -106,8 +119,74 @@ def kernel_configs(arch: str, cases=None):
                 deterministic=True,
             )
         )
-    return out
+    return out + varlen_kernel_configs(arch)
 
 
 def determinism_cases() -> list:
     return [Case(1, 64, 8, 1000, 128, 128, F16, name="det-golden-ish"), Case(2, 12, 4, 333, 64, None, BF16, name="det-gqa3")]
+
+
+# -- packed variable-length batches (flashsink.attention_varlen, layout "thd") ------------------
+
+
+@dataclass(frozen=True)
+class VarlenCase:
+    heads: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    lens_q: tuple
+    lens_k: tuple | None = None  # None: the same as lens_q
+    window: int | None = None
+    causal: bool = True
+    sinks: bool = True
+    deterministic: bool = False
+    name: str = field(default="", compare=False)
+
+    @property
+    def lk(self) -> tuple:
+        return self.lens_q if self.lens_k is None else self.lens_k
+
+
+def _lens(seed: int, n: int, lo: int, hi: int, extra=()) -> tuple:
+    g = torch.Generator().manual_seed(seed)
+    return tuple(extra) + tuple(int(x) for x in torch.randint(lo, hi + 1, (n,), generator=g))
+
+
+def varlen_cases() -> list:
+    """Random lengths with 0 and 1 among them, a 16k sequence, thousands of sequences, fewer
+    and more queries than keys per sequence, decode rows, odd head dims."""
+    mixed = _lens(1, 18, 2, 600, extra=(0, 1))
+    return [
+        VarlenCase(8, 2, 64, BF16, mixed, name="gqa4-causal"),
+        VarlenCase(12, 4, 128, F16, mixed, window=100, name="gqa3-window100"),
+        VarlenCase(64, 8, 64, BF16, _lens(2, 16, 1, 1000), window=128, name="gptoss-swa"),
+        VarlenCase(64, 8, 64, BF16, _lens(2, 16, 1, 1000), name="gptoss-full"),
+        VarlenCase(8, 8, 64, BF16, (5, 100, 1, 0, 64, 3), (300, 100, 1000, 7, 64, 0), name="chunked-prefill"),
+        VarlenCase(8, 2, 64, BF16, (300, 17, 200), (200, 5, 200), window=50, name="more-queries-than-keys"),
+        VarlenCase(64, 8, 64, BF16, (1,) * 24, _lens(3, 24, 1, 3000), name="decode"),
+        VarlenCase(64, 8, 64, BF16, (1,) * 24, _lens(3, 24, 1, 3000), window=128, name="decode-window"),
+        VarlenCase(8, 8, 64, BF16, mixed, _lens(4, 20, 0, 500), causal=False, name="noncausal"),
+        VarlenCase(12, 4, 64, F16, mixed, window=128, sinks=False, name="nosink"),
+        VarlenCase(4, 1, 64, BF16, _lens(5, 2000, 0, 20), name="2000-seqs"),
+        VarlenCase(2, 1, 64, BF16, (0, 1, 16384, 5, 700), name="16k"),
+        VarlenCase(2, 1, 64, BF16, (0, 1, 16384, 5, 700), window=128, name="16k-window"),
+        VarlenCase(4, 2, 32, F16, mixed, window=64, name="d32"),
+        VarlenCase(4, 2, 96, BF16, mixed, name="d96"),
+        VarlenCase(4, 2, 256, BF16, mixed, window=100, name="d256"),
+        VarlenCase(8, 2, 64, BF16, mixed, window=100, deterministic=True, name="deterministic"),
+    ]
+
+
+def varlen_kernel_configs(arch: str) -> list:
+    from flashsink.ops.config import SUPPORTED_DTYPES, KernelConfig
+    from flashsink.ops.interface import _kernel_dim
+
+    return [
+        KernelConfig(
+            arch=arch, dtype=SUPPORTED_DTYPES[c.dtype], head_dim=_kernel_dim(c.head_dim),
+            head_dim_v=_kernel_dim(c.head_dim), groups=c.heads // c.kv_heads, causal=c.causal,
+            has_sinks=c.sinks, layout="thd", deterministic=c.deterministic,
+        )
+        for c in varlen_cases()
+    ]

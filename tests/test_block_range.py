@@ -77,3 +77,18 @@ def test_block_ranges_cover_exactly_the_visible_blocks(seq_q, seq_kv, window, bl
 def test_non_causal_visits_everything():
     assert tuple(map(_int, kv_blocks_for_rows(0, 64, 64, 100, 1000, NO_WINDOW, False))) == (0, 16)
     assert tuple(map(_int, row_blocks_for_keys(0, 64, 64, 100, 1000, NO_WINDOW, False))) == (0, 2)
+
+
+@pytest.mark.l0
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("seq_q, seq_kv, window", [(1, 1, None), (100, 1000, None), (300, 200, 50), (0, 64, None), (64, 0, 10)])
+def test_tiles_past_the_end_visit_nothing(seq_q, seq_kv, window, causal):
+    """Varlen grids are sized for the longest sequence: a shorter sequence's tiles that start
+    past its end must get an empty range (they would read another sequence's rows)."""
+    w = NO_WINDOW if window is None else window
+    for start in (seq_q, seq_q + 1, seq_q + 128, seq_q + 5000):
+        lo, hi = map(_int, kv_blocks_for_rows(start, 128, 64, seq_q, seq_kv, w, causal))
+        assert lo == hi, (start, lo, hi)
+    for start in (seq_kv, seq_kv + 1, seq_kv + 64, seq_kv + 5000):
+        lo, hi = map(_int, row_blocks_for_keys(start, 64, 128, seq_q, seq_kv, w, causal))
+        assert lo == hi, (start, lo, hi)

@@ -183,3 +183,58 @@ def test_gradient_through_lse(sinks_on):
     for name, a, e in zip(("dq", "dk", "dv", "dsink"), actual, expected):
         report = check_precision(name, a, e, torch.bfloat16)
         assert report.passed, str(report)
+
+
+@pytest.mark.l1
+def test_decode_runs_the_split_kernel():
+    """The decode cases above are judged by the standard; this checks they took the split-KV
+    path (and a prefill did not), so the split kernel is what passed."""
+    from flashsink.ops import compile as comp
+    from flashsink.ops.config import KernelConfig
+
+    def split_kernels():
+        return {k for k in comp._cache if isinstance(k, tuple) and k and k[0] == "fwd_split"}
+
+    c = Case(2, 64, 8, 1, 64, None, torch.bfloat16, seq_kv=4096)
+    before = split_kernels()
+    check_case(c)
+    after = split_kernels()
+    assert any(isinstance(k[1], KernelConfig) and k[1].groups == 8 for k in after), after
+    n = len(after)
+    check_case(Case(1, 8, 2, 300, 64, None, torch.bfloat16, seq_kv=4096))  # 4 heads x 300 rows: regular
+    assert len(split_kernels()) == n
+    assert before <= after
+
+
+@pytest.mark.l2
+def test_offsets_past_2_to_the_31():
+    """B*H*N*D > 2**31 elements (N = 256k): every offset must be 64-bit. The window keeps the
+    reference small: rows near the end see only the last keys, so a slice of the problem is
+    the reference's whole problem (bottom-right alignment)."""
+    from flashsink import reference
+
+    B, H, HK, N, D, W = 1, 160, 20, 262144, 64, 16
+    assert B * H * N * D > 2**31  # 2.7e9 elements in q, o, do and dq
+    g = torch.Generator(device="cuda").manual_seed(5)
+    q = torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
+    k = torch.randn(B, HK, N, D, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
+    v = torch.randn(B, HK, N, D, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
+    s = torch.randn(H, device="cuda", generator=g).requires_grad_(True)
+    o, lse = flashsink.attention(q, k, v, s, window=W, return_lse=True)
+    do = torch.randn_like(o)
+    o.backward(do)
+    rows, keys = slice(N - 100, N), slice(N - 100 - (W - 1), N)
+    heads = [0, H - 1]
+    for h in heads:
+        hk = h // (H // HK)
+        qs = q.detach()[:, h : h + 1, rows].double().requires_grad_(True)
+        ks = k.detach()[:, hk : hk + 1, keys].double()
+        vs = v.detach()[:, hk : hk + 1, keys].double()
+        o_ref, lse_ref = reference.attention(qs, ks, vs, s.detach()[h : h + 1].double(), window=W, return_lse=True)
+        (dq_ref,) = torch.autograd.grad(o_ref, qs, do[:, h : h + 1, rows].double())
+        for name, got, want in (("o", o[:, h : h + 1, rows], o_ref), ("lse", lse[:, h : h + 1, rows], lse_ref),
+                                ("dq", q.grad[:, h : h + 1, rows], dq_ref)):
+            from flashsink.testing import check_precision
+
+            rep = check_precision(f"{name} head {h}", got.detach(), want, torch.bfloat16)
+            assert rep.passed, rep.row()

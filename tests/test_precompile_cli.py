@@ -13,9 +13,20 @@ def test_dry_run_plans_the_product(capsys):
                "--head-dim", "64", "80", "--groups", "1", "8", "--sinks", "both", "--deterministic"])
     out = capsys.readouterr().out
     assert rc == 0
-    # 2 archs x 2 dtypes x 2 tiles (80 runs on the 128 tile) x 2 ratios x 2 sink modes x 2 (det or not)
-    assert "64 configurations, 256 kernels" in out
-    assert "sm_80-float16-D128x128-G8-causal-nosink-bhsd-det" in out and " dq" in out
+    # 2 archs x 2 dtypes x 2 tiles (80 runs on the 128 tile) x 2 ratios x 2 sink modes x 2 (det or not),
+    # each 4 kernels, plus the split-KV forward on sm_90a
+    assert "64 configurations, 288 kernels" in out
+    assert "sm_80-float16-D128x128-G8-causal-nosink-bhsd-det" in out and " dq" in out and " fwd_split" in out
+    assert not any(line.startswith("sm_80") and "fwd_split" in line for line in out.splitlines())
+
+
+@pytest.mark.l0
+def test_dry_run_varlen_adds_the_packed_kernels(capsys):
+    rc = main(["precompile", "--dry-run", "--dtype", "bf16", "--head-dim", "64", "--groups", "8", "--varlen"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "sm_90a-bfloat16-D64x64-G8-causal-sink-thd" in out
+    assert "2 configurations, 9 kernels" in out  # bhsd: 4 + split-KV; thd: 4
 
 
 @pytest.mark.boundary

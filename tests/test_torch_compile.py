@@ -327,8 +327,8 @@ def test_kernels_fullgraph_dynamic_gpu(counter, case):
 
     compiled = torch.compile(fn, backend=counter, fullgraph=True, dynamic=True)
     for i, n in enumerate(GPU_LENGTHS):
-        inp = testing.make_inputs(1 + i, h, hk, n, n, d, torch.bfloat16, "cuda", layout=layout, sinks=sinks, seed=n)
-        dlse = torch.randn(1 + i, h, n, generator=torch.Generator().manual_seed(n)).cuda()
+        inp = testing.make_inputs(2 + i, h, hk, n, n, d, torch.bfloat16, "cuda", layout=layout, sinks=sinks, seed=n)
+        dlse = torch.randn(2 + i, h, n, generator=torch.Generator().manual_seed(n)).cuda()
         names = ["o", "lse", "dq", "dk", "dv"] + (["dsink"] if sinks else [])
         expected, lowp = _expected_and_lowp(inp, dlse, window, True, layout, _leaves)
 

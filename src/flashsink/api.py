@@ -77,7 +77,12 @@ def attention_varlen(
         window=window, causal=causal, scale=scale,
     )
     _check_deterministic(deterministic)
-    # No varlen kernel yet: every device, CUDA included, runs the reference for now.
+    if q.is_cuda:
+        from flashsink.ops.varlen import kernel_attention_varlen
+
+        return kernel_attention_varlen(
+            spec, q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, return_lse=return_lse, deterministic=deterministic
+        )
     cu_q = cu_seqlens_q.detach().cpu().tolist()
     cu_k = cu_seqlens_k.detach().cpu().tolist()
     return reference._attention_varlen(q, k, v, cu_q, cu_k, sinks, spec, return_lse=return_lse)

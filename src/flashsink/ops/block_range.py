@@ -1,6 +1,8 @@
 """Which blocks a tile must visit: the mask of ``mask.py`` at block granularity.
 
 Both functions return ``(lo, hi)`` with ``lo <= hi``; blocks outside are wholly masked,
+and a tile that starts past the end of its sequence gets an empty range (varlen grids are
+sized for the longest sequence, so shorter ones have such tiles),
 so the cost of a windowed layer grows with ``N * W``, not ``N**2``. Any window size
 works: the range is rounded outwards to whole blocks and ``mask.visible`` trims the
 edges.
@@ -14,25 +16,32 @@ import tilelang.language as T
 def kv_blocks_for_rows(row0, block_m, block_n, seq_q, seq_kv, window, causal: bool):
     """KV blocks ``[lo, hi)`` that query rows ``[row0, row0 + block_m)`` can see."""
     n_blocks = T.ceildiv(seq_kv, block_n)
+    has_rows = _positive(seq_q - row0)
     if not causal:
-        return 0, n_blocks
+        return 0, n_blocks * has_rows
     shift = seq_kv - seq_q  # bottom-right alignment
     first_pos = row0 + shift
     last_pos = T.min(row0 + block_m, seq_q) - 1 + shift
     lo = T.max(first_pos - window + 1, 0) // block_n
     hi = T.min(n_blocks, T.ceildiv(T.max(last_pos + 1, 0), block_n))
-    return lo, T.max(hi, lo)
+    return lo, lo + T.max(hi - lo, 0) * has_rows
 
 
 def row_blocks_for_keys(key0, block_n, block_m, seq_q, seq_kv, window, causal: bool):
     """Query-row blocks ``[lo, hi)`` that can see keys ``[key0, key0 + block_n)``."""
     m_blocks = T.ceildiv(seq_q, block_m)
+    has_keys = _positive(seq_kv - key0)
     if not causal:
-        return 0, m_blocks
+        return 0, m_blocks * has_keys
     shift = seq_kv - seq_q
     # Row r sees key j iff j <= r + shift and r + shift - window < j.
     first_row = T.max(key0 - shift, 0)
     last_row_plus1 = T.max(key0 + block_n - 1 + window - shift, 0)
     lo = first_row // block_m
     hi = T.min(m_blocks, T.ceildiv(last_row_plus1, block_m))
-    return lo, T.max(hi, lo)
+    return lo, lo + T.max(hi - lo, 0) * has_keys
+
+
+def _positive(x):
+    """1 where ``x > 0`` else 0, as integer arithmetic (folds to an int for int inputs)."""
+    return T.min(T.max(x, 0), 1)

@@ -26,7 +26,7 @@ import tilelang.language as T
 
 from .block_range import kv_blocks_for_rows, row_blocks_for_keys
 from .config import ROW_BLOCK, KernelConfig, bwd_tiles, dq_tiles, pre_tiles
-from .layout import qkv_shapes, store_rows, tile
+from .layout import PROLOGUE_LOAD, qkv_shapes, sequence, stat_at, stat_shape, stat_tile, store_rows, store_stat, tile
 from .mask import visible
 from .softmax import LOG2E
 from .split import split
@@ -59,28 +59,16 @@ def build_preprocess(cfg: KernelConfig):
     """
     t = pre_tiles(cfg)
     bm, bn = t.block_m, t.block_n
-    dim, dim_v, groups = cfg.head_dim, cfg.head_dim_v, cfg.groups
+    dim, dim_v, groups, layout = cfg.head_dim, cfg.head_dim_v, cfg.groups, cfg.layout
     dtype, accum = cfg.dtype, "float32"
     batch, heads, seq_q, seq_kv, rows_pad, n_part = T.dynamic("batch, heads, seq_q, seq_kv, rows_pad, n_part")
     heads_kv = heads // groups
-    q_shape, k_shape, v_shape, o_shape = qkv_shapes(cfg.layout, batch, heads, heads_kv, seq_q, seq_kv, dim, dim_v)
+    q_shape, k_shape, v_shape, o_shape = qkv_shapes(layout, batch, heads, heads_kv, seq_q, seq_kv, dim, dim_v)
+    st_shape = stat_shape(layout, batch, heads, rows_pad)
 
-    @T.prim_func
-    def flashsink_bwd_preprocess(
-        Q: T.Tensor(q_shape, dtype),
-        K: T.Tensor(k_shape, dtype),
-        V: T.Tensor(v_shape, dtype),
-        dO: T.Tensor(o_shape, dtype),
-        LSE: T.Tensor([batch, heads, rows_pad], accum),
-        dLSE: T.Tensor([batch, heads, rows_pad], accum),
-        Sinks: T.Tensor([heads], accum),
-        window: T.int32,
-        scale: T.float32,
-        Delta: T.Tensor([batch, heads, rows_pad], accum),
-        dSinkAcc: T.Tensor([heads], accum),
-        dSinkPart: T.Tensor([batch, heads, n_part], accum),
-    ):
-        with T.Kernel(T.ceildiv(seq_q, bm), heads, batch, threads=t.threads) as (bx, head, b):
+    @T.macro
+    def body(Q, K, V, dO, LSE, dLSE, Sinks, CuQ, CuK, window, scale, Delta, dSinkAcc, dSinkPart, m_tiles, n_seqs):
+        with T.Kernel(m_tiles, heads, n_seqs, threads=t.threads) as (bx, head, b):
             q_s = T.alloc_shared([bm, dim], dtype)
             do_s = T.alloc_shared([bm, dim_v], dtype)
             k_s = T.alloc_shared([bn, dim], dtype)
@@ -93,19 +81,22 @@ def build_preprocess(cfg: KernelConfig):
             contrib = T.alloc_fragment([bm], accum)
             total = T.alloc_fragment([1], accum)
 
+            q_base, sq = sequence(layout, CuQ, b, seq_q)
+            k_base, sk = sequence(layout, CuK, b, seq_kv)
             row0 = bx * bm
             kv_head = head // groups
             scale_log2 = scale * LOG2E
-            T.copy(tile(Q, cfg.layout, b, head, row0, bm), q_s)
-            T.copy(tile(dO, cfg.layout, b, head, row0, bm), do_s)
-            T.copy(LSE[b, head, row0 : row0 + bm], lse)
+            lo, hi = kv_blocks_for_rows(row0, bm, bn, sq, sk, window, cfg.causal)
+            if lo < hi:  # no bulk copy left in flight by a program with no keys (see fwd.py)
+                T.copy(tile(Q, layout, b, head, q_base + row0, bm), q_s, prefer_instruction=PROLOGUE_LOAD)
+                T.copy(tile(dO, layout, b, head, q_base + row0, bm), do_s, prefer_instruction=PROLOGUE_LOAD)
+            T.copy(stat_tile(LSE, layout, b, head, q_base + row0, bm), lse)
             T.clear(delta)
-            lo, hi = kv_blocks_for_rows(row0, bm, bn, seq_q, seq_kv, window, cfg.causal)
             for kb in T.Pipelined(lo, hi, num_stages=t.stages):
                 key0 = kb * bn
-                T.copy(tile(K, cfg.layout, b, kv_head, key0, bn), k_s)
-                T.copy(tile(V, cfg.layout, b, kv_head, key0, bn), v_s)
-                probs_and_grads(q_s, do_s, k_s, v_s, lse, p, dp, row0, key0, seq_q, seq_kv, window, scale_log2, cfg.causal)
+                T.copy(tile(K, layout, b, kv_head, k_base + key0, bn), k_s)
+                T.copy(tile(V, layout, b, kv_head, k_base + key0, bn), v_s)
+                probs_and_grads(q_s, do_s, k_s, v_s, lse, p, dp, row0, key0, sq, sk, window, scale_log2, cfg.causal)
                 for i, j in T.Parallel(bm, bn):
                     p[i, j] *= dp[i, j]
                 T.reduce_sum(p, part, dim=1)
@@ -113,14 +104,12 @@ def build_preprocess(cfg: KernelConfig):
                     delta[i] += part[i]
             # A gradient flowing into lse folds into Delta: dS = P * (dP - (Delta - dlse)).
             for i in T.Parallel(bm):
-                delta[i] -= dLSE[b, head, row0 + i]
-            T.copy(delta, Delta[b, head, row0 : row0 + bm])
+                delta[i] -= stat_at(dLSE, layout, b, head, q_base + row0 + i)
+            store_stat(Delta, layout, b, head, q_base, row0, sq, delta, bm)
             if cfg.has_sinks:
                 # dsink = -sum_rows exp(sink - lse) * Delta
                 for i in T.Parallel(bm):
-                    contrib[i] = T.if_then_else(
-                        row0 + i < seq_q, -T.exp2((Sinks[head] - lse[i]) * LOG2E) * delta[i], 0.0
-                    )
+                    contrib[i] = T.if_then_else(row0 + i < sq, -T.exp2((Sinks[head] - lse[i]) * LOG2E) * delta[i], 0.0)
                 T.reduce_sum(contrib, total, dim=0)
                 tx = T.get_thread_binding(0)
                 if tx == 0:
@@ -129,22 +118,72 @@ def build_preprocess(cfg: KernelConfig):
                     else:
                         T.atomic_add(dSinkAcc[head], total[0])
 
+    if layout == "thd":
+        n_cu = T.dynamic("n_cu")
+
+        @T.prim_func
+        def flashsink_bwd_preprocess_varlen(
+            Q: T.Tensor(q_shape, dtype),
+            K: T.Tensor(k_shape, dtype),
+            V: T.Tensor(v_shape, dtype),
+            dO: T.Tensor(o_shape, dtype),
+            LSE: T.Tensor(st_shape, accum),
+            dLSE: T.Tensor(st_shape, accum),
+            Sinks: T.Tensor([heads], accum),
+            CuQ: T.Tensor([n_cu], "int32"),
+            CuK: T.Tensor([n_cu], "int32"),
+            max_seqlen_q: T.int32,
+            window: T.int32,
+            scale: T.float32,
+            Delta: T.Tensor(st_shape, accum),
+            dSinkAcc: T.Tensor([heads], accum),
+            dSinkPart: T.Tensor([batch, heads, n_part], accum),
+        ):
+            body(Q, K, V, dO, LSE, dLSE, Sinks, CuQ, CuK, window, scale, Delta, dSinkAcc, dSinkPart,
+                 T.ceildiv(max_seqlen_q, bm), n_cu - 1)
+
+        return flashsink_bwd_preprocess_varlen
+
+    @T.prim_func
+    def flashsink_bwd_preprocess(
+        Q: T.Tensor(q_shape, dtype),
+        K: T.Tensor(k_shape, dtype),
+        V: T.Tensor(v_shape, dtype),
+        dO: T.Tensor(o_shape, dtype),
+        LSE: T.Tensor(st_shape, accum),
+        dLSE: T.Tensor(st_shape, accum),
+        Sinks: T.Tensor([heads], accum),
+        window: T.int32,
+        scale: T.float32,
+        Delta: T.Tensor(st_shape, accum),
+        dSinkAcc: T.Tensor([heads], accum),
+        dSinkPart: T.Tensor([batch, heads, n_part], accum),
+    ):
+        body(Q, K, V, dO, LSE, dLSE, Sinks, None, None, window, scale, Delta, dSinkAcc, dSinkPart,
+             T.ceildiv(seq_q, bm), batch)
+
     return flashsink_bwd_preprocess
 
 
 def build_bwd(cfg: KernelConfig):
     t = bwd_tiles(cfg)
     bm, bn = t.block_m, t.block_n  # bm query rows stream past bn resident keys
-    dim, dim_v, groups = cfg.head_dim, cfg.head_dim_v, cfg.groups
+    dim, dim_v, groups, layout = cfg.head_dim, cfg.head_dim_v, cfg.groups, cfg.layout
     dtype, accum = cfg.dtype, "float32"
     batch, heads, seq_q, seq_kv, rows_pad = T.dynamic("batch, heads, seq_q, seq_kv, rows_pad")
     heads_kv = heads // groups
-    q_shape, k_shape, v_shape, o_shape = qkv_shapes(cfg.layout, batch, heads, heads_kv, seq_q, seq_kv, dim, dim_v)
+    q_shape, k_shape, v_shape, o_shape = qkv_shapes(layout, batch, heads, heads_kv, seq_q, seq_kv, dim, dim_v)
+    st_shape = stat_shape(layout, batch, heads, rows_pad)
+    acc_shape = st_shape + [dim]
     with_dq = not cfg.deterministic
+    # Packed rows start anywhere, and the bulk tensor copy faults on a row statistic whose
+    # first element is not 16-byte aligned (the row is the innermost dim there), so packed
+    # batches read lse and Delta straight from global memory where they are used.
+    packed = layout == "thd"
 
     @T.macro
-    def body(Q, K, V, dO, LSE, Delta, window, scale, dQAcc, dK, dV):
-        with T.Kernel(T.ceildiv(seq_kv, bn), heads_kv, batch, threads=t.threads) as (bx, kv_head, b):
+    def body(Q, K, V, dO, LSE, Delta, CuQ, CuK, window, scale, dQAcc, dK, dV, n_tiles, n_seqs):
+        with T.Kernel(n_tiles, heads_kv, n_seqs, threads=t.threads) as (bx, kv_head, b):
             k_s = T.alloc_shared([bn, dim], dtype)
             v_s = T.alloc_shared([bn, dim_v], dtype)
             q_s = T.alloc_shared([bm, dim], dtype)
@@ -165,40 +204,51 @@ def build_bwd(cfg: KernelConfig):
                 dq = T.alloc_fragment([bm, dim], accum)
                 dq_s = T.alloc_shared([bm, dim], accum)
 
+            q_base, sq = sequence(layout, CuQ, b, seq_q)
+            k_base, sk = sequence(layout, CuK, b, seq_kv)
             key0 = bx * bn
             scale_log2 = scale * LOG2E
-            T.copy(tile(K, cfg.layout, b, kv_head, key0, bn), k_s)
-            T.copy(tile(V, cfg.layout, b, kv_head, key0, bn), v_s)
+            lo_blk, hi_blk = row_blocks_for_keys(key0, bn, bm, sq, sk, window, cfg.causal)
+            n_rows = hi_blk - lo_blk
+            if n_rows > 0:  # no bulk copy left in flight by a program no row sees (see fwd.py)
+                T.copy(tile(K, layout, b, kv_head, k_base + key0, bn), k_s, prefer_instruction=PROLOGUE_LOAD)
+                T.copy(tile(V, layout, b, kv_head, k_base + key0, bn), v_s, prefer_instruction=PROLOGUE_LOAD)
             T.clear(dk)
             T.clear(dv)
-            lo_blk, hi_blk = row_blocks_for_keys(key0, bn, bm, seq_q, seq_kv, window, cfg.causal)
-            n_rows = hi_blk - lo_blk
 
             # One flat loop over (query head of the group, query tile): dK/dV of this KV
             # head accumulate across the whole group without leaving the chip.
             for it in T.Pipelined(groups * n_rows, num_stages=t.stages):
                 head = kv_head * groups + it // n_rows
                 row0 = (lo_blk + it % n_rows) * bm
-                T.copy(tile(Q, cfg.layout, b, head, row0, bm), q_s)
-                T.copy(LSE[b, head, row0 : row0 + bm], lse_s)
+                T.copy(tile(Q, layout, b, head, q_base + row0, bm), q_s)
+                if not packed:
+                    T.copy(stat_tile(LSE, layout, b, head, row0, bm), lse_s)
                 T.clear(pT)
                 T.gemm(k_s, q_s, pT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
                 for i, j in T.Parallel(bn, bm):
                     pT[i, j] = T.if_then_else(
-                        visible(row0 + j, key0 + i, seq_q, seq_kv, window, cfg.causal),
-                        T.exp2(pT[i, j] * scale_log2 - lse_s[j] * LOG2E),
+                        visible(row0 + j, key0 + i, sq, sk, window, cfg.causal),
+                        T.exp2(pT[i, j] * scale_log2 - (LSE[head, q_base + row0 + j] if packed else lse_s[j]) * LOG2E),
                         0.0,
                     )
-                T.copy(tile(dO, cfg.layout, b, head, row0, bm), do_s)
+                T.copy(tile(dO, layout, b, head, q_base + row0, bm), do_s)
                 T.clear(dpT)
                 T.gemm(v_s, do_s, dpT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
                 # dV += P^T dO, as hi + lo
                 split(pT, hi, lo, bn, bm)
                 T.gemm(hi, do_s, dv, policy=T.GemmWarpPolicy.FullRow)
                 T.gemm(lo, do_s, dv, policy=T.GemmWarpPolicy.FullRow)
-                T.copy(Delta[b, head, row0 : row0 + bm], delta_s)
+                if not packed:
+                    T.copy(stat_tile(Delta, layout, b, head, row0, bm), delta_s)
                 for i, j in T.Parallel(bn, bm):
-                    pT[i, j] = pT[i, j] * (dpT[i, j] - delta_s[j]) * scale  # dS^T
+                    # dS^T; selected, not multiplied, so a masked slot (a row of another
+                    # sequence in a packed batch, say) adds an exact 0 to dK and dQ
+                    pT[i, j] = T.if_then_else(
+                        visible(row0 + j, key0 + i, sq, sk, window, cfg.causal),
+                        pT[i, j] * (dpT[i, j] - (Delta[head, q_base + row0 + j] if packed else delta_s[j])) * scale,
+                        0.0,
+                    )
                 # dK += dS^T Q, as hi + lo
                 split(pT, hi, lo, bn, bm)
                 T.gemm(hi, q_s, dk, policy=T.GemmWarpPolicy.FullRow)
@@ -211,12 +261,62 @@ def build_bwd(cfg: KernelConfig):
                     T.gemm(ds_hi_s, k_s, dq, transpose_A=True, policy=T.GemmWarpPolicy.FullRow)
                     T.gemm(ds_lo_s, k_s, dq, transpose_A=True, policy=T.GemmWarpPolicy.FullRow)
                     T.copy(dq, dq_s)
-                    T.atomic_add(dQAcc[b, head, row0 : row0 + bm, :], dq_s)
+                    if layout == "thd":
+                        T.atomic_add(dQAcc[head, q_base + row0 : q_base + row0 + bm, :], dq_s)
+                    else:
+                        T.atomic_add(dQAcc[b, head, row0 : row0 + bm, :], dq_s)
 
             T.copy(dk, dk_s)
             T.copy(dv, dv_s)
-            store_rows(dK, cfg.layout, b, kv_head, key0, seq_kv, dk_s, bn, dim)
-            store_rows(dV, cfg.layout, b, kv_head, key0, seq_kv, dv_s, bn, dim_v)
+            store_rows(dK, layout, b, kv_head, k_base, key0, sk, dk_s, bn, dim)
+            store_rows(dV, layout, b, kv_head, k_base, key0, sk, dv_s, bn, dim_v)
+
+    if layout == "thd":
+        n_cu = T.dynamic("n_cu")
+        if with_dq:
+
+            @T.prim_func
+            def flashsink_bwd_varlen(
+                Q: T.Tensor(q_shape, dtype),
+                K: T.Tensor(k_shape, dtype),
+                V: T.Tensor(v_shape, dtype),
+                dO: T.Tensor(o_shape, dtype),
+                LSE: T.Tensor(st_shape, accum),
+                Delta: T.Tensor(st_shape, accum),
+                CuQ: T.Tensor([n_cu], "int32"),
+                CuK: T.Tensor([n_cu], "int32"),
+                max_seqlen_k: T.int32,
+                window: T.int32,
+                scale: T.float32,
+                dQAcc: T.Tensor(acc_shape, accum),
+                dK: T.Tensor(k_shape, dtype),
+                dV: T.Tensor(v_shape, dtype),
+            ):
+                body(Q, K, V, dO, LSE, Delta, CuQ, CuK, window, scale, dQAcc, dK, dV,
+                     T.ceildiv(max_seqlen_k, bn), n_cu - 1)
+
+        else:
+
+            @T.prim_func
+            def flashsink_bwd_varlen(
+                Q: T.Tensor(q_shape, dtype),
+                K: T.Tensor(k_shape, dtype),
+                V: T.Tensor(v_shape, dtype),
+                dO: T.Tensor(o_shape, dtype),
+                LSE: T.Tensor(st_shape, accum),
+                Delta: T.Tensor(st_shape, accum),
+                CuQ: T.Tensor([n_cu], "int32"),
+                CuK: T.Tensor([n_cu], "int32"),
+                max_seqlen_k: T.int32,
+                window: T.int32,
+                scale: T.float32,
+                dK: T.Tensor(k_shape, dtype),
+                dV: T.Tensor(v_shape, dtype),
+            ):
+                body(Q, K, V, dO, LSE, Delta, CuQ, CuK, window, scale, None, dK, dV,
+                     T.ceildiv(max_seqlen_k, bn), n_cu - 1)
+
+        return flashsink_bwd_varlen
 
     if with_dq:
 
@@ -226,15 +326,15 @@ def build_bwd(cfg: KernelConfig):
             K: T.Tensor(k_shape, dtype),
             V: T.Tensor(v_shape, dtype),
             dO: T.Tensor(o_shape, dtype),
-            LSE: T.Tensor([batch, heads, rows_pad], accum),
-            Delta: T.Tensor([batch, heads, rows_pad], accum),
+            LSE: T.Tensor(st_shape, accum),
+            Delta: T.Tensor(st_shape, accum),
             window: T.int32,
             scale: T.float32,
-            dQAcc: T.Tensor([batch, heads, rows_pad, dim], accum),
+            dQAcc: T.Tensor(acc_shape, accum),
             dK: T.Tensor(k_shape, dtype),
             dV: T.Tensor(v_shape, dtype),
         ):
-            body(Q, K, V, dO, LSE, Delta, window, scale, dQAcc, dK, dV)
+            body(Q, K, V, dO, LSE, Delta, None, None, window, scale, dQAcc, dK, dV, T.ceildiv(seq_kv, bn), batch)
 
     else:
 
@@ -244,14 +344,14 @@ def build_bwd(cfg: KernelConfig):
             K: T.Tensor(k_shape, dtype),
             V: T.Tensor(v_shape, dtype),
             dO: T.Tensor(o_shape, dtype),
-            LSE: T.Tensor([batch, heads, rows_pad], accum),
-            Delta: T.Tensor([batch, heads, rows_pad], accum),
+            LSE: T.Tensor(st_shape, accum),
+            Delta: T.Tensor(st_shape, accum),
             window: T.int32,
             scale: T.float32,
             dK: T.Tensor(k_shape, dtype),
             dV: T.Tensor(v_shape, dtype),
         ):
-            body(Q, K, V, dO, LSE, Delta, window, scale, None, dK, dV)
+            body(Q, K, V, dO, LSE, Delta, None, None, window, scale, None, dK, dV, T.ceildiv(seq_kv, bn), batch)
 
     return flashsink_bwd
 
@@ -260,25 +360,16 @@ def build_dq(cfg: KernelConfig):
     """Deterministic dQ: each program owns a query tile and loops over its KV blocks."""
     t = dq_tiles(cfg)
     bm, bn = t.block_m, t.block_n
-    dim, dim_v, groups = cfg.head_dim, cfg.head_dim_v, cfg.groups
+    dim, dim_v, groups, layout = cfg.head_dim, cfg.head_dim_v, cfg.groups, cfg.layout
     dtype, accum = cfg.dtype, "float32"
     batch, heads, seq_q, seq_kv, rows_pad = T.dynamic("batch, heads, seq_q, seq_kv, rows_pad")
     heads_kv = heads // groups
-    q_shape, k_shape, v_shape, o_shape = qkv_shapes(cfg.layout, batch, heads, heads_kv, seq_q, seq_kv, dim, dim_v)
+    q_shape, k_shape, v_shape, o_shape = qkv_shapes(layout, batch, heads, heads_kv, seq_q, seq_kv, dim, dim_v)
+    st_shape = stat_shape(layout, batch, heads, rows_pad)
 
-    @T.prim_func
-    def flashsink_bwd_dq(
-        Q: T.Tensor(q_shape, dtype),
-        K: T.Tensor(k_shape, dtype),
-        V: T.Tensor(v_shape, dtype),
-        dO: T.Tensor(o_shape, dtype),
-        LSE: T.Tensor([batch, heads, rows_pad], accum),
-        Delta: T.Tensor([batch, heads, rows_pad], accum),
-        window: T.int32,
-        scale: T.float32,
-        dQ: T.Tensor(q_shape, dtype),
-    ):
-        with T.Kernel(T.ceildiv(seq_q, bm), heads, batch, threads=t.threads) as (bx, head, b):
+    @T.macro
+    def body(Q, K, V, dO, LSE, Delta, CuQ, CuK, window, scale, dQ, m_tiles, n_seqs):
+        with T.Kernel(m_tiles, heads, n_seqs, threads=t.threads) as (bx, head, b):
             q_s = T.alloc_shared([bm, dim], dtype)
             do_s = T.alloc_shared([bm, dim_v], dtype)
             k_s = T.alloc_shared([bn, dim], dtype)
@@ -292,48 +383,98 @@ def build_dq(cfg: KernelConfig):
             dq = T.alloc_fragment([bm, dim], accum)
             dq_s = T.alloc_shared([bm, dim], dtype)
 
+            q_base, sq = sequence(layout, CuQ, b, seq_q)
+            k_base, sk = sequence(layout, CuK, b, seq_kv)
             row0 = bx * bm
             kv_head = head // groups
             scale_log2 = scale * LOG2E
-            T.copy(tile(Q, cfg.layout, b, head, row0, bm), q_s)
-            T.copy(tile(dO, cfg.layout, b, head, row0, bm), do_s)
-            T.copy(LSE[b, head, row0 : row0 + bm], lse)
-            T.copy(Delta[b, head, row0 : row0 + bm], delta)
+            lo, hi = kv_blocks_for_rows(row0, bm, bn, sq, sk, window, cfg.causal)
+            if lo < hi:  # no bulk copy left in flight by a program with no keys (see fwd.py)
+                T.copy(tile(Q, layout, b, head, q_base + row0, bm), q_s, prefer_instruction=PROLOGUE_LOAD)
+                T.copy(tile(dO, layout, b, head, q_base + row0, bm), do_s, prefer_instruction=PROLOGUE_LOAD)
+            T.copy(stat_tile(LSE, layout, b, head, q_base + row0, bm), lse)
+            T.copy(stat_tile(Delta, layout, b, head, q_base + row0, bm), delta)
             T.clear(dq)
-            lo, hi = kv_blocks_for_rows(row0, bm, bn, seq_q, seq_kv, window, cfg.causal)
             for kb in T.Pipelined(lo, hi, num_stages=t.stages):
                 key0 = kb * bn
-                T.copy(tile(K, cfg.layout, b, kv_head, key0, bn), k_s)
-                T.copy(tile(V, cfg.layout, b, kv_head, key0, bn), v_s)
-                probs_and_grads(q_s, do_s, k_s, v_s, lse, p, dp, row0, key0, seq_q, seq_kv, window, scale_log2, cfg.causal)
+                T.copy(tile(K, layout, b, kv_head, k_base + key0, bn), k_s)
+                T.copy(tile(V, layout, b, kv_head, k_base + key0, bn), v_s)
+                probs_and_grads(q_s, do_s, k_s, v_s, lse, p, dp, row0, key0, sq, sk, window, scale_log2, cfg.causal)
                 for i, j in T.Parallel(bm, bn):
-                    p[i, j] = p[i, j] * (dp[i, j] - delta[i]) * scale  # dS
+                    p[i, j] = T.if_then_else(
+                        visible(row0 + i, key0 + j, sq, sk, window, cfg.causal),
+                        p[i, j] * (dp[i, j] - delta[i]) * scale,
+                        0.0,
+                    )  # dS
                 split(p, ds_hi, ds_lo, bm, bn)
                 T.gemm(ds_hi, k_s, dq, policy=T.GemmWarpPolicy.FullRow)
                 T.gemm(ds_lo, k_s, dq, policy=T.GemmWarpPolicy.FullRow)
             T.copy(dq, dq_s)
-            store_rows(dQ, cfg.layout, b, head, row0, seq_q, dq_s, bm, dim)
+            store_rows(dQ, layout, b, head, q_base, row0, sq, dq_s, bm, dim)
+
+    if layout == "thd":
+        n_cu = T.dynamic("n_cu")
+
+        @T.prim_func
+        def flashsink_bwd_dq_varlen(
+            Q: T.Tensor(q_shape, dtype),
+            K: T.Tensor(k_shape, dtype),
+            V: T.Tensor(v_shape, dtype),
+            dO: T.Tensor(o_shape, dtype),
+            LSE: T.Tensor(st_shape, accum),
+            Delta: T.Tensor(st_shape, accum),
+            CuQ: T.Tensor([n_cu], "int32"),
+            CuK: T.Tensor([n_cu], "int32"),
+            max_seqlen_q: T.int32,
+            window: T.int32,
+            scale: T.float32,
+            dQ: T.Tensor(q_shape, dtype),
+        ):
+            body(Q, K, V, dO, LSE, Delta, CuQ, CuK, window, scale, dQ, T.ceildiv(max_seqlen_q, bm), n_cu - 1)
+
+        return flashsink_bwd_dq_varlen
+
+    @T.prim_func
+    def flashsink_bwd_dq(
+        Q: T.Tensor(q_shape, dtype),
+        K: T.Tensor(k_shape, dtype),
+        V: T.Tensor(v_shape, dtype),
+        dO: T.Tensor(o_shape, dtype),
+        LSE: T.Tensor(st_shape, accum),
+        Delta: T.Tensor(st_shape, accum),
+        window: T.int32,
+        scale: T.float32,
+        dQ: T.Tensor(q_shape, dtype),
+    ):
+        body(Q, K, V, dO, LSE, Delta, None, None, window, scale, dQ, T.ceildiv(seq_q, bm), batch)
 
     return flashsink_bwd_dq
 
 
 def build_postprocess(cfg: KernelConfig):
+    """dQ = the fp32 accumulator cast to the input dtype, in the input layout. A packed
+    (``thd``) batch is one run of rows here: the accumulator rows are the token rows."""
     blk = ROW_BLOCK
-    dim, dtype, accum = cfg.head_dim, cfg.dtype, "float32"
+    dim, dtype, accum, layout = cfg.head_dim, cfg.dtype, "float32", cfg.layout
     batch, heads, seq_q, rows_pad = T.dynamic("batch, heads, seq_q, rows_pad")
-    q_shape = qkv_shapes(cfg.layout, batch, heads, heads, seq_q, seq_q, dim, dim)[0]
+    q_shape = qkv_shapes(layout, batch, heads, heads, seq_q, seq_q, dim, dim)[0]
+    acc_shape = stat_shape(layout, batch, heads, rows_pad) + [dim]
+    n_seqs = 1 if layout == "thd" else batch
 
     @T.prim_func
     def flashsink_bwd_postprocess(
-        dQAcc: T.Tensor([batch, heads, rows_pad, dim], accum),
+        dQAcc: T.Tensor(acc_shape, accum),
         dQ: T.Tensor(q_shape, dtype),
     ):
-        with T.Kernel(T.ceildiv(seq_q, blk), heads, batch, threads=128) as (bx, head, b):
+        with T.Kernel(T.ceildiv(seq_q, blk), heads, n_seqs, threads=128) as (bx, head, b):
             acc = T.alloc_fragment([blk, dim], accum)
             out = T.alloc_shared([blk, dim], dtype)
             row0 = bx * blk
-            T.copy(dQAcc[b, head, row0 : row0 + blk, :], acc)
+            if layout == "thd":
+                T.copy(dQAcc[head, row0 : row0 + blk, :], acc)
+            else:
+                T.copy(dQAcc[b, head, row0 : row0 + blk, :], acc)
             T.copy(acc, out)
-            store_rows(dQ, cfg.layout, b, head, row0, seq_q, out, blk, dim)
+            store_rows(dQ, layout, b, head, 0, row0, seq_q, out, blk, dim)
 
     return flashsink_bwd_postprocess

@@ -42,7 +42,7 @@ from .config import KernelConfig
 
 log = logging.getLogger("flashsink")
 
-KINDS = ("fwd", "preprocess", "bwd", "dq", "postprocess")
+KINDS = ("fwd", "preprocess", "bwd", "dq", "postprocess", "fwd_split")
 
 #: extra attempts after a transient failure (so at most 1 + COMPILE_RETRIES compiles)
 COMPILE_RETRIES = 2
@@ -94,10 +94,11 @@ def configure_logging() -> None:
 # what a kernel is: its PrimFunc, its compile arguments, its cache key
 
 def _builder(kind: str):
-    from . import bwd, fwd
+    from . import bwd, fwd, fwd_split
 
     return {
         "fwd": fwd.build_fwd,
+        "fwd_split": fwd_split.build_fwd_split,
         "preprocess": bwd.build_preprocess,
         "bwd": bwd.build_bwd,
         "dq": bwd.build_dq,
@@ -378,12 +379,30 @@ def get_kernel(kind: str, cfg: KernelConfig):
     kernel = _cache.get(key)
     if kernel is not None:
         return kernel
+    record = os.environ.get("FLASHSINK_RECORD_KERNELS")
+    if record:
+        _record_and_stop(record, kind, cfg)
     with _lock:
         kernel = _cache.get(key)
         if kernel is None:
             kernel = compile_kernel(kind, cfg)
             _cache[key] = kernel
     return kernel
+
+
+class KernelRecorded(RuntimeError):
+    """Raised instead of compiling when ``FLASHSINK_RECORD_KERNELS`` is set (see below)."""
+
+
+def _record_and_stop(path: str, kind: str, cfg: KernelConfig) -> None:
+    """Test-suite tooling: append the configuration a call needs to ``path`` (one JSON object per
+    line) and stop the call. ``tools/gpu_suite.sh`` runs tests once this way to learn which
+    kernels they need, precompiles those in parallel, then runs the tests for real."""
+    import json
+
+    with open(path, "a") as f:
+        f.write(json.dumps({"kind": kind, **dataclasses.asdict(cfg)}) + "\n")
+    raise KernelRecorded(f"FLASHSINK_RECORD_KERNELS: recorded {kind} {cfg.short()}")
 
 
 def cache_size() -> int:

@@ -7,6 +7,7 @@ softmax scale are runtime arguments: a new length never recompiles.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -33,7 +34,7 @@ class KernelConfig:
     groups: int  # query heads per KV head
     causal: bool
     has_sinks: bool
-    layout: str  # "bhsd" or "bshd"
+    layout: str  # "bhsd", "bshd" or "thd" (packed varlen, cu_seqlens at runtime)
     deterministic: bool = False
 
     @property
@@ -107,11 +108,31 @@ def dq_tiles(cfg: KernelConfig) -> Tiles:
     return Tiles(64, 32, 128, 1)
 
 
+#: Query rows of one packed split-KV tile (all heads of a GQA group x all query rows).
+SPLIT_ROWS = 64
+
+
+def split_tiles(cfg: KernelConfig) -> Tiles:
+    """Split-KV forward (decode): one packed row tile, keys streaming through."""
+    d = max(cfg.head_dim, cfg.head_dim_v)
+    if cfg.hopper:
+        return Tiles(SPLIT_ROWS, 128 if d <= 128 else 64, 128, 2)
+    return Tiles(SPLIT_ROWS, 64, 128, 2 if d <= 128 else 1)
+
+
 ROW_BLOCK = 64  # rows per block of the elementwise kernels (preprocess, postprocess)
 
 
 def arch_of(device: torch.device) -> str:
     """Map a CUDA device to the architecture we build for, or raise NotImplementedError."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _arch_of_index(index)
+
+
+@functools.lru_cache(maxsize=None)
+def _arch_of_index(index: int) -> str:
+    # cached: asked on every call, and the driver query costs microseconds of host time
+    device = torch.device("cuda", index)
     major, minor = torch.cuda.get_device_capability(device)
     if (major, minor) == (9, 0):
         return "sm_90a"

@@ -6,8 +6,11 @@
 public function (``flashsink.api``). Nothing here imports tilelang: kernels are built on first launch.
 """
 
+import functools
+
 import torch
 
+from . import decode
 from .compile import get_kernel
 from .config import MAX_HEAD_DIM, NATIVE_HEAD_DIMS, SUPPORTED_DTYPES, KernelConfig, arch_of, pre_tiles
 
@@ -63,8 +66,17 @@ def kernel_config(spec, device, deterministic: bool) -> KernelConfig:
     )
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def _forward(q, k, v, sinks32, cfg, spec, window):
     B, H, Sq = spec.batch, spec.heads, spec.seq_q
+    if decode.use_split(spec, cfg):
+        # few query rows against a long cache: split the keys over programs (decode.py)
+        sms = _sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device())
+        return decode.forward_split(q, k, v, sinks32, cfg, spec, window, sms, _padded_rows(Sq))
     o_shape = (B, H, Sq, spec.head_dim_v) if cfg.layout == "bhsd" else (B, Sq, H, spec.head_dim_v)
     o = torch.empty(o_shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((B, H, _padded_rows(Sq)), dtype=torch.float32, device=q.device)

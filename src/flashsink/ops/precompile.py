@@ -15,12 +15,16 @@ import time
 from . import compile as _compile
 from . import diskcache
 from .compile import KINDS
-from .config import KernelConfig
+from .config import SPLIT_ROWS, KernelConfig
 
 
 def kinds_for(cfg: KernelConfig) -> tuple:
-    """The kernels one configuration needs for forward and backward."""
-    return ("fwd", "preprocess", "bwd", "dq") if cfg.deterministic else ("fwd", "preprocess", "bwd", "postprocess")
+    """The kernels one configuration needs for forward and backward (padded layouts on Hopper
+    add the split-KV forward that decode and short chunks against long caches use)."""
+    kinds = ("fwd", "preprocess", "bwd", "dq") if cfg.deterministic else ("fwd", "preprocess", "bwd", "postprocess")
+    if cfg.hopper and cfg.layout != "thd" and cfg.groups <= SPLIT_ROWS:
+        kinds += ("fwd_split",)
+    return kinds
 
 
 def _init_worker():
@@ -42,14 +46,17 @@ def _compile_one(job):
     return kind, cfg, time.perf_counter() - start, how, None
 
 
-def precompile(configs, *, kinds=None, jobs=None, out=sys.stderr) -> list:
-    """Compile every (kind, config) pair; returns the list of failures (empty when all built)."""
+def precompile(configs, *, kinds=None, jobs=None, out=sys.stderr, pairs=()) -> list:
+    """Compile every (kind, config) pair (``kinds``, default all a config needs, of each config,
+    plus the explicit ``(kind, config)`` ``pairs``); returns the failures (empty when all built)."""
     todo = []
     for cfg in dict.fromkeys(configs):
         for kind in kinds or kinds_for(cfg):
-            if kind not in KINDS:
-                raise ValueError(f"unknown kernel kind {kind!r}; expected one of {KINDS}")
             todo.append((kind, cfg))
+    todo = list(dict.fromkeys(todo + list(pairs)))
+    for kind, _ in todo:
+        if kind not in KINDS:
+            raise ValueError(f"unknown kernel kind {kind!r}; expected one of {KINDS}")
     jobs = jobs or max(1, min(len(todo), os.cpu_count() or 1))
     root = diskcache.ensure_cache_dir()  # an unsafe directory fails here, once, not in every worker
     failures = []
@@ -96,12 +103,13 @@ def configs_from_args(args) -> list:
     sinks = {"yes": (True,), "no": (False,), "both": (True, False)}[args.sinks]
     causal = {"causal": (True,), "full": (False,), "both": (True, False)}[args.mask]
     det = (False, True) if args.deterministic else (False,)
+    layouts = list(dict.fromkeys(list(args.layout) + (["thd"] if getattr(args, "varlen", False) else [])))
     out = []
     for arch in args.arch:
         for dtype in args.dtype:
             for d in dict.fromkeys(_kernel_dim(d) for d in args.head_dim):
                 for g in args.groups:
-                    for layout in args.layout:
+                    for layout in layouts:
                         for s in sinks:
                             for c in causal:
                                 for dt in det:
@@ -155,6 +163,8 @@ def add_parser(sub) -> None:
     p.add_argument("--groups", nargs="+", type=int, default=[1, 8],
                    help="query heads per KV head (GQA ratio H/H_kv); default 1 8 (gpt-oss: 8)")
     p.add_argument("--layout", nargs="+", choices=("bhsd", "bshd"), default=["bhsd"], help="default bhsd")
+    p.add_argument("--varlen", action="store_true",
+                   help="also the packed variable-length kernels (attention_varlen, layout thd)")
     p.add_argument("--sinks", choices=("yes", "no", "both"), default="yes", help="default yes")
     p.add_argument("--mask", choices=("causal", "full", "both"), default="causal",
                    help="causal (with or without a window: the window is a runtime value) or full; default causal")

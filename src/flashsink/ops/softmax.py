@@ -41,7 +41,9 @@ def update(acc_s, acc_o, m, m_prev, alpha, row_sum, l, block_m: int, block_n: in
     for i in T.Parallel(block_m):
         # A row with no visible key so far (no sink) keeps m = -inf: pivot on 0 instead.
         m[i] = T.if_then_else(m[i] == -T.infinity("float32"), 0.0, m[i])
-        alpha[i] = T.exp2(m_prev[i] - m[i])
+        # an unchanged maximum rescales by exactly 1, also when it is +inf (a +inf sink):
+        # exp2(inf - inf) would turn the whole row into NaN where the reference gives o = 0
+        alpha[i] = T.if_then_else(m_prev[i] == m[i], 1.0, T.exp2(m_prev[i] - m[i]))
     for i, j in T.Parallel(block_m, dim_v):
         acc_o[i, j] *= alpha[i]
     for i, j in T.Parallel(block_m, block_n):
@@ -59,6 +61,7 @@ def finalize(acc_o, m, l, lse_out, block_m: int, dim_v: int):
     LSE is -inf (the reference's convention).
     """
     for i, j in T.Parallel(block_m, dim_v):
-        acc_o[i, j] = T.if_then_else(l[i] > 0, acc_o[i, j] / l[i], 0.0)
+        # `l == 0`, not `l > 0`: a NaN normalizer (NaN inputs) must stay NaN, as in the reference
+        acc_o[i, j] = T.if_then_else(l[i] == 0, 0.0, acc_o[i, j] / l[i])
     for i in T.Parallel(block_m):
-        lse_out[i] = T.if_then_else(l[i] > 0, (m[i] + T.log2(l[i])) * LN2, -T.infinity("float32"))
+        lse_out[i] = T.if_then_else(l[i] == 0, -T.infinity("float32"), (m[i] + T.log2(l[i])) * LN2)

@@ -1,0 +1,82 @@
+"""Split-KV forward for few query rows against long KV caches (decode, short chunks).
+
+With one query row per head the regular forward has one program per (row tile, head,
+batch): a few hundred programs, each streaming the whole cache alone. The split-KV kernel
+(``fwd_split.py``)
+
+- packs the query rows of every head of a GQA group into one tile (``groups * seq_q``
+  rows), so each K/V tile is read once per group, not once per query head;
+- splits the visible KV blocks over ``n_splits`` programs, each writing a partial output
+  (fp32) and its LSE without the sink;
+
+and :func:`combine_splits` merges the partials and applies each head's sink once (the
+algebra of :mod:`flashsink.combine`): ``lse = logsumexp([lse_1 .. lse_S, sink])``,
+``o = sum_s exp(lse_s - lse) o_s``. The LSE is the regular one (sink included), so the
+backward is the regular one. Nothing here imports tilelang.
+"""
+
+import math
+
+import torch
+
+from .config import SPLIT_ROWS, split_tiles
+
+LOG2E = 1.4426950408889634
+
+
+def visible_keys(spec) -> int:
+    """Keys the last query row can see (an upper bound for every row's range)."""
+    if spec.causal and spec.window is not None:
+        return min(spec.seq_kv, spec.window + spec.seq_q - 1)
+    return spec.seq_kv
+
+
+def use_split(spec, cfg) -> bool:
+    """Split-KV whenever a GQA group's query rows fit one packed tile and the keys are many:
+    decode and short chunks against long caches. The packed tile reads each K/V tile once per
+    group instead of once per query head, and the split fills the GPU with a few rows."""
+    return (
+        cfg.hopper  # sm_80's code generator rejects this kernel (TileLang 0.1.15): regular forward there
+        and cfg.layout != "thd"
+        and cfg.groups * spec.seq_q <= SPLIT_ROWS
+        and visible_keys(spec) >= 512
+    )
+
+
+def n_splits_for(spec, cfg, sm_count: int) -> int:
+    """Enough programs for about two waves, with at least four KV blocks each."""
+    programs = spec.batch * (spec.heads // cfg.groups)
+    blocks = -(-visible_keys(spec) // split_tiles(cfg).block_n)
+    return max(1, min(math.ceil(2 * sm_count / programs), blocks // 4))
+
+
+def combine_splits(o_part, lse_part, sinks32, has_sinks: bool):
+    """``[B, H, Sq, S, Dv]`` / ``[B, H, Sq, S]`` partials -> o ``[B, H, Sq, Dv]`` (fp32) and lse."""
+    terms = lse_part
+    if has_sinks:
+        sink = sinks32.view(1, -1, 1, 1).expand(*lse_part.shape[:3], 1)
+        terms = torch.cat([lse_part, sink], dim=-1)
+    lse = torch.logsumexp(terms, dim=-1)  # -inf only with no sink and no visible key
+    # pivot on 0 only there (+inf, a +inf sink, gives o = 0; NaN stays NaN, as in the reference)
+    safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+    w = torch.exp(lse_part - safe.unsqueeze(-1))  # exp(-inf) = 0 for an empty split
+    o = (w.unsqueeze(-1) * o_part).sum(dim=-2)
+    return o, lse
+
+
+def forward_split(q, k, v, sinks32, cfg, spec, window, sm_count: int, lse_rows: int):
+    """The split-KV forward: o in q's layout and dtype, lse ``[B, H, lse_rows]`` (padded rows)."""
+    from .compile import get_kernel
+
+    B, H, Sq, Dv = spec.batch, spec.heads, spec.seq_q, spec.head_dim_v
+    S = n_splits_for(spec, cfg, sm_count)
+    o_part = torch.empty((B, H, Sq, S, Dv), dtype=torch.float32, device=q.device)
+    lse_part = torch.empty((B, H, Sq, S), dtype=torch.float32, device=q.device)
+    get_kernel("fwd_split", cfg)(q, k, v, window, float(spec.scale) * LOG2E, o_part, lse_part)
+    o32, lse = combine_splits(o_part, lse_part, sinks32, cfg.has_sinks)
+    o = o32.to(q.dtype)
+    if cfg.layout == "bshd":
+        o = o.transpose(1, 2)
+    lse_padded = torch.empty((B, H, lse_rows), dtype=torch.float32, device=q.device)
+    lse_padded[:, :, :Sq] = lse
+    return o.contiguous(), lse_padded

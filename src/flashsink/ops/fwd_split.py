@@ -1,0 +1,91 @@
+"""Split-KV forward kernel: the query rows of every head of a GQA group packed into one tile,
+the visible KV blocks split over ``n_splits`` programs, each writing a partial output (fp32)
+and its LSE without the sink. ``decode.py`` decides when to use it and merges the partials.
+"""
+
+import tilelang.language as T
+
+from . import softmax
+from .block_range import kv_blocks_for_rows
+from .config import KernelConfig, split_tiles
+from .layout import qkv_shapes, tile
+from .mask import visible
+
+
+def build_fwd_split(cfg: KernelConfig):
+    t = split_tiles(cfg)
+    bm, bn = t.block_m, t.block_n
+    dim, dim_v, groups, layout = cfg.head_dim, cfg.head_dim_v, cfg.groups, cfg.layout
+    dtype, accum = cfg.dtype, "float32"
+    batch, heads, seq_q, seq_kv, n_splits = T.dynamic("batch, heads, seq_q, seq_kv, n_splits")
+    heads_kv = heads // groups
+    q_shape, k_shape, v_shape, _ = qkv_shapes(layout, batch, heads, heads_kv, seq_q, seq_kv, dim, dim_v)
+
+    @T.prim_func
+    def flashsink_fwd_split(
+        Q: T.Tensor(q_shape, dtype),
+        K: T.Tensor(k_shape, dtype),
+        V: T.Tensor(v_shape, dtype),
+        window: T.int32,
+        scale_log2: T.float32,
+        OPart: T.Tensor([batch, heads, seq_q, n_splits, dim_v], accum),
+        LSEPart: T.Tensor([batch, heads, seq_q, n_splits], accum),
+    ):
+        with T.Kernel(n_splits, heads_kv, batch, threads=t.threads) as (split, kv_head, b):
+            q_s = T.alloc_shared([bm, dim], dtype)
+            k_s = T.alloc_shared([bn, dim], dtype)
+            v_s = T.alloc_shared([bn, dim_v], dtype)
+            acc_s = T.alloc_fragment([bm, bn], accum)
+            p = T.alloc_fragment([bm, bn], dtype)
+            acc_o = T.alloc_fragment([bm, dim_v], accum)
+            m = T.alloc_fragment([bm], accum)
+            m_prev = T.alloc_fragment([bm], accum)
+            alpha = T.alloc_fragment([bm], accum)
+            row_sum = T.alloc_fragment([bm], accum)
+            l = T.alloc_fragment([bm], accum)
+            lse = T.alloc_fragment([bm], accum)
+
+            n_rows = groups * seq_q  # packed row p is query row p % seq_q of head p // seq_q
+            # (no Python names for per-element expressions inside T.Parallel: a name becomes a
+            # Let binding, which the sm_80 code generator refuses to see bound twice)
+            for r, d in T.Parallel(bm, dim):
+                if layout == "bhsd":
+                    q_s[r, d] = T.if_then_else(
+                        r < n_rows, Q[b, kv_head * groups + r // seq_q, r % seq_q, d], T.cast(0, dtype)
+                    )
+                else:
+                    q_s[r, d] = T.if_then_else(
+                        r < n_rows, Q[b, r % seq_q, kv_head * groups + r // seq_q, d], T.cast(0, dtype)
+                    )
+            T.fill(acc_o, 0)
+            softmax.init_state(m, l, None, 0, bm, False)
+            lo, hi = kv_blocks_for_rows(0, bm, bn, seq_q, seq_kv, window, cfg.causal)
+            per = T.ceildiv(hi - lo, n_splits)
+            my_lo = T.min(hi, lo + split * per)
+            my_hi = T.min(hi, my_lo + per)
+
+            for kb in T.Pipelined(my_lo, my_hi, num_stages=t.stages):
+                key0 = kb * bn
+                T.copy(tile(K, layout, b, kv_head, key0, bn), k_s)
+                T.clear(acc_s)
+                T.gemm(q_s, k_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                for i, j in T.Parallel(bm, bn):
+                    acc_s[i, j] = T.if_then_else(
+                        (i < n_rows) & visible(i % seq_q, key0 + j, seq_q, seq_kv, window, cfg.causal),
+                        acc_s[i, j] * scale_log2,
+                        -T.infinity(accum),
+                    )
+                T.copy(tile(V, layout, b, kv_head, key0, bn), v_s)
+                softmax.update(acc_s, acc_o, m, m_prev, alpha, row_sum, l, bm, bn, dim_v)
+                T.copy(acc_s, p)
+                T.gemm(p, v_s, acc_o, policy=T.GemmWarpPolicy.FullRow)
+
+            softmax.finalize(acc_o, m, l, lse, bm, dim_v)
+            for r, d in T.Parallel(bm, dim_v):
+                if r < n_rows:
+                    OPart[b, kv_head * groups + r // seq_q, r % seq_q, split, d] = acc_o[r, d]
+            for r in T.Parallel(bm):
+                if r < n_rows:
+                    LSEPart[b, kv_head * groups + r // seq_q, r % seq_q, split] = lse[r]
+
+    return flashsink_fwd_split

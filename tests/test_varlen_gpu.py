@@ -1,0 +1,129 @@
+"""Packed variable-length batches (`flashsink.attention_varlen`) through the kernels on a CUDA GPU,
+against the float64 varlen reference under the precision standard.
+
+Lengths are random, with 0 and 1 among them; there are cases with a 16k sequence, with 2000
+sequences, with fewer and more queries than keys per sequence (bottom-right per sequence) and
+decode rows. Outputs are poisoned with NaN by conftest, so a row a kernel never writes fails.
+"""
+
+import pytest
+import torch
+
+import flashsink
+from flashsink import reference
+from flashsink.testing import check_precision
+
+from gpu_cases import varlen_cases
+
+pytestmark = pytest.mark.gpu
+
+NAMES = ("o", "lse", "dq", "dk", "dv", "dsink")
+
+
+def _cu(lens, device):
+    cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int64), 0)
+    return cu.to(device)
+
+
+def make_varlen(c, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    tq, tk = sum(c.lens_q), sum(c.lk)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, device="cuda") * scale).to(c.dtype)
+
+    inp = {
+        "q": rnd(tq, c.heads, c.head_dim),
+        "k": rnd(tk, c.kv_heads, c.head_dim),
+        "v": rnd(tk, c.kv_heads, c.head_dim),
+        "do": rnd(tq, c.heads, c.head_dim),
+        "sinks": (torch.rand(c.heads, generator=g, device="cuda") * 4 - 2) if c.sinks else None,
+        "cu_q": _cu(c.lens_q, "cuda"),
+        "cu_k": _cu(c.lk, "cuda"),
+        "max_q": max(c.lens_q, default=0),
+        "max_k": max(c.lk, default=0),
+    }
+    return inp
+
+
+def run(c, inp, *, api=flashsink.attention_varlen, compute_dtype=None, deterministic=None):
+    cdt = compute_dtype
+    leaves = {n: (inp[n] if cdt is None else inp[n].to(cdt)).detach().clone().requires_grad_(True) for n in ("q", "k", "v")}
+    if inp["sinks"] is not None:
+        leaves["sinks"] = (inp["sinks"] if cdt is None else inp["sinks"].to(cdt)).detach().clone().requires_grad_(True)
+    kw = dict(window=c.window, causal=c.causal, return_lse=True)
+    if deterministic is not None:
+        kw["deterministic"] = deterministic
+    if cdt is not None:
+        kw["compute_dtype"] = cdt
+    o, lse = api(
+        leaves["q"], leaves["k"], leaves["v"], inp["cu_q"], inp["cu_k"], inp["max_q"], inp["max_k"],
+        leaves.get("sinks"), **kw,
+    )
+    do = inp["do"] if cdt is None else inp["do"].to(cdt)
+    grads = torch.autograd.grad(o, list(leaves.values()), do.to(o.dtype), allow_unused=True)
+    grads = [torch.zeros_like(x) if gr is None else gr for x, gr in zip(leaves.values(), grads)]
+    named = dict(zip(leaves, grads))
+    return {"o": o.detach(), "lse": lse.detach(), "dq": named["q"], "dk": named["k"], "dv": named["v"],
+            "dsink": named.get("sinks")}
+
+
+def check_varlen(c, actual, inp):
+    expected = run(c, inp, api=reference.attention_varlen, compute_dtype=torch.float64)
+    lowp = run(c, inp, api=reference.attention_varlen, compute_dtype=c.dtype)
+    names = [n for n in NAMES if not (n == "dsink" and inp["sinks"] is None)]
+    reports = [check_precision(n, actual[n], expected[n], c.dtype, lowp=lowp[n]) for n in names]
+    failed = [r for r in reports if not r.passed]
+    assert not failed, "precision standard failed\n" + reports[0].header() + "\n" + "\n".join(r.row() for r in reports)
+
+
+@pytest.mark.l1
+@pytest.mark.parametrize("c", varlen_cases(), ids=lambda c: c.name)
+def test_varlen(c):
+    inp = make_varlen(c)
+    actual = run(c, inp, deterministic=c.deterministic)
+    check_varlen(c, actual, inp)
+    if c.deterministic:
+        again = run(c, inp, deterministic=True)
+        for n in actual:
+            if actual[n] is not None:
+                assert torch.equal(actual[n], again[n]), f"{n} differs between two deterministic runs"
+
+
+@pytest.mark.l1
+def test_varlen_matches_padded_kernels():
+    """One packed sequence is the bshd problem: the two kernel paths run the same tiles in the
+    same order, so o agrees to the bit."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q = torch.randn(1, 257, 8, 64, generator=g, device="cuda").to(torch.bfloat16)
+    k = torch.randn(1, 257, 2, 64, generator=g, device="cuda").to(torch.bfloat16)
+    v = torch.randn(1, 257, 2, 64, generator=g, device="cuda").to(torch.bfloat16)
+    s = torch.randn(8, generator=g, device="cuda")
+    dense = flashsink.attention(q, k, v, s, layout="bshd", window=100)
+    cu = torch.tensor([0, 257], dtype=torch.int32, device="cuda")
+    packed = flashsink.attention_varlen(q[0], k[0], v[0], cu, cu, 257, 257, s, window=100)
+    assert torch.equal(dense[0], packed)
+
+
+@pytest.mark.l2
+def test_varlen_no_recompile():
+    """New lengths and a new number of sequences reuse the compiled kernels."""
+    from flashsink.ops.compile import cache_size
+
+    g = torch.Generator().manual_seed(7)
+    sizes = []
+    for i in range(12):
+        n = int(torch.randint(1, 40, (1,), generator=g))
+        lens = tuple(int(x) for x in torch.randint(0, 300, (n,), generator=g))
+        if sum(lens) == 0:
+            lens = lens + (5,)
+        cu = _cu(lens, "cuda")
+        q = torch.randn(sum(lens), 8, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        k = torch.randn(sum(lens), 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        v = torch.randn(sum(lens), 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        s = torch.randn(8, device="cuda", requires_grad=True)
+        o = flashsink.attention_varlen(q, k, v, cu, cu, max(lens), max(lens), s, window=50)
+        o.float().square().sum().backward()
+        sizes.append(cache_size())
+    assert len(set(sizes[1:])) == 1, f"kernels compiled per call: {sizes}"
