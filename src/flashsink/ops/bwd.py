@@ -26,7 +26,7 @@ import tilelang.language as T
 
 from .block_range import kv_blocks_for_rows, row_blocks_for_keys
 from .config import ROW_BLOCK, KernelConfig, bwd_tiles, dq_tiles, pre_tiles
-from .layout import PROLOGUE_LOAD, qkv_shapes, sequence, stat_at, stat_shape, stat_tile, store_rows, store_stat, tile
+from .layout import prologue_load, qkv_shapes, sequence, stat_at, stat_shape, stat_tile, store_rows, store_stat, tile
 from .mask import visible
 from .softmax import LOG2E
 from .split import split
@@ -88,8 +88,8 @@ def build_preprocess(cfg: KernelConfig):
             scale_log2 = scale * LOG2E
             lo, hi = kv_blocks_for_rows(row0, bm, bn, sq, sk, window, cfg.causal)
             if lo < hi:  # no bulk copy left in flight by a program with no keys (see fwd.py)
-                T.copy(tile(Q, layout, b, head, q_base + row0, bm), q_s, prefer_instruction=PROLOGUE_LOAD)
-                T.copy(tile(dO, layout, b, head, q_base + row0, bm), do_s, prefer_instruction=PROLOGUE_LOAD)
+                T.copy(tile(Q, layout, b, head, q_base + row0, bm), q_s, prefer_instruction=prologue_load(cfg))
+                T.copy(tile(dO, layout, b, head, q_base + row0, bm), do_s, prefer_instruction=prologue_load(cfg))
             T.copy(stat_tile(LSE, layout, b, head, q_base + row0, bm), lse)
             T.clear(delta)
             for kb in T.Pipelined(lo, hi, num_stages=t.stages):
@@ -211,8 +211,8 @@ def build_bwd(cfg: KernelConfig):
             lo_blk, hi_blk = row_blocks_for_keys(key0, bn, bm, sq, sk, window, cfg.causal)
             n_rows = hi_blk - lo_blk
             if n_rows > 0:  # no bulk copy left in flight by a program no row sees (see fwd.py)
-                T.copy(tile(K, layout, b, kv_head, k_base + key0, bn), k_s, prefer_instruction=PROLOGUE_LOAD)
-                T.copy(tile(V, layout, b, kv_head, k_base + key0, bn), v_s, prefer_instruction=PROLOGUE_LOAD)
+                T.copy(tile(K, layout, b, kv_head, k_base + key0, bn), k_s, prefer_instruction=prologue_load(cfg))
+                T.copy(tile(V, layout, b, kv_head, k_base + key0, bn), v_s, prefer_instruction=prologue_load(cfg))
             T.clear(dk)
             T.clear(dv)
 
@@ -390,8 +390,8 @@ def build_dq(cfg: KernelConfig):
             scale_log2 = scale * LOG2E
             lo, hi = kv_blocks_for_rows(row0, bm, bn, sq, sk, window, cfg.causal)
             if lo < hi:  # no bulk copy left in flight by a program with no keys (see fwd.py)
-                T.copy(tile(Q, layout, b, head, q_base + row0, bm), q_s, prefer_instruction=PROLOGUE_LOAD)
-                T.copy(tile(dO, layout, b, head, q_base + row0, bm), do_s, prefer_instruction=PROLOGUE_LOAD)
+                T.copy(tile(Q, layout, b, head, q_base + row0, bm), q_s, prefer_instruction=prologue_load(cfg))
+                T.copy(tile(dO, layout, b, head, q_base + row0, bm), do_s, prefer_instruction=prologue_load(cfg))
             T.copy(stat_tile(LSE, layout, b, head, q_base + row0, bm), lse)
             T.copy(stat_tile(Delta, layout, b, head, q_base + row0, bm), delta)
             T.clear(dq)

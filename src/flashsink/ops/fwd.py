@@ -13,7 +13,7 @@ import tilelang.language as T
 from . import softmax
 from .block_range import kv_blocks_for_rows
 from .config import KernelConfig, fwd_tiles
-from .layout import PROLOGUE_LOAD, qkv_shapes, sequence, stat_shape, store_rows, store_stat, tile
+from .layout import prologue_load, qkv_shapes, sequence, stat_shape, store_rows, store_stat, tile
 from .mask import visible
 
 
@@ -53,7 +53,7 @@ def build_fwd(cfg: KernelConfig):
             # that exits (no keys to visit) lands in shared memory reused by the epilogue or
             # by the next program on the SM.
             if lo < hi:
-                T.copy(tile(Q, layout, b, head, q_base + row0, bm), q_s, prefer_instruction=PROLOGUE_LOAD)
+                T.copy(tile(Q, layout, b, head, q_base + row0, bm), q_s, prefer_instruction=prologue_load(cfg))
             T.fill(acc_o, 0)
             softmax.init_state(m, l, Sinks, head, bm, cfg.has_sinks)
 

@@ -16,9 +16,12 @@ at least one row tile past the last row, so whole-tile reads stay in bounds.
 
 import tilelang.language as T
 
-#: How a tile loaded once, before a program's loop, under a condition (only when the loop has
-#: work) is lowered: one bulk copy, waited on at once (Hopper; other targets ignore the hint).
-PROLOGUE_LOAD = "tma"
+
+def prologue_load(cfg):
+    """How a tile loaded once before a program's loop, under a condition (only when the loop
+    has work), is lowered: one bulk copy waited on at once on Hopper; the default (synchronous)
+    copy elsewhere (asking sm_80 for "tma" is a compile error)."""
+    return "tma" if cfg.hopper else None
 
 
 def qkv_shapes(layout, batch, heads, heads_kv, seq_q, seq_kv, dim, dim_v):
