@@ -4,10 +4,14 @@
 #   source .gpu/setup.sh && bash tools/gpu_suite.sh [pytest -k expression]
 # 1. precompiles every kernel the GPU tests need, in parallel processes (TileLang's disk cache);
 # 2. runs every GPU test (pytest tests -m gpu), 3. `flashsink check` on the golden problem,
-# 4. `flashsink bench` (flashsink only) on the golden and gpt-oss presets. Logs go to $OUT (or ./gpu-out).
+# 4. `flashsink bench` (flashsink only) on the golden and gpt-oss presets.
+# Logs are written to a work folder; $OUT (or ./gpu-out) gets the ones read first (summary,
+# pytest.log, junit.xml, check.log, timing.log) and all of them in logs.tgz: the device tool
+# brings back at most 8 files.
 set -uo pipefail
-out=${OUT:-gpu-out}
-mkdir -p "$out"
+dest=${OUT:-gpu-out}
+out=$(mktemp -d /tmp/gpu-suite.XXXXXX)
+mkdir -p "$dest"
 export TILELANG_CACHE_DIR=${TILELANG_CACHE_DIR:-/tmp/tilelang-cache}
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$out/gpu.txt"
@@ -41,9 +45,15 @@ if [ -z "${SKIP_BENCH:-}" ]; then
   tm=$?
 fi
 
-echo
-echo "==== summary ===="
-echo "precompile rc=$pc  pytest rc=$pt  check rc=$ck  timing rc=$tm"
-tail -n 1 "$out/pytest.log"
-grep -E "^(FAILED|ERROR)" "$out/pytest.log" | head -40
-[ -f "$out/timing.log" ] && grep -A 12 "^summary" "$out/timing.log"
+{
+  echo
+  echo "==== summary ===="
+  echo "precompile rc=$pc  pytest rc=$pt  check rc=$ck  timing rc=$tm"
+  tail -n 1 "$out/pytest.log"
+  grep -E "^(FAILED|ERROR)" "$out/pytest.log" | head -40
+  [ -f "$out/timing.log" ] && grep -A 12 "^summary" "$out/timing.log"
+} | tee "$out/summary.txt"
+for f in summary.txt pytest.log junit.xml check.log timing.log; do
+  [ -f "$out/$f" ] && cp "$out/$f" "$dest/"
+done
+tar -czf "$dest/logs.tgz" -C "$out" .
