@@ -99,27 +99,25 @@ def all_cases() -> list:
     return main_matrix() + named_cases() + extra_cases()
 
 
-def kernel_configs(arch: str, cases=None):
-    """The KernelConfigs the cases need on ``arch`` (deterministic variants included)."""
+def case_config(arch: str, c, *, layout=None, deterministic=False):
+    """The KernelConfig a case (``Case`` or ``VarlenCase``) runs with on ``arch``."""
     from flashsink.ops.config import SUPPORTED_DTYPES, KernelConfig
     from flashsink.ops.interface import _kernel_dim
 
-    out = []
-    for c in cases or all_cases():
-        base = dict(
-            arch=arch, dtype=SUPPORTED_DTYPES[c.dtype], head_dim=_kernel_dim(c.head_dim), head_dim_v=_kernel_dim(c.head_dim),
-            groups=c.heads // c.kv_heads, causal=c.causal, has_sinks=c.sinks, layout=c.layout,
-        )
-        out.append(KernelConfig(**base))
-    for c in determinism_cases():
-        out.append(
-            KernelConfig(
-                arch=arch, dtype=SUPPORTED_DTYPES[c.dtype], head_dim=_kernel_dim(c.head_dim), head_dim_v=_kernel_dim(c.head_dim),
-                groups=c.heads // c.kv_heads, causal=c.causal, has_sinks=c.sinks, layout=c.layout,
-                deterministic=True,
-            )
-        )
-    return out + varlen_kernel_configs(arch)
+    return KernelConfig(
+        arch=arch, dtype=SUPPORTED_DTYPES[c.dtype], head_dim=_kernel_dim(c.head_dim),
+        head_dim_v=_kernel_dim(c.head_dim), groups=c.heads // c.kv_heads, causal=c.causal,
+        has_sinks=c.sinks, layout=layout or c.layout, deterministic=deterministic,
+    )
+
+
+def kernel_configs(arch: str, cases=None):
+    """The KernelConfigs the cases need on ``arch`` (deterministic and varlen variants included)."""
+    return (
+        [case_config(arch, c) for c in cases or all_cases()]
+        + [case_config(arch, c, deterministic=True) for c in determinism_cases()]
+        + varlen_kernel_configs(arch)
+    )
 
 
 def determinism_cases() -> list:
@@ -179,14 +177,4 @@ def varlen_cases() -> list:
 
 
 def varlen_kernel_configs(arch: str) -> list:
-    from flashsink.ops.config import SUPPORTED_DTYPES, KernelConfig
-    from flashsink.ops.interface import _kernel_dim
-
-    return [
-        KernelConfig(
-            arch=arch, dtype=SUPPORTED_DTYPES[c.dtype], head_dim=_kernel_dim(c.head_dim),
-            head_dim_v=_kernel_dim(c.head_dim), groups=c.heads // c.kv_heads, causal=c.causal,
-            has_sinks=c.sinks, layout="thd", deterministic=c.deterministic,
-        )
-        for c in varlen_cases()
-    ]
+    return [case_config(arch, c, layout="thd", deterministic=c.deterministic) for c in varlen_cases()]

@@ -6,21 +6,16 @@
 import os
 import sys
 
-import torch
-
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
 if __name__ == "__main__":
-    from gpu_cases import decode_cases, kernel_configs
+    from gpu_cases import case_config, decode_cases, kernel_configs
 
     from flashsink.ops.precompile import kinds_for, precompile
 
     arch = sys.argv[1] if len(sys.argv) > 1 else "sm_90a"
     # the split-KV forward only where the tests take it (decode cases), not for every config
-    split = {(c.dtype, c.head_dim, c.heads // c.kv_heads, c.sinks, c.layout) for c in decode_cases()}
-    pairs = []
-    for cfg in dict.fromkeys(kernel_configs(arch)):
-        key = ({"float16": torch.float16, "bfloat16": torch.bfloat16}[cfg.dtype], cfg.head_dim, cfg.groups,
-               cfg.has_sinks, cfg.layout)
-        pairs += [(k, cfg) for k in kinds_for(cfg) if k != "fwd_split" or key in split]
+    split = {case_config(arch, c) for c in decode_cases()}
+    pairs = [(k, cfg) for cfg in dict.fromkeys(kernel_configs(arch)) for k in kinds_for(cfg)
+             if k != "fwd_split" or cfg in split]
     sys.exit(1 if precompile([], pairs=pairs) else 0)

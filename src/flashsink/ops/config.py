@@ -20,6 +20,9 @@ MAX_HEAD_DIM = 256
 #: Head dims with tiles of their own; other multiples of 16 run zero-padded to the next one.
 NATIVE_HEAD_DIMS = (32, 64, 128, 256)
 
+#: log2(e): scores are kept in base 2 (one exp2 each), so the host folds it into the scale
+LOG2E = 1.4426950408889634
+
 # A window larger than any sequence: used when the caller asked for no window, so one
 # kernel serves windowed and full causal attention (the window is a runtime value).
 NO_WINDOW = 1 << 30

@@ -19,9 +19,7 @@ import math
 
 import torch
 
-from .config import SPLIT_ROWS, split_tiles
-
-LOG2E = 1.4426950408889634
+from .config import LOG2E, SPLIT_ROWS, split_tiles
 
 
 def visible_keys(spec) -> int:

@@ -12,7 +12,7 @@ import torch
 
 from . import decode
 from .compile import get_kernel
-from .config import MAX_HEAD_DIM, NATIVE_HEAD_DIMS, SUPPORTED_DTYPES, KernelConfig, arch_of, pre_tiles
+from .config import LOG2E, MAX_HEAD_DIM, NATIVE_HEAD_DIMS, SUPPORTED_DTYPES, KernelConfig, arch_of, pre_tiles
 
 # Row statistics (lse, Delta) and the fp32 dQ accumulator are allocated with this many
 # rows per multiple: every kernel's row tile is then in bounds, and the row stride of
@@ -80,7 +80,7 @@ def _forward(q, k, v, sinks32, cfg, spec, window):
     o_shape = (B, H, Sq, spec.head_dim_v) if cfg.layout == "bhsd" else (B, Sq, H, spec.head_dim_v)
     o = torch.empty(o_shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((B, H, _padded_rows(Sq)), dtype=torch.float32, device=q.device)
-    get_kernel("fwd", cfg)(q, k, v, sinks32, window, float(spec.scale) * 1.4426950408889634, o, lse)
+    get_kernel("fwd", cfg)(q, k, v, sinks32, window, float(spec.scale) * LOG2E, o, lse)
     return o, lse
 
 

@@ -14,7 +14,8 @@ state starts at ``(-inf, 0)`` and ``m`` is replaced by 0 where it is still ``-in
 
 import tilelang.language as T
 
-LOG2E = 1.4426950408889634
+from .config import LOG2E  # noqa: F401  (re-exported for the kernels)
+
 LN2 = 0.6931471805599453
 
 

@@ -12,10 +12,8 @@ from dataclasses import replace
 import torch
 
 from .compile import get_kernel
-from .config import NO_WINDOW, pre_tiles
+from .config import LOG2E, NO_WINDOW, pre_tiles
 from .interface import ROW_PAD, _pad_dim, _padded_rows, _sinks_f32, kernel_config
-
-LOG2E = 1.4426950408889634
 
 
 def _rows(total: int) -> int:
