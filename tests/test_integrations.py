@@ -9,9 +9,10 @@ judged against the model's own ``"eager"`` attention with the same weights:
   the flashsink model in float32;
 * padded batches (left and right padding), greedy ``generate()`` with the KV cache (dynamic and
   static caches, with and without left padding), packed sequences, and what it must refuse;
-* in bfloat16 on the device (``cuda``: the kernels, marker ``gpu``; also run on the CPU): logits and
-  every parameter's gradient against the same bf16 model with an exact (float64, rounded once)
-  attention, eager bf16 as gate 2, and greedy ``generate()`` tokens equal to eager's (see the section
+* in bfloat16 on the device (``cuda``: the kernels, marker ``gpu``; also run on the CPU): each
+  attention call's output against the float64 reference on its own inputs (the full standard); logits
+  and every parameter's gradient against the same bf16 model with an exact (float64, rounded once)
+  attention, eager bf16 as lowp (gate 2, and gate 1's share relative to eager's: ``composed``), and greedy ``generate()`` tokens equal to eager's (see the section
   at the end for why the expected model is built that way).
 
 ``flashsink.nn.SinkAttention`` is tested in ``tests/test_nn.py`` (no transformers needed).
@@ -303,6 +304,13 @@ def test_attention_function_direct_gqa_and_cache_alignment():
 # to bf16 ("sinkref64" below); lowp (gate 2) is the model's eager attention in bf16. So what is judged
 # is the attention's own arithmetic, carried through the model.
 #
+# Even so, a one-ulp difference in one attention output element is rounded again by every later bf16
+# layer and spreads over many logits: on the H200 the kernels' logits were 81.5% within tolerance
+# (o_proj.bias gradient 97.3%), no worse than eager bf16's max error (gate 2). The model-level
+# values are therefore "composed" (flashsink.testing.check_precision): gate 1's share is judged
+# against eager bf16's own share, minus a 2% margin, and gate 2 holds as always. The attention's own
+# outputs, captured at each call, get the full standard.
+#
 # The routers get decisive biases (top-2 = experts 0 and 1 by a margin of 2 logits): a top-k choice that
 # flips on a near-tie is a discrete jump that no precision standard can judge. The router weights and
 # biases still get gradients (softmax over the two chosen logits).
@@ -349,16 +357,38 @@ def test_bf16_logits_and_all_gradients(bf16_model, device, calls):
     exp_logits, exp_grads = _run(_on(bf16_model, EXACT, device), ids)
     low_logits, low_grads = _run(_on(bf16_model, "eager", device), ids)
     calls.clear()
-    act_logits, act_grads = _run(_on(bf16_model, "flashsink", device), ids)
-    assert [kind for kind, _, _ in calls] == ["attention", "attention"]  # both layers, dense path
+    attn_calls = []
+    spied = flashsink.attention  # the `calls` fixture's spy
 
-    reports = [check_precision("logits", act_logits, exp_logits, torch.bfloat16, lowp=low_logits)]
+    def capture(q, k, v, sinks=None, **kw):
+        out = spied(q, k, v, sinks, **kw)
+        attn_calls.append(((q.detach(), k.detach(), v.detach(), None if sinks is None else sinks.detach()),
+                           {n: kw[n] for n in ("window", "causal", "scale", "layout") if n in kw}, out.detach()))
+        return out
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(flashsink, "attention", capture)
+        act_logits, act_grads = _run(_on(bf16_model, "flashsink", device), ids)
+    assert [kind for kind, _, _ in calls] == ["attention", "attention"]  # both layers, dense path
+    assert len(attn_calls) == 2
+
+    # The attention itself, at each of its calls in the model: the full standard on the model's own
+    # bf16 q, k, v and sinks (the expected side is the float64 reference on those inputs).
+    reports = []
+    for i, (args, kwargs, out) in enumerate(attn_calls):
+        want = flashsink.reference.attention(*args, **kwargs, compute_dtype=torch.float64)
+        low = flashsink.reference.attention(*args, **kwargs, compute_dtype=torch.bfloat16)
+        reports.append(check_precision(f"attention call {i}: o", out, want, torch.bfloat16, lowp=low))
+    # The model: logits and gradients pass through bf16 layers after the attention, which round
+    # again; gate 1's share is relative to the model's own eager attention ("composed" values).
+    reports.append(check_precision("logits", act_logits, exp_logits, torch.bfloat16, lowp=low_logits, composed=True))
     names = [n for n, _ in bf16_model.named_parameters()]
     assert sum(".sinks" in n for n in names) == 2
     for name in names:
         assert act_grads[name] is not None, f"{name}: no gradient through flashsink"
         assert act_grads[name].device.type == device and act_grads[name].dtype == torch.bfloat16
-        reports.append(check_precision(name, act_grads[name], exp_grads[name], torch.bfloat16, lowp=low_grads[name]))
+        reports.append(check_precision(name, act_grads[name], exp_grads[name], torch.bfloat16, lowp=low_grads[name],
+                                       composed=True))
     failed = [r for r in reports if not r.passed]
     assert not failed, "precision standard failed\n" + "\n".join([PrecisionReport.header()] + [r.row() for r in reports])
 

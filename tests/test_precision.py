@@ -182,3 +182,28 @@ def test_reference_grads_chunking_is_exact(monkeypatch):
     for n in ("o", "lse", "dq", "dk", "dv", "dsink"):
         assert torch.equal(whole[n], parts[n]), n
     assert whole["o"].dtype == torch.float64 and whole["dsink"].dtype == torch.float64
+
+
+def test_composed_share_is_relative_to_lowp():
+    """composed=True: gate 1's share is min(99%, lowp's share - 2%); gate 2 and the max bound stay."""
+    g = torch.Generator().manual_seed(11)
+    e = torch.rand(10000, generator=g, dtype=torch.float64) * 2 - 1
+    tol = testing.tolerance(torch.bfloat16)
+    off = torch.rand(10000, generator=g, dtype=torch.float64)
+    bad = 3 * (tol.atol + tol.rtol * e.abs())  # outside the tolerance, well inside gate 2's bound
+    lowp = torch.where(off < 0.20, e + bad, e)  # lowp: 80% within
+    ok = torch.where(off < 0.21, e + bad, e)  # 79% within: >= 80% - 2%
+    worse = torch.where(off < 0.23, e + bad, e)  # 77% within
+    assert not check_precision("x", ok, e, torch.bfloat16, lowp=lowp).passed  # the kernel standard: 99%
+    rep = check_precision("x", ok, e, torch.bfloat16, lowp=lowp, composed=True)
+    assert rep.passed and abs(rep.lowp_ratio - 0.80) < 0.02, rep
+    rep = check_precision("x", worse, e, torch.bfloat16, lowp=lowp, composed=True)
+    assert not rep.passed and "lowp's" in rep.reason, rep
+    spike = ok.clone()
+    spike[0] += 0.09  # within the max bound, beyond gate 2's 2 * max |lowp - e| + atol_small
+    rep = check_precision("x", spike, e, torch.bfloat16, lowp=lowp, composed=True)
+    assert not rep.passed and rep.gate2_ok is False
+    exact_lowp = check_precision("x", ok, e, torch.bfloat16, lowp=e.clone(), composed=True)
+    assert not exact_lowp.passed  # an exact lowp keeps the 99% of the standard
+    with pytest.raises(ValueError, match="composed=True needs lowp"):
+        check_precision("x", ok, e, torch.bfloat16, composed=True)

@@ -12,6 +12,14 @@ Gate 2 (FlashAttention-style, robust to magnitudes), when ``lowp`` is given -- t
 computed in the low-precision dtype itself, i.e. what plain PyTorch would give:
     * ``max |a - e| <= 2 * max |lowp - e| + atol_small``.
 
+Composed values (``composed=True``, ``lowp`` required): a model's logits and parameter gradients
+reach the kernel's output through further low-precision layers, each rounding again, so one ulp of
+difference in an attention output spreads over many elements and no exact attention reaches 99%
+(in a bf16 model, neither does the model's own eager attention). For them gate 1's share is
+relative: at least ``min(99%, share of lowp - 2%)``, lowp being the same model with its own
+low-precision attention; gate 1's max bound and gate 2 are unchanged. The kernel's own outputs are
+never judged this way.
+
 A tensor passes when gate 1 passes and, if ``lowp`` is given, gate 2 passes too. A non-finite
 actual value where the expected value is finite always fails; matching infinities (lse = -inf in
 rows that see no key and have no sink) count as exact. Empty tensors pass.
@@ -58,6 +66,7 @@ from ._validate import validate_attention
 __all__ = [
     "MAX_ABS_LIMIT",
     "MIN_RATIO",
+    "COMPOSED_MARGIN",
     "TOLERANCES",
     "Tolerance",
     "PrecisionReport",
@@ -74,6 +83,9 @@ __all__ = [
 MIN_RATIO = 0.99  # gate 1: share of elements within atol + rtol * |e|
 MAX_ABS_LIMIT = 0.1  # gate 1: max |a - e|
 GATE2_FACTOR = 2.0  # gate 2: max |a - e| <= GATE2_FACTOR * max |lowp - e| + atol_small
+# composed values (a model's logits and parameter gradients, downstream of the kernel through other
+# low-precision ops): gate 1's share may fall to the lowp system's own share minus this margin
+COMPOSED_MARGIN = 0.02
 
 
 @dataclass(frozen=True)
@@ -148,6 +160,7 @@ class PrecisionReport:
     gate2_limit: float | None = None  # 2 * lowp_max_abs + atol_small, when lowp was given
     gate2_ok: bool | None = None
     lowp_max_abs: float | None = None
+    lowp_ratio: float | None = None  # lowp's share within tolerance, when lowp was given
     reason: str = ""
     timing: str = ""  # free text filled by callers that time the op (e.g. "fwd 1.2 ms")
 
@@ -194,12 +207,21 @@ def _errors(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(err, nan=math.inf)
 
 
-def check_precision(name: str, actual, expected, dtype, *, lowp=None) -> PrecisionReport:
+def check_precision(name: str, actual, expected, dtype, *, lowp=None, composed: bool = False) -> PrecisionReport:
     """Judge ``actual`` against ``expected`` (float64 reference) under the precision standard.
 
     ``dtype`` picks the tolerances (the problem's input dtype). ``lowp``, if given, is the
     reference computed in the low-precision dtype and turns on gate 2.
+
+    ``composed=True`` is for values that reach the kernel's output through other low-precision
+    operations (a bf16 model's logits and parameter gradients: every later layer rounds again, so a
+    one-ulp difference in the attention output spreads over many elements). There no exact system
+    reaches 99% within tolerance, the model's own eager attention included; gate 1's share is then
+    relative: at least ``min(99%, lowp's share - COMPOSED_MARGIN)``. ``lowp`` (the same model with its
+    own low-precision attention) is required; gate 1's max bound and gate 2 are unchanged.
     """
+    if composed and lowp is None:
+        raise ValueError(f"{name}: composed=True needs lowp (the low-precision system whose share it is judged against)")
     dt = _resolve_dtype(dtype)
     tol = tolerance(dt)
     shape = tuple(expected.shape)
@@ -229,7 +251,13 @@ def check_precision(name: str, actual, expected, dtype, *, lowp=None) -> Precisi
     max_abs = float(err.max())
     within = err <= tol.atol + tol.rtol * e.abs()
     ratio = float(within.double().mean())
-    ratio_ok = ratio >= MIN_RATIO
+    lowp_ratio = min_ratio = None
+    if lowp is not None:
+        low = lowp.detach().to(device=e.device, dtype=torch.float64)
+        lowp_err = _errors(low, e)
+        lowp_ratio = float((lowp_err <= tol.atol + tol.rtol * e.abs()).double().mean())
+    min_ratio = min(MIN_RATIO, lowp_ratio - COMPOSED_MARGIN) if composed else MIN_RATIO
+    ratio_ok = ratio >= min_ratio
     max_ok = max_abs <= MAX_ABS_LIMIT
 
     reasons = []
@@ -239,13 +267,17 @@ def check_precision(name: str, actual, expected, dtype, *, lowp=None) -> Precisi
     if torch.isnan(e).any():
         reasons.append("expected contains NaN")
     if not ratio_ok:
-        reasons.append(f"only {100 * ratio:.3f}% within tol (< {100 * MIN_RATIO:.0f}%)")
+        if composed:
+            reasons.append(f"only {100 * ratio:.3f}% within tol (< {100 * min_ratio:.3f}%: "
+                           f"lowp's {100 * lowp_ratio:.3f}% - {100 * COMPOSED_MARGIN:g}%)")
+        else:
+            reasons.append(f"only {100 * ratio:.3f}% within tol (< {100 * MIN_RATIO:.0f}%)")
     if not max_ok:
         reasons.append(f"max abs err {max_abs:.3e} > {MAX_ABS_LIMIT}")
 
     gate2_limit = gate2_ok = lowp_max = None
     if lowp is not None:
-        lowp_max = float(_errors(lowp.detach().to(device=e.device, dtype=torch.float64), e).max())
+        lowp_max = float(lowp_err.max())
         gate2_limit = GATE2_FACTOR * lowp_max + tol.atol_small
         gate2_ok = max_abs <= gate2_limit
         if not gate2_ok:
@@ -258,13 +290,13 @@ def check_precision(name: str, actual, expected, dtype, *, lowp=None) -> Precisi
     return PrecisionReport(
         **base, max_abs=max_abs, ratio=ratio, passed=passed, gate1_ratio_ok=ratio_ok,
         gate1_max_ok=max_ok, gate2_limit=gate2_limit, gate2_ok=gate2_ok, lowp_max_abs=lowp_max,
-        reason="; ".join(reasons),
+        lowp_ratio=lowp_ratio, reason="; ".join(reasons),
     )
 
 
-def assert_precision(name: str, actual, expected, dtype, *, lowp=None) -> PrecisionReport:
+def assert_precision(name: str, actual, expected, dtype, *, lowp=None, composed: bool = False) -> PrecisionReport:
     """:func:`check_precision` that raises AssertionError carrying the table row on failure."""
-    report = check_precision(name, actual, expected, dtype, lowp=lowp)
+    report = check_precision(name, actual, expected, dtype, lowp=lowp, composed=composed)
     if not report.passed:
         raise AssertionError("precision standard failed\n" + str(report))
     return report
