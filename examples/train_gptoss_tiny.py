@@ -10,8 +10,15 @@ and check that the two loss curves agree.
 The model: 2 layers, hidden 256, 8 query heads, 2 kv heads, head dim 64, sliding window 16 on the first
 layer (full attention on the second), 4 experts (top 2), vocabulary 128. The data: a fixed set of random
 sequences, so the loss falls as the model memorises them. Both runs see the same batches in the same
-order. The run fails (exit 1) when the curves differ by more than ``--rtol`` (relative, per step):
-1e-3 by default in float32, 2e-2 in bfloat16/float16. Needs ``pip install 'flashsink[hf]'``.
+order. In float32 the run fails (exit 1) when the curves differ by more than ``--rtol`` (relative, per
+step, default 1e-3). Needs ``pip install 'flashsink[hf]'``.
+
+In bfloat16/float16 two correct implementations do not stay within a fixed distance: every step rounds
+the weights to 8 (or 11) bits, and the difference grows with training (measured on an H200, bf16,
+120 steps: flashsink and eager 4e-2 apart at step 90). So a third run, eager in float32 from the same
+(rounded) initial weights, is the reference curve, and the low-precision check is the precision
+standard's gate 2 applied to the curves: flashsink's largest relative distance to the float32 curve
+must not exceed twice eager's own plus one ulp of the format (``--rtol`` overrides that ulp).
 
 Training amplifies rounding differences step after step (a router that flips one token to another
 expert is enough), so two correct fp32 implementations drift apart slowly. With the defaults
@@ -75,7 +82,7 @@ def plot(losses: dict[str, list[float]], path: str) -> None:
         return
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, ys in losses.items():
-        ax.plot(range(1, len(ys) + 1), ys, label=name, linestyle="-" if name == "flashsink" else "--")
+        ax.plot(range(1, len(ys) + 1), ys, label=name, linestyle={"flashsink": "-", "eager": "--"}.get(name, ":"))
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
     ax.set_title("tiny gpt-oss on random tokens: flashsink vs eager")
@@ -97,7 +104,9 @@ def main(argv=None) -> int:
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--every", type=int, default=20, help="print the curves every N steps")
-    p.add_argument("--rtol", type=float, default=None, help="max relative loss difference (default 1e-3 fp32, 2e-2 bf16/fp16)")
+    p.add_argument("--rtol", type=float, default=None,
+                   help="fp32: max relative loss difference (default 1e-3); bf16/fp16: the margin added to twice eager's "
+                        "distance to the fp32 curve (default one ulp: 2^-7 bf16, 2^-10 fp16)")
     p.add_argument("--plot", default="train_gptoss_tiny.png", help="PNG path ('' for none)")
     args = p.parse_args(argv)
     if args.steps < 1:
@@ -114,7 +123,9 @@ def main(argv=None) -> int:
     device = torch.device(args.device)
     dtype_name = args.dtype or ("float32" if device.type == "cpu" else "bfloat16")
     dtype = getattr(torch, dtype_name)
-    rtol = args.rtol if args.rtol is not None else (1e-3 if dtype == torch.float32 else 2e-2)
+    lowp = dtype != torch.float32
+    ulp = {torch.float32: 1e-3, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}.get(dtype, 1e-3)
+    rtol = args.rtol if args.rtol is not None else ulp
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False  # true fp32 matmuls outside attention
         torch.backends.cudnn.allow_tf32 = False
@@ -125,30 +136,50 @@ def main(argv=None) -> int:
     data = torch.randint(3, 128, (args.sequences, args.seq), generator=g)
 
     losses, peaks, secs = {}, {}, {}
-    for impl in ("flashsink", "eager"):
-        model = copy.deepcopy(init).to(device)
+    runs = [("flashsink", "flashsink", dtype), ("eager", "eager", dtype)]
+    if lowp:
+        runs.append(("eager fp32", "eager", torch.float32))  # the reference curve, same rounded start
+    for label, impl, run_dtype in runs:
+        print(f"training with {label} ({args.steps} steps)...", flush=True)
+        model = copy.deepcopy(init).to(device=device, dtype=run_dtype)
         model.config._attn_implementation = impl
         torch.manual_seed(args.seed + 2)
         t0 = time.perf_counter()
-        losses[impl], peaks[impl] = train(model, data, args.steps, args.batch, args.lr, device)
-        secs[impl] = time.perf_counter() - t0
+        losses[label], peaks[label] = train(model, data, args.steps, args.batch, args.lr, device)
+        secs[label] = time.perf_counter() - t0
         del model
 
     fs, ea = losses["flashsink"], losses["eager"]
-    rel = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(fs, ea)]
+    ref = losses["eager fp32"] if lowp else ea
+
+    def rel_to(xs, ys):
+        return [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(xs, ys)]
+
+    rel = rel_to(fs, ea)
     print(f"tiny gpt-oss, {device.type}, {dtype_name}, batch {args.batch} x seq {args.seq}, {args.steps} steps")
-    print(f"{'step':>6} {'flashsink':>12} {'eager':>12} {'rel diff':>10}")
+    extra = f" {'eager fp32':>12}" if lowp else ""
+    print(f"{'step':>6} {'flashsink':>12} {'eager':>12}{extra} {'rel diff':>10}")
     shown = sorted({0, *range(args.every - 1, args.steps, args.every), args.steps - 1})
     for i in shown:
-        print(f"{i + 1:>6} {fs[i]:>12.6f} {ea[i]:>12.6f} {rel[i]:>10.2e}")
-    for impl in ("flashsink", "eager"):
-        mem = f"peak memory {peaks[impl] / 2**20:.1f} MiB" if peaks[impl] is not None else "peak memory: CUDA only"
-        print(f"{impl:>10}: {secs[impl]:.1f} s, {mem}")
+        extra = f" {ref[i]:>12.6f}" if lowp else ""
+        print(f"{i + 1:>6} {fs[i]:>12.6f} {ea[i]:>12.6f}{extra} {rel[i]:>10.2e}")
+    for label, _, _ in runs:
+        mem = f"peak memory {peaks[label] / 2**20:.1f} MiB" if peaks[label] is not None else "peak memory: CUDA only"
+        print(f"{label:>10}: {secs[label]:.1f} s, {mem}")
     worst = max(range(len(rel)), key=rel.__getitem__)
-    print(f"max relative loss difference {rel[worst]:.2e} at step {worst + 1} (limit {rtol:.0e})")
+    print(f"max relative loss difference flashsink vs eager {rel[worst]:.2e} at step {worst + 1}")
+    if lowp:
+        fs_ref, ea_ref = max(rel_to(fs, ref)), max(rel_to(ea, ref))
+        limit = 2 * ea_ref + rtol
+        print(f"largest relative distance to the fp32 curve: flashsink {fs_ref:.2e}, eager {ea_ref:.2e} "
+              f"(limit 2 * eager + {rtol:.2e} = {limit:.2e})")
+        ok = fs_ref <= limit
+    else:
+        print(f"(limit {rtol:.0e})")
+        ok = rel[worst] <= rtol
     if args.plot:
         plot(losses, args.plot)
-    if rel[worst] > rtol:
+    if not ok:
         print("FAIL: the flashsink and eager loss curves differ", file=sys.stderr)
         return 1
     print("OK: the loss curves agree")
