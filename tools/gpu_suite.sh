@@ -4,7 +4,8 @@
 #   source .gpu/setup.sh && bash tools/gpu_suite.sh [pytest -k expression]
 # 1. precompiles every kernel the GPU tests need, in parallel processes (TileLang's disk cache);
 # 2. runs every GPU test (pytest tests -m gpu), 3. `flashsink check` on the golden problem,
-# 4. `flashsink bench` (flashsink only) on the golden and gpt-oss presets.
+# 4. the training example on CUDA, 5. `flashsink bench` (flashsink only) on the golden and gpt-oss
+# presets.
 # Logs are written to a work folder; $OUT (or ./gpu-out) gets the ones read first (summary,
 # pytest.log, junit.xml, check.log, timing.log) and all of them in logs.tgz: the device tool
 # brings back at most 8 files.
@@ -34,6 +35,10 @@ pt=$?
 timeout 300 python -m flashsink check 2>&1 | tee "$out/check.log"
 ck=$?
 
+# the training example on the kernels (bf16): loss curves against eager, judged against an fp32 run
+timeout 200 python examples/train_gptoss_tiny.py --device cuda --plot "$out/train.png" >"$out/train.log" 2>&1
+tr=$?
+
 # (--seq filters the presets' sweeps and drops fixed-length presets, hence two calls;
 #  SKIP_BENCH=1 leaves the timing out, for a run that is all about correctness)
 tm=skipped
@@ -48,12 +53,13 @@ fi
 {
   echo
   echo "==== summary ===="
-  echo "precompile rc=$pc  pytest rc=$pt  check rc=$ck  timing rc=$tm"
+  echo "precompile rc=$pc  pytest rc=$pt  check rc=$ck  example rc=$tr  timing rc=$tm"
+  tail -n 2 "$out/train.log"
   tail -n 1 "$out/pytest.log"
   grep -E "^(FAILED|ERROR)" "$out/pytest.log" | head -40
   [ -f "$out/timing.log" ] && grep -A 12 "^summary" "$out/timing.log"
 } | tee "$out/summary.txt"
-for f in summary.txt pytest.log junit.xml check.log timing.log; do
+for f in summary.txt pytest.log junit.xml check.log timing.log train.png; do
   [ -f "$out/$f" ] && cp "$out/$f" "$dest/"
 done
 tar -czf "$dest/logs.tgz" -C "$out" .

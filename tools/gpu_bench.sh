@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The benchmark with every peer, in one device call (after tools/gpu_suite.sh on a warm machine,
+# the kernels are already in the cache):
+#   source .gpu/setup.sh && PRESETS="golden gptoss-swa" bash tools/gpu_bench.sh
+# One `flashsink bench` per preset (each writes its JSON as it goes, so a cut-short call keeps
+# what finished); presets started after BUDGET_S seconds are left for the next call. Then the
+# per-kernel profiles (golden, gpt-oss full N=8192) and tools/bench_merge.py over every JSON in
+# bench-results/ (earlier calls' results travel there as untracked files).
+set -uo pipefail
+dest=${OUT:-gpu-out}
+mkdir -p "$dest" bench-results
+export TILELANG_CACHE_DIR=${TILELANG_CACHE_DIR:-/tmp/tilelang-cache}
+export PYTHONUNBUFFERED=1
+start=$SECONDS
+for p in ${PRESETS:-golden gptoss-swa causal-d128 gptoss-full varlen decode}; do
+  if (( SECONDS - start > ${BUDGET_S:-420} )); then echo "not started (time): $p" | tee -a "$dest/bench.txt"; continue; fi
+  echo "=== preset $p (at ${SECONDS}s)" | tee -a "$dest/bench.txt"
+  timeout ${PRESET_TIMEOUT_S:-300} python -m flashsink bench --preset "$p" --json "bench-results/$p.json" \
+    ${BENCH_ARGS:-} 2>>"$dest/bench-progress.log" | tee -a "$dest/bench.txt"
+done
+if [ -n "${PROFILE:-}" ]; then
+  timeout 120 python -m flashsink bench --systems flashsink --preset golden --mode fwd+bwd --profile --no-gate2 \
+    2>>"$dest/bench-progress.log" | tee "$dest/profile.txt"
+  timeout 120 python -m flashsink bench --systems flashsink --preset gptoss-full --seq 8192 --mode fwd+bwd --profile \
+    --no-gate2 2>>"$dest/bench-progress.log" | tee -a "$dest/profile.txt"
+fi
+cp bench-results/*.json "$dest/" 2>/dev/null
+python tools/bench_merge.py --plot "$dest/bench.png" bench-results/*.json > "$dest/merged.txt" 2>&1
+grep -A 60 "^summary" "$dest/merged.txt"
