@@ -399,3 +399,120 @@ def test_preset_all_lists_every_preset(tmp_path):
     for x in rows:
         assert x["status"] == bench.FORWARD_ONLY if (x["kind"] == "decode" and x["mode"] != "fwd") else \
             x["status"].startswith("unavailable: CUDA only"), x
+
+
+# ----------------------------------------------------------------------------------------------
+# flashsink-graph: flashsink replayed from CUDA graphs
+
+
+def test_graph_system_is_registered_next_to_flashsink():
+    names = list(bench.SYSTEMS)
+    assert names[names.index("flashsink") + 1] == "flashsink-graph"
+    g = bench.SYSTEMS["flashsink-graph"]()
+    assert isinstance(g, bench.FlashSink) and g.has_sink and not g.peer
+    with pytest.raises(bench.Unavailable, match="CUDA only"):
+        g.check_available("cpu")
+    g.check_available("cuda")  # nothing else to ask: the gate proves a replay on the GPU
+    varlen, _ = bench.preset_problems("varlen", tiny=True)
+    with pytest.raises(bench.Unavailable, match="cannot capture"):
+        g.check_problem(varlen, "cuda", {})
+    g.check_problem(bench.preset_problems("decode", tiny=True)[0], "cuda", {})
+    g.check_problem(bench.preset_problems("golden", tiny=True)[0], "cuda", {})
+
+
+def test_graph_system_listed_unavailable_on_cpu():
+    prob = bench.parse_shape("1,2,1,32,16,8", "fp32")
+    res = bench.run_bench([prob], systems=["flashsink", "flashsink-graph"], modes=list(bench.MODES), device="cpu",
+                          timer=bench.Timer("cpu", rep_ms=1.0, min_reps=1))
+    rows = {(r["system"], r["mode"]): r for r in res["rows"]}
+    for mode in bench.MODES:
+        assert rows[("flashsink", mode)]["status"] == "ok"
+        r = rows[("flashsink-graph", mode)]
+        assert r["status"] == "unavailable: CUDA only (CUDA graphs)" and r["ms"] is None
+    assert [g["system"] for g in res["gates"]] == ["flashsink"]  # never gated, never timed
+    table = bench.format_table(res)
+    assert "flashsink-graph" in table and "unavailable: CUDA only (CUDA graphs)" in table
+    assert "graph ms" in table
+
+
+def test_cli_accepts_the_graph_system(tmp_path):
+    out = tmp_path / "bench.json"
+    r = _run("--device", "cpu", "--shape", "1,2,1,32,16", "--systems", "flashsink-graph,flashsink", "--mode", "fwd",
+             "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [(x["system"], x["status"]) for x in rows] == [
+        ("flashsink-graph", "unavailable: CUDA only (CUDA graphs)"), ("flashsink", "ok")]
+    r = _run("--device", "cpu", "--systems", "flashsink-grap")
+    assert r.returncode == 2 and "flashsink-graph" in r.stderr  # the error lists the known systems
+
+
+def test_gate_judges_every_run_of_a_tensor(monkeypatch):
+    """Extra results ``name@tag`` (the graph system's other graphs) are judged like ``name``: a
+    wrong one fails the gate of its mode."""
+
+    class TwoRuns(bench.Eager):
+        name = "tworuns"
+        bad = "o@fwd+bwd"
+
+        def gate_outputs(self, inp, prob, grads):
+            got = super().gate_outputs(inp, prob, grads)
+            got["o@fwd+bwd"], got["dq@bwd"] = got["o"].clone(), got["dq"].clone()
+            got[self.bad] = got[self.bad] * 1.05
+            return got
+
+    prob = bench.parse_shape("1,2,1,32,16,8", "fp32")
+    inp = bench.make_problem_inputs(prob, "cpu", seed=0)
+    exp = bench.reference(inp, prob, sinks=True, compute_dtype=torch.float64)
+    g = bench.gate(TwoRuns(), prob, inp, exp, None, grads=True)
+    assert not g.fwd_ok and not g.bwd_ok and "o@fwd+bwd" in g.reason("fwd")
+    TwoRuns.bad = "dq@bwd"
+    g = bench.gate(TwoRuns(), prob, inp, exp, None, grads=True)
+    assert g.fwd_ok and not g.bwd_ok and "dq@bwd" in g.reason("bwd") and not g.reason("fwd")
+    assert [r.name for r in g.reports] == ["o", "dq", "dk", "dv", "dsink", "o@fwd+bwd", "dq@bwd"]
+
+
+def _fake_cuda_graphs(monkeypatch):
+    """torch.cuda's stream and graph API as no-ops: a "capture" runs its body once, a "replay" does
+    nothing."""
+    import contextlib
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    class Graph:
+        replays = 0
+
+        def replay(self):
+            type(self).replays += 1
+
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "graph", lambda g, stream=None: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    return Graph
+
+
+def test_graph_gate_checks_a_replay_not_the_capture(monkeypatch):
+    """The capture computes the right result once; the gate fills every static output with NaN and
+    judges what a replay leaves there. A replay that computes nothing fails."""
+    Graph = _fake_cuda_graphs(monkeypatch)
+    prob = bench.parse_shape("1,2,1,32,16,8", "fp32")
+    inp = bench.make_problem_inputs(prob, "cpu", seed=0)
+    exp = bench.reference(inp, prob, sinks=True, compute_dtype=torch.float64)
+    system = bench.FlashSinkGraph()
+    g = bench.gate(system, prob, inp, exp, None, grads=True)
+    assert Graph.replays == 3  # fwd, fwd+bwd, bwd
+    names = [r.name for r in g.reports]
+    assert names == ["o", "dq", "dk", "dv", "dsink", "o@fwd+bwd", "dq@bwd", "dk@bwd", "dv@bwd", "dsink@bwd"]
+    assert not any(r.passed for r in g.reports) and not g.fwd_ok and not g.bwd_ok
+    # the timing replays the gated graphs
+    calls = system.callables(inp, prob)
+    assert set(calls) == set(bench.MODES)
+    calls["fwd"]()
+    assert Graph.replays == 4
+    system.release()
+    assert system._graphs == {}

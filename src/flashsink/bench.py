@@ -22,6 +22,9 @@ reference run per sequence) or decode (``seq_q = 1`` against a KV cache, :attr:`
 its other modes are n/a). Every system gets a row for every problem and mode; one that cannot run
 says why.
 
+``flashsink-graph`` is flashsink replayed from CUDA graphs (fwd, bwd, fwd+bwd): the kernels' time
+without the host's, next to the eager ``flashsink`` row; its gate judges replays.
+
 The pieces are plain functions so the tests can check them on the CPU (pair count, FLOP and byte
 formulas, the gate) and inject systems (:data:`SYSTEMS`).
 """
@@ -299,6 +302,51 @@ class System:
         packed [total, H, D] for varlen."""
         return x
 
+    def gate_outputs(self, inp: dict, prob: Problem, grads: bool) -> dict:
+        """Forward (+ backward) once on fresh leaves: o (and dq, dk, dv, dsink with ``grads``) in the
+        reference's layout. An extra entry ``"name@tag"`` (another run of the same tensor) is
+        judged against the reference's ``name`` too."""
+        t = self.prepare(inp, prob)
+        names = self.leaves(t)
+        for n in names:
+            t[n] = t[n].detach().clone().requires_grad_(grads)
+        o = self.forward(t, prob)
+        got = {"o": self.to_bhsd("o", o.detach(), prob)}
+        if grads:
+            gr = torch.autograd.grad(o, [t[n] for n in names], t["do"].to(o.dtype))
+            for n, x in zip(names, gr):
+                key = "dsink" if n == "sinks" else "d" + n
+                got[key] = self.to_bhsd(key, x, prob)
+        return got
+
+    def callables(self, inp: dict, prob: Problem) -> dict:
+        """fwd, bwd, fwd+bwd closures on native-layout inputs (layout conversion not timed)."""
+        t = self.prepare(inp, prob)
+        names = self.leaves(t)
+        for n in names:
+            t[n] = t[n].detach().clone().requires_grad_(True)
+        leaves = [t[n] for n in names]
+
+        def fwd():
+            with torch.no_grad():
+                return self.forward(t, prob)
+
+        def fwd_bwd():
+            o = self.forward(t, prob)
+            return torch.autograd.grad(o, leaves, t["do"].to(o.dtype))
+
+        state = {}
+
+        def bwd():
+            if "o" not in state:  # forward once, outside the timed region; backward replays its graph
+                state["o"] = self.forward(t, prob)
+            return torch.autograd.grad(state["o"], leaves, t["do"].to(state["o"].dtype), retain_graph=True)
+
+        return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd_bwd}
+
+    def release(self) -> None:
+        """Drop what the system keeps between its gate and its timing (called after each problem)."""
+
 
 def _all_visible(prob: Problem) -> bool:
     """Every query row sees every key: no mask needed (decode: one row, bottom-right causal)."""
@@ -318,6 +366,101 @@ class FlashSink(System):
                                               causal=prob.causal, scale=prob.scale)
         return flashsink.attention(t["q"], t["k"], t["v"], t["sinks"], window=prob.window,
                                    causal=prob.causal, scale=prob.scale)
+
+
+class FlashSinkGraph(FlashSink):
+    """flashsink captured in CUDA graphs and replayed: the kernels' time without the host's (Python,
+    validation, dispatch, launches), next to the eager ``flashsink`` row. Three graphs, following
+    torch's CUDA-graph recipe (warm-up on a side stream, static inputs and output gradient):
+
+    - fwd: the forward under ``no_grad``;
+    - fwd+bwd: forward and ``torch.autograd.grad`` captured together (whole-network capture);
+    - bwd: the forward run once on the capture stream outside the graph, its backward captured
+      (autograd runs a backward op on its forward op's stream, so both use the same stream).
+
+    The gate judges a replay of each graph, with every output filled with NaN before it, and the
+    timing replays those same graphs.
+    """
+
+    name = "flashsink-graph"
+    note = "flashsink replayed from a CUDA graph: kernel time, no host overhead"
+
+    def __init__(self):
+        self._graphs: dict = {}
+
+    def check_available(self, device):
+        if device != "cuda":
+            raise Unavailable("CUDA only (CUDA graphs)")
+
+    def check_problem(self, prob, device, opts):
+        if prob.seqlens is not None:
+            raise Unavailable("n/a: attention_varlen checks cu_seqlens on the host (a device-to-host copy "
+                              "each call), which a CUDA graph cannot capture")
+
+    def release(self):
+        self._graphs = {}
+
+    def _capture(self, inp, prob, grads: bool) -> dict:
+        """mode -> (graph, {result name: static output tensor})."""
+        self.release()
+        t = self.prepare(inp, prob)
+        names = self.leaves(t)
+        for n in names:  # static inputs: the graphs read these tensors' memory
+            t[n] = t[n].detach().clone().requires_grad_(True)
+        leaves = [t[n] for n in names]
+        keys = ["dsink" if n == "sinks" else "d" + n for n in names]
+        do = t["do"].to(prob.torch_dtype).clone()  # static output gradient (o has q's dtype)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up: first-call work (compiles, allocator) outside capture
+            for _ in range(2):
+                with torch.no_grad():
+                    self.forward(t, prob)
+                if grads:
+                    torch.autograd.grad(self.forward(t, prob), leaves, do)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graphs, kept = {}, None
+        g = torch.cuda.CUDAGraph()
+        with torch.no_grad(), torch.cuda.graph(g):
+            o = self.forward(t, prob)
+        graphs["fwd"] = (g, {"o": o})
+        if grads:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                o = self.forward(t, prob)
+                gr = torch.autograd.grad(o, leaves, do)
+            graphs["fwd+bwd"] = (g, {"o": o, **dict(zip(keys, gr))})
+            with torch.cuda.stream(side):
+                kept = self.forward(t, prob)  # its autograd graph (saved tensors) serves every replay
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, stream=side):
+                gr = torch.autograd.grad(kept, leaves, do, retain_graph=True)
+            graphs["bwd"] = (g, dict(zip(keys, gr)))
+        # the graphs read and write these tensors' memory: keep them alive while the graphs are
+        self._graphs = {"problem": prob, "modes": graphs, "static": (t, do, kept)}
+        return graphs
+
+    def gate_outputs(self, inp, prob, grads):
+        graphs = self._capture(inp, prob, grads)
+        got = {}
+        for mode, (g, outs) in graphs.items():
+            for x in outs.values():
+                x.detach().fill_(float("nan"))  # a replay that computes nothing fails the gate
+            g.replay()
+            torch.cuda.synchronize()
+            for name, x in outs.items():
+                # fwd+bwd is the main result of o's gradients; the others are judged as name@mode
+                main = (name == "o" and mode == "fwd") or (name != "o" and mode == "fwd+bwd")
+                got[name if main else f"{name}@{mode}"] = self.to_bhsd(name, x.detach().clone(), prob)
+        return got
+
+    def callables(self, inp, prob):
+        if self._graphs.get("problem") != prob:
+            self._capture(inp, prob, grads=True)
+        modes = self._graphs["modes"]
+        return {m: g.replay for m, (g, _) in modes.items()}
 
 
 class Eager(System):
@@ -619,7 +762,8 @@ class Fla(System):
 
 
 # The registry, in table order. Tests may add entries (a deliberately wrong system).
-SYSTEMS: dict[str, type] = {"flashsink": FlashSink, "flex": Flex, "fla": Fla, "sdpa": Sdpa, "eager": Eager}
+SYSTEMS: dict[str, type] = {"flashsink": FlashSink, "flashsink-graph": FlashSinkGraph, "flex": Flex, "fla": Fla,
+                            "sdpa": Sdpa, "eager": Eager}
 
 # ----------------------------------------------------------------------------------------------
 # Reference (chunked over query heads, so the largest presets fit)
@@ -699,7 +843,8 @@ class GateResult:
         if self.error:
             return self.error
         names = ("o",) if mode == "fwd" else ("o", "dq", "dk", "dv", "dsink")
-        bad = [f"{r.name}: {r.reason or 'failed'}" for r in self.reports if r.name in names and not r.passed]
+        bad = [f"{r.name}: {r.reason or 'failed'}" for r in self.reports
+               if r.name.split("@")[0] in names and not r.passed]
         return "; ".join(bad)
 
 
@@ -707,17 +852,7 @@ def gate(system: System, prob: Problem, inp: dict, expected: dict, lowp: dict | 
     """Run the system forward (+ backward) once and judge it with the precision standard."""
     dt = prob.torch_dtype
     try:
-        t = system.prepare(inp, prob)
-        names = system.leaves(t)
-        for n in names:
-            t[n] = t[n].detach().clone().requires_grad_(grads)
-        o = system.forward(t, prob)
-        got = {"o": system.to_bhsd("o", o.detach(), prob)}
-        if grads:
-            gr = torch.autograd.grad(o, [t[n] for n in names], t["do"].to(o.dtype))
-            for n, x in zip(names, gr):
-                key = "dsink" if n == "sinks" else "d" + n
-                got[key] = system.to_bhsd(key, x, prob)
+        got = system.gate_outputs(inp, prob, grads)
     except Exception as exc:  # noqa: BLE001 -- a crash is a failed gate, reported like one
         msg = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
         return GateResult(False, False, [], error=msg[:300])
@@ -725,7 +860,11 @@ def gate(system: System, prob: Problem, inp: dict, expected: dict, lowp: dict | 
     check = ["o"] + (["dq", "dk", "dv"] + (["dsink"] if system.has_sink else []) if grads else [])
     for n in check:
         reports.append(check_precision(n, got.get(n), expected[n], dt, lowp=None if lowp is None else lowp[n]))
-    fwd_ok = reports[0].passed
+    for n in got:  # other runs of the same tensors ("o@fwd+bwd"): judged against the same reference
+        base = n.split("@")[0]
+        if "@" in n and base in check:
+            reports.append(check_precision(n, got[n], expected[base], dt, lowp=None if lowp is None else lowp[base]))
+    fwd_ok = all(r.passed for r in reports if r.name.split("@")[0] == "o")
     bwd_ok = grads and all(r.passed for r in reports)
     return GateResult(fwd_ok, bwd_ok, reports)
 
@@ -891,29 +1030,8 @@ def _peak_mib(fn, device) -> float | None:
 
 
 def _callables(system: System, prob: Problem, inp: dict):
-    """fwd, bwd, fwd+bwd closures on native-layout inputs (layout conversion not timed)."""
-    t = system.prepare(inp, prob)
-    names = system.leaves(t)
-    for n in names:
-        t[n] = t[n].detach().clone().requires_grad_(True)
-    leaves = [t[n] for n in names]
-
-    def fwd():
-        with torch.no_grad():
-            return system.forward(t, prob)
-
-    def fwd_bwd():
-        o = system.forward(t, prob)
-        return torch.autograd.grad(o, leaves, t["do"].to(o.dtype))
-
-    state = {}
-
-    def bwd():
-        if "o" not in state:  # forward once, outside the timed region; backward replays its graph
-            state["o"] = system.forward(t, prob)
-        return torch.autograd.grad(state["o"], leaves, t["do"].to(state["o"].dtype), retain_graph=True)
-
-    return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd_bwd}, state
+    """fwd, bwd, fwd+bwd closures (:meth:`System.callables`) and a state slot for the caller."""
+    return system.callables(inp, prob), None
 
 
 def run_bench(problems: list[Problem], *, systems: list[str], modes: list[str], device: str,
@@ -1023,6 +1141,7 @@ def run_bench(problems: list[Problem], *, systems: list[str], modes: list[str], 
                         row["pct_floor"] = 100.0 * fl_ms / ms
                 prob_rows.append(row)
             calls = state = None
+            system.release()
             if profile and name == "flashsink" and device == "cuda" and g is not None and g.bwd_ok:
                 _say(f"{tag} flashsink: profiling one fwd+bwd ...")
                 result["profiles"].append({"problem": prob.label(), "kernels": profile_flashsink(prob, inp)})
@@ -1127,7 +1246,7 @@ def format_table(result: dict) -> str:
     ]
     if result.get("interrupted"):
         lines.insert(3, "INTERRUPTED (SIGTERM / Ctrl-C): only the problems finished before it are below")
-    cols = [("preset", 12, "<"), ("N", 6, ">"), ("mode", 7, "<"), ("system", 9, "<"), ("ms", 9, ">"),
+    cols = [("preset", 12, "<"), ("N", 6, ">"), ("mode", 7, "<"), ("system", 15, "<"), ("ms", 9, ">"),
             ("TFLOP/s", 8, ">"), ("GB/s", 7, ">"), ("floor ms", 9, ">"), ("bound", 5, "<"),
             ("%floor", 6, ">"), ("peak MiB", 9, ">"), ("vs peer", 7, ">")]
     lines.append("  ".join(f"{t:{a}{w}}" for t, w, a in cols) + "  status / note")
@@ -1186,18 +1305,20 @@ def format_table(result: dict) -> str:
 
 
 def summary(result: dict) -> str:
-    """One line per (problem, mode): flashsink against the best peer with sinks and SDPA."""
+    """One line per (problem, mode): flashsink against the best peer with sinks and SDPA; "graph ms" is
+    flashsink replayed from a CUDA graph (its kernels without the host's time)."""
     rows = [r for r in result["rows"] if r["status"] != FORWARD_ONLY]
     keys = list(dict.fromkeys((r["problem"], r["mode"]) for r in rows))
     wp = max([len("problem")] + [len(p) for p, _ in keys])
     out = [f"summary: {'problem':<{wp}} {'mode':<7} {'flashsink ms':>12} {'TFLOP/s':>8} {'GB/s':>6} {'%floor':>6}  "
-           f"{'best peer':<18} {'vs peer':>7}  {'sdpa(no sink) ms':>16}"]
+           f"{'best peer':<18} {'vs peer':>7}  {'sdpa(no sink) ms':>16}  {'graph ms':>9}"]
     for prob, mode in keys:
         rs = {r["system"]: r for r in rows if r["problem"] == prob and r["mode"] == mode}
         fs = rs.get("flashsink", {})
         peers = [r for r in rs.values() if r["ms"] is not None and getattr(SYSTEMS.get(r["system"]), "peer", False)]
         best = min(peers, key=lambda r: r["ms"]) if peers else None
         sd = rs.get("sdpa", {})
+        gr = rs.get("flashsink-graph", {})
         fs_ms = fs.get("ms")
         fs_txt = _f(fs_ms, ".4f") if fs_ms is not None else (fs.get("status", "-")[:12] or "-")
         out.append(
@@ -1205,7 +1326,7 @@ def summary(result: dict) -> str:
             f"{_f(fs.get('gbs'), '.0f'):>6} {_f(fs.get('pct_floor'), '.1f'):>6}  "
             f"{(best['system'] + ' ' + format(best['ms'], '.4f')) if best else 'none timed':<18} "
             f"{'-' if fs.get('speedup') is None else format(fs['speedup'], '.2f') + 'x':>7}  "
-            f"{_f(sd.get('ms'), '.4f'):>16}"
+            f"{_f(sd.get('ms'), '.4f'):>16}  {_f(gr.get('ms'), '.4f'):>9}"
         )
     return "\n".join(out)
 
@@ -1347,7 +1468,7 @@ def cmd_bench(args) -> int:
         return 2
     modes = list(MODES) if args.mode in (None, "all") else [args.mode]
 
-    if device == "cuda" and not args.no_precompile and "flashsink" in systems:
+    if device == "cuda" and not args.no_precompile and {"flashsink", "flashsink-graph"} & set(systems):
         _precompile(problems, device)
     if device == "cpu":  # a smoke run: a few repetitions are enough
         timer = Timer(device, rep_ms=min(args.rep_ms, 20.0), min_reps=3)

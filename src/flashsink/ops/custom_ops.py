@@ -113,7 +113,8 @@ def _fwd_cuda(q, k, v, sinks, window, causal, scale, layout, deterministic):
     cfg, win, (q, k, v) = _kernel_inputs(spec, q.device, deterministic, q, k, v)
     sinks32 = interface._sinks_f32(sinks, spec.heads, q.device)
     o, lse = interface._forward(q, k, v, sinks32, cfg, spec, win)
-    lse[:, :, spec.seq_q:] = 0  # the padding rows: some are never written by the kernel
+    if lse.shape[-1] > spec.seq_q:  # the padding rows: some are never written by the kernel
+        lse[:, :, spec.seq_q:] = 0
     return o, lse
 
 

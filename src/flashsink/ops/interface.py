@@ -1,6 +1,7 @@
 """``flashsink.attention`` on CUDA tensors: input preparation and launches.
 
-``_forward`` / ``_backward`` launch the kernels; the custom ops ``flashsink::fwd`` /
+``_forward`` / ``_backward`` launch the kernels, for the padded layouts and (with ``cu_seqlens``,
+from ``varlen.py``) packed varlen batches alike; the custom ops ``flashsink::fwd`` /
 ``flashsink::bwd`` (``custom_ops.py``) wrap them with fake implementations and autograd, and
 ``kernel_attention`` pads head dims and calls the forward op. Validation happened once, in the
 public function (``flashsink.api``). Nothing here imports tilelang: kernels are built on first launch.
@@ -21,8 +22,11 @@ ROW_PAD = 128
 
 
 def _padded_rows(seq_q: int) -> int:
-    # sym_max: also right for the symbolic lengths of a torch.compile trace (no guard on seq_q).
-    return torch.sym_max(ROW_PAD, (seq_q + ROW_PAD - 1) // ROW_PAD * ROW_PAD)
+    rows = (seq_q + ROW_PAD - 1) // ROW_PAD * ROW_PAD
+    if isinstance(rows, int):  # eager: plain ints (torch.sym_max costs microseconds per call)
+        return max(ROW_PAD, rows)
+    # a torch.compile trace: symbolic lengths, no guard on seq_q
+    return torch.sym_max(ROW_PAD, rows)
 
 
 def _kernel_dim(d: int) -> int:
@@ -50,20 +54,31 @@ def check_supported(spec) -> None:
             )
 
 
+#: kernel_config's results by the facts they depend on: built and checked once per configuration
+_CONFIGS: dict = {}
+
+
 def kernel_config(spec, device, deterministic: bool) -> KernelConfig:
     """The static configuration for a validated problem, or NotImplementedError."""
-    check_supported(spec)
-    return KernelConfig(
-        arch=arch_of(device),
-        dtype=SUPPORTED_DTYPES[spec.dtype],
-        head_dim=_kernel_dim(spec.head_dim),
-        head_dim_v=_kernel_dim(spec.head_dim_v),
-        groups=spec.heads // spec.kv_heads,
-        causal=spec.causal,
-        has_sinks=spec.has_sinks,
-        layout=spec.layout,
-        deterministic=bool(deterministic),
-    )
+    arch = arch_of(device)
+    groups = spec.heads // spec.kv_heads
+    key = (arch, spec.dtype, spec.head_dim, spec.head_dim_v, groups, spec.causal, spec.has_sinks, spec.layout,
+           bool(deterministic))
+    cfg = _CONFIGS.get(key)
+    if cfg is None:
+        check_supported(spec)
+        cfg = _CONFIGS[key] = KernelConfig(
+            arch=arch,
+            dtype=SUPPORTED_DTYPES[spec.dtype],
+            head_dim=_kernel_dim(spec.head_dim),
+            head_dim_v=_kernel_dim(spec.head_dim_v),
+            groups=groups,
+            causal=spec.causal,
+            has_sinks=spec.has_sinks,
+            layout=spec.layout,
+            deterministic=bool(deterministic),
+        )
+    return cfg
 
 
 @functools.lru_cache(maxsize=None)
@@ -71,32 +86,68 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _forward(q, k, v, sinks32, cfg, spec, window):
-    B, H, Sq = spec.batch, spec.heads, spec.seq_q
-    if decode.use_split(spec, cfg):
+# The launches. Padded layouts (bhsd, bshd) and packed varlen batches (thd) run the same kernels;
+# they differ only in the row statistics (lse, Delta, the fp32 dQ accumulator: [B, H, rows] or,
+# over the packed rows, [H, rows]) and in the varlen kernels' extra arguments ahead of ``window``:
+# ``cu_seqlens_q, cu_seqlens_k`` and the longest sequence, which sizes the grid. ``cu_seqlens``
+# is None for the padded layouts, else ``(cu_q, cu_k)``, int32 on q's device.
+
+
+def _seq_args(cu_seqlens, longest: int) -> tuple:
+    return () if cu_seqlens is None else (*cu_seqlens, longest)
+
+
+def _stat_shape(spec, q, cu_seqlens) -> tuple:
+    if cu_seqlens is None:
+        return (spec.batch, spec.heads, _padded_rows(spec.seq_q))
+    # whole row tiles of the last packed sequence may start at any row: one tile past the end
+    return (spec.heads, _padded_rows(q.shape[0] + ROW_PAD))
+
+
+def _forward(q, k, v, sinks32, cfg, spec, window, cu_seqlens=None):
+    """o (q's layout and dtype) and the row-padded lse (float32, :func:`_stat_shape`)."""
+    if decode.use_split(spec, cfg):  # never for thd
         # few query rows against a long cache: split the keys over programs (decode.py)
         sms = _sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device())
-        return decode.forward_split(q, k, v, sinks32, cfg, spec, window, sms, _padded_rows(Sq))
-    o_shape = (B, H, Sq, spec.head_dim_v) if cfg.layout == "bhsd" else (B, Sq, H, spec.head_dim_v)
-    o = torch.empty(o_shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty((B, H, _padded_rows(Sq)), dtype=torch.float32, device=q.device)
-    get_kernel("fwd", cfg)(q, k, v, sinks32, window, float(spec.scale) * LOG2E, o, lse)
+        return decode.forward_split(q, k, v, sinks32, cfg, spec, window, sms, _padded_rows(spec.seq_q))
+    o = torch.empty((*q.shape[:-1], spec.head_dim_v), dtype=q.dtype, device=q.device)
+    lse = torch.empty(_stat_shape(spec, q, cu_seqlens), dtype=torch.float32, device=q.device)
+    get_kernel("fwd", cfg)(
+        q, k, v, sinks32, *_seq_args(cu_seqlens, spec.seq_q), window, float(spec.scale) * LOG2E, o, lse
+    )
     return o, lse
 
 
-def _backward(do, q, k, v, lse, dlse, sinks32, cfg, spec, window):
-    B, H, Sq = spec.batch, spec.heads, spec.seq_q
+def _backward(do, q, k, v, lse, dlse, sinks32, cfg, spec, window, cu_seqlens=None):
+    """dq, dk, dv and dsink (float32 ``[H]``, None without sinks). ``lse`` is the forward's
+    row-padded one; ``dlse`` (or None) its gradient over the real rows (seq_q, or total_q)."""
     dev = q.device
-    rows = lse.shape[-1]
+    stat = tuple(lse.shape)  # [B, H, rows] or [H, rows] (thd)
     scale = float(spec.scale)
-    delta = torch.empty((B, H, rows), dtype=torch.float32, device=dev)
-    dlse_padded = torch.zeros((B, H, rows), dtype=torch.float32, device=dev)
+    n_stat = lse.numel()
+    if cfg.deterministic:
+        dq_acc = None
+        dlse_padded = torch.zeros(stat, dtype=torch.float32, device=dev)
+    else:
+        # one zero fill for the dQ accumulator and dlse (both zeroed before the launches read them);
+        # dlse starts n_stat * D floats in: 512-byte aligned, as rows is a multiple of ROW_PAD
+        zeros = torch.zeros(n_stat * (spec.head_dim + 1), dtype=torch.float32, device=dev)
+        dq_acc, dlse_padded = zeros.split((n_stat * spec.head_dim, n_stat))
+        dq_acc, dlse_padded = dq_acc.view(*stat, spec.head_dim), dlse_padded.view(stat)
     if dlse is not None:
-        dlse_padded[:, :, :Sq] = dlse
-    dsink = torch.zeros((H,), dtype=torch.float32, device=dev)
-    n_part = -(-Sq // pre_tiles(cfg).block_m) if cfg.deterministic else 1
-    dsink_part = torch.zeros((B, H, n_part), dtype=torch.float32, device=dev)
-    get_kernel("preprocess", cfg)(q, k, v, do, lse, dlse_padded, sinks32, window, scale, delta, dsink, dsink_part)
+        dlse_padded[..., : dlse.shape[-1]] = dlse
+    delta = torch.empty(stat, dtype=torch.float32, device=dev)
+    # The sink gradient: atomically accumulated in dsink, or (deterministic) one partial per
+    # program in dsink_part, summed below in a fixed order. The other buffer is not touched.
+    n_part = -(-spec.seq_q // pre_tiles(cfg).block_m) if cfg.deterministic else 1
+    if cfg.deterministic:
+        dsink = torch.empty((spec.heads,), dtype=torch.float32, device=dev)
+        dsink_part = torch.zeros((spec.batch, spec.heads, n_part), dtype=torch.float32, device=dev)
+    else:
+        dsink = torch.zeros((spec.heads,), dtype=torch.float32, device=dev)
+        dsink_part = torch.empty((spec.batch, spec.heads, n_part), dtype=torch.float32, device=dev)
+    seq_q, seq_kv = _seq_args(cu_seqlens, spec.seq_q), _seq_args(cu_seqlens, spec.seq_kv)
+    get_kernel("preprocess", cfg)(q, k, v, do, lse, dlse_padded, sinks32, *seq_q, window, scale, delta, dsink, dsink_part)
 
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
@@ -104,19 +155,19 @@ def _backward(do, q, k, v, lse, dlse, sinks32, cfg, spec, window):
     if cfg.deterministic:
         # dK/dV here, dQ in a second, atomic-free pass; dsink from per-program partials
         # summed in a fixed order: bitwise reproducible.
-        get_kernel("bwd", cfg)(q, k, v, do, lse, delta, window, scale, dk, dv)
-        get_kernel("dq", cfg)(q, k, v, do, lse, delta, window, scale, dq)
+        get_kernel("bwd", cfg)(q, k, v, do, lse, delta, *seq_kv, window, scale, dk, dv)
+        get_kernel("dq", cfg)(q, k, v, do, lse, delta, *seq_q, window, scale, dq)
         dsink = dsink_part.sum(dim=(0, 2))
     else:
-        dq_acc = torch.zeros((B, H, rows, spec.head_dim), dtype=torch.float32, device=dev)
-        get_kernel("bwd", cfg)(q, k, v, do, lse, delta, window, scale, dq_acc, dk, dv)
+        get_kernel("bwd", cfg)(q, k, v, do, lse, delta, *seq_kv, window, scale, dq_acc, dk, dv)
         get_kernel("postprocess", cfg)(dq_acc, dq)
     return dq, dk, dv, (dsink if cfg.has_sinks else None)
 
 
 def _sinks_f32(sinks, heads, device):
     if sinks is None:
-        return torch.zeros((heads,), dtype=torch.float32, device=device)  # not read by the kernels
+        # read by no kernel without sinks (their code has no sink term), so not filled
+        return torch.empty((heads,), dtype=torch.float32, device=device)
     return sinks.detach().to(torch.float32).contiguous()
 
 

@@ -1,0 +1,358 @@
+"""The host side of the CUDA path on the CPU: which kernels ``interface`` / ``varlen`` launch, and
+with exactly which arguments.
+
+The kernel cache answers a recorder for every key (no tilelang, no GPU), the architecture is
+reported as sm_90a or sm_80, and the launch functions run on CPU tensors. Every argument of
+every launch is checked: the caller's tensors passed in place, each buffer's shape, dtype and
+strides, the buffers that must arrive zeroed (or holding dlse), scalars with their types, and
+which buffers one launch hands to the next. This is the launch protocol of ops/fwd.py and
+ops/bwd.py, written out; it must not change when the host code is reorganised.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from flashsink._validate import validate_attention, validate_varlen
+from flashsink.ops import compile as compile_mod
+from flashsink.ops import config, custom_ops, interface, varlen
+from flashsink.ops.config import LOG2E, NO_WINDOW, KernelConfig
+
+pytestmark = pytest.mark.l0
+
+
+class Launch:
+    def __init__(self, kind, cfg, args):
+        self.kind, self.cfg = kind, cfg
+        self.args = args
+        # contents at launch time (later launches may write the buffers)
+        self.seen = [a.detach().clone() if isinstance(a, torch.Tensor) else a for a in args]
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Every kernel launch of the test, in order. The fake forward writes 7.0 into all of lse
+    (a kernel writes whole row tiles, padding rows included)."""
+    out: list[Launch] = []
+
+    class Recorder(dict):
+        def get(self, key, default=None):
+            kind, cfg = key
+            assert isinstance(cfg, KernelConfig)
+
+            def kernel(*args):
+                out.append(Launch(kind, cfg, args))
+                if kind == "fwd":
+                    args[-1].fill_(7.0)
+
+            return kernel
+
+    monkeypatch.setattr(compile_mod, "_cache", Recorder())
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(interface, "_sm_count", lambda index: 132)
+    return out
+
+
+def _arch(monkeypatch, arch):
+    monkeypatch.setattr(config, "_arch_of_index", lambda index: arch)
+
+
+def same(a, b) -> bool:
+    """The same tensor memory, seen the same way (the launch got the caller's tensor in place)."""
+    return (isinstance(a, torch.Tensor) and a.data_ptr() == b.data_ptr() and a.shape == b.shape
+            and a.stride() == b.stride() and a.dtype == b.dtype)
+
+
+def check_buffer(t, shape, dtype=torch.float32):
+    assert isinstance(t, torch.Tensor)
+    assert tuple(t.shape) == tuple(shape) and t.dtype == dtype and t.is_contiguous(), (t.shape, t.dtype, shape)
+
+
+def check_scalar(x, value, typ):
+    assert type(x) is typ and x == value, (x, value)
+
+
+def _rows(n):
+    return max(128, -(-n // 128) * 128)
+
+
+# ----------------------------------------------------------------------------------------------
+# padded layouts (bhsd, bshd)
+
+DENSE = [
+    # b, h, hk, sq, skv, d, window, layout, sinks
+    (2, 4, 2, 200, 200, 64, 16, "bhsd", True),  # padding rows (200 -> 256)
+    (1, 6, 3, 256, 300, 128, None, "bshd", True),  # no padding rows
+    (2, 4, 1, 70, 70, 32, 5, "bshd", False),
+]
+
+
+def _dense_inputs(case, dtype=torch.float16):
+    b, h, hk, sq, skv, d, window, layout, with_sinks = case
+    g = torch.Generator().manual_seed(0)
+
+    def shape(hh, s):
+        return (b, hh, s, d) if layout == "bhsd" else (b, s, hh, d)
+
+    q = torch.randn(shape(h, sq), generator=g).to(dtype)
+    k = torch.randn(shape(hk, skv), generator=g).to(dtype)
+    v = torch.randn(shape(hk, skv), generator=g).to(dtype)
+    do = torch.randn(shape(h, sq), generator=g).to(dtype)
+    sinks = torch.randn(h, generator=g) if with_sinks else None
+    spec = validate_attention(q, k, v, sinks, window=window, causal=True, scale=None, layout=layout)
+    return q, k, v, do, sinks, spec
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
+@pytest.mark.parametrize("case", DENSE, ids=lambda c: f"{c[7]}-B{c[0]}-H{c[1]}-HK{c[2]}-N{c[3]}x{c[4]}-D{c[5]}-W{c[6]}")
+def test_dense_forward_launch(monkeypatch, launches, arch, case):
+    _arch(monkeypatch, arch)
+    q, k, v, do, sinks, spec = _dense_inputs(case)
+    cfg = interface.kernel_config(spec, torch.device("cuda", 0), False)
+    assert cfg.arch == arch and cfg.layout == spec.layout
+    window = NO_WINDOW if spec.window is None else spec.window
+    sinks32 = interface._sinks_f32(sinks, spec.heads, q.device)
+    o, lse = interface._forward(q, k, v, sinks32, cfg, spec, window)
+    (fw,) = launches
+    assert fw.kind == "fwd" and fw.cfg == cfg and len(fw.args) == 8
+    a = fw.args
+    for got, want in zip(a[:4], (q, k, v, sinks32)):
+        assert same(got, want)
+    check_scalar(a[4], window, int)
+    check_scalar(a[5], float(spec.scale) * LOG2E, float)
+    check_buffer(a[6], (*q.shape[:-1], spec.head_dim_v), q.dtype)
+    check_buffer(a[7], (spec.batch, spec.heads, _rows(spec.seq_q)))
+    assert same(o, a[6]) and same(lse, a[7])
+
+
+@pytest.mark.parametrize("sinks", [True, False])
+def test_dense_forward_through_the_op_zeroes_lse_padding(monkeypatch, launches, sinks):
+    """``flashsink::fwd``'s CUDA implementation: lse rows past seq_q hold 0 (what the kernel left
+    there is overwritten), the rows of the sequence are the kernel's."""
+    _arch(monkeypatch, "sm_90a")
+    for sq in (200, 256):
+        case = (1, 4, 2, sq, sq, 64, 16, "bhsd", sinks)
+        q, k, v, do, s, spec = _dense_inputs(case)
+        o, lse = custom_ops._fwd_cuda(q, k, v, s, 16, True, spec.scale, "bhsd", False)
+        assert lse.shape == (1, 4, _rows(sq))
+        assert torch.all(lse[:, :, :sq] == 7.0) and torch.all(lse[:, :, sq:] == 0)
+        fw = launches[-1]
+        assert same(o, fw.args[6]) and same(lse, fw.args[7])
+        if not sinks:
+            check_buffer(fw.args[3], (4,))  # read by no kernel without sinks: only its shape matters
+
+
+def test_decode_uses_the_split_forward(monkeypatch, launches):
+    _arch(monkeypatch, "sm_90a")
+    q, k, v, do, sinks, spec = _dense_inputs((2, 8, 2, 1, 700, 64, None, "bshd", True))
+    cfg = interface.kernel_config(spec, torch.device("cuda", 0), False)
+    sinks32 = interface._sinks_f32(sinks, spec.heads, q.device)
+    o, lse = interface._forward(q, k, v, sinks32, cfg, spec, NO_WINDOW)
+    (fw,) = launches
+    assert fw.kind == "fwd_split" and len(fw.args) == 7
+    for got, want in zip(fw.args[:3], (q, k, v)):
+        assert same(got, want)
+    check_scalar(fw.args[3], NO_WINDOW, int)
+    check_scalar(fw.args[4], float(spec.scale) * LOG2E, float)
+    n_split = fw.args[5].shape[3]
+    check_buffer(fw.args[5], (2, 8, 1, n_split, 64))
+    check_buffer(fw.args[6], (2, 8, 1, n_split))
+    assert o.shape == q.shape and o.dtype == q.dtype and lse.shape == (2, 8, 128)
+
+
+def _check_backward(launches, cfg, spec, t, lse, dlse, sinks32, result, seq_args, stat_shape, rows_q):
+    """The preprocess / bwd / (dq | postprocess) launches of one backward. ``seq_args(kind)``: the
+    launch arguments between the inputs and ``window`` (cu_seqlens and the longest sequence for
+    thd, nothing for the padded layouts); ``rows_q``: the rows of dlse (seq_q, or total_q)."""
+    q, k, v, do = t
+    window = NO_WINDOW if spec.window is None else spec.window
+    scale = float(spec.scale)
+    kinds = [x.kind for x in launches]
+    assert kinds == (["preprocess", "bwd", "dq"] if cfg.deterministic else ["preprocess", "bwd", "postprocess"])
+    assert all(x.cfg == cfg for x in launches)
+    pre, main, last = launches
+
+    # preprocess(q, k, v, do, lse, dlse_padded, sinks32, [seq args], window, scale, delta, dsink, dsink_part)
+    s = seq_args("preprocess")
+    a, seen = pre.args, pre.seen
+    assert len(a) == 12 + len(s)
+    for got, want in zip(a[:5], (q, k, v, do, lse)):
+        assert same(got, want)
+    check_buffer(a[5], stat_shape)
+    want_dlse = torch.zeros(stat_shape)
+    if dlse is not None:
+        want_dlse[..., :rows_q] = dlse
+    assert torch.equal(seen[5], want_dlse)
+    assert same(a[6], sinks32)
+    for got, want in zip(a[7:7 + len(s)], s):
+        assert same(got, want) if isinstance(want, torch.Tensor) else (type(got) is int and got == want)
+    i = 7 + len(s)
+    check_scalar(a[i], window, int)
+    check_scalar(a[i + 1], scale, float)
+    delta, dsink, dsink_part = a[i + 2], a[i + 3], a[i + 4]
+    check_buffer(delta, stat_shape)
+    check_buffer(dsink, (spec.heads,))
+    n_part = math.ceil(spec.seq_q / config.pre_tiles(cfg).block_m) if cfg.deterministic else 1
+    check_buffer(dsink_part, (spec.batch, spec.heads, n_part))
+    if cfg.deterministic:
+        assert torch.all(seen[i + 4] == 0)  # per-program partials: summed over every slot afterwards
+    else:
+        assert torch.all(seen[i + 3] == 0)  # atomically accumulated
+
+    dq, dk, dv, dsink_out = result
+    # bwd(q, k, v, do, lse, delta, [seq args], window, scale, [dq_acc], dk, dv)
+    s = seq_args("bwd")
+    a = main.args
+    for got, want in zip(a[:5], (q, k, v, do, lse)):
+        assert same(got, want)
+    assert same(a[5], delta)
+    for got, want in zip(a[6:6 + len(s)], s):
+        assert same(got, want) if isinstance(want, torch.Tensor) else (type(got) is int and got == want)
+    i = 6 + len(s)
+    check_scalar(a[i], window, int)
+    check_scalar(a[i + 1], scale, float)
+    if cfg.deterministic:
+        assert len(a) == i + 4
+        dk_buf, dv_buf = a[i + 2], a[i + 3]
+        # dq(q, k, v, do, lse, delta, [seq args], window, scale, dq)
+        s = seq_args("dq")
+        b = last.args
+        assert len(b) == 9 + len(s)
+        for got, want in zip(b[:5], (q, k, v, do, lse)):
+            assert same(got, want)
+        assert same(b[5], delta)
+        for got, want in zip(b[6:6 + len(s)], s):
+            assert same(got, want) if isinstance(want, torch.Tensor) else (type(got) is int and got == want)
+        check_scalar(b[6 + len(s)], window, int)
+        check_scalar(b[7 + len(s)], scale, float)
+        dq_buf = b[8 + len(s)]
+        if cfg.has_sinks:
+            assert torch.equal(dsink_out, dsink_part.sum(dim=(0, 2)))
+    else:
+        assert len(a) == i + 5
+        dq_acc, dk_buf, dv_buf = a[i + 2], a[i + 3], a[i + 4]
+        check_buffer(dq_acc, (*stat_shape, spec.head_dim))
+        assert torch.all(main.seen[i + 2] == 0)  # accumulated with atomics
+        # postprocess(dq_acc, dq)
+        assert len(last.args) == 2 and same(last.args[0], dq_acc)
+        dq_buf = last.args[1]
+        if cfg.has_sinks:
+            assert same(dsink_out, dsink)
+    check_buffer(dq_buf, q.shape, q.dtype)
+    check_buffer(dk_buf, k.shape, k.dtype)
+    check_buffer(dv_buf, v.shape, v.dtype)
+    assert same(dq, dq_buf) and same(dk, dk_buf) and same(dv, dv_buf)
+    if not cfg.has_sinks:
+        assert dsink_out is None
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("with_dlse", [False, True])
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
+@pytest.mark.parametrize("case", DENSE, ids=lambda c: f"{c[7]}-B{c[0]}-H{c[1]}-HK{c[2]}-N{c[3]}x{c[4]}-D{c[5]}-W{c[6]}")
+def test_dense_backward_launches(monkeypatch, launches, arch, case, with_dlse, deterministic):
+    _arch(monkeypatch, arch)
+    q, k, v, do, sinks, spec = _dense_inputs(case)
+    cfg = interface.kernel_config(spec, torch.device("cuda", 0), deterministic)
+    window = NO_WINDOW if spec.window is None else spec.window
+    sinks32 = interface._sinks_f32(sinks, spec.heads, q.device)
+    rows = _rows(spec.seq_q)
+    lse = torch.randn(spec.batch, spec.heads, rows)
+    dlse = torch.randn(spec.batch, spec.heads, spec.seq_q) if with_dlse else None
+    result = interface._backward(do, q, k, v, lse, dlse, sinks32, cfg, spec, window)
+    _check_backward(launches, cfg, spec, (q, k, v, do), lse, dlse, sinks32, result, lambda kind: (),
+                    (spec.batch, spec.heads, rows), spec.seq_q)
+
+
+# ----------------------------------------------------------------------------------------------
+# packed varlen (thd)
+
+VARLEN = [
+    # lengths q, lengths k, h, hk, d, window, sinks
+    ((5, 0, 130, 1), (5, 7, 130, 1), 4, 2, 64, 16, True),
+    ((64, 64), (100, 28), 6, 6, 128, None, False),
+]
+
+
+def _varlen_inputs(case, dtype=torch.bfloat16):
+    lq, lk, h, hk, d, window, with_sinks = case
+    g = torch.Generator().manual_seed(1)
+    tq, tk = sum(lq), sum(lk)
+    q = torch.randn(tq, h, d, generator=g).to(dtype)
+    k = torch.randn(tk, hk, d, generator=g).to(dtype)
+    v = torch.randn(tk, hk, d, generator=g).to(dtype)
+    do = torch.randn(tq, h, d, generator=g).to(dtype)
+    sinks = torch.randn(h, generator=g) if with_sinks else None
+    cu_q = torch.tensor([0, *torch.tensor(lq).cumsum(0).tolist()], dtype=torch.int32)
+    cu_k = torch.tensor([0, *torch.tensor(lk).cumsum(0).tolist()], dtype=torch.int32)
+    spec = validate_varlen(q, k, v, cu_q, cu_k, max(lq), max(lk), sinks, window=window, causal=True, scale=None)
+    return q, k, v, do, sinks, cu_q, cu_k, spec
+
+
+def _varlen_rows(total):
+    return _rows(total + 128)
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
+@pytest.mark.parametrize("case", VARLEN, ids=["gqa-empty-seq", "mha-nosink"])
+def test_varlen_forward_launch(monkeypatch, launches, arch, case):
+    _arch(monkeypatch, arch)
+    q, k, v, do, sinks, cu_q, cu_k, spec = _varlen_inputs(case)
+    cfg = interface.kernel_config(spec, torch.device("cuda", 0), False)
+    assert cfg.layout == "thd"
+    window = NO_WINDOW if spec.window is None else spec.window
+    sinks32 = interface._sinks_f32(sinks, spec.heads, q.device)
+    o, lse = varlen._forward(q, k, v, sinks32, cu_q, cu_k, cfg, spec, window)
+    (fw,) = launches
+    assert fw.kind == "fwd" and len(fw.args) == 11
+    a = fw.args
+    for got, want in zip(a[:6], (q, k, v, sinks32, cu_q, cu_k)):
+        assert same(got, want)
+    check_scalar(a[6], spec.seq_q, int)
+    check_scalar(a[7], window, int)
+    check_scalar(a[8], float(spec.scale) * LOG2E, float)
+    check_buffer(a[9], (q.shape[0], spec.heads, spec.head_dim_v), q.dtype)
+    check_buffer(a[10], (spec.heads, _varlen_rows(q.shape[0])))
+    assert same(o, a[9]) and same(lse, a[10])
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("with_dlse", [False, True])
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
+@pytest.mark.parametrize("case", VARLEN, ids=["gqa-empty-seq", "mha-nosink"])
+def test_varlen_backward_launches(monkeypatch, launches, arch, case, with_dlse, deterministic):
+    _arch(monkeypatch, arch)
+    q, k, v, do, sinks, cu_q, cu_k, spec = _varlen_inputs(case)
+    cfg = interface.kernel_config(spec, torch.device("cuda", 0), deterministic)
+    window = NO_WINDOW if spec.window is None else spec.window
+    sinks32 = interface._sinks_f32(sinks, spec.heads, q.device)
+    rows = _varlen_rows(q.shape[0])
+    lse = torch.randn(spec.heads, rows)
+    dlse = torch.randn(spec.heads, q.shape[0]) if with_dlse else None
+    result = varlen._backward(do, q, k, v, lse, dlse, sinks32, cu_q, cu_k, cfg, spec, window)
+
+    def seq_args(kind):
+        return (cu_q, cu_k, spec.seq_kv if kind == "bwd" else spec.seq_q)
+
+    _check_backward(launches, cfg, spec, (q, k, v, do), lse, dlse, sinks32, result, seq_args,
+                    (spec.heads, rows), q.shape[0])
+
+
+def test_varlen_end_to_end_through_autograd(monkeypatch, launches):
+    """kernel_attention_varlen: forward and backward launches, the returned lse sliced to the
+    packed rows, gradients the backward's buffers (dsink in the sinks' dtype)."""
+    _arch(monkeypatch, "sm_90a")
+    q, k, v, do, sinks, cu_q, cu_k, spec = _varlen_inputs(VARLEN[0])
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v, sinks.to(torch.bfloat16))]
+    spec = validate_varlen(*leaves[:3], cu_q, cu_k, spec.seq_q, spec.seq_kv, leaves[3], window=16, causal=True,
+                           scale=None)
+    o, lse = varlen.kernel_attention_varlen(spec, *leaves[:3], cu_q, cu_k, leaves[3], return_lse=True)
+    assert [x.kind for x in launches] == ["fwd"]
+    assert lse.shape == (4, q.shape[0]) and torch.all(lse == 7.0)
+    grads = torch.autograd.grad(o, leaves, do)
+    assert [x.kind for x in launches] == ["fwd", "preprocess", "bwd", "postprocess"]
+    assert same(grads[0], launches[-1].args[1])
+    assert grads[3].dtype == torch.bfloat16 and grads[3].shape == (4,)

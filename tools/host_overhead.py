@@ -1,0 +1,175 @@
+"""Host time per ``flashsink.attention`` call (the Python between the user and the kernels).
+
+    python tools/host_overhead.py            # CUDA if available, else --cpu
+    python tools/host_overhead.py --cpu      # no GPU: the CUDA code path with CPU tensors
+
+CUDA: the GPU is first kept busy with ``torch.cuda._sleep`` (longer than the measured calls),
+so the wall time of N calls is the host's alone (launches only queue); then the same calls
+back to back with a sync give the GPU time per call for comparison.
+
+--cpu: the CUDA path (validation, ``kernel_attention``, the ``flashsink::fwd`` / ``bwd``
+custom ops with their CUDA implementations registered for CPU tensors, ``interface`` /
+``varlen``) runs on CPU tensors with every kernel a no-op (the kernel cache answers a no-op
+for every key) and the architecture reported as sm_90a. CPU allocations and fills cost less
+than CUDA ones (no launch), so this measures the Python part, not the whole host time.
+
+Prints the minimum (and median) over ``--repeats`` of the mean over ``--iters`` calls, in microseconds:
+on a shared machine the minimum is the steadiest estimate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+
+def _noop_kernels():
+    from flashsink.ops import compile as compile_mod
+
+    def noop(*args):
+        return None
+
+    class NoopCache(dict):
+        def get(self, key, default=None):
+            return noop
+
+    compile_mod._cache = NoopCache()
+
+
+def _fake_cuda():
+    """Run the CUDA implementations on CPU tensors (this process only)."""
+    from flashsink.ops import config, custom_ops, interface
+
+    config._arch_of_index = lambda index: "sm_90a"
+    torch.cuda.current_device = lambda: 0
+    interface._sm_count = lambda index: 132
+    _noop_kernels()
+    custom_ops.fwd.register_kernel("cpu")(lambda *a: custom_ops._fwd_cuda(*a))
+    custom_ops.bwd.register_kernel("cpu")(lambda *a: custom_ops._bwd_cuda(*a))
+
+
+def _calls(device: str, b, h, hk, n, d, window, dtype, varlen_seqs: int):
+    import flashsink
+    from flashsink import api, testing
+
+    if varlen_seqs:
+        inp = testing.make_inputs(1, h, hk, n, n, d, dtype, device, layout="bshd", seed=0)
+        for x in ("q", "k", "v", "do"):
+            inp[x] = inp[x][0]
+        step = n // varlen_seqs
+        cu = torch.tensor([min(i * step, n) for i in range(varlen_seqs)] + [n], dtype=torch.int32, device=device)
+        m = int((cu[1:] - cu[:-1]).max())
+    else:
+        inp = testing.make_inputs(b, h, hk, n, n, d, dtype, device, seed=0)
+    leaves = [inp[x].detach().clone().requires_grad_(True) for x in ("q", "k", "v", "sinks")]
+    do = inp["do"]
+
+    if device == "cuda":
+        if varlen_seqs:
+            def attn(q, k, v, s):
+                return flashsink.attention_varlen(q, k, v, cu, cu, m, m, s, window=window)
+        else:
+            def attn(q, k, v, s):
+                return flashsink.attention(q, k, v, s, window=window)
+    else:  # api.attention's CUDA branch (q.is_cuda is False here)
+        from flashsink.ops.varlen import kernel_attention_varlen
+
+        def attn(q, k, v, s):
+            if varlen_seqs:
+                spec = api.validate_varlen(q, k, v, cu, cu, m, m, s, window=window, causal=True, scale=None)
+                api._check_deterministic(False)
+                return kernel_attention_varlen(spec, q, k, v, cu, cu, s)
+            spec = api.validate_attention(q, k, v, s, window=window, causal=True, scale=None, layout="bhsd")
+            api._check_deterministic(False)
+            return api.kernel_attention(spec, q, k, v, s)
+
+    def fwd():
+        with torch.no_grad():
+            attn(*leaves)
+
+    def fwd_bwd():
+        o = attn(*leaves)
+        torch.autograd.grad(o, leaves, do)
+
+    state = {}
+
+    def bwd():
+        if "o" not in state:
+            state["o"] = attn(*leaves)
+        torch.autograd.grad(state["o"], leaves, do, retain_graph=True)
+
+    return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd_bwd}
+
+
+def _host_us(fn, iters, repeats, device):
+    fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    out = []
+    for _ in range(repeats):
+        if device == "cuda":
+            torch.cuda._sleep(int(2e9))  # ~1 s of GPU cycles: the queue never drains while we time
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        out.append((time.perf_counter() - t0) / iters * 1e6)
+        if device == "cuda":
+            torch.cuda.synchronize()
+    return min(out), statistics.median(out)
+
+
+def _gpu_us(fn, iters, repeats):
+    out = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for _ in range(iters):
+            fn()
+        e.record()
+        torch.cuda.synchronize()
+        out.append(s.elapsed_time(e) / iters * 1e3)
+    return statistics.median(out)
+
+
+PROBLEMS = {
+    # name: B, H, H_kv, N, D, W, dtype, varlen sequences (0: dense)
+    "gptoss-swa": (1, 64, 8, 4096, 64, 128, torch.bfloat16, 0),
+    "varlen": (1, 64, 8, 4096, 64, 128, torch.bfloat16, 16),
+}
+CPU_PROBLEMS = {  # tiny: CPU fills (synchronous here, queued on CUDA) stay negligible; the Python is the same
+    "gptoss-swa": (1, 2, 1, 128, 64, 128, torch.bfloat16, 0),
+    "varlen": (1, 2, 1, 128, 64, 128, torch.bfloat16, 4),
+}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--cpu", action="store_true")
+    p.add_argument("--iters", type=int, default=200)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--problems", default=",".join(PROBLEMS))
+    args = p.parse_args(argv)
+    device = "cpu" if args.cpu or not torch.cuda.is_available() else "cuda"
+    if device == "cpu":
+        _fake_cuda()
+        torch.set_num_threads(1)
+    table = CPU_PROBLEMS if device == "cpu" else PROBLEMS
+    print(f"device {device}" + (" (CUDA path on CPU tensors, kernels no-ops, tiny shapes)" if device == "cpu" else
+                                f" {torch.cuda.get_device_name()}"))
+    for name in args.problems.split(","):
+        b, h, hk, n, d, w, dt, seqs = table[name]
+        calls = _calls(device, b, h, hk, n, d, w, dt, seqs)
+        for mode, fn in calls.items():
+            best, med = _host_us(fn, args.iters, args.repeats, device)
+            line = f"{name:<11} {mode:<8} host {best:8.1f} us/call (min of {args.repeats}; median {med:.1f})"
+            if device == "cuda":
+                line += f"   gpu (back to back) {_gpu_us(fn, args.iters, args.repeats):8.1f} us/call"
+            print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
