@@ -3,7 +3,10 @@ unsplit attention -- forward (o, lse) and backward (q, k, v, sinks) -- in float6
 
 Partials are computed by the reference without sinks: on key slices with ``causal=False``, or, for
 masked problems (causal, window, bottom-right alignment), by a small explicit-mask helper that keeps
-each key's visibility from the unsplit problem.
+each key's visibility from the unsplit problem. Also: gradcheck, non-finite sinks and NaN as the
+reference gives them, fp16/bf16 partials merged in fp32, a fixed op count for any number of
+partials, and partials from flashsink.attention itself (the kernels on CUDA, marked gpu; the same
+test on CPU runs the reference) judged by the precision standard.
 """
 
 from __future__ import annotations
@@ -249,6 +252,168 @@ def test_return_lse_false_and_dtypes(seed):
     testing.assert_precision("o", o, o_ref.double(), torch.float32)
 
 
+# --- gradcheck, non-finite values, dtypes, op count ------------------------------------------------
+
+INF, NAN = float("inf"), float("nan")
+
+
+def random_partials(seed, n, layout, *, b=1, h=3, s=5, d=3):
+    """n float64 partials (outs, lses) with -inf lses: row 0 sees no key of any partial, row 1 none
+    of partial 0. Their o holds (finite) garbage there, which combine must ignore."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (b, h, s, d) if layout == "bhsd" else (b, s, h, d)
+    outs = [torch.randn(shape, generator=g, dtype=F64) for _ in range(n)]
+    lses = [torch.randn(b, h, s, generator=g, dtype=F64) * 2 for _ in range(n)]
+    for lse in lses:
+        lse[:, :, 0] = float("-inf")
+    lses[0][:, :, 1] = float("-inf")
+    return outs, lses
+
+
+@pytest.mark.l1
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("sinks", [True, False], ids=["sink", "nosink"])
+@pytest.mark.parametrize("n", [1, 3])
+def test_gradcheck(seed, layout, sinks, n):
+    """torch.autograd.gradcheck (float64) through outs, lses and sinks, with partials that see no key
+    in some rows and, without a sink, a row where every partial is empty (its lse = -inf is
+    replaced by 0 before the check: gradcheck's finite differences cannot take -inf - -inf)."""
+    outs, lses = random_partials(seed, n, layout)
+    leaves = [x.requires_grad_(True) for x in outs + lses]
+    if sinks:
+        leaves.append(torch.randn(3, generator=torch.Generator().manual_seed(seed + 1), dtype=F64).requires_grad_(True))
+
+    def f(*xs):
+        o, lse = flashsink.combine(list(xs[:n]), list(xs[n:2 * n]), xs[2 * n] if sinks else None,
+                                   layout=layout, return_lse=True)
+        return o, torch.where(torch.isneginf(lse), 0.0, lse)
+
+    assert torch.autograd.gradcheck(f, leaves, eps=1e-6, atol=1e-8, rtol=1e-6)
+
+
+def same_values(name, actual, expected):
+    """Same NaN and +-inf positions, finite values equal to 1e-12."""
+    a, e = actual.detach(), expected.detach()
+    assert torch.equal(a.isnan(), e.isnan()), f"{name}: NaN positions differ"
+    assert torch.equal(a.isposinf(), e.isposinf()), f"{name}: +inf positions differ"
+    assert torch.equal(a.isneginf(), e.isneginf()), f"{name}: -inf positions differ"
+    fin = torch.isfinite(e)
+    torch.testing.assert_close(a[fin], e[fin], **TOL, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.boundary
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_nonfinite_sinks_as_the_reference(seed, layout):
+    """Sinks (+inf, -inf, NaN, finite) applied by combine give exactly what reference.attention
+    gives on the unsplit problem: o, lse and the gradients of q, k, v and sinks (through o and lse)
+    have the same NaN and infinity positions and equal finite values. seq_q > seq_kv, causal: the
+    first rows see no key at all, so the -inf sink leaves them o = 0, lse = -inf, without NaN."""
+    q, k, v, _, do, dlse = inputs(seed, sq=12, skv=7, layout=layout)
+    s = torch.tensor([INF, float("-inf"), NAN, 0.7], dtype=F64, requires_grad=True)
+    outs, lses = partials(q, k, v, contiguous(7, [3]), layout, causal=True)
+    o, lse = flashsink.combine(outs, lses, s, layout=layout, return_lse=True)
+    o_ref, lse_ref = reference.attention(q, k, v, s, causal=True, layout=layout, return_lse=True)
+    got = [o, lse, *grads(o, lse, do, dlse, [q, k, v, s])]
+    want = [o_ref, lse_ref, *grads(o_ref, lse_ref, do, dlse, [q, k, v, s])]
+    for name, a, e in zip(("o", "lse", "dq", "dk", "dv", "dsink"), got, want):
+        same_values(name, a, e)
+    oh = o if layout == "bhsd" else o.transpose(1, 2)
+    assert (oh[:, 0] == 0).all() and torch.isposinf(lse[:, 0]).all()  # +inf: all weight on the sink
+    assert (oh[:, 1, :5] == 0).all() and torch.isneginf(lse[:, 1, :5]).all()  # -inf: no sink
+    assert torch.isfinite(oh[:, 1]).all() and torch.isfinite(lse[:, 1, 5:]).all()
+    assert oh[:, 2].isnan().all() and lse[:, 2].isnan().all()  # NaN: the head is NaN
+    assert torch.isfinite(oh[:, 3]).all() and torch.isfinite(lse[:, 3]).all()
+
+
+@pytest.mark.boundary
+def test_nan_propagation(seed):
+    """NaN in a partial's lse: its row is NaN. NaN in a partial's o where its lse is finite: that
+    element is NaN. NaN in a partial's o where its lse is -inf: ignored. Nothing else moves."""
+    outs, lses = random_partials(seed, 3, "bhsd")
+    s = torch.tensor([0.3, -1.0, 2.0], dtype=F64)
+    base_o, base_lse = flashsink.combine(outs, lses, s, return_lse=True)
+    assert torch.isfinite(base_o).all() and torch.isfinite(base_lse).all()
+
+    def run(outs_, lses_):
+        return flashsink.combine(outs_, lses_, s, return_lse=True)
+
+    bad = [lse.clone() for lse in lses]
+    bad[1][0, 1, 3] = NAN
+    o, lse = run(outs, bad)
+    row = torch.zeros_like(lse, dtype=torch.bool)
+    row[0, 1, 3] = True
+    assert o[row].isnan().all() and lse[row].isnan().all()
+    assert torch.equal(o[~row], base_o[~row]) and torch.equal(lse[~row], base_lse[~row])
+
+    bad = [x.clone() for x in outs]
+    bad[2][0, 1, 3, 1] = NAN
+    o, lse = run(bad, lses)
+    elem = torch.zeros_like(o, dtype=torch.bool)
+    elem[0, 1, 3, 1] = True
+    assert o[elem].isnan().all() and torch.equal(o[~elem], base_o[~elem]) and torch.equal(lse, base_lse)
+
+    bad = [x.clone() for x in outs]
+    bad[0][:, :, :2] = NAN  # rows 0 and 1 of partial 0 saw no key
+    bad[1][:, :, 0] = NAN
+    o, lse = run(bad, lses)
+    assert torch.equal(o, base_o) and torch.equal(lse, base_lse)
+    assert (o[:, :, 0] == 0).all()  # no key anywhere, finite sink: o = 0
+
+
+@pytest.mark.l0
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_low_precision_partials_merge_in_fp32(seed, dtype, layout):
+    """bf16/fp16 outs are merged in float32 and cast once: bitwise what merging their float32
+    copies and casting gives. Gradients come back in each input's dtype."""
+    outs, lses = random_partials(seed, 3, layout)
+    outs = [x.to(dtype).requires_grad_(True) for x in outs]
+    lses = [x.float().requires_grad_(True) for x in lses]
+    s = torch.tensor([0.3, -1.0, 2.0], requires_grad=True)
+    o, lse = flashsink.combine(outs, lses, s, layout=layout, return_lse=True)
+    o32, lse32 = flashsink.combine([x.float() for x in outs], lses, s, layout=layout, return_lse=True)
+    assert o.dtype == dtype and lse.dtype == torch.float32
+    assert torch.equal(o, o32.to(dtype)) and torch.equal(lse, lse32)
+    gs = torch.autograd.grad((o, lse), outs + lses + [s], (torch.randn_like(o), torch.randn_like(lse)))
+    assert [g.dtype for g in gs] == [x.dtype for x in outs + lses + [s]]
+    assert all(torch.isfinite(g).all() for g in gs)
+
+
+class OpCount(torch.utils._python_dispatch.TorchDispatchMode):
+    """The aten ops that run (views and allocations left out): on CUDA each is about one launch."""
+
+    SKIP = {"empty", "empty_strided", "empty_like", "detach", "scalar_tensor", "lift_fresh"}
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view and func.overloadpacket.__name__ not in self.SKIP:
+            self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.l0
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_op_count_does_not_grow_with_the_partials(seed, layout):
+    """The partials are stacked once and merged by one fixed sequence of ops, forward and backward:
+    2 and 9 partials run the same ops (the former loop ran ~5 more per partial, each way)."""
+    counts = []
+    for n in (2, 9):
+        outs, lses = random_partials(seed, n, layout)
+        outs = [x.float().requires_grad_(True) for x in outs]
+        lses = [x.float().requires_grad_(True) for x in lses]
+        s = torch.zeros(3, requires_grad=True)
+        with OpCount() as fwd:
+            o, lse = flashsink.combine(outs, lses, s, layout=layout, return_lse=True)
+        with OpCount() as bwd:
+            torch.autograd.grad((o, lse), outs + lses + [s], (torch.ones_like(o), torch.ones_like(lse)))
+        counts.append((fwd.ops, bwd.ops))
+    assert counts[0] == counts[1]
+    assert len(counts[0][0]) <= 19, counts[0][0]
+
+
 # --- low precision: judged by the precision standard against fp64 --------------------------------
 
 LOWP = [torch.bfloat16, torch.float16]
@@ -296,6 +461,84 @@ def test_low_precision_inputs_fp32_partials(seed, dtype):
     actual = {"o": o, "lse": lse, "dq": dq, "dk": dk, "dv": dv, "dsink": ds}
     reports = testing.compare_all(actual, q, k, v, s, do, causal=False)
     failed = [str(r) for r in reports if not r.passed]
+    assert not failed, "\n".join(failed)
+
+
+# --- partials from the kernels: the GPU test and its CPU twin ------------------------------------
+
+def kernel_partials(q, k, v, ranges, *, causal, window):
+    """One partial per key range ``[a, b)`` of a "bhsd" problem, computed as ring attention
+    computes them (``flashsink.distributed``): the queries that see keys of the range are split by
+    ``_plan_pair`` into pieces that are each one ``flashsink.attention`` call without the sink
+    (``return_lse=True``) under the full problem's mask -- fully visible (``causal=False``),
+    diagonal (``causal=True`` with the window, keys ending at the last query), or, with a window,
+    rows that see only the last keys of the range (reversed rows and keys, bottom-right causal).
+    Rows in no piece keep o = 0, lse = -inf. Differentiable (autograd through every call)."""
+    from flashsink.distributed import _plan_pair
+
+    b_, h, sq, _ = q.shape
+    skv = k.shape[2]
+    off = skv - sq  # key position of query row 0 (bottom-right alignment)
+    outs, lses = [], []
+    for a, b in ranges:
+        o = q.new_zeros(b_, h, sq, v.shape[-1])
+        lse = torch.full((b_, h, sq), float("-inf"), device=q.device)
+        for q0, q1, k0, k1, kind in _plan_pair(off, skv, a, b, causal, window):
+            rows = slice(q0 - off, q1 - off)
+            qs, ks, vs = q[:, :, rows], k[:, :, k0:k1], v[:, :, k0:k1]
+            if kind == "suffix":
+                op, lp = flashsink.attention(qs.flip(2), ks.flip(2), vs.flip(2), None, causal=True, return_lse=True)
+                op, lp = op.flip(2), lp.flip(2)
+            else:
+                op, lp = flashsink.attention(
+                    qs, ks, vs, None, causal=kind == "causal", window=window if kind == "causal" else None,
+                    return_lse=True,
+                )
+            o[:, :, rows] = op
+            lse[:, :, rows] = lp
+        outs.append(o)
+        lses.append(lse)
+    return outs, lses
+
+
+# (batch, heads, kv_heads, seq_q, seq_kv, window, causal, cuts): 2-4 key ranges
+SPLIT_CASES = {
+    "causal-bottom-right": (2, 8, 2, 96, 400, None, True, [150, 330]),
+    "window": (1, 8, 2, 384, 384, 64, True, [100, 230, 250]),
+    "decode": (2, 8, 2, 4, 2048, None, True, [700, 1500]),  # split-KV kernel per range on Hopper
+    "noncausal": (1, 12, 4, 64, 200, None, False, [77]),
+}
+
+
+@pytest.mark.l1
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("dtype", LOWP, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", list(SPLIT_CASES))
+def test_kernel_partials_combine_to_the_unsplit_attention(seed, device, dtype, case):
+    """Keys split into 2-4 ranges, each range's partial from flashsink.attention without the sink
+    (the kernels on CUDA, the reference on CPU: this test's CPU twin), merged by combine with the
+    sink: the result is judged as the unsplit attention is, by the precision standard against the
+    float64 reference of the unsplit problem, gate 2 against its fp16/bf16 twin. o and lse meet the
+    whole standard; the gradients (q, k, v through the kernels' backward, with an lse gradient, and
+    the sinks) meet gate 2 and the max-error bound, and are finite: each partial's o is rounded to
+    fp16/bf16 and so is its incoming gradient (as in test_low_precision_outs)."""
+    b, h, hk, sq, skv, window, causal, cuts = SPLIT_CASES[case]
+    x = testing.make_inputs(b, h, hk, sq, skv, 64, dtype, device, seed=seed)
+    q, k, v = (x[n].clone().requires_grad_(True) for n in ("q", "k", "v"))
+    s = x["sinks"].clone().requires_grad_(True)
+    bounds = [0, *cuts, skv]
+    outs, lses = kernel_partials(q, k, v, list(zip(bounds[:-1], bounds[1:])), causal=causal, window=window)
+    assert outs[0].dtype == dtype and lses[0].dtype == torch.float32
+    o, lse = flashsink.combine(outs, lses, s, return_lse=True)
+    assert o.dtype == dtype and o.device.type == device
+    dq, dk, dv, ds = torch.autograd.grad(o, [q, k, v, s], x["do"])
+    actual = {"o": o, "lse": lse, "dq": dq, "dk": dk, "dv": dv, "dsink": ds}
+    reports = testing.compare_all(actual, x["q"], x["k"], x["v"], x["sinks"], x["do"], window=window, causal=causal)
+    failed = [str(r) for r in reports if r.name in ("o", "lse") and not r.passed]
+    failed += [
+        str(r) for r in reports
+        if r.name not in ("o", "lse") and not (r.gate2_ok and r.gate1_max_ok and torch.isfinite(actual[r.name]).all())
+    ]
     assert not failed, "\n".join(failed)
 
 

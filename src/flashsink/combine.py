@@ -12,6 +12,11 @@ them and applies each head's sink exactly once::
 which is exactly the attention over the union of the key ranges. With ``sinks=None`` and
 ``return_lse=True`` the result is again a partial, so partials can be merged in any grouping
 (e.g. along a ring) as long as the sink is passed in exactly one, final, call.
+
+The algebra lives in :func:`merge_stacked`, on partials stacked next to the head dim
+(``[.., n, D]``): :func:`combine` stacks its lists once, and the split-KV decode
+(``flashsink.ops.decode``) passes its kernel's partials, already in that layout. Either way a
+fixed number of PyTorch ops, whatever the number of partials.
 """
 
 from __future__ import annotations
@@ -90,6 +95,43 @@ def _validate(outs, lses, sinks, layout, return_lse):
     return outs, lses
 
 
+def merge_stacked(o: torch.Tensor, terms: torch.Tensor):
+    """The merge algebra on stacked partials, in a fixed number of PyTorch ops (no loop over them).
+
+    Args:
+        o: ``[*rows, n, D]`` the partial outputs, any float dtype; the entry of a partial whose
+            LSE is ``-inf`` in a row is ignored there (it may hold anything, NaN included).
+        terms: ``[*rows, n]`` the partials' LSEs (no sink in them), or ``[*rows, n + 1]`` whose
+            last column is the sink: a term with no value, which only adds to the normaliser. The
+            computation runs in ``terms``' dtype (callers cast it), differentiably.
+
+    Returns:
+        o ``[*rows, D]`` and lse ``[*rows]``, both in ``terms``' dtype:
+        ``lse = log sum_t exp(terms_t)`` and ``o = sum_i exp(lse_i - lse) o_i``. Like the
+        reference: a row whose terms are all ``-inf`` gives o = 0 and lse = -inf with zero
+        gradients; a ``+inf`` term with no value (a +inf sink) gives o = 0 and lse = +inf; a NaN
+        term makes the row NaN; a NaN in ``o_i`` where ``lse_i`` is finite reaches the output.
+    """
+    n = o.shape[-2]
+    lse_i = terms[..., :n]
+    # The pivot only keeps exp in range: the result does not depend on it, so no gradient flows
+    # through it. Where the largest term is not finite (-inf: no term at all; +inf; NaN) it is 0,
+    # as in the reference (there too, a +inf sink beside a score past exp's range, ~88 in fp32,
+    # gives NaN: exp(lse_i) = inf here, exp(s_j) = inf there).
+    top = terms.detach().amax(dim=-1, keepdim=True)  # [*rows, 1]
+    w = torch.exp(terms - top.nan_to_num(0.0, 0.0, 0.0))  # -inf terms: 0 with zero gradient
+    denom = w.sum(dim=-1, keepdim=True)
+    # denom >= 1 where some term is finite (the largest one adds exp(0) = 1), inf with a +inf term,
+    # NaN with a NaN one, and 0 only where every term is -inf. Clamping that 0 to 1 (zero gradient
+    # below 1) leaves a = 0 and lse = -inf + log 1 there, both with finite, zero gradients.
+    denom = denom.clamp_min(1.0)
+    lse = top.nan_to_num(0.0, 0.0, float("-inf")) + torch.log(denom)
+    a = w[..., :n] / denom  # exp(lse_i - lse), [*rows, n]
+    o = torch.where(torch.isneginf(lse_i).unsqueeze(-1), 0.0, o)
+    o = (a.unsqueeze(-1) * o).sum(dim=-2)  # promotes o to the computation's dtype in the product
+    return o, lse.squeeze(-1)
+
+
 def combine(outs, lses, sinks=None, *, layout="bhsd", return_lse=False):
     """Merge partial attention results over disjoint key ranges, applying each head's sink once.
 
@@ -109,43 +151,27 @@ def combine(outs, lses, sinks=None, *, layout="bhsd", return_lse=False):
         (float64 when outs or lses are float64). The computation runs in float32 (float64 for
         float64 inputs) and is differentiable in outs, lses and sinks. A row where every partial
         is ``-inf`` and there is no sink gives o = 0 and lse = -inf, with zero gradients.
+        Non-finite sinks as in :func:`flashsink.reference.attention`: a ``-inf`` sink is no sink,
+        a ``+inf`` sink takes all the weight (o = 0, lse = +inf), a NaN sink makes its head NaN.
+        NaN in a partial's lse, or in its o where its lse is finite, reaches the output.
+
+    The partials are stacked once (``[.., n, D]``) and merged by :func:`merge_stacked`, the same
+    code the split-KV decode uses: a fixed number of ops for any number of partials.
     """
     outs, lses = _validate(outs, lses, sinks, layout, return_lse)
     out_dtype = outs[0].dtype
     cdt = torch.float64 if torch.float64 in (out_dtype, lses[0].dtype) else torch.float32
-    device = outs[0].device
-    neg_inf = torch.full((), float("-inf"), dtype=cdt, device=device)
-    zero = torch.zeros((), dtype=cdt, device=device)
-    one = torch.ones((), dtype=cdt, device=device)
 
-    ls = [lse.to(cdt) for lse in lses]  # each [B, H, S]
-    terms = list(ls)
+    terms = [lse.to(cdt) for lse in lses]  # each [B, H, S]
     if sinks is not None:
-        terms.append(sinks.to(cdt).view(1, -1, 1).expand_as(ls[0]))
-    stacked = torch.stack(terms, dim=0)  # [n (+1), B, H, S]
-
-    # m only stabilises exp; the result does not depend on it, so no gradient flows through it.
-    m = stacked.amax(dim=0).detach()
-    m = torch.where(torch.isfinite(m), m, zero)
-    w = torch.exp(stacked - m)  # -inf terms: exp(-inf) = 0 with zero gradient
-    denom = w.sum(dim=0)
-    empty = denom <= 0  # every term is -inf: no key anywhere and no sink
-    denom_safe = torch.where(empty, one, denom)
-    lse = torch.where(empty, neg_inf, m + torch.log(denom_safe))
-
-    o = None
-    for i, (o_i, l_i) in enumerate(zip(outs, ls)):
-        a = w[i] / denom_safe  # exp(lse_i - lse), [B, H, S]; 0 in empty rows
-        if layout == "bshd":
-            a = a.transpose(1, 2)
-            no_key = torch.isneginf(l_i).transpose(1, 2)
-        else:
-            no_key = torch.isneginf(l_i)
-        # A partial that saw no key contributes nothing, whatever its o holds there.
-        o_c = torch.where(no_key.unsqueeze(-1), zero, o_i.to(cdt))
-        term = a.unsqueeze(-1) * o_c
-        o = term if o is None else o + term
+        terms.append(sinks.to(cdt).view(1, -1, 1).expand_as(terms[0]))
+    terms = torch.stack(terms, dim=-1)  # [B, H, S, n (+1)]
+    if layout == "bshd":
+        terms = terms.transpose(1, 2)  # rows in the outs' order, [B, S, H, n (+1)]
+    o, lse = merge_stacked(torch.stack(outs, dim=-2), terms)  # outs stacked: [B, *, *, n, D]
     o = o.to(out_dtype)
+    if layout == "bshd":
+        lse = lse.transpose(1, 2).contiguous()
     if return_lse:
         return o, lse
     return o

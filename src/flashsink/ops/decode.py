@@ -9,16 +9,18 @@ batch): a few hundred programs, each streaming the whole cache alone. The split-
 - splits the visible KV blocks over ``n_splits`` programs, each writing a partial output
   (fp32) and its LSE without the sink;
 
-and :func:`combine_splits` merges the partials and applies each head's sink once (the
-algebra of :mod:`flashsink.combine`): ``lse = logsumexp([lse_1 .. lse_S, sink])``,
-``o = sum_s exp(lse_s - lse) o_s``. The LSE is the regular one (sink included), so the
-backward is the regular one. Nothing here imports tilelang.
+and :func:`combine_splits` merges the partials and applies each head's sink once with
+:func:`flashsink.combine.merge_stacked`, the code behind :func:`flashsink.combine`:
+``lse = logsumexp([lse_1 .. lse_S, sink])``, ``o = sum_s exp(lse_s - lse) o_s``. The LSE is
+the regular one (sink included), so the backward is the regular one. Nothing here imports
+tilelang.
 """
 
 import math
 
 import torch
 
+from ..combine import merge_stacked
 from .config import LOG2E, SPLIT_ROWS, split_tiles
 
 
@@ -49,17 +51,14 @@ def n_splits_for(spec, cfg, sm_count: int) -> int:
 
 
 def combine_splits(o_part, lse_part, sinks32, has_sinks: bool):
-    """``[B, H, Sq, S, Dv]`` / ``[B, H, Sq, S]`` partials -> o ``[B, H, Sq, Dv]`` (fp32) and lse."""
+    """``[B, H, Sq, S, Dv]`` / ``[B, H, Sq, S]`` fp32 partials (the kernel's layout: splits next
+    to the head dim, as :func:`merge_stacked` takes them) -> o ``[B, H, Sq, Dv]`` and lse
+    ``[B, H, Sq]``, fp32. A split that saw no key (lse -inf) is ignored, whatever its o holds."""
     terms = lse_part
     if has_sinks:
         sink = sinks32.view(1, -1, 1, 1).expand(*lse_part.shape[:3], 1)
-        terms = torch.cat([lse_part, sink], dim=-1)
-    lse = torch.logsumexp(terms, dim=-1)  # -inf only with no sink and no visible key
-    # pivot on 0 only there (+inf, a +inf sink, gives o = 0; NaN stays NaN, as in the reference)
-    safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
-    w = torch.exp(lse_part - safe.unsqueeze(-1))  # exp(-inf) = 0 for an empty split
-    o = (w.unsqueeze(-1) * o_part).sum(dim=-2)
-    return o, lse
+        terms = torch.cat([lse_part, sink], dim=-1)  # the sink: one more term, with no value
+    return merge_stacked(o_part, terms)
 
 
 def forward_split(q, k, v, sinks32, cfg, spec, window, sm_count: int, lse_rows: int):
@@ -72,9 +71,9 @@ def forward_split(q, k, v, sinks32, cfg, spec, window, sm_count: int, lse_rows: 
     lse_part = torch.empty((B, H, Sq, S), dtype=torch.float32, device=q.device)
     get_kernel("fwd_split", cfg)(q, k, v, window, float(spec.scale) * LOG2E, o_part, lse_part)
     o32, lse = combine_splits(o_part, lse_part, sinks32, cfg.has_sinks)
-    o = o32.to(q.dtype)
     if cfg.layout == "bshd":
-        o = o.transpose(1, 2)
+        o32 = o32.transpose(1, 2)
+    o = o32.to(q.dtype, memory_format=torch.contiguous_format)  # cast and transpose: one copy
     lse_padded = torch.empty((B, H, lse_rows), dtype=torch.float32, device=q.device)
     lse_padded[:, :, :Sq] = lse
-    return o.contiguous(), lse_padded
+    return o, lse_padded
