@@ -8,6 +8,10 @@
   CPU tensors too, where the ops' implementations are the reference and its closed-form gradient. So the
   wiring the kernels sit behind is proven here, eagerly and compiled, and ``torch.library.opcheck``
   checks the ops' schemas, fake implementations, autograd registration and AOT dispatch.
+* Varlen: ``flashsink.attention_varlen`` compiled the same way over several length sets (new lengths, a
+  new number of sequences, empty sequences), with its ``cu_seqlens`` checks as asserts in the graph;
+  the ops ``flashsink::varlen_fwd`` / ``varlen_bwd`` (opcheck, fake shapes) and their head-dim padding
+  on the CPU.
 * GPU (``gpu`` marker): the same compiled functions on the kernels, against the eager kernels and the
   float64 reference.
 
@@ -27,9 +31,11 @@ from torch import nn
 
 import flashsink
 from flashsink import testing
-from flashsink._validate import validate_attention
+from flashsink._validate import validate_attention, validate_varlen
 from flashsink.nn import SinkAttention
+from flashsink.ops.custom_ops import kernel_attention_varlen
 from flashsink.ops.interface import kernel_attention
+from flashsink.ops.varlen import _rows as varlen_rows
 
 pytestmark = pytest.mark.l1
 
@@ -295,9 +301,10 @@ def test_fake_shapes():
 
 def test_import_registers_ops_without_tilelang():
     code = ("import sys, torch, flashsink; "
-            "print(hasattr(torch.ops.flashsink, 'fwd'), hasattr(torch.ops.flashsink, 'bwd'), 'tilelang' in sys.modules)")
+            "print(*[hasattr(torch.ops.flashsink, op) for op in ('fwd', 'bwd', 'varlen_fwd', 'varlen_bwd')], "
+            "'tilelang' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
-    assert out == ["True", "True", "False"]
+    assert out == ["True", "True", "True", "True", "False"]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -385,3 +392,234 @@ def test_sink_attention_module_fullgraph_gpu(counter):
                      for nm, a in zip(("o", "dq", "dk", "dv", "dsink"), [o, *grads])])
     assert counter.frame_count == 1
     assert any("flashsink.fwd" in t for t in _flashsink_ops(counter))
+
+
+# ------------------------------------------------------------------------------------------------
+# Varlen: flashsink.attention_varlen compiled, and the ops flashsink::varlen_fwd / varlen_bwd
+
+# (lens_q, lens_k) per call of one compiled graph: new lengths, a new number of sequences, a sequence
+# with no queries, one with no keys, more keys than queries (bottom-right per sequence). No size equals
+# another in one call and not in the next (dynamo's duck sizing would guard on that and recompile).
+VARLEN_LENS = [
+    ((5, 0, 17, 9), (5, 3, 20, 30)),
+    ((1, 12, 40, 2, 7), (9, 12, 41, 0, 7)),
+    ((23, 3, 11), (23, 30, 11)),
+]
+GPU_VARLEN_LENS = [
+    ((300, 0, 517, 1, 64), (300, 5, 600, 1, 64)),
+    ((129, 1000, 3), (140, 1000, 700)),
+    ((77, 256, 255, 18, 400, 2), (77, 300, 255, 19, 400, 2)),
+]
+VARLEN_NAMES = ("o", "lse", "dq", "dk", "dv", "dsink")
+
+
+def _cu(lens, device):
+    return torch.tensor((0,) + tuple(lens), dtype=torch.int64).cumsum(0).to(device=device, dtype=torch.int32)
+
+
+def _varlen_inputs(lens_q, lens_k, h, hk, d, dtype, device, *, sinks=True, seed=0):
+    """Fresh random packed inputs ([total, heads, dim]); do and dlse ([H, total_q]) for the loss."""
+    tq, tk = sum(lens_q), sum(lens_k)
+    inp = testing.make_inputs(1, h, hk, tq, tk, d, dtype, device, layout="bshd", sinks=sinks, seed=seed)
+    inp = {n: (t[0] if n in ("q", "k", "v", "do") else t) for n, t in inp.items()}
+    inp["dlse"] = torch.randn(h, tq, generator=torch.Generator().manual_seed(seed + 1)).to(device)
+    inp.update(cu_q=_cu(lens_q, device), cu_k=_cu(lens_k, device), max_q=max(lens_q), max_k=max(lens_k))
+    return inp
+
+
+def _varlen_run(fn, inp, cast=lambda x: x):
+    """o, lse and the gradients of q, k, v (and sinks) for the loss <o, do> + <lse, dlse>."""
+    leaves = [cast(inp[n]).detach().clone().requires_grad_(True)
+              for n in ("q", "k", "v", "sinks") if inp[n] is not None]
+    o, lse = fn(*leaves[:3], inp["cu_q"], inp["cu_k"], inp["max_q"], inp["max_k"], leaves[3] if len(leaves) > 3 else None)
+    grads = torch.autograd.grad([o, lse], leaves, [cast(inp["do"]).to(o.dtype), cast(inp["dlse"]).to(lse.dtype)])
+    return [o.detach(), lse.detach(), *grads]
+
+
+def _varlen_reference(window, causal, compute_dtype):
+    def fn(q, k, v, cu_q, cu_k, max_q, max_k, s):
+        return flashsink.reference.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, s, window=window, causal=causal,
+                                                    return_lse=True, compute_dtype=compute_dtype)
+    return fn
+
+
+def _check_varlen(label, actual, inp, dtype, window, causal, eager=None):
+    """actual against the float64 reference (lowp: the reference in the input dtype) and, if given, against
+    the eager run of the same function."""
+    names = VARLEN_NAMES[: len(actual)]
+    expected = _varlen_run(_varlen_reference(window, causal, torch.float64), inp, lambda x: x.double())
+    lowp = _varlen_run(_varlen_reference(window, causal, dtype), inp)
+    reports = [testing.check_precision(f"{label} {nm}", a, e, dtype, lowp=lo)
+               for nm, a, e, lo in zip(names, actual, expected, lowp)]
+    if eager is not None:
+        reports += [testing.check_precision(f"{label} compiled-vs-eager {nm}", a, e, dtype)
+                    for nm, a, e in zip(names, actual, eager)]
+    _assert_all(reports)
+
+
+@pytest.mark.parametrize("window, causal, sinks", [(5, True, True), (None, False, False)], ids=["W5-sink", "noncausal-nosink"])
+def test_varlen_fullgraph_dynamic_cpu(counter, window, causal, sinks):
+    """flashsink.attention_varlen compiled (fullgraph, dynamic, inductor): one graph for every length set,
+    outputs and gradients (lse in the loss) against the float64 reference and the eager call."""
+
+    def fn(q, k, v, cu_q, cu_k, max_q, max_k, s):
+        return flashsink.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, s, window=window, causal=causal,
+                                          return_lse=True)
+
+    compiled = torch.compile(fn, backend=counter, fullgraph=True, dynamic=True)
+    for i, (lens_q, lens_k) in enumerate(VARLEN_LENS):
+        inp = _varlen_inputs(lens_q, lens_k, 8, 2, 16, torch.bfloat16, "cpu", sinks=sinks, seed=100 + i)
+        comp, eager = _varlen_run(compiled, inp), _varlen_run(fn, inp)
+        _check_varlen(f"@{lens_q}", comp, inp, torch.bfloat16, window, causal, eager=eager)
+        assert [t.dtype for t in comp] == [t.dtype for t in eager]
+    assert counter.frame_count == 1  # one graph for every length set (a recompile would have raised)
+    assert any("flashsink.varlen_fwd" in t for t in _flashsink_ops(counter)), sorted(_ops_in(counter))
+
+
+def varlen_kernel_path(q, k, v, cu_q, cu_k, max_q, max_k, s, window=None, causal=True):
+    """What flashsink.attention_varlen runs for CUDA tensors (head dims padded around the op), on any device."""
+    spec = validate_varlen(q, k, v, cu_q, cu_k, max_q, max_k, s, window=window, causal=causal, scale=None)
+    return kernel_attention_varlen(spec, q, k, v, cu_q, cu_k, s, return_lse=True, pad_head_dims=True)
+
+
+def test_varlen_kernel_path_on_cpu_eager_and_compiled(counter):
+    """The CUDA path's wiring on CPU tensors: head dim 48 padded to 64 around flashsink::varlen_fwd, o sliced
+    back, lse sliced to the tokens, autograd through flashsink::varlen_bwd; eager and compiled."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(varlen_kernel_path, backend=counter, fullgraph=True, dynamic=True)
+    for i, (lens_q, lens_k) in enumerate(VARLEN_LENS):
+        inp = _varlen_inputs(lens_q, lens_k, 6, 2, 48, torch.float16, "cpu", seed=200 + i)
+        for label, f in (("eager", varlen_kernel_path), ("compiled", compiled)):
+            _check_varlen(f"{label}@{lens_q}", _varlen_run(lambda *a: f(*a, window=9), inp), inp, torch.float16, 9, True)
+    assert counter.frame_count == 1
+    assert any("flashsink.varlen_fwd" in t for t in _flashsink_ops(counter))
+
+
+def test_varlen_traced_validation_cpu(counter):
+    """Under tracing the value checks of cu_seqlens / max_seqlen are asserts in the graph: a bad call of the
+    compiled function (same shapes, no recompile) raises a RuntimeError naming the argument and the rule."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend("aot_eager")
+
+    def fn(q, k, v, cu_q, cu_k, max_q, max_k):
+        return flashsink.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k)
+
+    compiled = torch.compile(fn, backend=counter, fullgraph=True, dynamic=True)
+    inp = _varlen_inputs((3, 5), (4, 9), 4, 2, 8, torch.float32, "cpu", seed=5)
+    args = dict(q=inp["q"], k=inp["k"], v=inp["v"], cu_q=inp["cu_q"], cu_k=inp["cu_k"], max_q=5, max_k=9)
+    torch.testing.assert_close(compiled(**args), fn(**args))
+    i32 = torch.int32
+    bad = [
+        (dict(cu_q=torch.tensor([1, 3, 8], dtype=i32)), r"cu_seqlens_q must start at 0"),
+        (dict(cu_k=torch.tensor([0, 4, 12], dtype=i32)), r"cu_seqlens_k\[-1\] must equal the total number of tokens"),
+        (dict(cu_k=torch.tensor([0, 9, 4], dtype=i32)), r"cu_seqlens_k must be non-decreasing"),
+        (dict(cu_q=torch.tensor([0, 3, 7], dtype=i32)), r"cu_seqlens_q\[-1\] must equal the total number of tokens"),
+        (dict(max_q=4), r"max_seqlen_q must be >= the longest sequence in cu_seqlens_q"),
+        (dict(max_k=8), r"max_seqlen_k must be >= the longest sequence in cu_seqlens_k"),
+    ]
+    for change, message in bad:
+        with pytest.raises(RuntimeError, match=message):
+            compiled(**{**args, **change})
+        with pytest.raises(ValueError):  # eagerly: the ValueError with the values (tests/test_validation.py)
+            fn(**{**args, **change})
+    assert counter.frame_count == 1
+
+
+VARLEN_OPCHECK_CASES = [(True, 9, True), (False, None, True), (True, None, False)]  # sinks, window, causal
+
+
+def _varlen_op_args(device, dtype, sinks, window, causal, lens_q, lens_k, d=32, deterministic=False):
+    inp = _varlen_inputs(lens_q, lens_k, 4, 2, d, dtype, device, sinks=sinks, seed=7)
+    q, k, v = (inp[n].clone().requires_grad_(True) for n in ("q", "k", "v"))
+    s = None if inp["sinks"] is None else inp["sinks"].clone().requires_grad_(True)
+    return inp, (q, k, v, s, inp["cu_q"], inp["cu_k"], inp["max_q"], inp["max_k"], window, causal, d ** -0.5,
+                 deterministic)
+
+
+def _opcheck_varlen(inp, args, rows):
+    torch.library.opcheck(torch.ops.flashsink.varlen_fwd.default, args)
+    lse = torch.ops.flashsink.varlen_fwd(*args)[1].detach()
+    total = args[0].shape[0]
+    assert lse.shape == (4, rows) and (lse[:, total:] == 0).all()  # row-padded, padding rows zero
+    detached = [None if t is None else t.detach() for t in args[:4]]
+    dlse = torch.randn(lse.shape, generator=torch.Generator().manual_seed(1)).to(lse.device)
+    for dl in (dlse, None):
+        torch.library.opcheck(torch.ops.flashsink.varlen_bwd.default, (inp["do"], *detached, lse, dl, *args[4:]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=testing.dtype_name)
+@pytest.mark.parametrize("sinks, window, causal", VARLEN_OPCHECK_CASES)
+def test_opcheck_varlen_cpu(dtype, sinks, window, causal):
+    lens_q, lens_k = (5, 0, 17, 9), (5, 3, 20, 30)
+    inp, args = _varlen_op_args("cpu", dtype, sinks, window, causal, lens_q, lens_k)
+    _opcheck_varlen(inp, args, rows=varlen_rows(sum(lens_q)))
+
+
+def test_varlen_fake_shapes():
+    """o [total_q, H, D_v] contiguous in q's dtype, lse [H, varlen._rows(total_q)], dsink in the sinks' dtype."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        for tq, rows in ((0, 128), (1, 256), (128, 256), (129, 384), (1000, 1152)):
+            q = torch.empty(tq, 8, 64, dtype=torch.bfloat16)
+            k = torch.empty(50, 2, 64, dtype=torch.bfloat16)
+            v = torch.empty(50, 2, 32, dtype=torch.bfloat16)
+            cu = torch.empty(4, dtype=torch.int32)
+            sinks = torch.empty(8, dtype=torch.float16)
+            o, lse = torch.ops.flashsink.varlen_fwd(q, k, v, sinks, cu, cu, 400, 50, None, True, 0.125, False)
+            assert o.shape == (tq, 8, 32) and o.dtype == torch.bfloat16 and o.is_contiguous()
+            assert lse.shape == (8, rows) and lse.dtype == torch.float32
+            dq, dk, dv, ds = torch.ops.flashsink.varlen_bwd(o, q, k, v, sinks, lse, lse, cu, cu, 400, 50, None, True,
+                                                            0.125, False)
+            assert (dq.shape, dk.shape, dv.shape, ds.shape, ds.dtype) == (q.shape, k.shape, v.shape, (8,), torch.float16)
+            ds = torch.ops.flashsink.varlen_bwd(o, q, k, v, None, lse, None, cu, cu, 400, 50, 7, True, 0.125, True)[3]
+            assert ds.dtype == torch.float32
+
+
+# h, hk, d, window, sinks, deterministic
+GPU_VARLEN_CASES = [
+    (8, 2, 64, 100, True, False),
+    (16, 2, 128, None, True, False),
+    (8, 8, 80, 64, False, False),  # head dim padded 80 -> 128, no sinks
+    (12, 4, 64, 33, True, True),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_VARLEN_CASES, ids=lambda c: "H{}-HK{}-D{}-W{}-{}{}".format(
+    c[0], c[1], c[2], c[3], "sink" if c[4] else "nosink", "-det" if c[5] else ""))
+def test_varlen_kernels_fullgraph_dynamic_gpu(counter, case):
+    """flashsink.attention_varlen on CUDA bf16 compiled (fullgraph, dynamic, inductor) over several length sets:
+    every output and gradient (lse in the loss) under the precision standard against the float64 reference and
+    the eager kernels (o and lse bitwise: the same forward kernel on the same inputs). Outputs are poisoned
+    (conftest's NaN torch.empty), inputs fresh per length set."""
+    h, hk, d, window, sinks, det = case
+
+    def fn(q, k, v, cu_q, cu_k, max_q, max_k, s):
+        return flashsink.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, s, window=window, return_lse=True,
+                                          deterministic=det)
+
+    compiled = torch.compile(fn, backend=counter, fullgraph=True, dynamic=True)
+    for i, (lens_q, lens_k) in enumerate(GPU_VARLEN_LENS):
+        inp = _varlen_inputs(lens_q, lens_k, h, hk, d, torch.bfloat16, "cuda", sinks=sinks, seed=300 + i)
+        eager, comp = _varlen_run(fn, inp), _varlen_run(compiled, inp)
+        _check_varlen(f"eager@{lens_q}", eager, inp, torch.bfloat16, window, True)
+        _check_varlen(f"compiled@{lens_q}", comp, inp, torch.bfloat16, window, True, eager=eager)
+        assert torch.equal(comp[0], eager[0]) and torch.equal(comp[1], eager[1])
+    assert counter.frame_count == 1
+    ops = _flashsink_ops(counter)
+    assert any("flashsink.varlen_fwd" in t for t in ops), f"the kernels' op is not in the graph: {sorted(_ops_in(counter))}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sinks, window, causal", VARLEN_OPCHECK_CASES)
+def test_opcheck_varlen_gpu(sinks, window, causal):
+    """Fake vs real, schema, autograd registration, AOT dispatch of the varlen ops on the kernels
+    (deterministic: opcheck compares runs of the backward)."""
+    lens_q, lens_k = (150, 0, 7, 300), (150, 40, 7, 500)
+    inp, args = _varlen_op_args("cuda", torch.bfloat16, sinks, window, causal, lens_q, lens_k, d=64,
+                                deterministic=True)
+    _opcheck_varlen(inp, args, rows=varlen_rows(sum(lens_q)))

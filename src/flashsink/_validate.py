@@ -1,7 +1,8 @@
 """Argument validation shared by the reference and the kernels.
 
 Every user error is a TypeError (wrong kind of object) or a ValueError (right kind, wrong value)
-whose message names the argument, what was given and what is needed. Nothing here asserts.
+whose message names the argument, what was given and what is needed. Nothing here asserts, except
+the varlen value checks while torch.compile traces (see ``_assert_cu_seqlens``).
 The result, an :class:`AttnSpec`, holds every static fact about the problem, so callers never
 re-derive shapes from the tensors.
 """
@@ -195,7 +196,14 @@ def validate_attention(q, k, v, sinks, *, window, causal, scale, layout) -> Attn
     )
 
 
-def _check_cu_seqlens(name: str, cu, total: int, device: torch.device) -> list[int]:
+def _tracing() -> bool:
+    """True while torch.compile (dynamo) traces: values in tensors cannot be read on the host then."""
+    return torch.compiler.is_compiling()
+
+
+def _check_cu_seqlens(name: str, cu, total, device: torch.device) -> list[int] | None:
+    """The offsets as a host list (eager), or None under tracing, where the value checks are
+    tensor asserts in the graph instead (see ``_assert_cu_seqlens``)."""
     if not isinstance(cu, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of int32 or int64, got {type(cu).__name__}")
     if cu.dtype not in (torch.int32, torch.int64):
@@ -207,6 +215,9 @@ def _check_cu_seqlens(name: str, cu, total: int, device: torch.device) -> list[i
         )
     if cu.device != device:
         raise ValueError(f"{name} must be on the same device as q ({device}), got {cu.device}")
+    if _tracing():
+        _assert_cu_seqlens(name, cu, total)
+        return None
     vals = cu.detach().cpu().tolist()  # one host copy, checked in Python
     if vals[0] != 0:
         raise ValueError(f"{name} must start at 0, got {name}[0] = {vals[0]}")
@@ -223,15 +234,48 @@ def _check_cu_seqlens(name: str, cu, total: int, device: torch.device) -> list[i
     return vals
 
 
-def _check_max_seqlen(name: str, value, lengths: list[int]) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+# Under torch.compile the checks of the offsets' values are the same conditions as tensor asserts
+# (torch._assert_async) in the graph: reading the values on the host (.tolist(), .item()) would break
+# it. They fail at run time with a RuntimeError (on CUDA: a device-side assert, which ends the CUDA
+# context) whose message names the argument and the rule, but not the offending value, which stays on
+# the device. Nothing is skipped; run the call eagerly for the ValueError with the values.
+_TRACED = " (checked in the compiled graph; call eagerly for the ValueError with the values)"
+
+
+def _assert_cu_seqlens(name: str, cu, total) -> None:
+    torch._assert_async(cu[0] == 0, f"{name} must start at 0{_TRACED}")
+    torch._assert_async((cu[1:] >= cu[:-1]).all(), f"{name} must be non-decreasing{_TRACED}")
+    rows = "q.shape[0]" if name.endswith("_q") else "k.shape[0]"
+    torch._assert_async(cu[-1] == total, f"{name}[-1] must equal the total number of tokens ({rows}){_TRACED}")
+
+
+def _check_max_seqlen_type(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (numbers.Integral, torch.SymInt)):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
+
+
+def _check_max_seqlen(name: str, value, lengths: list[int]) -> int:
+    _check_max_seqlen_type(name, value)
     longest = max(lengths, default=0)
     if value < longest:
         raise ValueError(
             f"{name} must be >= the longest sequence ({longest}), got {value}"
         )
     return int(value)
+
+
+def _assert_max_seqlen(name: str, value, cu):
+    """Traced twin of ``_check_max_seqlen``: the sign is a guard on the (symbolic) int, the bound a
+    tensor assert over the lengths."""
+    _check_max_seqlen_type(name, value)
+    if value < 0:
+        raise ValueError(f"{name} must be >= the longest sequence (>= 0), got {value}")
+    which = "q" if name.endswith("_q") else "k"
+    torch._assert_async(
+        (cu[1:] - cu[:-1] <= value).all(),
+        f"{name} must be >= the longest sequence in cu_seqlens_{which}{_TRACED}",
+    )
+    return value
 
 
 def validate_varlen(
@@ -264,23 +308,27 @@ def validate_varlen(
         raise ValueError(
             f"v must match k in total tokens and heads: k {_shape(k)}, v {_shape(v)}"
         )
-    _check_heads(h, hk, d, dv, f"varlen, q {_shape(q)}, k {_shape(k)}, v {_shape(v)}")
+    _check_heads(h, hk, d, dv, lambda: f"varlen, q {_shape(q)}, k {_shape(k)}, v {_shape(v)}")
     _check_sinks(sinks, h, q.device)
 
     cq = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, tq, q.device)
     ck = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, tk, q.device)
-    if len(cq) != len(ck):
+    if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0]:
         raise ValueError(
             f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got "
-            f"{len(cq)} and {len(ck)}"
+            f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}"
         )
-    lens_q = [b - a for a, b in zip(cq[:-1], cq[1:])]
-    lens_k = [b - a for a, b in zip(ck[:-1], ck[1:])]
-    mq = _check_max_seqlen("max_seqlen_q", max_seqlen_q, lens_q)
-    mk = _check_max_seqlen("max_seqlen_k", max_seqlen_k, lens_k)
+    if cq is None:  # tracing: the bounds are asserts in the graph; max_seqlen may be a SymInt
+        mq = _assert_max_seqlen("max_seqlen_q", max_seqlen_q, cu_seqlens_q)
+        mk = _assert_max_seqlen("max_seqlen_k", max_seqlen_k, cu_seqlens_k)
+    else:
+        lens_q = [b - a for a, b in zip(cq[:-1], cq[1:])]
+        lens_k = [b - a for a, b in zip(ck[:-1], ck[1:])]
+        mq = _check_max_seqlen("max_seqlen_q", max_seqlen_q, lens_q)
+        mk = _check_max_seqlen("max_seqlen_k", max_seqlen_k, lens_k)
 
     return AttnSpec(
-        batch=len(cq) - 1,
+        batch=cu_seqlens_q.shape[0] - 1,
         heads=h,
         kv_heads=hk,
         seq_q=mq,

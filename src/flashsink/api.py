@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import torch
+
 from . import reference
 from ._validate import validate_attention, validate_varlen
 from .ops.interface import kernel_attention  # registers the flashsink:: custom ops; never imports tilelang
+from .ops.custom_ops import kernel_attention_varlen  # noqa: I001  (after interface, as interface imports it)
 
 __all__ = ["attention", "attention_varlen"]
 
@@ -71,15 +74,22 @@ def attention_varlen(
 
     Sequence i is rows ``cu_seqlens[i]:cu_seqlens[i+1]``; masks apply within each sequence,
     bottom-right aligned per sequence. lse (with ``return_lse``) is float32 ``[H, total_q]``.
+    ``max_seqlen_q`` / ``max_seqlen_k`` are ints (at least the longest sequence).
+
+    CUDA tensors run the kernels through the custom ops ``flashsink::varlen_fwd`` / ``varlen_bwd``;
+    tensors on other devices run the reference (eagerly; under ``torch.compile`` through the same ops,
+    whose CPU implementation is the reference). Both trace with ``torch.compile(fullgraph=True,
+    dynamic=True)``: under tracing the checks of ``cu_seqlens``' values are asserts in the graph
+    (``_validate._assert_cu_seqlens``).
     """
     spec = validate_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks,
         window=window, causal=causal, scale=scale,
     )
     _check_deterministic(deterministic)
-    if q.is_cuda:
-        from flashsink.ops.varlen import kernel_attention_varlen
-
+    if q.is_cuda or torch.compiler.is_compiling():
+        # The ops flashsink::varlen_fwd/bwd: the kernels on CUDA; elsewhere the reference, read
+        # cu_seqlens inside the op, where a traced graph does not see it.
         return kernel_attention_varlen(
             spec, q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, return_lse=return_lse, deterministic=deterministic
         )

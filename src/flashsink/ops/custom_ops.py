@@ -1,4 +1,5 @@
-"""The kernels as ``torch.library`` custom ops: ``flashsink::fwd`` and ``flashsink::bwd``.
+"""The kernels as ``torch.library`` custom ops: ``flashsink::fwd`` / ``flashsink::bwd`` and, for packed
+(varlen) batches, ``flashsink::varlen_fwd`` / ``flashsink::varlen_bwd``.
 
 They make the CUDA path of ``flashsink.attention`` traceable by ``torch.compile`` (``fullgraph=True``,
 dynamic shapes): the TileLang launches are opaque to the compiler, so each direction is one op with
@@ -8,6 +9,10 @@ forward op has an autograd formula that calls the backward op.
     flashsink::fwd(q, k, v, sinks?, window?, causal, scale, layout, deterministic) -> (o, lse)
     flashsink::bwd(do, q, k, v, sinks?, lse, dlse?, window?, causal, scale, layout, deterministic)
         -> (dq, dk, dv, dsink)
+    flashsink::varlen_fwd(q, k, v, sinks?, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                          window?, causal, scale, deterministic) -> (o, lse)
+    flashsink::varlen_bwd(do, q, k, v, sinks?, lse, dlse?, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                          max_seqlen_k, window?, causal, scale, deterministic) -> (dq, dk, dv, dsink)
 
 Arguments are tensors and primitives only; the kernels' static configuration and the problem's
 ``AttnSpec`` are rebuilt from them inside. Conventions:
@@ -19,6 +24,8 @@ Arguments are tensors and primitives only; the kernels' static configuration and
 * lse float32 (float64 for float64 inputs) ``[B, H, _padded_rows(S_q)]``: the rows the backward
   kernels read; rows past ``S_q`` are padding and hold 0. ``flashsink.attention`` returns
   ``lse[:, :, :S_q]``.
+* varlen: q ``[total_q, H, D]``, k/v ``[total_k, H_kv, D]`` (layout "thd"), int32 ``cu_seqlens``; o
+  ``[total_q, H, D_v]``, lse ``[H, varlen._rows(total_q)]`` (padded one row tile past the last token).
 * dlse: the gradient of that padded lse or None; dsink: ``[H]`` in the sinks' dtype (float32 zeros
   when ``sinks`` is None, and the autograd formula then returns no gradient).
 
@@ -37,10 +44,10 @@ from torch import Tensor
 
 from .. import reference
 from .._validate import LAYOUTS, AttnSpec
-from . import interface
+from . import interface, varlen
 from .config import NATIVE_HEAD_DIMS, NO_WINDOW
 
-__all__ = ["fwd", "bwd"]
+__all__ = ["fwd", "bwd", "varlen_fwd", "varlen_bwd", "kernel_attention_varlen"]
 
 
 def _spec(q, k, v, sinks, window, causal, scale, layout) -> AttnSpec:
@@ -72,8 +79,8 @@ def _kernel_inputs(spec: AttnSpec, device, deterministic: bool, *tensors):
     for name, d in (("q/k", spec.head_dim), ("v", spec.head_dim_v)):
         if d not in NATIVE_HEAD_DIMS:
             raise ValueError(
-                f"the flashsink::fwd/bwd ops take head dims {NATIVE_HEAD_DIMS} on CUDA (flashsink.attention "
-                f"zero-pads the others); the {name} head dim is {d}"
+                f"the flashsink kernel ops take head dims {NATIVE_HEAD_DIMS} on CUDA (flashsink.attention and "
+                f"attention_varlen zero-pad the others); the {name} head dim is {d}"
             )
     cfg = interface.kernel_config(spec, device, deterministic)
     window = NO_WINDOW if spec.window is None else min(int(spec.window), NO_WINDOW)
@@ -240,3 +247,183 @@ def _backward(ctx, do, dlse):
 
 
 fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ------------------------------------------------------------------------------------------------
+# Varlen (layout "thd"): flashsink::varlen_fwd / flashsink::varlen_bwd
+#
+# The same pattern for packed batches. cu_seqlens_q/k are int32 tensors that only the
+# implementations read (the kernels on the device, the reference on the host), so no value of
+# them reaches the graph; max_seqlen_q/k are ints (SymInts when traced) that size the kernels' grids.
+# Output shapes depend on total tokens, heads and head dims only: o [total_q, H, D_v],
+# lse [H, varlen._rows(total_q)] (row-padded as the backward kernels read it; padding rows 0).
+
+
+def _varlen_spec(q, k, v, sinks, cu_q, max_q, max_k, window, causal, scale) -> AttnSpec:
+    return AttnSpec(
+        batch=cu_q.shape[0] - 1, heads=q.shape[1], kv_heads=k.shape[1], seq_q=max_q, seq_kv=max_k,
+        head_dim=q.shape[2], head_dim_v=v.shape[2], window=window, causal=causal, scale=scale,
+        layout="thd", dtype=q.dtype, has_sinks=sinks is not None,
+    )
+
+
+def _varlen_empty(spec: AttnSpec, q, k) -> bool:
+    return 0 in (spec.batch, q.shape[0], k.shape[0])
+
+
+def _varlen_fwd_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    sinks: Optional[Tensor],
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    window: Optional[int],
+    causal: bool,
+    scale: float,
+    deterministic: bool,
+) -> Tuple[Tensor, Tensor]:
+    """Reference implementation (every device but CUDA): the varlen reference, lse row-padded."""
+    spec = _varlen_spec(q, k, v, sinks, cu_seqlens_q, max_seqlen_q, max_seqlen_k, window, causal, scale)
+    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()  # inside the op: never in a graph
+    o, lse = reference._attention_varlen(q, k, v, cu_q, cu_k, sinks, spec, return_lse=True)
+    total = q.shape[0]
+    return o.contiguous(), torch.nn.functional.pad(lse, (0, varlen._rows(total) - total))
+
+
+varlen_fwd = torch.library.custom_op("flashsink::varlen_fwd", _varlen_fwd_reference, mutates_args=())
+
+
+@varlen_fwd.register_kernel("cuda")
+def _varlen_fwd_cuda(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window, causal, scale,
+                     deterministic):
+    spec = _varlen_spec(q, k, v, sinks, cu_seqlens_q, max_seqlen_q, max_seqlen_k, window, causal, scale)
+    if _varlen_empty(spec, q, k):
+        return _varlen_fwd_reference(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                     window, causal, scale, deterministic)
+    cfg, win, (q, k, v, cu_q, cu_k) = _kernel_inputs(spec, q.device, deterministic, q, k, v, cu_seqlens_q,
+                                                     cu_seqlens_k)
+    sinks32 = interface._sinks_f32(sinks, spec.heads, q.device)
+    o, lse = varlen._forward(q, k, v, sinks32, cu_q, cu_k, cfg, spec, win)
+    lse[:, q.shape[0]:] = 0  # the padding rows: some are never written by the kernel
+    return o, lse
+
+
+@varlen_fwd.register_fake
+def _varlen_fwd_fake(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window, causal, scale,
+                     deterministic):
+    total, heads = q.shape[0], q.shape[1]
+    o = q.new_empty((total, heads, v.shape[2]))
+    lse = q.new_empty((heads, varlen._rows(total)), dtype=_lse_dtype(q.dtype))
+    return o, lse
+
+
+def _varlen_bwd_reference(
+    do: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    sinks: Optional[Tensor],
+    lse: Tensor,
+    dlse: Optional[Tensor],
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    window: Optional[int],
+    causal: bool,
+    scale: float,
+    deterministic: bool,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Reference implementation (every device but CUDA): the closed-form gradient, one sequence at a time."""
+    spec = _varlen_spec(q, k, v, sinks, cu_seqlens_q, max_seqlen_q, max_seqlen_k, window, causal, scale)
+    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    acc = _lse_dtype(q.dtype)  # the reference's compute dtype: dsink is summed over sequences in it
+    s_acc = None if sinks is None else sinks.to(acc)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    dsink = torch.zeros(spec.heads, dtype=acc, device=q.device)
+    for i in range(spec.batch):
+        a, b, c, e = cu_q[i], cu_q[i + 1], cu_k[i], cu_k[i + 1]
+        if a == b:
+            continue  # no query rows: no gradient from this sequence
+        sub = AttnSpec(
+            batch=1, heads=spec.heads, kv_heads=spec.kv_heads, seq_q=b - a, seq_kv=e - c, head_dim=spec.head_dim,
+            head_dim_v=spec.head_dim_v, window=window, causal=causal, scale=scale, layout="bshd",
+            dtype=q.dtype, has_sinks=sinks is not None,
+        )
+        dl = None if dlse is None else dlse[:, a:b].unsqueeze(0)
+        gq, gk, gv, gs = _reference_backward(do[a:b][None], q[a:b][None], k[c:e][None], v[c:e][None], s_acc, dl, sub)
+        dq[a:b], dk[c:e], dv[c:e] = gq[0], gk[0], gv[0]
+        dsink += gs
+    if sinks is None:
+        return dq, dk, dv, dsink.new_zeros(spec.heads, dtype=torch.float32)
+    return dq, dk, dv, dsink.to(sinks.dtype)
+
+
+varlen_bwd = torch.library.custom_op("flashsink::varlen_bwd", _varlen_bwd_reference, mutates_args=())
+
+
+@varlen_bwd.register_kernel("cuda")
+def _varlen_bwd_cuda(do, q, k, v, sinks, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window,
+                     causal, scale, deterministic):
+    spec = _varlen_spec(q, k, v, sinks, cu_seqlens_q, max_seqlen_q, max_seqlen_k, window, causal, scale)
+    if _varlen_empty(spec, q, k):
+        return _varlen_bwd_reference(do, q, k, v, sinks, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                     max_seqlen_k, window, causal, scale, deterministic)
+    cfg, win, (do, q, k, v, lse, cu_q, cu_k) = _kernel_inputs(spec, q.device, deterministic, do, q, k, v, lse,
+                                                              cu_seqlens_q, cu_seqlens_k)
+    sinks32 = interface._sinks_f32(sinks, spec.heads, q.device)
+    dlse = None if dlse is None else dlse[:, : q.shape[0]]
+    dq, dk, dv, dsink = varlen._backward(do, q, k, v, lse, dlse, sinks32, cu_q, cu_k, cfg, spec, win)
+    if dsink is None:
+        return dq, dk, dv, sinks32.new_zeros(spec.heads)
+    return dq, dk, dv, dsink.to(sinks.dtype)
+
+
+@varlen_bwd.register_fake
+def _varlen_bwd_fake(do, q, k, v, sinks, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window,
+                     causal, scale, deterministic):
+    dsink_dtype = torch.float32 if sinks is None else sinks.dtype
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), q.new_empty((q.shape[1],), dtype=dsink_dtype)
+
+
+def _varlen_setup_context(ctx, inputs, output):
+    q, k, v, sinks, cu_q, cu_k, *options = inputs
+    ctx.save_for_backward(q, k, v, sinks, output[1], cu_q, cu_k)
+    ctx.options = options  # max_seqlen_q, max_seqlen_k, window, causal, scale, deterministic
+
+
+def _varlen_backward(ctx, do, dlse):
+    q, k, v, sinks, lse, cu_q, cu_k = ctx.saved_tensors
+    dq, dk, dv, dsink = torch.ops.flashsink.varlen_bwd(do, q, k, v, sinks, lse, dlse, cu_q, cu_k, *ctx.options)
+    return (dq, dk, dv, None if sinks is None else dsink) + (None,) * 8
+
+
+varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
+
+
+def kernel_attention_varlen(spec, q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, *, return_lse=False,
+                            deterministic=False, pad_head_dims=None):
+    """A validated packed batch through ``flashsink::varlen_fwd`` (autograd: ``varlen_bwd``).
+
+    Traceable with ``fullgraph=True`` and dynamic shapes, like ``interface.kernel_attention``. On CUDA
+    the head dims are zero-padded to the kernels' sizes around the op (``pad_head_dims``, default: on
+    CUDA only; the CPU implementation is the reference and takes any head dim).
+    """
+    if pad_head_dims is None:
+        pad_head_dims = q.is_cuda
+    if q.is_cuda:
+        interface.check_supported(spec)
+    cu_q = cu_seqlens_q.to(torch.int32)  # what the kernels read; a no-op for int32 offsets
+    cu_k = cu_seqlens_k.to(torch.int32)
+    if pad_head_dims:
+        q, k = (interface._pad_dim(x, interface._kernel_dim(spec.head_dim)) for x in (q, k))
+        v = interface._pad_dim(v, interface._kernel_dim(spec.head_dim_v))
+    o, lse = torch.ops.flashsink.varlen_fwd(
+        q, k, v, sinks, cu_q, cu_k, spec.seq_q, spec.seq_kv, spec.window, spec.causal, spec.scale, deterministic
+    )
+    if o.shape[-1] != spec.head_dim_v:
+        o = o[..., : spec.head_dim_v]
+    return (o, lse[:, : q.shape[0]]) if return_lse else o
