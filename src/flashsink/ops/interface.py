@@ -101,6 +101,7 @@ def _stat_shape(spec, q, cu_seqlens) -> tuple:
     if cu_seqlens is None:
         return (spec.batch, spec.heads, _padded_rows(spec.seq_q))
     # whole row tiles of the last packed sequence may start at any row: one tile past the end
+    # (varlen._rows, which the custom ops' fake shapes use, is the same formula)
     return (spec.heads, _padded_rows(q.shape[0] + ROW_PAD))
 
 

@@ -17,6 +17,12 @@ from .config import NO_WINDOW
 from .interface import _pad_dim, _sinks_f32, kernel_config
 
 
+def _rows(total: int) -> int:
+    """Rows of a packed batch's statistics (``interface._stat_shape`` for ``thd``): whole row
+    tiles of the last sequence may start at any packed row, so one tile past the end."""
+    return interface._padded_rows(total + interface.ROW_PAD)
+
+
 def _forward(q, k, v, sinks32, cu_q, cu_k, cfg, spec, window):
     """The forward launch (``interface._forward``) on a packed batch: lse ``[heads, rows]``."""
     return interface._forward(q, k, v, sinks32, cfg, spec, window, cu_seqlens=(cu_q, cu_k))
