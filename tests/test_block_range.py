@@ -13,7 +13,7 @@ import torch
 
 from flashsink.ops.block_range import kv_blocks_for_rows, row_blocks_for_keys
 from flashsink.ops.config import NO_WINDOW
-from flashsink.ops.mask import tile_visible, visible
+from flashsink.ops.mask import visible
 from flashsink.reference import visible_mask
 
 
@@ -92,26 +92,3 @@ def test_tiles_past_the_end_visit_nothing(seq_q, seq_kv, window, causal):
     for start in (seq_kv, seq_kv + 1, seq_kv + 64, seq_kv + 5000):
         lo, hi = map(_int, row_blocks_for_keys(start, 64, 128, seq_q, seq_kv, w, causal))
         assert lo == hi, (start, lo, hi)
-
-
-@pytest.mark.l1
-@pytest.mark.parametrize("seq_q, seq_kv, window", _cases(25))
-@pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("block_m, block_n", [(128, 128), (64, 128), (32, 64), (16, 16)])
-def test_tile_visible_is_exactly_the_wholly_visible_tiles(seq_q, seq_kv, window, causal, block_m, block_n):
-    """tile_visible (the kernels skip the per-element mask there) holds exactly for the tiles whose
-    every (row, key), padding past the sequence ends included, is visible."""
-    if window is not None and not causal:
-        return
-    w = NO_WINDOW if window is None else window
-    vis = torch.zeros(-(-seq_q // block_m) * block_m, -(-seq_kv // block_n) * block_n, dtype=torch.bool)
-    vis[:seq_q, :seq_kv] = visible_mask(seq_q, seq_kv, window=window, causal=causal)
-    n_full = 0
-    for r0 in range(0, vis.shape[0], block_m):
-        for k0 in range(0, vis.shape[1], block_n):
-            want = bool(vis[r0 : r0 + block_m, k0 : k0 + block_n].all())
-            got = bool(tile_visible(r0, block_m, k0, block_n, seq_q, seq_kv, w, causal))
-            assert got == want, (r0, k0)
-            n_full += want
-    if causal and window is None and seq_q >= 4 * block_m and seq_kv >= seq_q:
-        assert n_full > 0  # long causal problems have interior tiles

@@ -27,7 +27,7 @@ import tilelang.language as T
 from .block_range import kv_blocks_for_rows, row_blocks_for_keys
 from .config import ROW_BLOCK, KernelConfig, bwd_tiles, dq_tiles, pre_tiles
 from .layout import prologue_load, qkv_shapes, sequence, stat_at, stat_shape, stat_tile, store_rows, store_stat, tile
-from .mask import tile_visible, visible
+from .mask import visible
 from .softmax import LOG2E
 from .split import split
 
@@ -39,16 +39,12 @@ def probs_and_grads(q_s, do_s, k_s, v_s, lse, p, dp, row0, key0, seq_q, seq_kv, 
     T.gemm(q_s, k_s, p, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
     T.clear(dp)
     T.gemm(do_s, v_s, dp, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-    if tile_visible(row0, p.shape[0], key0, p.shape[1], seq_q, seq_kv, window, causal):
-        for i, j in T.Parallel(p.shape[0], p.shape[1]):
-            p[i, j] = T.exp2(p[i, j] * scale_log2 - lse[i] * LOG2E)
-    else:
-        for i, j in T.Parallel(p.shape[0], p.shape[1]):
-            p[i, j] = T.if_then_else(
-                visible(row0 + i, key0 + j, seq_q, seq_kv, window, causal),
-                T.exp2(p[i, j] * scale_log2 - lse[i] * LOG2E),
-                0.0,
-            )
+    for i, j in T.Parallel(p.shape[0], p.shape[1]):
+        p[i, j] = T.if_then_else(
+            visible(row0 + i, key0 + j, seq_q, seq_kv, window, causal),
+            T.exp2(p[i, j] * scale_log2 - lse[i] * LOG2E),
+            0.0,
+        )
 
 
 def build_preprocess(cfg: KernelConfig):
@@ -230,18 +226,12 @@ def build_bwd(cfg: KernelConfig):
                     T.copy(stat_tile(LSE, layout, b, head, row0, bm), lse_s)
                 T.clear(pT)
                 T.gemm(k_s, q_s, pT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-                if tile_visible(row0, bm, key0, bn, sq, sk, window, cfg.causal):
-                    for i, j in T.Parallel(bn, bm):
-                        pT[i, j] = T.exp2(
-                            pT[i, j] * scale_log2 - (LSE[head, q_base + row0 + j] if packed else lse_s[j]) * LOG2E
-                        )
-                else:
-                    for i, j in T.Parallel(bn, bm):
-                        pT[i, j] = T.if_then_else(
-                            visible(row0 + j, key0 + i, sq, sk, window, cfg.causal),
-                            T.exp2(pT[i, j] * scale_log2 - (LSE[head, q_base + row0 + j] if packed else lse_s[j]) * LOG2E),
-                            0.0,
-                        )
+                for i, j in T.Parallel(bn, bm):
+                    pT[i, j] = T.if_then_else(
+                        visible(row0 + j, key0 + i, sq, sk, window, cfg.causal),
+                        T.exp2(pT[i, j] * scale_log2 - (LSE[head, q_base + row0 + j] if packed else lse_s[j]) * LOG2E),
+                        0.0,
+                    )
                 T.copy(tile(dO, layout, b, head, q_base + row0, bm), do_s)
                 T.clear(dpT)
                 T.gemm(v_s, do_s, dpT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
@@ -251,20 +241,14 @@ def build_bwd(cfg: KernelConfig):
                 T.gemm(lo, do_s, dv, policy=T.GemmWarpPolicy.FullRow)
                 if not packed:
                     T.copy(stat_tile(Delta, layout, b, head, row0, bm), delta_s)
-                # dS^T; on edge tiles selected, not multiplied, so a masked slot (a row of
-                # another sequence in a packed batch, say) adds an exact 0 to dK and dQ
-                if tile_visible(row0, bm, key0, bn, sq, sk, window, cfg.causal):
-                    for i, j in T.Parallel(bn, bm):
-                        pT[i, j] = (
-                            pT[i, j] * (dpT[i, j] - (Delta[head, q_base + row0 + j] if packed else delta_s[j])) * scale
-                        )
-                else:
-                    for i, j in T.Parallel(bn, bm):
-                        pT[i, j] = T.if_then_else(
-                            visible(row0 + j, key0 + i, sq, sk, window, cfg.causal),
-                            pT[i, j] * (dpT[i, j] - (Delta[head, q_base + row0 + j] if packed else delta_s[j])) * scale,
-                            0.0,
-                        )
+                for i, j in T.Parallel(bn, bm):
+                    # dS^T; selected, not multiplied, so a masked slot (a row of another
+                    # sequence in a packed batch, say) adds an exact 0 to dK and dQ
+                    pT[i, j] = T.if_then_else(
+                        visible(row0 + j, key0 + i, sq, sk, window, cfg.causal),
+                        pT[i, j] * (dpT[i, j] - (Delta[head, q_base + row0 + j] if packed else delta_s[j])) * scale,
+                        0.0,
+                    )
                 # dK += dS^T Q, as hi + lo
                 split(pT, hi, lo, bn, bm)
                 T.gemm(hi, q_s, dk, policy=T.GemmWarpPolicy.FullRow)
@@ -416,16 +400,12 @@ def build_dq(cfg: KernelConfig):
                 T.copy(tile(K, layout, b, kv_head, k_base + key0, bn), k_s)
                 T.copy(tile(V, layout, b, kv_head, k_base + key0, bn), v_s)
                 probs_and_grads(q_s, do_s, k_s, v_s, lse, p, dp, row0, key0, sq, sk, window, scale_log2, cfg.causal)
-                if tile_visible(row0, bm, key0, bn, sq, sk, window, cfg.causal):
-                    for i, j in T.Parallel(bm, bn):
-                        p[i, j] = p[i, j] * (dp[i, j] - delta[i]) * scale  # dS
-                else:
-                    for i, j in T.Parallel(bm, bn):
-                        p[i, j] = T.if_then_else(
-                            visible(row0 + i, key0 + j, sq, sk, window, cfg.causal),
-                            p[i, j] * (dp[i, j] - delta[i]) * scale,
-                            0.0,
-                        )  # dS
+                for i, j in T.Parallel(bm, bn):
+                    p[i, j] = T.if_then_else(
+                        visible(row0 + i, key0 + j, sq, sk, window, cfg.causal),
+                        p[i, j] * (dp[i, j] - delta[i]) * scale,
+                        0.0,
+                    )  # dS
                 split(p, ds_hi, ds_lo, bm, bn)
                 T.gemm(ds_hi, k_s, dq, policy=T.GemmWarpPolicy.FullRow)
                 T.gemm(ds_lo, k_s, dq, policy=T.GemmWarpPolicy.FullRow)

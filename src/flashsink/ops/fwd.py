@@ -14,7 +14,7 @@ from . import softmax
 from .block_range import kv_blocks_for_rows
 from .config import KernelConfig, fwd_tiles
 from .layout import prologue_load, qkv_shapes, sequence, stat_shape, store_rows, store_stat, tile
-from .mask import tile_visible, visible
+from .mask import visible
 
 
 def build_fwd(cfg: KernelConfig):
@@ -62,16 +62,12 @@ def build_fwd(cfg: KernelConfig):
                 T.copy(tile(K, layout, b, kv_head, k_base + key0, bn), k_s)
                 T.clear(acc_s)
                 T.gemm(q_s, k_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-                if tile_visible(row0, bm, key0, bn, sq, sk, window, cfg.causal):
-                    for i, j in T.Parallel(bm, bn):
-                        acc_s[i, j] = acc_s[i, j] * scale_log2
-                else:
-                    for i, j in T.Parallel(bm, bn):
-                        acc_s[i, j] = T.if_then_else(
-                            visible(row0 + i, key0 + j, sq, sk, window, cfg.causal),
-                            acc_s[i, j] * scale_log2,
-                            -T.infinity(accum),
-                        )
+                for i, j in T.Parallel(bm, bn):
+                    acc_s[i, j] = T.if_then_else(
+                        visible(row0 + i, key0 + j, sq, sk, window, cfg.causal),
+                        acc_s[i, j] * scale_log2,
+                        -T.infinity(accum),
+                    )
                 T.copy(tile(V, layout, b, kv_head, k_base + key0, bn), v_s)
                 softmax.update(acc_s, acc_o, m, m_prev, alpha, row_sum, l, bm, bn, dim_v)
                 T.copy(acc_s, p)

@@ -11,8 +11,7 @@ Conventions (README, "Conventions"):
   the end of a sequence contribute nothing.
 
 These return TIR boolean expressions; the kernels select with them (never multiply), so
-a NaN or infinity in a masked slot cannot leak into a result. ``tile_visible`` says a whole
-tile is visible: the kernels branch on it once per tile and skip the per-element mask.
+a NaN or infinity in a masked slot cannot leak into a result.
 """
 
 from __future__ import annotations
@@ -25,16 +24,3 @@ def visible(row, key, seq_q, seq_kv, window, causal: bool):
         return in_bounds
     pos = row + (seq_kv - seq_q)
     return in_bounds & (key <= pos) & (key > pos - window)
-
-
-def tile_visible(row0, block_m, key0, block_n, seq_q, seq_kv, window, causal: bool):
-    """True where every pair of the tile (rows ``[row0, row0 + block_m)`` x keys
-    ``[key0, key0 + block_n)``) is visible: the kernels skip the per-element mask there
-    (most tiles of a long causal problem), and evaluate ``visible`` on the edge tiles."""
-    inside = (row0 + block_m <= seq_q) & (key0 + block_n <= seq_kv)
-    if not causal:
-        return inside
-    shift = seq_kv - seq_q
-    # the last key is no later than the first row's position, and the first key is inside
-    # the last row's window
-    return inside & (key0 + block_n - 1 <= row0 + shift) & (key0 > row0 + block_m - 1 + shift - window)
