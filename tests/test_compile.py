@@ -61,3 +61,13 @@ def test_varlen_kernel_compiles(arch, kind):
     assert kind == "postprocess" or "CuQ" in src  # the postprocess runs over packed rows as one run
     if kind in ("fwd", "bwd", "dq"):
         assert ("wgmma" in src) == (arch == "sm_90a"), f"{kind} on {arch}: wgmma presence is wrong"
+
+
+@pytest.mark.l2
+@pytest.mark.parametrize("groups", [1, 4])
+def test_main_backward_compiles_other_group_sizes(groups):
+    """The main backward's flat (head of the group, query tile) loop with G != 8: a kernel change
+    once lowered for G=8 and failed for the D=64, G=4 backward (TileLang's ThreadSync rejected a
+    shared-memory sync inside a divergent region), so the group sizes users run are built here."""
+    src = compile_kernel("bwd", _cfg("sm_90a", "bwd", groups=groups)).get_kernel_source()
+    assert "wgmma" in src
