@@ -9,7 +9,8 @@
 set -uo pipefail
 dest=${OUT:-gpu-out}
 mkdir -p "$dest" bench-results
-export TILELANG_CACHE_DIR=${TILELANG_CACHE_DIR:-/tmp/tilelang-cache}
+export TILELANG_CACHE_DIR=${TILELANG_CACHE_DIR:-$PWD/.tlcache}
+export FLASHSINK_CACHE_DIR=${FLASHSINK_CACHE_DIR:-$PWD/.fscache}
 export PYTHONUNBUFFERED=1
 start=$SECONDS
 for p in ${PRESETS:-golden gptoss-swa causal-d128 gptoss-full varlen decode}; do

@@ -15,12 +15,17 @@ set -uo pipefail
 dest=${OUT:-gpu-out}
 out=$(mktemp -d /tmp/gpu-suite.XXXXXX)
 mkdir -p "$dest"
-export TILELANG_CACHE_DIR=${TILELANG_CACHE_DIR:-/tmp/tilelang-cache}
+# Caches inside the checkout (git-ignored): the device keeps ignored paths between calls on a warm
+# machine, so a second call finds every kernel the first one built.
+export TILELANG_CACHE_DIR=${TILELANG_CACHE_DIR:-$PWD/.tlcache}
+export FLASHSINK_CACHE_DIR=${FLASHSINK_CACHE_DIR:-$PWD/.fscache}
 export PYTHONUNBUFFERED=1
 stop_at=${STOP_AT:-570}
 left() { local l=$((stop_at - SECONDS)); echo $(( l > 5 ? l : 5 )); }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv > "$out/gpu.txt"
-git rev-parse HEAD > "$out/commit.txt" 2>/dev/null
+# the device's copy of the tree may carry a stale HEAD: pass COMMIT=$(git rev-parse HEAD) from here
+echo "${COMMIT:-$(git rev-parse HEAD 2>/dev/null)}" > "$out/commit.txt"
+export FLASHSINK_COMMIT=$(cat "$out/commit.txt")  # the bench header's commit
 
 # The other GPU tests (torch.compile, Hugging Face, inputs) build kernels of their own: run them
 # once with every kernel launch recorded instead of compiled (in parallel with the suite matrix's
