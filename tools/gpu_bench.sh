@@ -20,9 +20,9 @@ for p in ${PRESETS:-golden gptoss-swa causal-d128 gptoss-full varlen decode}; do
     ${BENCH_ARGS:-} 2>>"$dest/bench-progress.log" | tee -a "$dest/bench.txt"
 done
 if [ -n "${PROFILE:-}" ]; then
-  timeout 120 python -m flashsink bench --systems flashsink --preset golden --mode fwd+bwd --profile --no-gate2 \
+  timeout ${PROFILE_TIMEOUT_S:-120} python -m flashsink bench --systems flashsink --preset golden --mode fwd+bwd --profile --no-gate2 \
     2>>"$dest/bench-progress.log" | tee "$dest/profile.txt"
-  timeout 120 python -m flashsink bench --systems flashsink --preset gptoss-full --seq 8192 --mode fwd+bwd --profile \
+  timeout ${PROFILE_TIMEOUT_S:-120} python -m flashsink bench --systems flashsink --preset gptoss-full --seq 8192 --mode fwd+bwd --profile \
     --no-gate2 2>>"$dest/bench-progress.log" | tee -a "$dest/profile.txt"
 fi
 cp bench-results/*.json "$dest/" 2>/dev/null

@@ -1331,6 +1331,17 @@ def summary(result: dict) -> str:
     return "\n".join(out)
 
 
+def plot_title(result: dict) -> str:
+    """The PNG's title: device, commit, date of one run, or of each run of a merged result
+    (tools/bench_merge.py: ``{"runs": [{"header": ...}, ...], "rows": ...}``)."""
+    headers = [result["header"]] if "header" in result else [r["header"] for r in result.get("runs", [])]
+    devices = sorted({h["device"] for h in headers})
+    commits = sorted({str(h["commit"])[:12] for h in headers})
+    dates = sorted(h["date"] for h in headers)
+    when = dates[0] if len(dates) < 2 or dates[0] == dates[-1] else f"{dates[0]} .. {dates[-1]}"
+    return f"flashsink bench - {', '.join(devices)} - {', '.join(commits)} - {when}"
+
+
 def plot(result: dict, path: str) -> str | None:
     """PNG: per preset and mode, TFLOP/s vs N (sweeps) or bars (single length). None if no matplotlib."""
     try:
@@ -1381,8 +1392,7 @@ def plot(result: dict, path: str) -> str | None:
                     ax.text(x, v, f"{v:.0f}", ha="center", va="bottom", fontsize=8)
             ax.set_title(f"{pr} {mode}")
             ax.set_ylabel(unit)
-    h = result["header"]
-    fig.suptitle(f"flashsink bench - {h['device']} - {h['commit']} - {h['date']}", fontsize=10)
+    fig.suptitle(plot_title(result), fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
