@@ -342,17 +342,40 @@ def test_varlen_backward_launches(monkeypatch, launches, arch, case, with_dlse, 
 
 
 def test_varlen_end_to_end_through_autograd(monkeypatch, launches):
-    """kernel_attention_varlen: forward and backward launches, the returned lse sliced to the
-    packed rows, gradients the backward's buffers (dsink in the sinks' dtype)."""
+    """``custom_ops.kernel_attention_varlen`` (what ``flashsink.attention_varlen`` runs on CUDA):
+    forward and backward launches through ``flashsink::varlen_fwd`` / ``varlen_bwd`` and their
+    autograd formula, the returned lse sliced to the packed rows, gradients the backward's buffers
+    (dsink in the sinks' dtype).
+
+    On CPU tensors the ops dispatch to their reference implementation, so for this test only (a
+    scoped library, removed on exit) the ops' CPU kernels are their CUDA implementations."""
     _arch(monkeypatch, "sm_90a")
     q, k, v, do, sinks, cu_q, cu_k, spec = _varlen_inputs(VARLEN[0])
     leaves = [x.clone().requires_grad_(True) for x in (q, k, v, sinks.to(torch.bfloat16))]
     spec = validate_varlen(*leaves[:3], cu_q, cu_k, spec.seq_q, spec.seq_kv, leaves[3], window=16, causal=True,
                            scale=None)
-    o, lse = varlen.kernel_attention_varlen(spec, *leaves[:3], cu_q, cu_k, leaves[3], return_lse=True)
-    assert [x.kind for x in launches] == ["fwd"]
-    assert lse.shape == (4, q.shape[0]) and torch.all(lse == 7.0)
-    grads = torch.autograd.grad(o, leaves, do)
-    assert [x.kind for x in launches] == ["fwd", "preprocess", "bwd", "postprocess"]
-    assert same(grads[0], launches[-1].args[1])
-    assert grads[3].dtype == torch.bfloat16 and grads[3].shape == (4,)
+    with torch.library._scoped_library("flashsink", "IMPL") as lib:
+        lib.impl("varlen_fwd", custom_ops._varlen_fwd_cuda, "CPU")
+        lib.impl("varlen_bwd", custom_ops._varlen_bwd_cuda, "CPU")
+        o, lse = custom_ops.kernel_attention_varlen(spec, *leaves[:3], cu_q, cu_k, leaves[3], return_lse=True,
+                                                    pad_head_dims=True)
+        assert [x.kind for x in launches] == ["fwd"]
+        fw = launches[0]
+        assert fw.cfg.layout == "thd" and fw.cfg.has_sinks
+        assert same(fw.args[4], cu_q) and same(fw.args[5], cu_k)
+        assert same(o, fw.args[9])
+        assert lse.shape == (4, q.shape[0]) and torch.all(lse == 7.0)
+        assert lse.data_ptr() == fw.args[10].data_ptr()  # a view of the kernel's lse, not a copy
+        grads = torch.autograd.grad(o, leaves, do)
+        assert [x.kind for x in launches] == ["fwd", "preprocess", "bwd", "postprocess"]
+        pre = launches[1]
+        lse_padded = fw.args[10]
+        assert same(pre.args[4], lse_padded)  # the forward's padded lse, its padding rows zeroed
+        assert torch.all(pre.seen[4][:, : q.shape[0]] == 7.0) and torch.all(pre.seen[4][:, q.shape[0]:] == 0)
+        assert same(grads[0], launches[-1].args[1])
+        assert same(grads[1], launches[2].args[-2]) and same(grads[2], launches[2].args[-1])
+        assert grads[3].dtype == torch.bfloat16 and grads[3].shape == (4,)
+    # the scoped kernels are gone: the ops' CPU implementation is the reference again
+    n = len(launches)
+    custom_ops.kernel_attention_varlen(spec, *leaves[:3], cu_q, cu_k, leaves[3])
+    assert len(launches) == n

@@ -7,10 +7,11 @@ CUDA: the GPU is first kept busy with ``torch.cuda._sleep`` (longer than the mea
 so the wall time of N calls is the host's alone (launches only queue); then the same calls
 back to back with a sync give the GPU time per call for comparison.
 
---cpu: the CUDA path (validation, ``kernel_attention``, the ``flashsink::fwd`` / ``bwd``
-custom ops with their CUDA implementations registered for CPU tensors, ``interface`` /
-``varlen``) runs on CPU tensors with every kernel a no-op (the kernel cache answers a no-op
-for every key) and the architecture reported as sm_90a. CPU allocations and fills cost less
+--cpu: the CUDA path (validation, ``kernel_attention`` / ``kernel_attention_varlen``, the
+``flashsink::fwd`` / ``bwd`` / ``varlen_fwd`` / ``varlen_bwd`` custom ops with their CUDA
+implementations registered for CPU tensors, ``interface`` / ``varlen``) runs on CPU tensors
+with every kernel a no-op (the kernel cache answers a no-op for every key) and the
+architecture reported as sm_90a. CPU allocations and fills cost less
 than CUDA ones (no launch), so this measures the Python part, not the whole host time.
 
 Prints the minimum (and median) over ``--repeats`` of the mean over ``--iters`` calls, in microseconds:
@@ -49,6 +50,8 @@ def _fake_cuda():
     _noop_kernels()
     custom_ops.fwd.register_kernel("cpu")(lambda *a: custom_ops._fwd_cuda(*a))
     custom_ops.bwd.register_kernel("cpu")(lambda *a: custom_ops._bwd_cuda(*a))
+    custom_ops.varlen_fwd.register_kernel("cpu")(lambda *a: custom_ops._varlen_fwd_cuda(*a))
+    custom_ops.varlen_bwd.register_kernel("cpu")(lambda *a: custom_ops._varlen_bwd_cuda(*a))
 
 
 def _calls(device: str, b, h, hk, n, d, window, dtype, varlen_seqs: int):
@@ -75,13 +78,14 @@ def _calls(device: str, b, h, hk, n, d, window, dtype, varlen_seqs: int):
             def attn(q, k, v, s):
                 return flashsink.attention(q, k, v, s, window=window)
     else:  # api.attention's CUDA branch (q.is_cuda is False here)
-        from flashsink.ops.varlen import kernel_attention_varlen
+        from flashsink.ops.custom_ops import kernel_attention_varlen
 
         def attn(q, k, v, s):
             if varlen_seqs:
                 spec = api.validate_varlen(q, k, v, cu, cu, m, m, s, window=window, causal=True, scale=None)
                 api._check_deterministic(False)
-                return kernel_attention_varlen(spec, q, k, v, cu, cu, s)
+                # pad_head_dims: as on CUDA (its default there is q.is_cuda)
+                return kernel_attention_varlen(spec, q, k, v, cu, cu, s, pad_head_dims=True)
             spec = api.validate_attention(q, k, v, s, window=window, causal=True, scale=None, layout="bhsd")
             api._check_deterministic(False)
             return api.kernel_attention(spec, q, k, v, s)
