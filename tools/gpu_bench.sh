@@ -9,6 +9,7 @@
 set -uo pipefail
 dest=${OUT:-gpu-out}
 mkdir -p "$dest" bench-results
+out_merged="$dest/merged.txt"
 export TILELANG_CACHE_DIR=${TILELANG_CACHE_DIR:-$PWD/.tlcache}
 export FLASHSINK_CACHE_DIR=${FLASHSINK_CACHE_DIR:-$PWD/.fscache}
 export PYTHONUNBUFFERED=1
@@ -25,6 +26,7 @@ if [ -n "${PROFILE:-}" ]; then
   timeout ${PROFILE_TIMEOUT_S:-120} python -m flashsink bench --systems flashsink --preset gptoss-full --seq 8192 --mode fwd+bwd --profile \
     --no-gate2 2>>"$dest/bench-progress.log" | tee -a "$dest/profile.txt"
 fi
-cp bench-results/*.json "$dest/" 2>/dev/null
-python tools/bench_merge.py --plot "$dest/bench.png" bench-results/*.json > "$dest/merged.txt" 2>&1
-grep -A 60 "^summary" "$dest/merged.txt"
+# the device brings back at most 8 files: the JSONs travel in one archive
+tar -czf "$dest/bench-json.tgz" bench-results/*.json 2>/dev/null
+python tools/bench_merge.py --plot "$dest/bench.png" bench-results/*.json > "$out_merged" 2>&1
+grep -A 60 "^summary" "$out_merged"
