@@ -9,7 +9,6 @@
 set -uo pipefail
 dest=${OUT:-gpu-out}
 mkdir -p "$dest" bench-results
-out_merged="$dest/merged.txt"
 export TILELANG_CACHE_DIR=${TILELANG_CACHE_DIR:-$PWD/.tlcache}
 export FLASHSINK_CACHE_DIR=${FLASHSINK_CACHE_DIR:-$PWD/.fscache}
 export PYTHONUNBUFFERED=1
@@ -28,5 +27,5 @@ if [ -n "${PROFILE:-}" ]; then
 fi
 # the device brings back at most 8 files: the JSONs travel in one archive
 tar -czf "$dest/bench-json.tgz" bench-results/*.json 2>/dev/null
-python tools/bench_merge.py --plot "$dest/bench.png" bench-results/*.json > "$out_merged" 2>&1
-grep -A 60 "^summary" "$out_merged"
+python tools/bench_merge.py --plot "$dest/bench.png" bench-results/*.json > "$dest/merged.txt" 2>&1
+grep -A 60 "^summary" "$dest/merged.txt"

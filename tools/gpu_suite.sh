@@ -23,9 +23,9 @@ export PYTHONUNBUFFERED=1
 stop_at=${STOP_AT:-570}
 left() { local l=$((stop_at - SECONDS)); echo $(( l > 5 ? l : 5 )); }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv > "$out/gpu.txt"
-# the device's copy of the tree may carry a stale HEAD: pass COMMIT=$(git rev-parse HEAD) from here
-echo "${COMMIT:-$(git rev-parse HEAD 2>/dev/null)}" > "$out/commit.txt"
-export FLASHSINK_COMMIT=$(cat "$out/commit.txt")  # the bench header's commit
+# the device's copy of the tree may carry a stale HEAD: pass FLASHSINK_COMMIT=$(git rev-parse HEAD)
+# from here (the variable the bench header already reads)
+echo "${FLASHSINK_COMMIT:-$(git rev-parse HEAD 2>/dev/null)}" > "$out/commit.txt"
 
 # The other GPU tests (torch.compile, Hugging Face, inputs) build kernels of their own: run them
 # once with every kernel launch recorded instead of compiled (in parallel with the suite matrix's
