@@ -16,6 +16,8 @@ import torch
 #: Ampere and Ada (sm_86/sm_89 run sm_80 code).
 SUPPORTED_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90a")
 SUPPORTED_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+#: ``precision=`` values: "fast" (the default) and "strict" (README, "Precision modes")
+PRECISIONS = ("fast", "strict")
 MAX_HEAD_DIM = 256
 #: Head dims with tiles of their own; other multiples of 16 run zero-padded to the next one.
 NATIVE_HEAD_DIMS = (32, 64, 128, 256)
@@ -39,6 +41,9 @@ class KernelConfig:
     has_sinks: bool
     layout: str  # "bhsd", "bshd" or "thd" (packed varlen, cu_seqlens at runtime)
     deterministic: bool = False
+    # "fast": single-term fp16/bf16 products and Delta = rowsum(dO * O) (FA4/FLA/flex's error class);
+    # "strict": two-term products and Delta from P * dP (the seed's precision standard)
+    precision: str = "strict"
 
     @property
     def hopper(self) -> bool:
@@ -51,8 +56,9 @@ class KernelConfig:
         w = "causal" if self.causal else "full"
         s = "sink" if self.has_sinks else "nosink"
         det = "-det" if self.deterministic else ""
+        fast = "-fast" if self.precision == "fast" else ""
         return (
-            f"{self.arch}-{self.dtype}-D{self.head_dim}x{self.head_dim_v}-G{self.groups}-{w}-{s}-{self.layout}{det}"
+            f"{self.arch}-{self.dtype}-D{self.head_dim}x{self.head_dim_v}-G{self.groups}-{w}-{s}-{self.layout}{det}{fast}"
         )
 
 
