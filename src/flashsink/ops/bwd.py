@@ -8,16 +8,18 @@ FlashAttention's::
 
 and the sink gets ``dsink[h] = -sum_rows exp(sink[h] - lse) * Delta``.
 
-- ``build_preprocess``: Delta per row, as ``rowsum(P * dP)`` in fp32 (see there why),
-  minus any gradient flowing into lse; and, in the same pass, the sink gradient (one
-  fp32 atomic per program, or per-program partials summed in order when deterministic).
+- ``build_preprocess``: Delta per row minus any gradient flowing into lse; and, in the same
+  pass, the sink gradient (one fp32 atomic per program, or per-program partials summed in
+  order when deterministic). Strict: Delta = ``rowsum(P * dP)`` recomputed in fp32 (see
+  there why); fast: ``rowsum(dO * O)`` from the saved output, a memory-bound pass.
 - ``build_bwd``: KV-stationary. One program per (KV block, KV head, batch) keeps its K/V
   tile and its dK/dV accumulators on chip and streams the query tiles of *every* query
   head of its GQA group through them, recomputing P and dS from ``lse``: no GM
   workspace, no dK/dV atomics, no ``[B, H, N, D]`` fp32 buffers for dK/dV. dQ tiles
   are added in fp32 into a row-padded accumulator (atomics), or skipped when
-  deterministic. The products with P and dS are two-term (``split.py``) so the
-  gradients meet the precision standard.
+  deterministic. Strict: the products with P and dS are two-term (``split.py``) so the
+  gradients meet the precision standard (8 MMAs per tile); fast: P and dS are rounded
+  once to the input dtype, as FlashAttention does (5 MMAs per tile).
 - ``build_dq``: the deterministic dQ pass (query-stationary, no atomics).
 - ``build_postprocess``: casts the fp32 dQ accumulator into dQ in the input layout.
 """
@@ -25,7 +27,7 @@ and the sink gets ``dsink[h] = -sum_rows exp(sink[h] - lse) * Delta``.
 import tilelang.language as T
 
 from .block_range import kv_blocks_for_rows, row_blocks_for_keys
-from .config import ROW_BLOCK, KernelConfig, bwd_tiles, dq_tiles, pre_tiles
+from .config import ROW_BLOCK, KernelConfig, bwd_dq_bulk, bwd_tiles, dq_tiles, pre_tiles
 from .layout import prologue_load, qkv_shapes, sequence, stat_at, stat_shape, stat_tile, store_rows, store_stat, tile
 from .mask import visible
 from .softmax import LOG2E
@@ -47,7 +49,121 @@ def probs_and_grads(q_s, do_s, k_s, v_s, lse, p, dp, row0, key0, seq_q, seq_kv, 
         )
 
 
+@T.macro
+def product(a, hi, lo, b_s, acc, rows: int, cols: int, fast: bool):
+    """``acc += a @ b_s`` for an fp32 fragment ``a`` ``[rows, cols]``: rounded once to the input
+    dtype (fast), or as the two-term ``hi + lo`` (strict, ``split.py``). ``hi`` keeps the
+    rounded ``a`` afterwards (the dQ product reuses it)."""
+    if fast:
+        T.copy(a, hi)
+        T.gemm(hi, b_s, acc, policy=T.GemmWarpPolicy.FullRow)
+    else:
+        split(a, hi, lo, rows, cols)
+        T.gemm(hi, b_s, acc, policy=T.GemmWarpPolicy.FullRow)
+        T.gemm(lo, b_s, acc, policy=T.GemmWarpPolicy.FullRow)
+
+
 def build_preprocess(cfg: KernelConfig):
+    """Delta and the sink gradient: from P and dP (strict) or from O and dO (fast)."""
+    if cfg.precision == "fast":
+        return _build_preprocess_fast(cfg)
+    return _build_preprocess_strict(cfg)
+
+
+@T.macro
+def _sink_grad(Sinks, lse, delta, contrib, total, head, b, bx, row0, sq, dSinkAcc, dSinkPart, deterministic: bool):
+    """dsink[head] += -sum_rows exp(sink - lse) * Delta over this program's rows (< sq): one
+    atomic, or (deterministic) the program's partial, summed on the host in a fixed order."""
+    for i in T.Parallel(contrib.shape[0]):
+        contrib[i] = T.if_then_else(row0 + i < sq, -T.exp2((Sinks[head] - lse[i]) * LOG2E) * delta[i], 0.0)
+    T.reduce_sum(contrib, total, dim=0)
+    tx = T.get_thread_binding(0)
+    if tx == 0:
+        if deterministic:
+            dSinkPart[b, head, bx] = total[0]
+        else:
+            T.atomic_add(dSinkAcc[head], total[0])
+
+
+def _build_preprocess_fast(cfg: KernelConfig):
+    """Delta = rowsum(dO * O) - dlse from the saved output (fast mode), and the sink gradient.
+
+    Memory-bound: one read of O and dO. O carries its rounding to fp16/bf16 into
+    ``dP - Delta`` (FlashAttention's choice; the strict preprocess avoids it).
+    """
+    t = pre_tiles(cfg)
+    bm = t.block_m
+    dim_v, layout = cfg.head_dim_v, cfg.layout
+    dtype, accum = cfg.dtype, "float32"
+    batch, heads, seq_q, rows_pad, n_part = T.dynamic("batch, heads, seq_q, rows_pad, n_part")
+    o_shape = qkv_shapes(layout, batch, heads, heads, seq_q, seq_q, dim_v, dim_v)[0]
+    st_shape = stat_shape(layout, batch, heads, rows_pad)
+
+    @T.macro
+    def body(O, dO, LSE, dLSE, Sinks, CuQ, Delta, dSinkAcc, dSinkPart, m_tiles, n_seqs):
+        with T.Kernel(m_tiles, heads, n_seqs, threads=t.threads) as (bx, head, b):
+            o = T.alloc_fragment([bm, dim_v], dtype)
+            do = T.alloc_fragment([bm, dim_v], dtype)
+            prod = T.alloc_fragment([bm, dim_v], accum)
+            lse = T.alloc_fragment([bm], accum)
+            delta = T.alloc_fragment([bm], accum)
+            contrib = T.alloc_fragment([bm], accum)
+            total = T.alloc_fragment([1], accum)
+
+            q_base, sq = sequence(layout, CuQ, b, seq_q)
+            row0 = bx * bm
+            T.copy(tile(O, layout, b, head, q_base + row0, bm), o)
+            T.copy(tile(dO, layout, b, head, q_base + row0, bm), do)
+            for i, j in T.Parallel(bm, dim_v):
+                prod[i, j] = T.Cast(accum, o[i, j]) * T.Cast(accum, do[i, j])
+            T.reduce_sum(prod, delta, dim=1)
+            # A gradient flowing into lse folds into Delta: dS = P * (dP - (Delta - dlse)).
+            for i in T.Parallel(bm):
+                delta[i] -= stat_at(dLSE, layout, b, head, q_base + row0 + i)
+            store_stat(Delta, layout, b, head, q_base, row0, sq, delta, bm)
+            if cfg.has_sinks:
+                T.copy(stat_tile(LSE, layout, b, head, q_base + row0, bm), lse)
+                _sink_grad(Sinks, lse, delta, contrib, total, head, b, bx, row0, sq, dSinkAcc, dSinkPart,
+                           cfg.deterministic)
+
+    if layout == "thd":
+        n_cu = T.dynamic("n_cu")
+
+        @T.prim_func
+        def flashsink_bwd_preprocess_fast_varlen(
+            O: T.Tensor(o_shape, dtype),
+            dO: T.Tensor(o_shape, dtype),
+            LSE: T.Tensor(st_shape, accum),
+            dLSE: T.Tensor(st_shape, accum),
+            Sinks: T.Tensor([heads], accum),
+            CuQ: T.Tensor([n_cu], "int32"),
+            CuK: T.Tensor([n_cu], "int32"),
+            max_seqlen_q: T.int32,
+            Delta: T.Tensor(st_shape, accum),
+            dSinkAcc: T.Tensor([heads], accum),
+            dSinkPart: T.Tensor([batch, heads, n_part], accum),
+        ):
+            body(O, dO, LSE, dLSE, Sinks, CuQ, Delta, dSinkAcc, dSinkPart, T.ceildiv(max_seqlen_q, bm), n_cu - 1)
+
+        return flashsink_bwd_preprocess_fast_varlen
+
+    @T.prim_func
+    def flashsink_bwd_preprocess_fast(
+        O: T.Tensor(o_shape, dtype),
+        dO: T.Tensor(o_shape, dtype),
+        LSE: T.Tensor(st_shape, accum),
+        dLSE: T.Tensor(st_shape, accum),
+        Sinks: T.Tensor([heads], accum),
+        Delta: T.Tensor(st_shape, accum),
+        dSinkAcc: T.Tensor([heads], accum),
+        dSinkPart: T.Tensor([batch, heads, n_part], accum),
+    ):
+        body(O, dO, LSE, dLSE, Sinks, None, Delta, dSinkAcc, dSinkPart, T.ceildiv(seq_q, bm), batch)
+
+    return flashsink_bwd_preprocess_fast
+
+
+def _build_preprocess_strict(cfg: KernelConfig):
     """Delta = rowsum(P * dP) (= rowsum(dO * O) exactly), and the sink gradient.
 
     Query-stationary like the forward: each program recomputes P and dP = dO V^T for its
@@ -107,16 +223,8 @@ def build_preprocess(cfg: KernelConfig):
                 delta[i] -= stat_at(dLSE, layout, b, head, q_base + row0 + i)
             store_stat(Delta, layout, b, head, q_base, row0, sq, delta, bm)
             if cfg.has_sinks:
-                # dsink = -sum_rows exp(sink - lse) * Delta
-                for i in T.Parallel(bm):
-                    contrib[i] = T.if_then_else(row0 + i < sq, -T.exp2((Sinks[head] - lse[i]) * LOG2E) * delta[i], 0.0)
-                T.reduce_sum(contrib, total, dim=0)
-                tx = T.get_thread_binding(0)
-                if tx == 0:
-                    if cfg.deterministic:
-                        dSinkPart[b, head, bx] = total[0]
-                    else:
-                        T.atomic_add(dSinkAcc[head], total[0])
+                _sink_grad(Sinks, lse, delta, contrib, total, head, b, bx, row0, sq, dSinkAcc, dSinkPart,
+                           cfg.deterministic)
 
     if layout == "thd":
         n_cu = T.dynamic("n_cu")
@@ -165,8 +273,16 @@ def build_preprocess(cfg: KernelConfig):
     return flashsink_bwd_preprocess
 
 
-def build_bwd(cfg: KernelConfig):
-    t = bwd_tiles(cfg)
+def build_bwd(cfg: KernelConfig, tiles=None, dq_bulk=None, overlap=None):
+    """The main backward. The options default to the tile table's choices and exist for
+    tools/bwd_variants.py, which times alternatives: ``tiles`` (``bwd_tiles(cfg)``); ``dq_bulk``,
+    dQ tiles added by one bulk (TMA) reduce-add from shared memory instead of per-thread atomics
+    (Hopper); ``overlap``, the S^T and dP^T products issued asynchronously back to back, P
+    computed while the second runs (Hopper wgmma)."""
+    t = tiles or bwd_tiles(cfg)
+    dq_bulk = bwd_dq_bulk(cfg) if dq_bulk is None else dq_bulk
+    overlap = False if overlap is None else overlap
+    dq_ann = {"use_tma": 1} if dq_bulk else None
     bm, bn = t.block_m, t.block_n  # bm query rows stream past bn resident keys
     dim, dim_v, groups, layout = cfg.head_dim, cfg.head_dim_v, cfg.groups, cfg.layout
     dtype, accum = cfg.dtype, "float32"
@@ -176,6 +292,7 @@ def build_bwd(cfg: KernelConfig):
     st_shape = stat_shape(layout, batch, heads, rows_pad)
     acc_shape = st_shape + [dim]
     with_dq = not cfg.deterministic
+    fast = cfg.precision == "fast"
     # Packed rows start anywhere, and the bulk tensor copy faults on a row statistic whose
     # first element is not 16-byte aligned (the row is the innermost dim there), so packed
     # batches read lse and Delta straight from global memory where they are used.
@@ -192,15 +309,16 @@ def build_bwd(cfg: KernelConfig):
             delta_s = T.alloc_shared([bm], accum)
             pT = T.alloc_fragment([bn, bm], accum)  # P^T (this key tile x this query tile), then dS^T
             dpT = T.alloc_fragment([bn, bm], accum)  # dP^T
-            hi = T.alloc_fragment([bn, bm], dtype)  # two-term split of P^T, then of dS^T
-            lo = T.alloc_fragment([bn, bm], dtype)
+            hi = T.alloc_fragment([bn, bm], dtype)  # P^T, then dS^T, rounded (strict: the split's hi)
             dk = T.alloc_fragment([bn, dim], accum)
             dv = T.alloc_fragment([bn, dim_v], accum)
             dk_s = T.alloc_shared([bn, dim], dtype)
             dv_s = T.alloc_shared([bn, dim_v], dtype)
+            lo = None if fast else T.alloc_fragment([bn, bm], dtype)  # the split's lo
             if with_dq:
                 ds_hi_s = T.alloc_shared([bn, bm], dtype)
-                ds_lo_s = T.alloc_shared([bn, bm], dtype)
+                if not fast:
+                    ds_lo_s = T.alloc_shared([bn, bm], dtype)
                 dq = T.alloc_fragment([bm, dim], accum)
                 dq_s = T.alloc_shared([bm, dim], accum)
 
@@ -224,21 +342,29 @@ def build_bwd(cfg: KernelConfig):
                 T.copy(tile(Q, layout, b, head, q_base + row0, bm), q_s)
                 if not packed:
                     T.copy(stat_tile(LSE, layout, b, head, row0, bm), lse_s)
-                T.clear(pT)
-                T.gemm(k_s, q_s, pT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                if overlap:
+                    # S^T and dP^T issued back to back; P is computed while dP^T runs
+                    T.copy(tile(dO, layout, b, head, q_base + row0, bm), do_s)
+                    T.wgmma_gemm(k_s, q_s, pT, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                    T.wgmma_gemm(v_s, do_s, dpT, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                    T.wait_wgmma(1)
+                else:
+                    T.clear(pT)
+                    T.gemm(k_s, q_s, pT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
                 for i, j in T.Parallel(bn, bm):
                     pT[i, j] = T.if_then_else(
                         visible(row0 + j, key0 + i, sq, sk, window, cfg.causal),
                         T.exp2(pT[i, j] * scale_log2 - (LSE[head, q_base + row0 + j] if packed else lse_s[j]) * LOG2E),
                         0.0,
                     )
-                T.copy(tile(dO, layout, b, head, q_base + row0, bm), do_s)
-                T.clear(dpT)
-                T.gemm(v_s, do_s, dpT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-                # dV += P^T dO, as hi + lo
-                split(pT, hi, lo, bn, bm)
-                T.gemm(hi, do_s, dv, policy=T.GemmWarpPolicy.FullRow)
-                T.gemm(lo, do_s, dv, policy=T.GemmWarpPolicy.FullRow)
+                if overlap:
+                    T.wait_wgmma(0)
+                else:
+                    T.copy(tile(dO, layout, b, head, q_base + row0, bm), do_s)
+                    T.clear(dpT)
+                    T.gemm(v_s, do_s, dpT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                # dV += P^T dO (strict: as hi + lo)
+                product(pT, hi, lo, do_s, dv, bn, bm, fast)
                 if not packed:
                     T.copy(stat_tile(Delta, layout, b, head, row0, bm), delta_s)
                 for i, j in T.Parallel(bn, bm):
@@ -249,22 +375,21 @@ def build_bwd(cfg: KernelConfig):
                         pT[i, j] * (dpT[i, j] - (Delta[head, q_base + row0 + j] if packed else delta_s[j])) * scale,
                         0.0,
                     )
-                # dK += dS^T Q, as hi + lo
-                split(pT, hi, lo, bn, bm)
-                T.gemm(hi, q_s, dk, policy=T.GemmWarpPolicy.FullRow)
-                T.gemm(lo, q_s, dk, policy=T.GemmWarpPolicy.FullRow)
+                # dK += dS^T Q (strict: as hi + lo)
+                product(pT, hi, lo, q_s, dk, bn, bm, fast)
                 if with_dq:
                     # dQ = dS K for this tile, added into the fp32 accumulator
                     T.copy(hi, ds_hi_s)
-                    T.copy(lo, ds_lo_s)
                     T.clear(dq)
                     T.gemm(ds_hi_s, k_s, dq, transpose_A=True, policy=T.GemmWarpPolicy.FullRow)
-                    T.gemm(ds_lo_s, k_s, dq, transpose_A=True, policy=T.GemmWarpPolicy.FullRow)
+                    if not fast:
+                        T.copy(lo, ds_lo_s)
+                        T.gemm(ds_lo_s, k_s, dq, transpose_A=True, policy=T.GemmWarpPolicy.FullRow)
                     T.copy(dq, dq_s)
                     if layout == "thd":
-                        T.atomic_add(dQAcc[head, q_base + row0 : q_base + row0 + bm, :], dq_s)
+                        T.atomic_add(dQAcc[head, q_base + row0 : q_base + row0 + bm, :], dq_s, annotations=dq_ann)
                     else:
-                        T.atomic_add(dQAcc[b, head, row0 : row0 + bm, :], dq_s)
+                        T.atomic_add(dQAcc[b, head, row0 : row0 + bm, :], dq_s, annotations=dq_ann)
 
             T.copy(dk, dk_s)
             T.copy(dv, dv_s)
@@ -358,6 +483,7 @@ def build_bwd(cfg: KernelConfig):
 
 def build_dq(cfg: KernelConfig):
     """Deterministic dQ: each program owns a query tile and loops over its KV blocks."""
+    fast = cfg.precision == "fast"
     t = dq_tiles(cfg)
     bm, bn = t.block_m, t.block_n
     dim, dim_v, groups, layout = cfg.head_dim, cfg.head_dim_v, cfg.groups, cfg.layout
@@ -379,7 +505,7 @@ def build_dq(cfg: KernelConfig):
             p = T.alloc_fragment([bm, bn], accum)  # P, then dS
             dp = T.alloc_fragment([bm, bn], accum)
             ds_hi = T.alloc_fragment([bm, bn], dtype)
-            ds_lo = T.alloc_fragment([bm, bn], dtype)
+            ds_lo = None if fast else T.alloc_fragment([bm, bn], dtype)
             dq = T.alloc_fragment([bm, dim], accum)
             dq_s = T.alloc_shared([bm, dim], dtype)
 
@@ -406,9 +532,7 @@ def build_dq(cfg: KernelConfig):
                         p[i, j] * (dp[i, j] - delta[i]) * scale,
                         0.0,
                     )  # dS
-                split(p, ds_hi, ds_lo, bm, bn)
-                T.gemm(ds_hi, k_s, dq, policy=T.GemmWarpPolicy.FullRow)
-                T.gemm(ds_lo, k_s, dq, policy=T.GemmWarpPolicy.FullRow)
+                product(p, ds_hi, ds_lo, k_s, dq, bm, bn, fast)
             T.copy(dq, dq_s)
             store_rows(dQ, layout, b, head, q_base, row0, sq, dq_s, bm, dim)
 

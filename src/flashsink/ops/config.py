@@ -101,8 +101,17 @@ def bwd_tiles(cfg: KernelConfig) -> Tiles:
     return Tiles(32, 64, 128, 1)
 
 
+def bwd_dq_bulk(cfg: KernelConfig) -> bool:
+    """Whether the main backward adds its dQ tiles with one bulk (TMA) reduce-add from shared
+    memory instead of per-thread fp32 atomics (Hopper only)."""
+    return False
+
+
 def pre_tiles(cfg: KernelConfig) -> Tiles:
-    """Backward preprocess (Delta from P and dP, query-stationary)."""
+    """Backward preprocess: strict, Delta from P and dP (query-stationary); fast, from O and dO
+    (elementwise, ``block_n`` unused)."""
+    if cfg.precision == "fast":
+        return Tiles(ROW_BLOCK, ROW_BLOCK, 128, 1)
     d = max(cfg.head_dim, cfg.head_dim_v)
     if cfg.hopper and d <= 128:
         return Tiles(128, 64, 256, 2)
