@@ -31,18 +31,21 @@ H, HK = 64, 8
 
 
 def _variants(d: int) -> list:
-    """(label, Tiles fields, dq_bulk, overlap) of the fast main backward for head dim ``d``."""
-    out = [("64x128/256/s2", (64, 128, 256, 2), False, False),
-           ("64x128/256/s2/bulk", (64, 128, 256, 2), True, False),
-           ("64x128/256/s2/overlap", (64, 128, 256, 2), False, True),
-           ("64x128/256/s2/bulk+overlap", (64, 128, 256, 2), True, True),
-           ("64x128/256/s1", (64, 128, 256, 1), False, False),
-           ("32x128/256/s2", (32, 128, 256, 2), False, False),
-           ("64x64/128/s2", (64, 64, 128, 2), False, False)]
+    """(label, Tiles fields, (dq_bulk, overlap, split)) of the fast main backward for head dim ``d``."""
+    t = (64, 128, 256, 2)
+    out = [("64x128/s2", t, (False, False, 1)),
+           ("64x128/s2/bulk", t, (True, False, 1)),
+           ("64x128/s2/overlap", t, (False, True, 1)),
+           ("64x128/s2/split2", t, (False, False, 2)),
+           ("64x128/s2/split4", t, (False, False, 4)),
+           ("64x128/s2/split8", t, (False, False, 8)),
+           ("64x128/s2/split4/bulk+overlap", t, (True, True, 4)),
+           ("64x128/s2/split8/bulk+overlap", t, (True, True, 8)),
+           ("64x128/s1/split4", (64, 128, 256, 1), (False, False, 4)),
+           ("32x128/s2/split4", (32, 128, 256, 2), (False, False, 4))]
     if d <= 64:
-        out += [("128x128/256/s2", (128, 128, 256, 2), False, False),
-                ("128x128/256/s2/bulk+overlap", (128, 128, 256, 2), True, True),
-                ("128x128/256/s1", (128, 128, 256, 1), False, False)]
+        out += [("128x128/s2/split4", (128, 128, 256, 2), (False, False, 4)),
+                ("128x128/s2/split8/bulk+overlap", (128, 128, 256, 2), (True, True, 8))]
     return out
 
 
@@ -61,7 +64,7 @@ def _func(job):
     kind, dtype, d, precision, tiles, opts = job
     cfg = _cfg(dtype, d, precision)
     if kind == "bwd-variant":
-        return bwd.build_bwd(cfg, tiles=Tiles(*tiles), dq_bulk=opts[0], overlap=opts[1])
+        return bwd.build_bwd(cfg, tiles=Tiles(*tiles), dq_bulk=opts[0], overlap=opts[1], split=opts[2])
     return build_prim_func(kind, cfg)
 
 
@@ -95,8 +98,8 @@ def main() -> int:
         for kind in ("fwd", "preprocess", "bwd", "postprocess"):
             for prec in ("fast", "strict") if kind in ("preprocess", "bwd") else ("fast",):
                 jobs.append((kind, dtype, d, prec, None, None))
-        for _, tiles, bulk, overlap in () if args.profile_run else _variants(d):
-            jobs.append(("bwd-variant", dtype, d, "fast", tiles, (bulk, overlap)))
+        for _, tiles, opts in () if args.profile_run else _variants(d):
+            jobs.append(("bwd-variant", dtype, d, "fast", tiles, opts))
     jobs = list(dict.fromkeys(jobs))
     t0 = time.perf_counter()
     print(f"compiling {len(jobs)} kernels with {args.jobs} processes ...", file=sys.stderr, flush=True)
@@ -145,7 +148,7 @@ def main() -> int:
         kern("fwd", "fast")(q, k, v, sinks, win, scale * LOG2E, o, lse)
         row = {"problem": name, "kernels": {}, "errors": {str(j): e for j, e in errors.items() if j[1:3] == (dtype_name, d)}}
 
-        def backward(prec, main):
+        def backward(prec, main, split=1):
             acc = torch.zeros(1, H, rows, d, dtype=torch.float32, device="cuda")
             dlse = torch.zeros(1, H, rows, dtype=torch.float32, device="cuda")
             delta = torch.empty(1, H, rows, dtype=torch.float32, device="cuda")
@@ -156,8 +159,15 @@ def main() -> int:
             else:
                 kern("preprocess", prec)(q, k, v, do, lse, dlse, sinks, win, scale, delta, dsink, part)
             dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-            main(q, k, v, do, lse, delta, win, scale, acc, dk, dv)
-            kern("postprocess", "fast")(acc, dq)
+            post = kern("postprocess", "fast")
+            if split > 1:
+                dkv = torch.zeros(2, 1, HK, rows, d, dtype=torch.float32, device="cuda")
+                main(q, k, v, do, lse, delta, win, scale, acc, dkv[0], dkv[1])
+                post(dkv[0], dk)
+                post(dkv[1], dv)
+            else:
+                main(q, k, v, do, lse, delta, win, scale, acc, dk, dv)
+            post(acc, dq)
             return dq, dk, dv, dsink
 
         if args.profile_run:
@@ -183,15 +193,21 @@ def main() -> int:
         row["kernels"]["postprocess"] = do_bench(lambda: kern("postprocess", "fast")(acc, dq), return_mode="median")
         row["kernels"]["zero fill"] = do_bench(lambda: acc.zero_(), return_mode="median")
         row["kernels"]["main (strict)"] = do_bench(lambda: kern("bwd", "strict")(q, k, v, do, lse, delta, win, scale, acc, dk, dv), return_mode="median")
-        for label, tiles, bulk, overlap in [("default*", None, None, None)] + _variants(d):
-            main = kern("bwd", "fast") if tiles is None else kern("bwd-variant", "fast", tiles, (bulk, overlap))
+        dkv = torch.zeros(2, 1, HK, rows, d, dtype=torch.float32, device="cuda")
+        for label, tiles, opts in [("default*", None, (None, None, 1))] + _variants(d):
+            main = kern("bwd", "fast") if tiles is None else kern("bwd-variant", "fast", tiles, opts)
             if main is None:
                 row["kernels"][f"main fast {label}"] = "compile failed"
                 continue
-            got = backward("fast", main)
+            split = opts[2]
+            got = backward("fast", main, split)
             errs = [float((g.double() - r.double()).norm() / r.double().norm()) for g, r in zip(got, ref)]
-            ms = do_bench(lambda: main(q, k, v, do, lse, delta, win, scale, acc, dk, dv), return_mode="median")
+            outs = (acc, dkv[0], dkv[1]) if split > 1 else (acc, dk, dv)
+            ms = do_bench(lambda: main(q, k, v, do, lse, delta, win, scale, *outs), return_mode="median")
+            total = do_bench(lambda: backward("fast", main, split), return_mode="median")
             row["kernels"][f"main fast {label}"] = ms
+            row["kernels"][f"  bwd total {label}"] = total
+            row["kernels"][f"  fwd+bwd TFLOP/s {label}"] = flops_fb / ((fwd_ms + total) * 1e-3) / 1e12
             row["kernels"][f"  relL2 vs strict dq/dk/dv/dsink {label}"] = " ".join(f"{e:.1e}" for e in errs)
         results.append(row)
         print(f"\n== {name}: {dtype_name} N={n} D={d} W={window} H={H}/{HK} (fwd+bwd {flops_fb / 1e12:.2f} TFLOP)")

@@ -27,8 +27,8 @@ and the sink gets ``dsink[h] = -sum_rows exp(sink[h] - lse) * Delta``.
 import tilelang.language as T
 
 from .block_range import kv_blocks_for_rows, row_blocks_for_keys
-from .config import ROW_BLOCK, KernelConfig, bwd_dq_bulk, bwd_tiles, dq_tiles, pre_tiles
-from .layout import prologue_load, qkv_shapes, sequence, stat_at, stat_shape, stat_tile, store_rows, store_stat, tile
+from .config import ROW_BLOCK, KernelConfig, bwd_dq_bulk, bwd_split, bwd_tiles, dq_tiles, pre_tiles
+from .layout import acc_tile, prologue_load, qkv_shapes, sequence, stat_at, stat_shape, stat_tile, store_rows, store_stat, tile
 from .mask import visible
 from .softmax import LOG2E
 from .split import split
@@ -273,24 +273,41 @@ def _build_preprocess_strict(cfg: KernelConfig):
     return flashsink_bwd_preprocess
 
 
-def build_bwd(cfg: KernelConfig, tiles=None, dq_bulk=None, overlap=None):
+def build_bwd(cfg: KernelConfig, tiles=None, dq_bulk=None, overlap=None, split=None):
     """The main backward. The options default to the tile table's choices and exist for
     tools/bwd_variants.py, which times alternatives: ``tiles`` (``bwd_tiles(cfg)``); ``dq_bulk``,
     dQ tiles added by one bulk (TMA) reduce-add from shared memory instead of per-thread atomics
     (Hopper); ``overlap``, the S^T and dP^T products issued asynchronously back to back, P
-    computed while the second runs (Hopper wgmma)."""
+    computed while the second runs (Hopper wgmma); ``split`` (``bwd_split(cfg)``), the query
+    heads of a GQA group shared out over that many programs per KV tile.
+
+    With ``split == 1`` a program streams every query head of its group, and dK/dV leave the chip
+    once, in the input dtype. With ``split > 1`` (more programs: a causal problem of 32 KV tiles
+    x 8 KV heads is 256 programs on 132 SMs otherwise) each program adds its share of dK/dV into
+    fp32 accumulators (``[.., rows_pad_kv, D]``, zeroed by the host) that the postprocess casts,
+    as it does for dQ: not bitwise reproducible, so deterministic configurations keep 1.
+    """
     t = tiles or bwd_tiles(cfg)
     dq_bulk = bwd_dq_bulk(cfg) if dq_bulk is None else dq_bulk
     overlap = False if overlap is None else overlap
+    split = bwd_split(cfg) if split is None else split
+    if cfg.groups % split or (split > 1 and (cfg.deterministic or cfg.head_dim != cfg.head_dim_v)):
+        raise ValueError(f"split={split} needs a divisor of groups={cfg.groups}, a non-deterministic "
+                         "configuration and head_dim == head_dim_v")
+    per_prog = cfg.groups // split  # query heads one program streams
     dq_ann = {"use_tma": 1} if dq_bulk else None
     bm, bn = t.block_m, t.block_n  # bm query rows stream past bn resident keys
     dim, dim_v, groups, layout = cfg.head_dim, cfg.head_dim_v, cfg.groups, cfg.layout
     dtype, accum = cfg.dtype, "float32"
-    batch, heads, seq_q, seq_kv, rows_pad = T.dynamic("batch, heads, seq_q, seq_kv, rows_pad")
+    batch, heads, seq_q, seq_kv, rows_pad, rows_pad_kv = T.dynamic("batch, heads, seq_q, seq_kv, rows_pad, rows_pad_kv")
     heads_kv = heads // groups
     q_shape, k_shape, v_shape, o_shape = qkv_shapes(layout, batch, heads, heads_kv, seq_q, seq_kv, dim, dim_v)
     st_shape = stat_shape(layout, batch, heads, rows_pad)
     acc_shape = st_shape + [dim]
+    dk_shape, dv_shape = k_shape, v_shape
+    if split > 1:  # dK, dV are fp32 accumulators with padded rows
+        dk_shape = dv_shape = stat_shape(layout, batch, heads_kv, rows_pad_kv) + [dim]
+    dkv_dtype = accum if split > 1 else dtype
     with_dq = not cfg.deterministic
     fast = cfg.precision == "fast"
     # Packed rows start anywhere, and the bulk tensor copy faults on a row statistic whose
@@ -300,7 +317,9 @@ def build_bwd(cfg: KernelConfig, tiles=None, dq_bulk=None, overlap=None):
 
     @T.macro
     def body(Q, K, V, dO, LSE, Delta, CuQ, CuK, window, scale, dQAcc, dK, dV, n_tiles, n_seqs):
-        with T.Kernel(n_tiles, heads_kv, n_seqs, threads=t.threads) as (bx, kv_head, b):
+        with T.Kernel(n_tiles, heads_kv * split, n_seqs, threads=t.threads) as (bx, hs, b):
+            kv_head = hs // split
+            head0 = kv_head * groups + (hs % split) * per_prog  # first query head of this program
             k_s = T.alloc_shared([bn, dim], dtype)
             v_s = T.alloc_shared([bn, dim_v], dtype)
             q_s = T.alloc_shared([bm, dim], dtype)
@@ -312,8 +331,8 @@ def build_bwd(cfg: KernelConfig, tiles=None, dq_bulk=None, overlap=None):
             hi = T.alloc_fragment([bn, bm], dtype)  # P^T, then dS^T, rounded (strict: the split's hi)
             dk = T.alloc_fragment([bn, dim], accum)
             dv = T.alloc_fragment([bn, dim_v], accum)
-            dk_s = T.alloc_shared([bn, dim], dtype)
-            dv_s = T.alloc_shared([bn, dim_v], dtype)
+            dk_s = T.alloc_shared([bn, dim], dkv_dtype)
+            dv_s = T.alloc_shared([bn, dim_v], dkv_dtype)
             lo = None if fast else T.alloc_fragment([bn, bm], dtype)  # the split's lo
             if with_dq:
                 ds_hi_s = T.alloc_shared([bn, bm], dtype)
@@ -334,10 +353,10 @@ def build_bwd(cfg: KernelConfig, tiles=None, dq_bulk=None, overlap=None):
             T.clear(dk)
             T.clear(dv)
 
-            # One flat loop over (query head of the group, query tile): dK/dV of this KV
-            # head accumulate across the whole group without leaving the chip.
-            for it in T.Pipelined(groups * n_rows, num_stages=t.stages):
-                head = kv_head * groups + it // n_rows
+            # One flat loop over (query head of this program's share of the group, query tile):
+            # dK/dV of this KV head accumulate across those heads without leaving the chip.
+            for it in T.Pipelined(per_prog * n_rows, num_stages=t.stages):
+                head = head0 + it // n_rows
                 row0 = (lo_blk + it % n_rows) * bm
                 T.copy(tile(Q, layout, b, head, q_base + row0, bm), q_s)
                 if not packed:
@@ -386,15 +405,17 @@ def build_bwd(cfg: KernelConfig, tiles=None, dq_bulk=None, overlap=None):
                         T.copy(lo, ds_lo_s)
                         T.gemm(ds_lo_s, k_s, dq, transpose_A=True, policy=T.GemmWarpPolicy.FullRow)
                     T.copy(dq, dq_s)
-                    if layout == "thd":
-                        T.atomic_add(dQAcc[head, q_base + row0 : q_base + row0 + bm, :], dq_s, annotations=dq_ann)
-                    else:
-                        T.atomic_add(dQAcc[b, head, row0 : row0 + bm, :], dq_s, annotations=dq_ann)
+                    T.atomic_add(acc_tile(dQAcc, layout, b, head, q_base + row0, bm), dq_s, annotations=dq_ann)
 
             T.copy(dk, dk_s)
             T.copy(dv, dv_s)
-            store_rows(dK, layout, b, kv_head, k_base, key0, sk, dk_s, bn, dim)
-            store_rows(dV, layout, b, kv_head, k_base, key0, sk, dv_s, bn, dim_v)
+            if split > 1:
+                # rows past the sequence hold exact zeros (their P and dS are selected to 0)
+                T.atomic_add(acc_tile(dK, layout, b, kv_head, k_base + key0, bn), dk_s)
+                T.atomic_add(acc_tile(dV, layout, b, kv_head, k_base + key0, bn), dv_s)
+            else:
+                store_rows(dK, layout, b, kv_head, k_base, key0, sk, dk_s, bn, dim)
+                store_rows(dV, layout, b, kv_head, k_base, key0, sk, dv_s, bn, dim_v)
 
     if layout == "thd":
         n_cu = T.dynamic("n_cu")
@@ -414,8 +435,8 @@ def build_bwd(cfg: KernelConfig, tiles=None, dq_bulk=None, overlap=None):
                 window: T.int32,
                 scale: T.float32,
                 dQAcc: T.Tensor(acc_shape, accum),
-                dK: T.Tensor(k_shape, dtype),
-                dV: T.Tensor(v_shape, dtype),
+                dK: T.Tensor(dk_shape, dkv_dtype),
+                dV: T.Tensor(dv_shape, dkv_dtype),
             ):
                 body(Q, K, V, dO, LSE, Delta, CuQ, CuK, window, scale, dQAcc, dK, dV,
                      T.ceildiv(max_seqlen_k, bn), n_cu - 1)
@@ -435,8 +456,8 @@ def build_bwd(cfg: KernelConfig, tiles=None, dq_bulk=None, overlap=None):
                 max_seqlen_k: T.int32,
                 window: T.int32,
                 scale: T.float32,
-                dK: T.Tensor(k_shape, dtype),
-                dV: T.Tensor(v_shape, dtype),
+                dK: T.Tensor(dk_shape, dkv_dtype),
+                dV: T.Tensor(dv_shape, dkv_dtype),
             ):
                 body(Q, K, V, dO, LSE, Delta, CuQ, CuK, window, scale, None, dK, dV,
                      T.ceildiv(max_seqlen_k, bn), n_cu - 1)
@@ -456,8 +477,8 @@ def build_bwd(cfg: KernelConfig, tiles=None, dq_bulk=None, overlap=None):
             window: T.int32,
             scale: T.float32,
             dQAcc: T.Tensor(acc_shape, accum),
-            dK: T.Tensor(k_shape, dtype),
-            dV: T.Tensor(v_shape, dtype),
+            dK: T.Tensor(dk_shape, dkv_dtype),
+            dV: T.Tensor(dv_shape, dkv_dtype),
         ):
             body(Q, K, V, dO, LSE, Delta, None, None, window, scale, dQAcc, dK, dV, T.ceildiv(seq_kv, bn), batch)
 
@@ -473,8 +494,8 @@ def build_bwd(cfg: KernelConfig, tiles=None, dq_bulk=None, overlap=None):
             Delta: T.Tensor(st_shape, accum),
             window: T.int32,
             scale: T.float32,
-            dK: T.Tensor(k_shape, dtype),
-            dV: T.Tensor(v_shape, dtype),
+            dK: T.Tensor(dk_shape, dkv_dtype),
+            dV: T.Tensor(dv_shape, dkv_dtype),
         ):
             body(Q, K, V, dO, LSE, Delta, None, None, window, scale, None, dK, dV, T.ceildiv(seq_kv, bn), batch)
 

@@ -107,6 +107,12 @@ def bwd_dq_bulk(cfg: KernelConfig) -> bool:
     return False
 
 
+def bwd_split(cfg: KernelConfig) -> int:
+    """Programs per (KV tile, KV head) in the main backward, each streaming ``groups / split`` query
+    heads (see ``bwd.build_bwd``); 1 keeps dK/dV on chip across the whole group."""
+    return 1
+
+
 def pre_tiles(cfg: KernelConfig) -> Tiles:
     """Backward preprocess: strict, Delta from P and dP (query-stationary); fast, from O and dO
     (elementwise, ``block_n`` unused)."""

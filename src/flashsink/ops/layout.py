@@ -72,6 +72,14 @@ def stat_tile(x, layout, b, h, r0, n):
     return x[b, h, r0 : r0 + n]
 
 
+def acc_tile(x, layout, b, h, r0, n):
+    """Rows ``r0 .. r0+n`` of an fp32 ``[.., rows_pad, D]`` accumulator (dQ; dK/dV when the main
+    backward splits a GQA group), for head ``h``."""
+    if layout == "thd":
+        return x[h, r0 : r0 + n, :]
+    return x[b, h, r0 : r0 + n, :]
+
+
 def stat_at(x, layout, b, h, r):
     """Row ``r`` of a statistic, for head ``h``."""
     return x[h, r] if layout == "thd" else x[b, h, r]
