@@ -99,7 +99,7 @@ def all_cases() -> list:
     return main_matrix() + named_cases() + extra_cases()
 
 
-def case_config(arch: str, c, *, layout=None, deterministic=False):
+def case_config(arch: str, c, *, layout=None, deterministic=False, precision="strict"):
     """The KernelConfig a case (``Case`` or ``VarlenCase``) runs with on ``arch``."""
     from flashsink.ops.config import SUPPORTED_DTYPES, KernelConfig
     from flashsink.ops.interface import _kernel_dim
@@ -107,17 +107,20 @@ def case_config(arch: str, c, *, layout=None, deterministic=False):
     return KernelConfig(
         arch=arch, dtype=SUPPORTED_DTYPES[c.dtype], head_dim=_kernel_dim(c.head_dim),
         head_dim_v=_kernel_dim(c.head_dim), groups=c.heads // c.kv_heads, causal=c.causal,
-        has_sinks=c.sinks, layout=layout or c.layout, deterministic=deterministic,
+        has_sinks=c.sinks, layout=layout or c.layout, deterministic=deterministic, precision=precision,
     )
 
 
 def kernel_configs(arch: str, cases=None):
-    """The KernelConfigs the cases need on ``arch`` (deterministic and varlen variants included)."""
-    return (
-        [case_config(arch, c) for c in cases or all_cases()]
-        + [case_config(arch, c, deterministic=True) for c in determinism_cases()]
-        + varlen_kernel_configs(arch)
-    )
+    """The KernelConfigs the cases need on ``arch`` in both precision modes (deterministic and
+    varlen variants included)."""
+    return [
+        cfg
+        for p in ("fast", "strict")
+        for cfg in [case_config(arch, c, precision=p) for c in cases or all_cases()]
+        + [case_config(arch, c, deterministic=True, precision=p) for c in determinism_cases()]
+        + varlen_kernel_configs(arch, p)
+    ]
 
 
 def determinism_cases() -> list:
@@ -176,5 +179,6 @@ def varlen_cases() -> list:
     ]
 
 
-def varlen_kernel_configs(arch: str) -> list:
-    return [case_config(arch, c, layout="thd", deterministic=c.deterministic) for c in varlen_cases()]
+def varlen_kernel_configs(arch: str, precision: str = "strict") -> list:
+    return [case_config(arch, c, layout="thd", deterministic=c.deterministic, precision=precision)
+            for c in varlen_cases()]

@@ -1,7 +1,9 @@
-"""The TileLang kernels on a CUDA GPU against the float64 reference, under the precision standard.
+"""The TileLang kernels on a CUDA GPU against the float64 reference, in both precision modes.
 
 Every output and gradient (o, lse, dq, dk, dv, dsink) of `flashsink.attention` is judged by
-`flashsink.testing.compare_all`. Outputs come from buffers the kernels allocate with
+`flashsink.testing.compare_all`: ``precision="strict"`` under the precision standard,
+``precision="fast"`` under the fast gate (relative L2 error at most 1.5x PyTorch's own in the
+input dtype). Outputs come from buffers the kernels allocate with
 torch.empty, which conftest poisons with NaN, so an element a kernel never writes fails.
 """
 
@@ -27,12 +29,15 @@ def _ident(c):
     return f"{c.name}:{base}" if c.name else base
 
 
-def run_flashsink(c, inp, deterministic=False):
+PRECISIONS = ("fast", "strict")
+
+
+def run_flashsink(c, inp, deterministic=False, precision="strict"):
     q, k, v = (inp[n].clone().requires_grad_(True) for n in ("q", "k", "v"))
     sinks = None if inp["sinks"] is None else inp["sinks"].clone().requires_grad_(True)
     o, lse = flashsink.attention(
         q, k, v, sinks, window=c.window, causal=c.causal, layout=c.layout, return_lse=True,
-        deterministic=deterministic,
+        deterministic=deterministic, precision=precision,
     )
     o.backward(inp["do"])
     return {
@@ -50,63 +55,74 @@ def _log(name, reports):
             f.write(f"{name}\n" + "\n".join("  " + r.row() for r in reports) + "\n")
 
 
-def check_case(c):
+def check_case(c, precision="strict", deterministic=False):
     inp = make_inputs(
         c.batch, c.heads, c.kv_heads, c.seq_q, c.skv, c.head_dim, c.dtype, "cuda",
         layout=c.layout, sinks=c.sinks, sink_range=c.sink_range,
     )
-    actual = run_flashsink(c, inp)
+    actual = run_flashsink(c, inp, deterministic=deterministic, precision=precision)
     reports = compare_all(
         actual, inp["q"], inp["k"], inp["v"], inp["sinks"], inp["do"],
-        window=c.window, causal=c.causal, layout=c.layout,
+        window=c.window, causal=c.causal, layout=c.layout, precision=precision,
     )
-    _log(_ident(c), reports)
+    _log(f"{_ident(c)} [{precision}]", reports)
     failed = [r for r in reports if not r.passed]
-    assert not failed, "precision standard failed\n" + reports[0].header() + "\n" + "\n".join(r.row() for r in reports)
+    assert not failed, f"{precision} gate failed\n" + reports[0].header() + "\n" + "\n".join(r.row() for r in reports)
 
 
 @pytest.mark.l1
+@pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("c", main_matrix(), ids=_ident)
-def test_matrix(c):
-    check_case(c)
+def test_matrix(c, precision):
+    check_case(c, precision)
 
 
 @pytest.mark.l0
+@pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("c", named_cases(), ids=_ident)
-def test_named(c):
-    check_case(c)
+def test_named(c, precision):
+    check_case(c, precision)
 
 
 @pytest.mark.l2
+@pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("c", extra_cases(), ids=_ident)
-def test_extra(c):
-    check_case(c)
+def test_extra(c, precision):
+    check_case(c, precision)
 
 
 @pytest.mark.l1
+@pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("c", determinism_cases(), ids=_ident)
-def test_deterministic_bitwise(c):
+def test_deterministic_bitwise(c, precision):
     """deterministic=True: two runs on the same inputs give bitwise-identical gradients,
-    and they pass the precision standard."""
+    and they pass the mode's gate."""
     inp = make_inputs(c.batch, c.heads, c.kv_heads, c.seq_q, c.skv, c.head_dim, c.dtype, "cuda", layout=c.layout)
-    first = run_flashsink(c, inp, deterministic=True)
-    second = run_flashsink(c, inp, deterministic=True)
+    first = run_flashsink(c, inp, deterministic=True, precision=precision)
+    second = run_flashsink(c, inp, deterministic=True, precision=precision)
     for name in ("o", "lse", "dq", "dk", "dv", "dsink"):
         assert torch.equal(first[name], second[name]), f"{name} differs between two deterministic runs"
-    reports = compare_all(first, inp["q"], inp["k"], inp["v"], inp["sinks"], inp["do"], window=c.window, causal=c.causal)
+    reports = compare_all(first, inp["q"], inp["k"], inp["v"], inp["sinks"], inp["do"], window=c.window,
+                          causal=c.causal, precision=precision)
     assert all(r.passed for r in reports), "\n".join(r.row() for r in reports)
 
 
 @pytest.mark.l1
-def test_default_path_is_stable():
-    """The default (atomic dQ / dsink) path: o, lse, dK, dV are bitwise stable across runs and
-    dQ, dsink move only at rounding level (a larger movement would be a race)."""
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_default_path_is_stable(precision):
+    """The non-deterministic (atomic) path: o and lse (and, in strict mode, dK and dV) are bitwise
+    stable across runs; the atomically summed gradients (dQ and dsink; in fast mode dK and dV too,
+    when the main backward shares a GQA group over several programs) move only at rounding level
+    (a larger movement would be a race)."""
     c = Case(1, 16, 2, 1000, 128, 128, torch.float16)
     inp = make_inputs(1, 16, 2, 1000, 1000, 128, torch.float16, "cuda")
-    runs = [run_flashsink(c, inp) for _ in range(3)]
-    for name in ("o", "lse", "dk", "dv"):
+    runs = [run_flashsink(c, inp, precision=precision) for _ in range(3)]
+    exact = ("o", "lse", "dk", "dv") if precision == "strict" else ("o", "lse")
+    for name in exact:
         assert all(torch.equal(runs[0][name], r[name]) for r in runs[1:]), f"{name} moved between runs"
-    for name in ("dq", "dsink"):
+    for name in ("dq", "dsink", "dk", "dv"):
+        if name in exact:
+            continue
         ref = runs[0][name].float()
         spread = max(float((r[name].float() - ref).abs().max()) for r in runs[1:])
         assert spread <= 1e-3 * float(ref.abs().max()) + 1e-4, f"{name} moved by {spread} between runs"
