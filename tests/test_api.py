@@ -68,3 +68,28 @@ def test_import_is_light():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["False", "0.1.0"]
     assert {"attention", "attention_varlen", "reference", "testing"} <= set(flashsink.__all__)
+
+
+@pytest.mark.l0
+@pytest.mark.parametrize("precision", ["exact", "FAST", None, 1])
+def test_precision_is_validated(precision):
+    """ValueError naming the argument and the choices, on every device (also where it changes nothing)."""
+    inp = testing.make_inputs(1, 2, 1, 8, 8, 16, torch.float16, "cpu", seed=3)
+    with pytest.raises(ValueError, match=r"precision must be one of \('fast', 'strict'\)"):
+        flashsink.attention(inp["q"], inp["k"], inp["v"], inp["sinks"], precision=precision)
+    q, k, v = (inp[n][0].transpose(0, 1) for n in ("q", "k", "v"))  # [S, H, D]
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    with pytest.raises(ValueError, match="precision must be one of"):
+        flashsink.attention_varlen(q, k, v, cu, cu, 8, 8, inp["sinks"], precision=precision)
+
+
+@pytest.mark.l0
+def test_precision_changes_nothing_off_cuda():
+    """The reference is exact in its compute dtype: both modes give the same tensors, bit for bit."""
+    inp = testing.make_inputs(1, 2, 1, 9, 9, 16, torch.bfloat16, "cpu", seed=4)
+    out = {}
+    for precision in ("fast", "strict"):
+        leaves = [inp[n].clone().requires_grad_(True) for n in ("q", "k", "v", "sinks")]
+        o = flashsink.attention(*leaves, window=3, precision=precision)
+        out[precision] = (o, *torch.autograd.grad(o, leaves, inp["do"]))
+    assert all(torch.equal(a, b) for a, b in zip(out["fast"], out["strict"]))

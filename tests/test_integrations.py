@@ -278,6 +278,23 @@ def test_dropout_in_training_raises():
         model(_ids())
 
 
+def test_precision_keyword_and_config():
+    """precision= of the model call, or config.flashsink_precision, reaches the attention function (which
+    validates it: off CUDA it changes nothing, so the error is what proves the plumbing)."""
+    model = tiny_model()
+    model.config._attn_implementation = "flashsink"
+    model.eval()
+    with torch.no_grad():
+        ref = model(_ids()).logits
+        assert torch.equal(model(_ids(), precision="strict").logits, ref)
+        with pytest.raises(ValueError, match="precision must be one of"):
+            model(_ids(), precision="exact")
+        model.config.flashsink_precision = "bogus"
+        with pytest.raises(ValueError, match="precision must be one of"):
+            model(_ids())
+        assert torch.equal(model(_ids(), precision="fast").logits, ref)  # the call's keyword wins
+
+
 def test_attention_function_direct_gqa_and_cache_alignment():
     """The function itself: [B,H,S,D] in, [B,S,H,D] out, GQA, s_aux, S_q < S_kv bottom-right."""
     torch.manual_seed(0)

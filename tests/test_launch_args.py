@@ -166,8 +166,9 @@ def test_decode_uses_the_split_forward(monkeypatch, launches):
 def _check_backward(launches, cfg, spec, t, lse, dlse, sinks32, result, seq_args, stat_shape, rows_q):
     """The preprocess / bwd / (dq | postprocess) launches of one backward. ``seq_args(kind)``: the
     launch arguments between the inputs and ``window`` (cu_seqlens and the longest sequence for
-    thd, nothing for the padded layouts); ``rows_q``: the rows of dlse (seq_q, or total_q)."""
-    q, k, v, do = t
+    thd, nothing for the padded layouts); ``rows_q``: the rows of dlse (seq_q, or total_q).
+    ``t``: q, k, v, do, o (o None in strict mode)."""
+    q, k, v, do, o = t
     window = NO_WINDOW if spec.window is None else spec.window
     scale = float(spec.scale)
     kinds = [x.kind for x in launches]
@@ -175,32 +176,37 @@ def _check_backward(launches, cfg, spec, t, lse, dlse, sinks32, result, seq_args
     assert all(x.cfg == cfg for x in launches)
     pre, main, last = launches
 
-    # preprocess(q, k, v, do, lse, dlse_padded, sinks32, [seq args], window, scale, delta, dsink, dsink_part)
+    # strict: preprocess(q, k, v, do, lse, dlse_padded, sinks32, [seq args], window, scale, delta, dsink, dsink_part)
+    # fast:   preprocess(o, do, lse, dlse_padded, sinks32, [seq args], delta, dsink, dsink_part)
     s = seq_args("preprocess")
     a, seen = pre.args, pre.seen
-    assert len(a) == 12 + len(s)
-    for got, want in zip(a[:5], (q, k, v, do, lse)):
+    inputs = (q, k, v, do, lse) if cfg.precision == "strict" else (o, do, lse)
+    n_in = len(inputs)
+    assert len(a) == n_in + (7 if cfg.precision == "strict" else 5) + len(s)
+    for got, want in zip(a[:n_in], inputs):
         assert same(got, want)
-    check_buffer(a[5], stat_shape)
+    check_buffer(a[n_in], stat_shape)
     want_dlse = torch.zeros(stat_shape)
     if dlse is not None:
         want_dlse[..., :rows_q] = dlse
-    assert torch.equal(seen[5], want_dlse)
-    assert same(a[6], sinks32)
-    for got, want in zip(a[7:7 + len(s)], s):
+    assert torch.equal(seen[n_in], want_dlse)
+    assert same(a[n_in + 1], sinks32)
+    for got, want in zip(a[n_in + 2:n_in + 2 + len(s)], s):
         assert same(got, want) if isinstance(want, torch.Tensor) else (type(got) is int and got == want)
-    i = 7 + len(s)
-    check_scalar(a[i], window, int)
-    check_scalar(a[i + 1], scale, float)
-    delta, dsink, dsink_part = a[i + 2], a[i + 3], a[i + 4]
+    i = n_in + 2 + len(s)
+    if cfg.precision == "strict":
+        check_scalar(a[i], window, int)
+        check_scalar(a[i + 1], scale, float)
+        i += 2
+    delta, dsink, dsink_part = a[i], a[i + 1], a[i + 2]
     check_buffer(delta, stat_shape)
     check_buffer(dsink, (spec.heads,))
     n_part = math.ceil(spec.seq_q / config.pre_tiles(cfg).block_m) if cfg.deterministic else 1
     check_buffer(dsink_part, (spec.batch, spec.heads, n_part))
     if cfg.deterministic:
-        assert torch.all(seen[i + 4] == 0)  # per-program partials: summed over every slot afterwards
+        assert torch.all(seen[i + 2] == 0)  # per-program partials: summed over every slot afterwards
     else:
-        assert torch.all(seen[i + 3] == 0)  # atomically accumulated
+        assert torch.all(seen[i + 1] == 0)  # atomically accumulated
 
     dq, dk, dv, dsink_out = result
     # bwd(q, k, v, do, lse, delta, [seq args], window, scale, [dq_acc], dk, dv)
@@ -249,21 +255,29 @@ def _check_backward(launches, cfg, spec, t, lse, dlse, sinks32, result, seq_args
         assert dsink_out is None
 
 
+def _fake_o(q, spec):
+    """A forward output for the fast backward to read (q's layout, D_v)."""
+    return torch.randn((*q.shape[:-1], spec.head_dim_v), generator=torch.Generator().manual_seed(5)).to(q.dtype)
+
+
+@pytest.mark.parametrize("precision", ["fast", "strict"])
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("with_dlse", [False, True])
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
 @pytest.mark.parametrize("case", DENSE, ids=lambda c: f"{c[7]}-B{c[0]}-H{c[1]}-HK{c[2]}-N{c[3]}x{c[4]}-D{c[5]}-W{c[6]}")
-def test_dense_backward_launches(monkeypatch, launches, arch, case, with_dlse, deterministic):
+def test_dense_backward_launches(monkeypatch, launches, arch, case, with_dlse, deterministic, precision):
     _arch(monkeypatch, arch)
     q, k, v, do, sinks, spec = _dense_inputs(case)
-    cfg = interface.kernel_config(spec, torch.device("cuda", 0), deterministic)
+    cfg = interface.kernel_config(spec, torch.device("cuda", 0), deterministic, precision)
+    assert cfg.precision == precision
+    o = _fake_o(q, spec) if precision == "fast" else None
     window = NO_WINDOW if spec.window is None else spec.window
     sinks32 = interface._sinks_f32(sinks, spec.heads, q.device)
     rows = _rows(spec.seq_q)
     lse = torch.randn(spec.batch, spec.heads, rows)
     dlse = torch.randn(spec.batch, spec.heads, spec.seq_q) if with_dlse else None
-    result = interface._backward(do, q, k, v, lse, dlse, sinks32, cfg, spec, window)
-    _check_backward(launches, cfg, spec, (q, k, v, do), lse, dlse, sinks32, result, lambda kind: (),
+    result = interface._backward(do, q, k, v, o, lse, dlse, sinks32, cfg, spec, window)
+    _check_backward(launches, cfg, spec, (q, k, v, do, o), lse, dlse, sinks32, result, lambda kind: (),
                     (spec.batch, spec.heads, rows), spec.seq_q)
 
 
@@ -319,33 +333,36 @@ def test_varlen_forward_launch(monkeypatch, launches, arch, case):
     assert same(o, a[9]) and same(lse, a[10])
 
 
+@pytest.mark.parametrize("precision", ["fast", "strict"])
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("with_dlse", [False, True])
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
 @pytest.mark.parametrize("case", VARLEN, ids=["gqa-empty-seq", "mha-nosink"])
-def test_varlen_backward_launches(monkeypatch, launches, arch, case, with_dlse, deterministic):
+def test_varlen_backward_launches(monkeypatch, launches, arch, case, with_dlse, deterministic, precision):
     _arch(monkeypatch, arch)
     q, k, v, do, sinks, cu_q, cu_k, spec = _varlen_inputs(case)
-    cfg = interface.kernel_config(spec, torch.device("cuda", 0), deterministic)
+    cfg = interface.kernel_config(spec, torch.device("cuda", 0), deterministic, precision)
+    o = _fake_o(q, spec) if precision == "fast" else None
     window = NO_WINDOW if spec.window is None else spec.window
     sinks32 = interface._sinks_f32(sinks, spec.heads, q.device)
     rows = _varlen_rows(q.shape[0])
     lse = torch.randn(spec.heads, rows)
     dlse = torch.randn(spec.heads, q.shape[0]) if with_dlse else None
-    result = varlen._backward(do, q, k, v, lse, dlse, sinks32, cu_q, cu_k, cfg, spec, window)
+    result = varlen._backward(do, q, k, v, o, lse, dlse, sinks32, cu_q, cu_k, cfg, spec, window)
 
     def seq_args(kind):
         return (cu_q, cu_k, spec.seq_kv if kind == "bwd" else spec.seq_q)
 
-    _check_backward(launches, cfg, spec, (q, k, v, do), lse, dlse, sinks32, result, seq_args,
+    _check_backward(launches, cfg, spec, (q, k, v, do, o), lse, dlse, sinks32, result, seq_args,
                     (spec.heads, rows), q.shape[0])
 
 
-def test_varlen_end_to_end_through_autograd(monkeypatch, launches):
+@pytest.mark.parametrize("precision", ["fast", "strict"])
+def test_varlen_end_to_end_through_autograd(monkeypatch, launches, precision):
     """``custom_ops.kernel_attention_varlen`` (what ``flashsink.attention_varlen`` runs on CUDA):
     forward and backward launches through ``flashsink::varlen_fwd`` / ``varlen_bwd`` and their
     autograd formula, the returned lse sliced to the packed rows, gradients the backward's buffers
-    (dsink in the sinks' dtype).
+    (dsink in the sinks' dtype). Fast mode hands the forward's o to the preprocess, strict q, k, v.
 
     On CPU tensors the ops dispatch to their reference implementation, so for this test only (a
     scoped library, removed on exit) the ops' CPU kernels are their CUDA implementations."""
@@ -358,7 +375,7 @@ def test_varlen_end_to_end_through_autograd(monkeypatch, launches):
         lib.impl("varlen_fwd", custom_ops._varlen_fwd_cuda, "CPU")
         lib.impl("varlen_bwd", custom_ops._varlen_bwd_cuda, "CPU")
         o, lse = custom_ops.kernel_attention_varlen(spec, *leaves[:3], cu_q, cu_k, leaves[3], return_lse=True,
-                                                    pad_head_dims=True)
+                                                    pad_head_dims=True, precision=precision)
         assert [x.kind for x in launches] == ["fwd"]
         fw = launches[0]
         assert fw.cfg.layout == "thd" and fw.cfg.has_sinks
@@ -370,8 +387,15 @@ def test_varlen_end_to_end_through_autograd(monkeypatch, launches):
         assert [x.kind for x in launches] == ["fwd", "preprocess", "bwd", "postprocess"]
         pre = launches[1]
         lse_padded = fw.args[10]
-        assert same(pre.args[4], lse_padded)  # the forward's padded lse, its padding rows zeroed
-        assert torch.all(pre.seen[4][:, : q.shape[0]] == 7.0) and torch.all(pre.seen[4][:, q.shape[0]:] == 0)
+        assert pre.cfg.precision == precision
+        if precision == "fast":
+            assert same(pre.args[0], fw.args[9])  # the forward's o, saved for the backward
+            i_lse = 2
+        else:
+            assert all(same(a, b) for a, b in zip(pre.args[:3], launches[0].args[:3]))  # q, k, v
+            i_lse = 4
+        assert same(pre.args[i_lse], lse_padded)  # the forward's padded lse, its padding rows zeroed
+        assert torch.all(pre.seen[i_lse][:, : q.shape[0]] == 7.0) and torch.all(pre.seen[i_lse][:, q.shape[0]:] == 0)
         assert same(grads[0], launches[-1].args[1])
         assert same(grads[1], launches[2].args[-2]) and same(grads[2], launches[2].args[-1])
         assert grads[3].dtype == torch.bfloat16 and grads[3].shape == (4,)
@@ -379,3 +403,26 @@ def test_varlen_end_to_end_through_autograd(monkeypatch, launches):
     n = len(launches)
     custom_ops.kernel_attention_varlen(spec, *leaves[:3], cu_q, cu_k, leaves[3])
     assert len(launches) == n
+
+
+@pytest.mark.parametrize("precision", ["fast", "strict"])
+def test_dense_end_to_end_through_autograd(monkeypatch, launches, precision):
+    """``interface.kernel_attention`` (what ``flashsink.attention`` runs on CUDA) with the ops' CPU kernels
+    their CUDA implementations (a scoped library, as above): the fast backward's preprocess reads the
+    forward's o, the strict one q, k, v; the other launches are the same in both modes."""
+    _arch(monkeypatch, "sm_90a")
+    q, k, v, do, sinks, spec = _dense_inputs(DENSE[0])
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v, sinks)]
+    with torch.library._scoped_library("flashsink", "IMPL") as lib:
+        lib.impl("fwd", custom_ops._fwd_cuda, "CPU")
+        lib.impl("bwd", custom_ops._bwd_cuda, "CPU")
+        o = interface.kernel_attention(spec, *leaves, precision=precision)
+        torch.autograd.grad(o, leaves, do)
+    assert [x.kind for x in launches] == ["fwd", "preprocess", "bwd", "postprocess"]
+    assert {x.cfg.precision for x in launches} == {precision}
+    fw, pre = launches[0], launches[1]
+    if precision == "fast":
+        assert len(pre.args) == 8 and same(pre.args[0], fw.args[6]) and same(pre.args[2], fw.args[7])
+    else:
+        assert len(pre.args) == 12 and all(same(a, b) for a, b in zip(pre.args[:3], fw.args[:3]))
+        assert same(pre.args[4], fw.args[7])

@@ -44,6 +44,8 @@ def test_sink_attention_init_and_repr():
     for part in ("num_heads=4096", "num_kv_heads=8", "head_dim=64", "window=128", "causal=True", "layout='bhsd'"):
         assert part in r
     assert SinkAttention(4).num_kv_heads == 4
+    assert attn.precision == "fast" and "precision='fast'" in r
+    assert SinkAttention(4, precision="strict").precision == "strict"
 
 
 @pytest.mark.parametrize(
@@ -58,6 +60,8 @@ def test_sink_attention_init_and_repr():
         (dict(num_heads=8, scale=-1.0), "scale"),
         (dict(num_heads=8, layout="sbhd"), "layout"),
         (dict(num_heads=8, init_std=-1.0), "init_std"),
+        (dict(num_heads=8, precision="exact"), "precision"),
+        (dict(num_heads=8, precision=None), "precision"),
     ],
 )
 def test_sink_attention_validation(kwargs, arg):

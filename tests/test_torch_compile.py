@@ -256,27 +256,27 @@ def test_kernel_path_without_lse_gradient_and_sinks_dtype():
 # The ops themselves
 
 
-def _op_args(device, dtype, layout, sinks, window, causal, d=32, seq_q=37, seq_kv=37):
+def _op_args(device, dtype, layout, sinks, window, causal, d=32, seq_q=37, seq_kv=37, precision="fast"):
     inp = testing.make_inputs(2, 4, 2, seq_q, seq_kv, d, dtype, device, layout=layout, sinks=sinks, seed=7)
     q, k, v = (inp[n].requires_grad_(True) for n in ("q", "k", "v"))
     s = None if inp["sinks"] is None else inp["sinks"].requires_grad_(True)
-    return inp, (q, k, v, s, window, causal, d ** -0.5, layout, False)
+    return inp, (q, k, v, s, window, causal, d ** -0.5, layout, False, precision)
 
 
-OPCHECK_CASES = [("bhsd", True, 9, True), ("bshd", False, None, True), ("bshd", True, None, False)]
+OPCHECK_CASES = [("bhsd", True, 9, True, "fast"), ("bshd", False, None, True, "strict"), ("bshd", True, None, False, "fast")]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=testing.dtype_name)
-@pytest.mark.parametrize("layout, sinks, window, causal", OPCHECK_CASES)
-def test_opcheck_cpu(dtype, layout, sinks, window, causal):
-    inp, args = _op_args("cpu", dtype, layout, sinks, window, causal)
+@pytest.mark.parametrize("layout, sinks, window, causal, precision", OPCHECK_CASES)
+def test_opcheck_cpu(dtype, layout, sinks, window, causal, precision):
+    inp, args = _op_args("cpu", dtype, layout, sinks, window, causal, precision=precision)
     torch.library.opcheck(torch.ops.flashsink.fwd.default, args)
-    lse = torch.ops.flashsink.fwd(*args)[1].detach()
+    o, lse = (t.detach() for t in torch.ops.flashsink.fwd(*args))
     assert lse.shape == (2, 4, 128) and (lse[:, :, 37:] == 0).all()  # row-padded, padding rows zero
     detached = [None if t is None else t.detach() for t in args[:4]]
     dlse = torch.randn(lse.shape, generator=torch.Generator().manual_seed(1))
-    torch.library.opcheck(torch.ops.flashsink.bwd.default, (inp["do"], *detached, lse, dlse, *args[4:]))
-    torch.library.opcheck(torch.ops.flashsink.bwd.default, (inp["do"], *detached, lse, None, *args[4:]))
+    torch.library.opcheck(torch.ops.flashsink.bwd.default, (inp["do"], *detached, lse, dlse, *args[4:], o))
+    torch.library.opcheck(torch.ops.flashsink.bwd.default, (inp["do"], *detached, lse, None, *args[4:], None))
 
 
 def test_fake_shapes():
@@ -360,19 +360,20 @@ def test_kernels_fullgraph_dynamic_gpu(counter, case):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("seq_q, seq_kv", [(150, 150), (3, 3000)], ids=["prefill", "decode"])
-@pytest.mark.parametrize("layout, sinks, window, causal", OPCHECK_CASES)
-def test_opcheck_gpu(layout, sinks, window, causal, seq_q, seq_kv):
+@pytest.mark.parametrize("layout, sinks, window, causal, precision", OPCHECK_CASES)
+def test_opcheck_gpu(layout, sinks, window, causal, precision, seq_q, seq_kv):
     """Fake vs real (shapes, strides, dtypes), schema, autograd registration, AOT dispatch; the decode
     shape (few rows, long cache) reaches the forward's key-split path where it applies."""
-    inp, args = _op_args("cuda", torch.bfloat16, layout, sinks, window, causal, d=64, seq_q=seq_q, seq_kv=seq_kv)
-    args = args[:-1] + (True,)  # deterministic: the backward is bitwise reproducible, as opcheck compares runs
+    inp, args = _op_args("cuda", torch.bfloat16, layout, sinks, window, causal, d=64, seq_q=seq_q, seq_kv=seq_kv,
+                         precision=precision)
+    args = args[:-2] + (True, precision)  # deterministic: the backward is bitwise reproducible, as opcheck compares runs
     torch.library.opcheck(torch.ops.flashsink.fwd.default, args)
-    lse = torch.ops.flashsink.fwd(*args)[1].detach()
+    o, lse = (t.detach() for t in torch.ops.flashsink.fwd(*args))
     rows = 256 if seq_q > 128 else 128
     assert lse.shape == (2, 4, rows) and (lse[:, :, seq_q:] == 0).all()
     detached = [None if t is None else t.detach() for t in args[:4]]
     dlse = torch.randn(lse.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
-    torch.library.opcheck(torch.ops.flashsink.bwd.default, (inp["do"], *detached, lse, dlse, *args[4:]))
+    torch.library.opcheck(torch.ops.flashsink.bwd.default, (inp["do"], *detached, lse, dlse, *args[4:], o))
 
 
 @pytest.mark.gpu
@@ -528,33 +529,33 @@ def test_varlen_traced_validation_cpu(counter):
     assert counter.frame_count == 1
 
 
-VARLEN_OPCHECK_CASES = [(True, 9, True), (False, None, True), (True, None, False)]  # sinks, window, causal
+VARLEN_OPCHECK_CASES = [(True, 9, True, "fast"), (False, None, True, "strict"), (True, None, False, "fast")]  # sinks, window, causal, precision
 
 
-def _varlen_op_args(device, dtype, sinks, window, causal, lens_q, lens_k, d=32, deterministic=False):
+def _varlen_op_args(device, dtype, sinks, window, causal, lens_q, lens_k, d=32, deterministic=False, precision="fast"):
     inp = _varlen_inputs(lens_q, lens_k, 4, 2, d, dtype, device, sinks=sinks, seed=7)
     q, k, v = (inp[n].clone().requires_grad_(True) for n in ("q", "k", "v"))
     s = None if inp["sinks"] is None else inp["sinks"].clone().requires_grad_(True)
     return inp, (q, k, v, s, inp["cu_q"], inp["cu_k"], inp["max_q"], inp["max_k"], window, causal, d ** -0.5,
-                 deterministic)
+                 deterministic, precision)
 
 
 def _opcheck_varlen(inp, args, rows):
     torch.library.opcheck(torch.ops.flashsink.varlen_fwd.default, args)
-    lse = torch.ops.flashsink.varlen_fwd(*args)[1].detach()
+    o, lse = (t.detach() for t in torch.ops.flashsink.varlen_fwd(*args))
     total = args[0].shape[0]
     assert lse.shape == (4, rows) and (lse[:, total:] == 0).all()  # row-padded, padding rows zero
     detached = [None if t is None else t.detach() for t in args[:4]]
     dlse = torch.randn(lse.shape, generator=torch.Generator().manual_seed(1)).to(lse.device)
     for dl in (dlse, None):
-        torch.library.opcheck(torch.ops.flashsink.varlen_bwd.default, (inp["do"], *detached, lse, dl, *args[4:]))
+        torch.library.opcheck(torch.ops.flashsink.varlen_bwd.default, (inp["do"], *detached, lse, dl, *args[4:], o))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=testing.dtype_name)
-@pytest.mark.parametrize("sinks, window, causal", VARLEN_OPCHECK_CASES)
-def test_opcheck_varlen_cpu(dtype, sinks, window, causal):
+@pytest.mark.parametrize("sinks, window, causal, precision", VARLEN_OPCHECK_CASES)
+def test_opcheck_varlen_cpu(dtype, sinks, window, causal, precision):
     lens_q, lens_k = (5, 0, 17, 9), (5, 3, 20, 30)
-    inp, args = _varlen_op_args("cpu", dtype, sinks, window, causal, lens_q, lens_k)
+    inp, args = _varlen_op_args("cpu", dtype, sinks, window, causal, lens_q, lens_k, precision=precision)
     _opcheck_varlen(inp, args, rows=varlen_rows(sum(lens_q)))
 
 
@@ -615,11 +616,11 @@ def test_varlen_kernels_fullgraph_dynamic_gpu(counter, case):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("sinks, window, causal", VARLEN_OPCHECK_CASES)
-def test_opcheck_varlen_gpu(sinks, window, causal):
+@pytest.mark.parametrize("sinks, window, causal, precision", VARLEN_OPCHECK_CASES)
+def test_opcheck_varlen_gpu(sinks, window, causal, precision):
     """Fake vs real, schema, autograd registration, AOT dispatch of the varlen ops on the kernels
     (deterministic: opcheck compares runs of the backward)."""
     lens_q, lens_k = (150, 0, 7, 300), (150, 40, 7, 500)
     inp, args = _varlen_op_args("cuda", torch.bfloat16, sinks, window, causal, lens_q, lens_k, d=64,
-                                deterministic=True)
+                                deterministic=True, precision=precision)
     _opcheck_varlen(inp, args, rows=varlen_rows(sum(lens_q)))

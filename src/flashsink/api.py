@@ -6,6 +6,7 @@ import torch
 
 from . import reference
 from ._validate import validate_attention, validate_varlen
+from .ops.config import PRECISIONS
 from .ops.interface import kernel_attention  # registers the flashsink:: custom ops; never imports tilelang
 from .ops.custom_ops import kernel_attention_varlen  # noqa: I001  (after interface, as interface imports it)
 
@@ -15,6 +16,13 @@ __all__ = ["attention", "attention_varlen"]
 def _check_deterministic(deterministic) -> None:
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__} ({deterministic!r})")
+
+
+def check_precision(precision) -> str:
+    """``precision`` as given, or ValueError naming the choices (shared by the module and the integrations)."""
+    if not isinstance(precision, str) or precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    return precision
 
 
 def attention(
@@ -29,6 +37,7 @@ def attention(
     layout="bhsd",
     return_lse=False,
     deterministic=False,
+    precision="fast",
 ):
     """Attention with learnable sinks; differentiable in q, k, v and sinks.
 
@@ -42,6 +51,10 @@ def attention(
         scale: score scale, default ``1/sqrt(D)``.
         return_lse: also return the natural-log LSE including the sink, float32 ``[B, H, S_q]``.
         deterministic: ask the CUDA backward for a deterministic reduction order.
+        precision: ``"fast"`` (default: single-term fp16/bf16 products in the CUDA backward, Delta from
+            the saved output, the error class of FlashAttention/FLA/flex) or ``"strict"`` (two-term
+            products, Delta from P and dP: the precision standard). README, "Precision modes". Off
+            CUDA it changes nothing: the reference is exact in its compute dtype.
 
     CUDA tensors run the TileLang kernels (through the custom ops ``flashsink::fwd`` / ``flashsink::bwd``);
     tensors on any other device run the PyTorch reference. Both paths trace with
@@ -49,8 +62,11 @@ def attention(
     """
     spec = validate_attention(q, k, v, sinks, window=window, causal=causal, scale=scale, layout=layout)
     _check_deterministic(deterministic)
+    check_precision(precision)
     if q.is_cuda:
-        return kernel_attention(spec, q, k, v, sinks, return_lse=return_lse, deterministic=deterministic)
+        return kernel_attention(
+            spec, q, k, v, sinks, return_lse=return_lse, deterministic=deterministic, precision=precision
+        )
     return reference._attention(q, k, v, sinks, spec, return_lse=return_lse)
 
 
@@ -69,12 +85,14 @@ def attention_varlen(
     scale=None,
     return_lse=False,
     deterministic=False,
+    precision="fast",
 ):
     """Varlen (THD) attention with sinks: q ``[total_q, H, D]``, k/v ``[total_k, H_kv, D]``.
 
     Sequence i is rows ``cu_seqlens[i]:cu_seqlens[i+1]``; masks apply within each sequence,
     bottom-right aligned per sequence. lse (with ``return_lse``) is float32 ``[H, total_q]``.
-    ``max_seqlen_q`` / ``max_seqlen_k`` are ints (at least the longest sequence).
+    ``max_seqlen_q`` / ``max_seqlen_k`` are ints (at least the longest sequence). ``precision`` as in
+    :func:`attention` (ignored off CUDA).
 
     CUDA tensors run the kernels through the custom ops ``flashsink::varlen_fwd`` / ``varlen_bwd``;
     tensors on other devices run the reference (eagerly; under ``torch.compile`` through the same ops,
@@ -87,11 +105,13 @@ def attention_varlen(
         window=window, causal=causal, scale=scale,
     )
     _check_deterministic(deterministic)
+    check_precision(precision)
     if q.is_cuda or torch.compiler.is_compiling():
         # The ops flashsink::varlen_fwd/bwd: the kernels on CUDA; elsewhere the reference, read
         # cu_seqlens inside the op, where a traced graph does not see it.
         return kernel_attention_varlen(
-            spec, q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, return_lse=return_lse, deterministic=deterministic
+            spec, q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, return_lse=return_lse, deterministic=deterministic,
+            precision=precision,
         )
     cu_q = cu_seqlens_q.detach().cpu().tolist()
     cu_k = cu_seqlens_k.detach().cpu().tolist()

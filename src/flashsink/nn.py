@@ -20,7 +20,7 @@ import numbers
 import torch
 from torch import nn
 
-from .api import attention
+from .api import attention, check_precision
 
 __all__ = ["SinkAttention"]
 
@@ -45,6 +45,8 @@ class SinkAttention(nn.Module):
         scale: score scale; default ``head_dim ** -0.5``.
         layout: ``"bhsd"`` (``[B, H, S, D]``) or ``"bshd"`` (``[B, S, H, D]``) for q, k, v and the output.
         init_std: standard deviation of the normal initialisation of the sinks (Hugging Face gpt-oss: 0.02).
+        precision: ``"fast"`` (default) or ``"strict"``, as :func:`flashsink.attention` (CUDA only; the
+            reference on other devices is exact either way). A plain attribute: it may be changed later.
         device, dtype: of the sinks parameter (keep it float32 for training; it may differ from q's dtype).
     """
 
@@ -59,6 +61,7 @@ class SinkAttention(nn.Module):
         scale: float | None = None,
         layout: str = "bhsd",
         init_std: float = 0.02,
+        precision: str = "fast",
         device=None,
         dtype=None,
     ):
@@ -84,6 +87,7 @@ class SinkAttention(nn.Module):
             raise ValueError(f"layout must be one of {_LAYOUTS}, got {layout!r}")
         if isinstance(init_std, bool) or not isinstance(init_std, numbers.Real) or not float(init_std) >= 0:
             raise ValueError(f"init_std must be a float >= 0, got {init_std!r}")
+        check_precision(precision)
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise ValueError(f"dtype must be a floating torch.dtype or None, got {dtype!r}")
 
@@ -95,6 +99,7 @@ class SinkAttention(nn.Module):
         self.scale = scale
         self.layout = layout
         self.init_std = float(init_std)
+        self.precision = precision
         self.sinks = nn.Parameter(torch.zeros(num_heads, device=device, dtype=dtype))
         self.reset_parameters()
 
@@ -126,10 +131,12 @@ class SinkAttention(nn.Module):
         return attention(
             q, k, v, sinks,
             window=self.window, causal=self.causal, scale=self.scale, layout=self.layout, return_lse=return_lse,
+            precision=self.precision,
         )
 
     def extra_repr(self) -> str:
         return (
             f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
-            f"window={self.window}, causal={self.causal}, scale={self.scale}, layout={self.layout!r}"
+            f"window={self.window}, causal={self.causal}, scale={self.scale}, layout={self.layout!r}, "
+            f"precision={self.precision!r}"
         )

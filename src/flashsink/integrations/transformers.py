@@ -32,6 +32,10 @@ What the attention function honours (the contract of ``GptOssAttention.forward``
 * transformers 5.x takes any name containing "flash" for a FlashAttention kernel when it builds a model
   (GptOss would silently swap "flashsink" for a hub kernel); ``register()`` makes that check in
   ``transformers.modeling_utils`` answer False for "flashsink" (see ``_not_flash_attention``).
+* ``precision`` ("fast", the default, or "strict"; see ``flashsink.attention``): per call as a keyword of
+  the model's forward (``model(input_ids, precision="strict")``; transformers passes it down to the
+  attention function), or for the whole model as ``model.config.flashsink_precision = "strict"``. The call's
+  keyword wins. Off CUDA it changes nothing (the reference is exact in its compute dtype).
 * ``dropout > 0`` (training with ``attention_dropout``) and ``softcap`` raise ``NotImplementedError``.
 """
 
@@ -120,7 +124,7 @@ def _check_4d_mask(mask: torch.Tensor, seq_q: int, seq_kv: int, window, causal: 
         )
 
 
-def _varlen(query, key, value, mask_q: torch.Tensor, mask_k: torch.Tensor, sinks, window, causal, scale):
+def _varlen(query, key, value, mask_q: torch.Tensor, mask_k: torch.Tensor, sinks, window, causal, scale, precision):
     """Unpad by boolean masks ``[B, S_q]`` / ``[B, S_kv]``, run varlen, pad back. Returns ``[B, S_q, H, D_v]``."""
     b, h, sq, _ = query.shape
     q = query.transpose(1, 2)[mask_q]  # [total_q, H, D]
@@ -133,14 +137,14 @@ def _varlen(query, key, value, mask_q: torch.Tensor, mask_k: torch.Tensor, sinks
     cu_k = torch.cat([zero, lens_k.cumsum(0, dtype=torch.int32)])
     o = flashsink.attention_varlen(
         q, k, v, cu_q, cu_k, int(lens_q.max()), int(lens_k.max()), sinks,
-        window=window, causal=causal, scale=scale,
+        window=window, causal=causal, scale=scale, precision=precision,
     )
     out = o.new_zeros(b, sq, h, o.shape[-1])
     out[mask_q] = o
     return out
 
 
-def _varlen_cu(query, key, value, cu_q, cu_k, max_q, max_k, sinks, window, causal, scale):
+def _varlen_cu(query, key, value, cu_q, cu_k, max_q, max_k, sinks, window, causal, scale, precision):
     """Packed batch of one row with given cumulative lengths. Returns ``[1, S, H, D_v]``."""
     q = query.transpose(1, 2)[0]
     k = key.transpose(1, 2)[0]
@@ -149,7 +153,8 @@ def _varlen_cu(query, key, value, cu_q, cu_k, max_q, max_k, sinks, window, causa
         max_q = int((cu_q[1:] - cu_q[:-1]).max())
     if max_k is None:
         max_k = int((cu_k[1:] - cu_k[:-1]).max())
-    o = flashsink.attention_varlen(q, k, v, cu_q, cu_k, int(max_q), int(max_k), sinks, window=window, causal=causal, scale=scale)
+    o = flashsink.attention_varlen(q, k, v, cu_q, cu_k, int(max_q), int(max_k), sinks, window=window, causal=causal,
+                                   scale=scale, precision=precision)
     return o.unsqueeze(0)
 
 
@@ -165,6 +170,14 @@ def _packed_cu_seqlens(position_ids: torch.Tensor) -> torch.Tensor | None:
     idx = starts.nonzero().view(-1).to(torch.int32)
     end = torch.tensor([pid.numel()], dtype=torch.int32, device=pid.device)
     return torch.cat([idx, end])
+
+
+def _precision(module, kwargs) -> str:
+    """``precision=`` of the model call, else the model config's ``flashsink_precision``, else "fast"."""
+    precision = kwargs.get("precision")
+    if precision is None:
+        precision = getattr(getattr(module, "config", None), "flashsink_precision", None)
+    return flashsink.api.check_precision("fast" if precision is None else precision)
 
 
 def flashsink_attention_forward(
@@ -204,6 +217,7 @@ def flashsink_attention_forward(
         is_causal = getattr(module, "is_causal", True)
     causal = bool(is_causal)
     window = None if sliding_window is None else int(sliding_window)
+    precision = _precision(module, kwargs)
     sq, skv = query.shape[2], key.shape[2]
 
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
@@ -214,13 +228,15 @@ def flashsink_attention_forward(
             if query.shape[0] != 1:
                 raise _unsupported(f"cu_seq_lens_q/k need a packed batch of 1 row, got batch {query.shape[0]}")
             out = _varlen_cu(query, key, value, cu_q, cu_k, kwargs.get("max_length_q"), kwargs.get("max_length_k"),
-                             sinks, window, causal, scaling)
+                             sinks, window, causal, scaling, precision)
             return out, None
         if position_ids is not None and query.shape[0] == 1 and sq == skv and sq > 1:
             cu = _packed_cu_seqlens(position_ids)
             if cu is not None:
-                return _varlen_cu(query, key, value, cu, cu, None, None, sinks, window, causal, scaling), None
-        out = flashsink.attention(query, key, value, sinks, window=window, causal=causal, scale=scaling, layout="bhsd")
+                return _varlen_cu(query, key, value, cu, cu, None, None, sinks, window, causal, scaling,
+                                  precision), None
+        out = flashsink.attention(query, key, value, sinks, window=window, causal=causal, scale=scaling, layout="bhsd",
+                                  precision=precision)
         return out.transpose(1, 2).contiguous(), None
 
     if not isinstance(attention_mask, torch.Tensor):
@@ -228,7 +244,8 @@ def flashsink_attention_forward(
 
     if attention_mask.dim() == 4:
         _check_4d_mask(attention_mask, sq, skv, window, causal)
-        out = flashsink.attention(query, key, value, sinks, window=window, causal=causal, scale=scaling, layout="bhsd")
+        out = flashsink.attention(query, key, value, sinks, window=window, causal=causal, scale=scaling, layout="bhsd",
+                                  precision=precision)
         return out.transpose(1, 2).contiguous(), None
 
     if attention_mask.dim() != 2:
@@ -250,7 +267,8 @@ def flashsink_attention_forward(
     if sq > skv:
         raise ValueError(f"more queries ({sq}) than keys ({skv}) under a padding mask")
     if bool(mask.all()):
-        out = flashsink.attention(query, key, value, sinks, window=window, causal=causal, scale=scaling, layout="bhsd")
+        out = flashsink.attention(query, key, value, sinks, window=window, causal=causal, scale=scaling, layout="bhsd",
+                                  precision=precision)
         return out.transpose(1, 2).contiguous(), None
     if not causal:
         raise _unsupported("padding masks are supported for causal attention only")
@@ -263,7 +281,7 @@ def flashsink_attention_forward(
                 "this mask has padding holes between tokens"
             )
     mask_q = mask[:, skv - sq:]  # queries are the last S_q key positions (bottom-right)
-    out = _varlen(query, key, value, mask_q, mask, sinks, window, causal, scaling)
+    out = _varlen(query, key, value, mask_q, mask, sinks, window, causal, scaling, precision)
     return out, None
 
 

@@ -6,13 +6,14 @@ dynamic shapes): the TileLang launches are opaque to the compiler, so each direc
 a fake implementation (output shapes, dtypes and strides from the inputs' shapes only) and the
 forward op has an autograd formula that calls the backward op.
 
-    flashsink::fwd(q, k, v, sinks?, window?, causal, scale, layout, deterministic) -> (o, lse)
-    flashsink::bwd(do, q, k, v, sinks?, lse, dlse?, window?, causal, scale, layout, deterministic)
-        -> (dq, dk, dv, dsink)
+    flashsink::fwd(q, k, v, sinks?, window?, causal, scale, layout, deterministic, precision="fast") -> (o, lse)
+    flashsink::bwd(do, q, k, v, sinks?, lse, dlse?, window?, causal, scale, layout, deterministic,
+                   precision="fast", o?=None) -> (dq, dk, dv, dsink)
     flashsink::varlen_fwd(q, k, v, sinks?, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                          window?, causal, scale, deterministic) -> (o, lse)
+                          window?, causal, scale, deterministic, precision="fast") -> (o, lse)
     flashsink::varlen_bwd(do, q, k, v, sinks?, lse, dlse?, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                          max_seqlen_k, window?, causal, scale, deterministic) -> (dq, dk, dv, dsink)
+                          max_seqlen_k, window?, causal, scale, deterministic, precision="fast", o?=None)
+        -> (dq, dk, dv, dsink)
 
 Arguments are tensors and primitives only; the kernels' static configuration and the problem's
 ``AttnSpec`` are rebuilt from them inside. Conventions:
@@ -28,6 +29,9 @@ Arguments are tensors and primitives only; the kernels' static configuration and
   ``[total_q, H, D_v]``, lse ``[H, varlen._rows(total_q)]`` (padded one row tile past the last token).
 * dlse: the gradient of that padded lse or None; dsink: ``[H]`` in the sinks' dtype (float32 zeros
   when ``sinks`` is None, and the autograd formula then returns no gradient).
+* precision: "fast" or "strict" (``config.PRECISIONS``). The fast backward reads the forward's o
+  (the op's output, head dims as the kernels saw them), so the autograd formula saves it and the
+  backward ops take it as ``o`` (last, optional: strict and the reference do not read it).
 
 On CUDA the implementations launch the kernels. On every other device they run the reference
 (forward) and its closed-form gradient (backward): ``flashsink.attention`` does not go through
@@ -74,7 +78,7 @@ def _empty(spec: AttnSpec) -> bool:
     return 0 in (spec.batch, spec.heads, spec.seq_q, spec.seq_kv)
 
 
-def _kernel_inputs(spec: AttnSpec, device, deterministic: bool, *tensors):
+def _kernel_inputs(spec: AttnSpec, device, deterministic: bool, precision: str, *tensors):
     """The kernels' config and window, and the tensors made contiguous (no-ops from kernel_attention)."""
     for name, d in (("q/k", spec.head_dim), ("v", spec.head_dim_v)):
         if d not in NATIVE_HEAD_DIMS:
@@ -82,7 +86,7 @@ def _kernel_inputs(spec: AttnSpec, device, deterministic: bool, *tensors):
                 f"the flashsink kernel ops take head dims {NATIVE_HEAD_DIMS} on CUDA (flashsink.attention and "
                 f"attention_varlen zero-pad the others); the {name} head dim is {d}"
             )
-    cfg = interface.kernel_config(spec, device, deterministic)
+    cfg = interface.kernel_config(spec, device, deterministic, precision)
     window = NO_WINDOW if spec.window is None else min(int(spec.window), NO_WINDOW)
     return cfg, window, [t.contiguous() for t in tensors]
 
@@ -101,8 +105,10 @@ def _fwd_reference(
     scale: float,
     layout: str,
     deterministic: bool,
+    precision: str = "fast",
 ) -> Tuple[Tensor, Tensor]:
-    """Reference implementation (every device but CUDA): o and the row-padded lse."""
+    """Reference implementation (every device but CUDA): o and the row-padded lse (``precision`` changes
+    nothing here: the reference is exact in its compute dtype)."""
     spec = _spec(q, k, v, sinks, window, causal, scale, layout)
     o, lse = reference._attention(q, k, v, sinks, spec, return_lse=True)
     rows = interface._padded_rows(spec.seq_q)
@@ -113,11 +119,11 @@ fwd = torch.library.custom_op("flashsink::fwd", _fwd_reference, mutates_args=())
 
 
 @fwd.register_kernel("cuda")
-def _fwd_cuda(q, k, v, sinks, window, causal, scale, layout, deterministic):
+def _fwd_cuda(q, k, v, sinks, window, causal, scale, layout, deterministic, precision="fast"):
     spec = _spec(q, k, v, sinks, window, causal, scale, layout)
     if _empty(spec):
-        return _fwd_reference(q, k, v, sinks, window, causal, scale, layout, deterministic)
-    cfg, win, (q, k, v) = _kernel_inputs(spec, q.device, deterministic, q, k, v)
+        return _fwd_reference(q, k, v, sinks, window, causal, scale, layout, deterministic, precision)
+    cfg, win, (q, k, v) = _kernel_inputs(spec, q.device, deterministic, precision, q, k, v)
     sinks32 = interface._sinks_f32(sinks, spec.heads, q.device)
     o, lse = interface._forward(q, k, v, sinks32, cfg, spec, win)
     if lse.shape[-1] > spec.seq_q:  # the padding rows: some are never written by the kernel
@@ -126,7 +132,7 @@ def _fwd_cuda(q, k, v, sinks, window, causal, scale, layout, deterministic):
 
 
 @fwd.register_fake
-def _fwd_fake(q, k, v, sinks, window, causal, scale, layout, deterministic):
+def _fwd_fake(q, k, v, sinks, window, causal, scale, layout, deterministic, precision="fast"):
     spec = _spec(q, k, v, sinks, window, causal, scale, layout)
     if layout == "bhsd":
         o_shape = (spec.batch, spec.heads, spec.seq_q, spec.head_dim_v)
@@ -154,8 +160,10 @@ def _bwd_reference(
     scale: float,
     layout: str,
     deterministic: bool,
+    precision: str = "fast",
+    o: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Reference implementation (every device but CUDA): the closed-form gradient."""
+    """Reference implementation (every device but CUDA): the closed-form gradient (o is not read)."""
     spec = _spec(q, k, v, sinks, window, causal, scale, layout)
     dlse = None if dlse is None else dlse[:, :, : spec.seq_q]
     return _reference_backward(do, q, k, v, sinks, dlse, spec)
@@ -165,21 +173,22 @@ bwd = torch.library.custom_op("flashsink::bwd", _bwd_reference, mutates_args=())
 
 
 @bwd.register_kernel("cuda")
-def _bwd_cuda(do, q, k, v, sinks, lse, dlse, window, causal, scale, layout, deterministic):
+def _bwd_cuda(do, q, k, v, sinks, lse, dlse, window, causal, scale, layout, deterministic, precision="fast", o=None):
     spec = _spec(q, k, v, sinks, window, causal, scale, layout)
     if _empty(spec):
         return _bwd_reference(do, q, k, v, sinks, lse, dlse, window, causal, scale, layout, deterministic)
-    cfg, win, (do, q, k, v, lse) = _kernel_inputs(spec, q.device, deterministic, do, q, k, v, lse)
+    cfg, win, (do, q, k, v, lse) = _kernel_inputs(spec, q.device, deterministic, precision, do, q, k, v, lse)
+    o = _saved_output(o, cfg)
     sinks32 = interface._sinks_f32(sinks, spec.heads, q.device)
     dlse = None if dlse is None else dlse[:, :, : spec.seq_q]
-    dq, dk, dv, dsink = interface._backward(do, q, k, v, lse, dlse, sinks32, cfg, spec, win)
+    dq, dk, dv, dsink = interface._backward(do, q, k, v, o, lse, dlse, sinks32, cfg, spec, win)
     if dsink is None:
         return dq, dk, dv, sinks32.new_zeros(spec.heads)
     return dq, dk, dv, dsink.to(sinks.dtype)
 
 
 @bwd.register_fake
-def _bwd_fake(do, q, k, v, sinks, lse, dlse, window, causal, scale, layout, deterministic):
+def _bwd_fake(do, q, k, v, sinks, lse, dlse, window, causal, scale, layout, deterministic, precision="fast", o=None):
     heads = q.shape[1] if layout == "bhsd" else q.shape[2]
     dsink_dtype = torch.float32 if sinks is None else sinks.dtype
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), q.new_empty((heads,), dtype=dsink_dtype)
@@ -232,18 +241,28 @@ def _reference_backward(do, q, k, v, sinks, dlse, spec: AttnSpec):
 # Autograd: the forward op's formula calls the backward op
 
 
+def _saved_output(o, cfg):
+    """o for the fast backward (which reads it), None for strict (which does not)."""
+    if cfg.precision == "strict":
+        return None
+    if o is None:
+        raise ValueError('precision="fast": the backward op needs the forward\'s output o (the argument o)')
+    return o.contiguous()
+
+
 def _setup_context(ctx, inputs, output):
-    q, k, v, sinks, window, causal, scale, layout, deterministic = inputs
-    _, lse = output
-    # o itself is not needed: the backward recomputes Delta from P and dP.
-    ctx.save_for_backward(q, k, v, sinks, lse)
-    ctx.options = (window, causal, scale, layout, deterministic)
+    q, k, v, sinks, window, causal, scale, layout, deterministic, *precision = inputs
+    precision = precision[0] if precision else "fast"
+    o, lse = output
+    # strict recomputes Delta from P and dP: o is not kept; fast reads it (Delta = rowsum(dO * O))
+    ctx.save_for_backward(q, k, v, sinks, lse, None if precision == "strict" else o)
+    ctx.options = (window, causal, scale, layout, deterministic, precision)
 
 
 def _backward(ctx, do, dlse):
-    q, k, v, sinks, lse = ctx.saved_tensors
-    dq, dk, dv, dsink = torch.ops.flashsink.bwd(do, q, k, v, sinks, lse, dlse, *ctx.options)
-    return dq, dk, dv, (None if sinks is None else dsink), None, None, None, None, None
+    q, k, v, sinks, lse, o = ctx.saved_tensors
+    dq, dk, dv, dsink = torch.ops.flashsink.bwd(do, q, k, v, sinks, lse, dlse, *ctx.options, o)
+    return dq, dk, dv, (None if sinks is None else dsink), None, None, None, None, None, None
 
 
 fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -284,6 +303,7 @@ def _varlen_fwd_reference(
     causal: bool,
     scale: float,
     deterministic: bool,
+    precision: str = "fast",
 ) -> Tuple[Tensor, Tensor]:
     """Reference implementation (every device but CUDA): the varlen reference, lse row-padded."""
     spec = _varlen_spec(q, k, v, sinks, cu_seqlens_q, max_seqlen_q, max_seqlen_k, window, causal, scale)
@@ -298,13 +318,13 @@ varlen_fwd = torch.library.custom_op("flashsink::varlen_fwd", _varlen_fwd_refere
 
 @varlen_fwd.register_kernel("cuda")
 def _varlen_fwd_cuda(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window, causal, scale,
-                     deterministic):
+                     deterministic, precision="fast"):
     spec = _varlen_spec(q, k, v, sinks, cu_seqlens_q, max_seqlen_q, max_seqlen_k, window, causal, scale)
     if _varlen_empty(spec, q, k):
         return _varlen_fwd_reference(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                      window, causal, scale, deterministic)
-    cfg, win, (q, k, v, cu_q, cu_k) = _kernel_inputs(spec, q.device, deterministic, q, k, v, cu_seqlens_q,
-                                                     cu_seqlens_k)
+    cfg, win, (q, k, v, cu_q, cu_k) = _kernel_inputs(spec, q.device, deterministic, precision, q, k, v,
+                                                     cu_seqlens_q, cu_seqlens_k)
     sinks32 = interface._sinks_f32(sinks, spec.heads, q.device)
     o, lse = varlen._forward(q, k, v, sinks32, cu_q, cu_k, cfg, spec, win)
     lse[:, q.shape[0]:] = 0  # the padding rows: some are never written by the kernel
@@ -313,7 +333,7 @@ def _varlen_fwd_cuda(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
 
 @varlen_fwd.register_fake
 def _varlen_fwd_fake(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window, causal, scale,
-                     deterministic):
+                     deterministic, precision="fast"):
     total, heads = q.shape[0], q.shape[1]
     o = q.new_empty((total, heads, v.shape[2]))
     lse = q.new_empty((heads, varlen._rows(total)), dtype=_lse_dtype(q.dtype))
@@ -336,6 +356,8 @@ def _varlen_bwd_reference(
     causal: bool,
     scale: float,
     deterministic: bool,
+    precision: str = "fast",
+    o: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """Reference implementation (every device but CUDA): the closed-form gradient, one sequence at a time."""
     spec = _varlen_spec(q, k, v, sinks, cu_seqlens_q, max_seqlen_q, max_seqlen_k, window, causal, scale)
@@ -367,16 +389,17 @@ varlen_bwd = torch.library.custom_op("flashsink::varlen_bwd", _varlen_bwd_refere
 
 @varlen_bwd.register_kernel("cuda")
 def _varlen_bwd_cuda(do, q, k, v, sinks, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window,
-                     causal, scale, deterministic):
+                     causal, scale, deterministic, precision="fast", o=None):
     spec = _varlen_spec(q, k, v, sinks, cu_seqlens_q, max_seqlen_q, max_seqlen_k, window, causal, scale)
     if _varlen_empty(spec, q, k):
         return _varlen_bwd_reference(do, q, k, v, sinks, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                      max_seqlen_k, window, causal, scale, deterministic)
-    cfg, win, (do, q, k, v, lse, cu_q, cu_k) = _kernel_inputs(spec, q.device, deterministic, do, q, k, v, lse,
-                                                              cu_seqlens_q, cu_seqlens_k)
+    cfg, win, (do, q, k, v, lse, cu_q, cu_k) = _kernel_inputs(spec, q.device, deterministic, precision, do, q, k, v,
+                                                              lse, cu_seqlens_q, cu_seqlens_k)
+    o = _saved_output(o, cfg)
     sinks32 = interface._sinks_f32(sinks, spec.heads, q.device)
     dlse = None if dlse is None else dlse[:, : q.shape[0]]
-    dq, dk, dv, dsink = varlen._backward(do, q, k, v, lse, dlse, sinks32, cu_q, cu_k, cfg, spec, win)
+    dq, dk, dv, dsink = varlen._backward(do, q, k, v, o, lse, dlse, sinks32, cu_q, cu_k, cfg, spec, win)
     if dsink is None:
         return dq, dk, dv, sinks32.new_zeros(spec.heads)
     return dq, dk, dv, dsink.to(sinks.dtype)
@@ -384,28 +407,31 @@ def _varlen_bwd_cuda(do, q, k, v, sinks, lse, dlse, cu_seqlens_q, cu_seqlens_k, 
 
 @varlen_bwd.register_fake
 def _varlen_bwd_fake(do, q, k, v, sinks, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window,
-                     causal, scale, deterministic):
+                     causal, scale, deterministic, precision="fast", o=None):
     dsink_dtype = torch.float32 if sinks is None else sinks.dtype
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), q.new_empty((q.shape[1],), dtype=dsink_dtype)
 
 
 def _varlen_setup_context(ctx, inputs, output):
     q, k, v, sinks, cu_q, cu_k, *options = inputs
-    ctx.save_for_backward(q, k, v, sinks, output[1], cu_q, cu_k)
-    ctx.options = options  # max_seqlen_q, max_seqlen_k, window, causal, scale, deterministic
+    if len(options) == 6:
+        options.append("fast")  # max_seqlen_q, max_seqlen_k, window, causal, scale, deterministic, precision
+    o = None if options[-1] == "strict" else output[0]  # as _setup_context
+    ctx.save_for_backward(q, k, v, sinks, output[1], cu_q, cu_k, o)
+    ctx.options = options
 
 
 def _varlen_backward(ctx, do, dlse):
-    q, k, v, sinks, lse, cu_q, cu_k = ctx.saved_tensors
-    dq, dk, dv, dsink = torch.ops.flashsink.varlen_bwd(do, q, k, v, sinks, lse, dlse, cu_q, cu_k, *ctx.options)
-    return (dq, dk, dv, None if sinks is None else dsink) + (None,) * 8
+    q, k, v, sinks, lse, cu_q, cu_k, o = ctx.saved_tensors
+    dq, dk, dv, dsink = torch.ops.flashsink.varlen_bwd(do, q, k, v, sinks, lse, dlse, cu_q, cu_k, *ctx.options, o)
+    return (dq, dk, dv, None if sinks is None else dsink) + (None,) * 9
 
 
 varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
 
 
 def kernel_attention_varlen(spec, q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, *, return_lse=False,
-                            deterministic=False, pad_head_dims=None):
+                            deterministic=False, precision="fast", pad_head_dims=None):
     """A validated packed batch through ``flashsink::varlen_fwd`` (autograd: ``varlen_bwd``).
 
     Traceable with ``fullgraph=True`` and dynamic shapes, like ``interface.kernel_attention``. On CUDA
@@ -422,7 +448,8 @@ def kernel_attention_varlen(spec, q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, *,
         q, k = (interface._pad_dim(x, interface._kernel_dim(spec.head_dim)) for x in (q, k))
         v = interface._pad_dim(v, interface._kernel_dim(spec.head_dim_v))
     o, lse = torch.ops.flashsink.varlen_fwd(
-        q, k, v, sinks, cu_q, cu_k, spec.seq_q, spec.seq_kv, spec.window, spec.causal, spec.scale, deterministic
+        q, k, v, sinks, cu_q, cu_k, spec.seq_q, spec.seq_kv, spec.window, spec.causal, spec.scale, deterministic,
+        precision,
     )
     if o.shape[-1] != spec.head_dim_v:
         o = o[..., : spec.head_dim_v]

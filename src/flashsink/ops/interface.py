@@ -13,7 +13,9 @@ import torch
 
 from . import decode
 from .compile import get_kernel
-from .config import LOG2E, MAX_HEAD_DIM, NATIVE_HEAD_DIMS, SUPPORTED_DTYPES, KernelConfig, arch_of, pre_tiles
+from .config import (
+    LOG2E, MAX_HEAD_DIM, NATIVE_HEAD_DIMS, PRECISIONS, SUPPORTED_DTYPES, KernelConfig, arch_of, pre_tiles,
+)
 
 # Row statistics (lse, Delta) and the fp32 dQ accumulator are allocated with this many
 # rows per multiple: every kernel's row tile is then in bounds, and the row stride of
@@ -58,15 +60,17 @@ def check_supported(spec) -> None:
 _CONFIGS: dict = {}
 
 
-def kernel_config(spec, device, deterministic: bool) -> KernelConfig:
+def kernel_config(spec, device, deterministic: bool, precision: str = "fast") -> KernelConfig:
     """The static configuration for a validated problem, or NotImplementedError."""
     arch = arch_of(device)
     groups = spec.heads // spec.kv_heads
     key = (arch, spec.dtype, spec.head_dim, spec.head_dim_v, groups, spec.causal, spec.has_sinks, spec.layout,
-           bool(deterministic))
+           bool(deterministic), precision)
     cfg = _CONFIGS.get(key)
     if cfg is None:
         check_supported(spec)
+        if precision not in PRECISIONS:  # the public functions checked it; the ops may be called directly
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         cfg = _CONFIGS[key] = KernelConfig(
             arch=arch,
             dtype=SUPPORTED_DTYPES[spec.dtype],
@@ -77,6 +81,7 @@ def kernel_config(spec, device, deterministic: bool) -> KernelConfig:
             has_sinks=spec.has_sinks,
             layout=spec.layout,
             deterministic=bool(deterministic),
+            precision=precision,
         )
     return cfg
 
@@ -119,9 +124,11 @@ def _forward(q, k, v, sinks32, cfg, spec, window, cu_seqlens=None):
     return o, lse
 
 
-def _backward(do, q, k, v, lse, dlse, sinks32, cfg, spec, window, cu_seqlens=None):
+def _backward(do, q, k, v, o, lse, dlse, sinks32, cfg, spec, window, cu_seqlens=None):
     """dq, dk, dv and dsink (float32 ``[H]``, None without sinks). ``lse`` is the forward's
-    row-padded one; ``dlse`` (or None) its gradient over the real rows (seq_q, or total_q)."""
+    row-padded one; ``dlse`` (or None) its gradient over the real rows (seq_q, or total_q).
+    ``o``: the forward's output (contiguous, head dims as the kernels saw them), read by the fast
+    preprocess (Delta = rowsum(dO * O)); None, and not read, for strict."""
     dev = q.device
     stat = tuple(lse.shape)  # [B, H, rows] or [H, rows] (thd)
     scale = float(spec.scale)
@@ -148,7 +155,12 @@ def _backward(do, q, k, v, lse, dlse, sinks32, cfg, spec, window, cu_seqlens=Non
         dsink = torch.zeros((spec.heads,), dtype=torch.float32, device=dev)
         dsink_part = torch.empty((spec.batch, spec.heads, n_part), dtype=torch.float32, device=dev)
     seq_q, seq_kv = _seq_args(cu_seqlens, spec.seq_q), _seq_args(cu_seqlens, spec.seq_kv)
-    get_kernel("preprocess", cfg)(q, k, v, do, lse, dlse_padded, sinks32, *seq_q, window, scale, delta, dsink, dsink_part)
+    if cfg.precision == "strict":
+        get_kernel("preprocess", cfg)(
+            q, k, v, do, lse, dlse_padded, sinks32, *seq_q, window, scale, delta, dsink, dsink_part
+        )
+    else:
+        get_kernel("preprocess", cfg)(o, do, lse, dlse_padded, sinks32, *seq_q, delta, dsink, dsink_part)
 
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
@@ -172,7 +184,7 @@ def _sinks_f32(sinks, heads, device):
     return sinks.detach().to(torch.float32).contiguous()
 
 
-def kernel_attention(spec, q, k, v, sinks, *, return_lse=False, deterministic=False):
+def kernel_attention(spec, q, k, v, sinks, *, return_lse=False, deterministic=False, precision="fast"):
     """Run validated inputs through the kernels (autograd for q, k, v and sinks).
 
     Everything here is traceable by torch.compile (fullgraph, dynamic shapes): the launches are
@@ -192,7 +204,7 @@ def kernel_attention(spec, q, k, v, sinks, *, return_lse=False, deterministic=Fa
     v = _pad_dim(v, dv)
     # lse comes back with _padded_rows(seq_q) rows (the layout the backward kernels read).
     o, lse = torch.ops.flashsink.fwd(
-        q, k, v, sinks, spec.window, spec.causal, spec.scale, spec.layout, deterministic
+        q, k, v, sinks, spec.window, spec.causal, spec.scale, spec.layout, deterministic, precision
     )
     if dv != spec.head_dim_v:
         o = o[..., : spec.head_dim_v]

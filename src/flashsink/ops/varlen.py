@@ -23,6 +23,6 @@ def _forward(q, k, v, sinks32, cu_q, cu_k, cfg, spec, window):
     return interface._forward(q, k, v, sinks32, cfg, spec, window, cu_seqlens=(cu_q, cu_k))
 
 
-def _backward(do, q, k, v, lse, dlse, sinks32, cu_q, cu_k, cfg, spec, window):
+def _backward(do, q, k, v, o, lse, dlse, sinks32, cu_q, cu_k, cfg, spec, window):
     """The backward launches (``interface._backward``) on a packed batch."""
-    return interface._backward(do, q, k, v, lse, dlse, sinks32, cfg, spec, window, cu_seqlens=(cu_q, cu_k))
+    return interface._backward(do, q, k, v, o, lse, dlse, sinks32, cfg, spec, window, cu_seqlens=(cu_q, cu_k))
