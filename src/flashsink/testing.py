@@ -106,8 +106,10 @@ __all__ = [
     "check_precision",
     "compare_all",
     "dtype_name",
+    "judge_all",
     "make_inputs",
     "reference_grads",
+    "reference_pair",
     "tolerance",
 ]
 
@@ -600,6 +602,36 @@ def reference_grads(q, k, v, sinks, do, *, window=None, causal=True, scale=None,
 TENSORS = ("o", "lse", "dq", "dk", "dv", "dsink")
 
 
+def reference_pair(q, k, v, sinks, do, *, window=None, causal=True, scale=None, layout="bhsd", lowp: bool = True,
+                   progress: Callable[[str], None] | None = None, lowp_why: str = "gate 2") -> tuple[dict, dict | None]:
+    """The float64 reference (forward and backward) and, with ``lowp`` (and low-precision inputs),
+    the same computed in q's dtype: what :func:`judge_all` judges against."""
+    kw = dict(window=window, causal=causal, scale=scale, layout=layout)
+    say = progress or (lambda _msg: None)
+    say("reference forward+backward in fp64 ...")
+    expected = reference_grads(q, k, v, sinks, do, compute_dtype=torch.float64, **kw)
+    low = None
+    if lowp and q.dtype != torch.float64:
+        say(f"reference forward+backward in {dtype_name(q.dtype)} ({lowp_why}) ...")
+        low = reference_grads(q, k, v, sinks, do, compute_dtype=q.dtype, **kw)
+    return expected, low
+
+
+def judge_all(actual: dict, expected: dict, lowp: dict | None, dtype, *, precision: str = "strict") -> list[PrecisionReport]:
+    """Every tensor of :data:`TENSORS` in ``expected`` (dsink only when it is not None) under the gate
+    of ``precision``: "strict" :func:`check_precision` (gate 2 when ``lowp`` is given), "fast"
+    :func:`check_fast` (``lowp`` required)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if precision == "fast" and lowp is None:
+        raise ValueError("precision='fast' judges against the reference in the input dtype: lowp is required")
+    names = [n for n in TENSORS if expected.get(n) is not None]
+    low = lowp or {}
+    if precision == "fast":
+        return [check_fast(n, actual.get(n), expected[n], dtype, lowp=low[n]) for n in names]
+    return [check_precision(n, actual.get(n), expected[n], dtype, lowp=low.get(n)) for n in names]
+
+
 def compare_all(
     actual: dict,
     q,
@@ -629,19 +661,7 @@ def compare_all(
     if precision == "fast" and (not gate2 or q.dtype == torch.float64):
         raise ValueError("precision='fast' judges against the reference in the input dtype: it needs gate2=True "
                          f"and fp16/bf16/fp32 inputs (got gate2={gate2}, {dtype_name(q.dtype)})")
-    kw = dict(window=window, causal=causal, scale=scale, layout=layout)
-    say = progress or (lambda _msg: None)
-    say("reference forward+backward in fp64 ...")
-    expected = reference_grads(q, k, v, sinks, do, compute_dtype=torch.float64, **kw)
-    lowp = None
-    if gate2 and q.dtype != torch.float64:
-        what = "fast gate" if precision == "fast" else "gate 2"
-        say(f"reference forward+backward in {dtype_name(q.dtype)} ({what}) ...")
-        lowp = reference_grads(q, k, v, sinks, do, compute_dtype=q.dtype, **kw)
-    names = [n for n in TENSORS if not (n == "dsink" and sinks is None)]
-    if precision == "fast":
-        return [check_fast(n, actual.get(n), expected[n], q.dtype, lowp=lowp[n]) for n in names]
-    return [
-        check_precision(n, actual.get(n), expected[n], q.dtype, lowp=None if lowp is None else lowp[n])
-        for n in names
-    ]
+    expected, lowp = reference_pair(q, k, v, sinks, do, window=window, causal=causal, scale=scale, layout=layout,
+                                    lowp=gate2, progress=progress,
+                                    lowp_why="fast gate" if precision == "fast" else "gate 2")
+    return judge_all(actual, expected, lowp, q.dtype, precision=precision)
