@@ -64,7 +64,7 @@ def test_presets_and_shape():
 
 
 class _Wrong(bench.Eager):
-    """The reference with its output scaled by 1.05: must fail the gate and never be timed."""
+    """The reference with its output scaled by 1.05: passes no gate, is timed and says so."""
 
     name = "wrong"
     note = "deliberately wrong"
@@ -75,9 +75,24 @@ class _Wrong(bench.Eager):
         return super().forward(t, prob) * 1.05
 
 
-def test_gate_fails_wrong_system_and_does_not_time_it(monkeypatch):
+class _Lowp(bench.Eager):
+    """The reference computed in the input dtype (what plain PyTorch gives): fails the strict gate on a
+    bf16 problem, passes the fast one."""
+
+    name = "lowp"
+    note = "reference in the input dtype"
+
+    def forward(self, t, prob):
+        from flashsink import reference
+
+        return reference.attention(t["q"], t["k"], t["v"], t["sinks"], window=prob.window, causal=prob.causal,
+                                   scale=prob.scale, compute_dtype=t["q"].dtype)
+
+
+def test_gate_marks_every_system_with_the_gate_it_passes_and_times_it(monkeypatch):
+    """Peers are timed whatever gate they pass, and the row says which: strict, fast or none."""
     monkeypatch.setitem(bench.SYSTEMS, "wrong", _Wrong)
-    _Wrong.calls = 0
+    monkeypatch.setitem(bench.SYSTEMS, "lowp", _Lowp)
     timed = []
 
     class CountingTimer(bench.Timer):
@@ -85,21 +100,52 @@ def test_gate_fails_wrong_system_and_does_not_time_it(monkeypatch):
             timed.append(fn)
             return super().__call__(fn)
 
-    prob = bench.parse_shape("1,4,2,64,32,16", "fp32")
+    prob = bench.parse_shape("1,4,2,64,32,16", "bf16")
     timer = CountingTimer("cpu", rep_ms=1.0, min_reps=1)
-    res = bench.run_bench([prob], systems=["flashsink", "wrong"], modes=list(bench.MODES), device="cpu", timer=timer)
+    res = bench.run_bench([prob], systems=["eager", "lowp", "wrong"], modes=list(bench.MODES), device="cpu",
+                          timer=timer)
     rows = {(r["system"], r["mode"]): r for r in res["rows"]}
     for mode in bench.MODES:
-        bad = rows[("wrong", mode)]
-        assert bad["status"].startswith("FAIL"), bad
-        assert bad["ms"] is None and bad["tflops"] is None
-        good = rows[("flashsink", mode)]
-        assert good["status"] == "ok" and good["ms"] > 0
-    assert _Wrong.calls == 1  # the gate's single forward; no timing call reached it
-    assert len(timed) == 2 + 3  # two ceilings, three flashsink modes
+        for name, gate in (("eager", "strict"), ("lowp", "fast"), ("wrong", "none")):
+            r = rows[(name, mode)]
+            assert r["status"] == "ok" and r["ms"] > 0 and r["gate"] == gate, r
+        assert rows[("lowp", mode)]["gate_fails"].startswith("strict: o")
+        assert rows[("wrong", mode)]["gate_fails"].startswith("strict: o") and "fast: o" in \
+            rows[("wrong", mode)]["gate_fails"]
+        assert rows[("eager", mode)]["gate_fails"] == ""
+        assert (rows[("eager", mode)]["host_us"] is None) == (mode == "bwd")
+    assert len(timed) == 2 + 3 * 3  # two ceilings, three modes of three systems
     gates = {g["system"]: g for g in res["gates"]}
     assert not all(r["passed"] for r in gates["wrong"]["reports"])
-    assert "FAIL" in bench.format_table(res)
+    assert all(r["passed"] for r in gates["lowp"]["fast_reports"]) and {r["gate"] for r in
+                                                                        gates["lowp"]["fast_reports"]} == {"fast"}
+    table = bench.format_table(res)
+    assert "(fails strict: o" in table and "host us" in table
+
+
+def test_flashsink_must_pass_its_own_precision_gate(monkeypatch, tmp_path):
+    """flashsink (fast) judged by the fast gate, flashsink-strict by the standard: a flashsink that
+    misses its gate is FAIL (timed all the same)."""
+    import flashsink
+    from flashsink import reference
+
+    seen = []
+
+    def lowp_attention(q, k, v, sinks=None, *, precision="fast", **kw):
+        seen.append(precision)
+        return reference.attention(q, k, v, sinks, compute_dtype=q.dtype, **kw)
+
+    monkeypatch.setattr(flashsink, "attention", lowp_attention)
+    prob = bench.parse_shape("1,4,2,64,32,16", "bf16")
+    res = bench.run_bench([prob], systems=["flashsink", "flashsink-strict"], modes=list(bench.MODES), device="cpu",
+                          timer=bench.Timer("cpu", rep_ms=1.0, min_reps=1))
+    rows = {(r["system"], r["mode"]): r for r in res["rows"]}
+    assert {"fast", "strict"} <= set(seen)
+    for mode in bench.MODES:
+        assert rows[("flashsink", mode)]["status"] == "ok" and rows[("flashsink", mode)]["gate"] == "fast"
+        bad = rows[("flashsink-strict", mode)]
+        assert bad["status"].startswith("FAIL (strict gate): o: only") and bad["ms"] > 0 and bad["gate"] == "fast"
+    assert "FAIL (strict gate)" in bench.format_table(res)
 
 
 def test_gate_reports_a_crash_as_fail(monkeypatch):
@@ -279,29 +325,28 @@ def test_varlen_and_decode_run_on_cpu_with_the_gate(monkeypatch):
                           timer=bench.Timer("cpu", rep_ms=1.0, min_reps=1))
     rows = res["rows"]
     assert len(rows) == len(probs) * len(bench.SYSTEMS) * len(bench.MODES)  # no system, no mode dropped
-    assert _Wrong.calls == len(probs)  # one gate call per problem, never timed
+    assert _Wrong.calls > len(probs)  # one gate call per problem, then timed
     for r in rows:
         p = next(x for x in probs if x.label() == r["problem"])
         assert r["kind"] == p.kind and r["N"] == p.n and r["window"] == p.window
         assert r["flops"] == bench.flops(p, r["mode"]) and r["bytes"] == bench.min_bytes(p, r["mode"])
         if p.forward_only and r["mode"] != "fwd":
             assert r["status"] == bench.FORWARD_ONLY and r["ms"] is None
-        elif r["system"] in ("flashsink", "eager"):
+        elif r["system"] in ("flashsink", "flashsink-strict", "eager", "wrong"):
             assert r["status"] == "ok", r
             assert r["ms"] > 0 and r["tflops"] > 0 and r["gbs"] > 0 and r["pct_floor"] > 0
-        elif r["system"] == "wrong":
-            assert r["status"].startswith("FAIL") and r["ms"] is None
+            assert r["gate"] == ("none" if r["system"] == "wrong" else "strict"), r
         else:  # CUDA-only peers: listed with a reason
             assert r["status"].startswith("unavailable: "), r
     gated = {(g["problem"]["preset"], g["problem"]["window"], g["problem"]["seq_kv"], g["system"])
              for g in res["gates"]}
-    assert len(gated) == len(probs) * 3  # flashsink, eager, wrong
+    assert len(gated) == len(probs) * 4  # flashsink, flashsink-strict, eager, wrong
     for g in res["gates"]:
         assert g["problem"]["forward_only"] == (g["problem"]["preset"] == "decode")
         names = [x["name"] for x in g["reports"]]
         assert names == (["o"] if g["problem"]["forward_only"] else ["o", "dq", "dk", "dv", "dsink"])
     table = bench.format_table(res)
-    assert "forward only" in table and "len " in table and "FAIL" in table
+    assert "forward only" in table and "len " in table and "(fails strict: o" in table
 
 
 def test_systems_that_cannot_run_say_why():
@@ -376,6 +421,73 @@ def test_fla_and_flex_plumbing_on_cpu(monkeypatch):
     res = bench.run_bench(probs[:1], systems=["fla"], modes=list(bench.MODES), device="cpu", timer=timer,
                           gate2=False)
     assert all(r["status"] == "ok" for r in res["rows"]), res["rows"]
+
+
+def _fake_fa4(monkeypatch, calls):
+    """A `flash_attn.cute.interface` built on the reference, FA4's signatures and conventions: [B, S, H, D],
+    window_size=(W - 1, 0), learnable_sink, (o, lse) returned; varlen on packed [total, H, D]."""
+    import types
+
+    from flashsink import reference
+
+    def window(window_size, causal):
+        left, right = window_size
+        assert causal and right in (0, None)
+        return None if left is None else left + 1
+
+    def flash_attn_func(q, k, v, qv=None, softmax_scale=None, causal=False, window_size=(None, None),
+                        learnable_sink=None, return_lse=False, **kw):
+        calls.append(("dense", q.shape))
+        return reference.attention(q, k, v, learnable_sink, window=window(window_size, causal), scale=softmax_scale,
+                                   causal=causal, layout="bshd", return_lse=True)
+
+    def flash_attn_varlen_func(q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+                               max_seqlen_k=None, softmax_scale=None, causal=False, window_size=(None, None),
+                               learnable_sink=None, **kw):
+        calls.append(("varlen", q.shape))
+        assert cu_seqlens_q.dtype == torch.int32 and q.dim() == 3
+        return reference.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                          learnable_sink, window=window(window_size, causal), scale=softmax_scale,
+                                          causal=causal, return_lse=True)
+
+    mods = {n: types.ModuleType(n) for n in ("flash_attn", "flash_attn.cute", "flash_attn.cute.interface")}
+    mods["flash_attn.cute.interface"].flash_attn_func = flash_attn_func
+    mods["flash_attn.cute.interface"].flash_attn_varlen_func = flash_attn_varlen_func
+    for n, m in mods.items():
+        monkeypatch.setitem(sys.modules, n, m)
+
+
+def test_fa4_plumbing_on_cpu(monkeypatch):
+    """FA4 (a fake one on the reference): its layout, window and sink conventions round-trip through the
+    gate on dense, varlen and decode problems, forward and backward."""
+    calls = []
+    _fake_fa4(monkeypatch, calls)
+
+    class Fa4CPU(bench.Fa4):
+        def check_available(self, device):
+            pass
+
+    monkeypatch.setitem(bench.SYSTEMS, "fa4", Fa4CPU)
+    probs = [bench.preset_problems("gptoss-swa", tiny=True)[0], *bench.preset_problems("varlen", tiny=True),
+             bench.preset_problems("decode", tiny=True)[0]]
+    res = bench.run_bench(probs, systems=["fa4"], modes=list(bench.MODES), device="cpu",
+                          timer=bench.Timer("cpu", rep_ms=1.0, min_reps=1))
+    for r in res["rows"]:
+        if r["status"] != bench.FORWARD_ONLY:
+            assert r["status"] == "ok" and r["gate"] == "strict" and r["ms"] > 0, r
+    assert {c[0] for c in calls} == {"dense", "varlen"}
+    assert ("dense", (1, 128, 4, 16)) in calls  # [B, S, H, D]
+    with pytest.raises(bench.Unavailable, match="fp16 / bf16"):
+        bench.Fa4().check_problem(bench.parse_shape("1,2,1,32,16", "fp32"), "cuda", {})
+    with pytest.raises(bench.Unavailable, match="CUDA only"):
+        bench.Fa4().check_available("cpu")
+
+
+def test_fa4_listed_unavailable_without_flash_attn(monkeypatch):
+    monkeypatch.setitem(sys.modules, "flash_attn", None)  # import fails
+    monkeypatch.delitem(sys.modules, "flash_attn.cute.interface", raising=False)
+    with pytest.raises(bench.Unavailable, match="import flash_attn.cute.interface"):
+        bench.Fa4().check_available("cuda")
 
 
 def test_cpu_cli_runs_the_new_presets(tmp_path):

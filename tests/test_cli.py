@@ -25,8 +25,11 @@ def test_check_subprocess():
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = _table_rows(proc.stdout)
-    assert [r.split()[0] for r in rows] == list(ROWS), proc.stdout
+    assert [r.split()[0] for r in rows] == list(ROWS) * 2, proc.stdout  # precision fast, then strict
+    assert [r.split()[3] for r in rows] == ["fast"] * 6 + ["strict"] * 6  # each judged by its own gate
     assert all("PASS" in r for r in rows)
+    assert "precision='fast', judged by the fast gate" in proc.stdout
+    assert "precision='strict', judged by the precision standard" in proc.stdout
     assert "tensor" in proc.stdout and "max |a-e|" in proc.stdout and "fwd " in proc.stdout and "bwd " in proc.stdout
 
 
@@ -43,7 +46,7 @@ def test_check_subprocess():
 def test_check_in_process(extra, capsys):
     assert cli.main(["check", *TINY, *extra]) == 0
     out = capsys.readouterr().out
-    assert len(_table_rows(out)) == 6 and "check passed" in out
+    assert len(_table_rows(out)) == 12 and "check passed" in out
 
 
 @pytest.mark.l0
@@ -59,7 +62,27 @@ def test_check_reports_failure(monkeypatch, capsys):
     monkeypatch.setattr(flashsink, "attention", wrong)
     assert cli.main(["check", *TINY]) == 1
     out = capsys.readouterr().out
-    assert "FAIL" in out and "check FAILED" in out
+    assert "FAIL" in out and "check FAILED: fast o, " in out and ", strict o, " in out
+
+
+@pytest.mark.l0
+def test_check_runs_each_precision_under_its_gate(monkeypatch, capsys):
+    """Both modes run; a mode that is wrong, or raises, fails the check on its own."""
+    import flashsink
+
+    real, seen = flashsink.attention, []
+
+    def strict_raises(*args, precision="fast", **kwargs):
+        seen.append(precision)
+        if precision == "strict":
+            raise RuntimeError("no strict kernel")
+        return real(*args, precision=precision, **kwargs)
+
+    monkeypatch.setattr(flashsink, "attention", strict_raises)
+    assert cli.main(["check", *TINY]) == 1
+    out = capsys.readouterr().out
+    assert set(seen) == {"fast", "strict"} and len(_table_rows(out)) == 6
+    assert "no strict kernel" in out and "check FAILED: strict (raised)" in out
 
 
 @pytest.mark.boundary

@@ -207,3 +207,154 @@ def test_composed_share_is_relative_to_lowp():
     assert not exact_lowp.passed  # an exact lowp keeps the 99% of the standard
     with pytest.raises(ValueError, match="composed=True needs lowp"):
         check_precision("x", ok, e, torch.bfloat16, composed=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# The fast gate (check_fast): rel L2 <= 1.5 x the input-dtype reference's, and an element guard
+
+LOWP = [torch.float16, torch.bfloat16]
+LOWP_IDS = ["fp16", "bf16"]
+
+
+def _problem(dtype, seed=0):
+    """A small attention problem: its fp64 and input-dtype reference results (o, lse, dq, ...)."""
+    inp = testing.make_inputs(1, 4, 2, 96, 96, 32, dtype, "cpu", seed=seed)
+    exp = testing.reference_grads(**inp, window=40, compute_dtype=torch.float64)
+    low = testing.reference_grads(**inp, window=40, compute_dtype=dtype)
+    return inp, exp, low
+
+
+@pytest.mark.parametrize("dtype", LOWP, ids=LOWP_IDS)
+def test_fast_gate_passes_the_reference_in_the_input_dtype(dtype):
+    _, exp, low = _problem(dtype)
+    for n in testing.TENSORS:
+        r = testing.check_fast(n, low[n], exp[n], dtype, lowp=low[n])
+        assert r.passed and r.gate == "fast", r
+        assert r.rel_l2 == pytest.approx(r.lowp_rel_l2) and r.l2_limit >= testing.FAST_FACTOR * r.rel_l2 * 0.999
+        assert testing.check_fast(n, exp[n].clone(), exp[n], dtype, lowp=low[n]).passed  # exact passes
+
+
+@pytest.mark.parametrize("dtype", LOWP, ids=LOWP_IDS)
+def test_fast_gate_fails_an_error_twice_the_references(dtype):
+    """The lowp reference's own error scaled by 2 fails the L2 gate (1.5x); by 1.4 it passes."""
+    _, exp, low = _problem(dtype, seed=1)
+    for n in ("o", "dq", "dk", "dv"):
+        e, d = exp[n], low[n].double() - exp[n]
+        r = testing.check_fast(n, e + 2.0 * d, e, dtype, lowp=low[n])
+        assert not r.passed and "rel L2" in r.reason and r.gate2_ok, r  # the element guard still holds
+        assert testing.check_fast(n, e + 1.4 * d, e, dtype, lowp=low[n]).passed
+
+
+def test_fast_gate_fails_a_sloppier_intermediate_rounding():
+    """A "kernel" that rounds its intermediates to bf16 on an fp16 problem (8x fp16's unit roundoff)
+    fails; the fp16 computation passes."""
+    inp, exp, low = _problem(torch.float16, seed=2)
+    sloppy = testing.reference_grads(**inp, window=40, compute_dtype=torch.bfloat16)
+    for n in ("o", "dq", "dk", "dv"):
+        assert not testing.check_fast(n, sloppy[n], exp[n], torch.float16, lowp=low[n]).passed, n
+        assert testing.check_fast(n, low[n], exp[n], torch.float16, lowp=low[n]).passed, n
+
+
+@pytest.mark.parametrize("dtype", LOWP, ids=LOWP_IDS)
+def test_fast_gate_fails_nan_and_inf(dtype):
+    _, exp, low = _problem(dtype)
+    a = low["o"].clone()
+    a[0, 1, 5, 3] = math.nan
+    r = testing.check_fast("o", a, exp["o"], dtype, lowp=low["o"])
+    assert not r.passed and "non-finite" in r.reason and r.rel_l2 == math.inf
+    a[0, 1, 5, 3] = math.inf
+    assert not testing.check_fast("o", a, exp["o"], dtype, lowp=low["o"]).passed
+
+
+def test_fast_gate_matching_infinities_count_exact():
+    e = _expected()
+    e[:10] = -math.inf  # lse of rows that see no key, without sinks
+    lowp = e.to(torch.bfloat16).to(torch.float32)
+    r = testing.check_fast("lse", e.clone(), e, torch.bfloat16, lowp=lowp)
+    assert r.passed and r.max_abs == 0.0 and r.rel_l2 == 0.0
+    a = e.clone()
+    a[0] = 0.0  # finite where -inf is expected
+    assert not testing.check_fast("lse", a, e, torch.bfloat16, lowp=lowp).passed
+    nan_e = e.clone()
+    nan_e[20] = math.nan
+    r = testing.check_fast("lse", nan_e.clone(), nan_e, torch.bfloat16, lowp=lowp)
+    assert not r.passed and "expected contains NaN" in r.reason
+
+
+@pytest.mark.parametrize("dtype", LOWP, ids=LOWP_IDS)
+def test_fast_gate_floor_when_lowp_is_exact(dtype):
+    """lowp error 0: the floor u * ||e|| lets the correctly rounded answer pass, twice its error fails."""
+    e = _expected().to(dtype).double()  # representable: lowp is exact
+    g = torch.Generator().manual_seed(3)
+    x = e * (1 + (torch.rand(e.shape, generator=g, dtype=torch.float64) - 0.5) * 2 ** -4)  # not representable
+    u = torch.finfo(dtype).eps / 2
+    r = testing.check_fast("x", x.to(dtype), x, dtype, lowp=x.clone())
+    assert r.passed and r.lowp_rel_l2 == 0.0 and r.l2_limit == pytest.approx(testing.FAST_FACTOR * u), r
+    worse = x * (1 + 2 * u * torch.sign(torch.randn(x.shape, generator=g, dtype=torch.float64)))
+    r = testing.check_fast("x", worse, x, dtype, lowp=x.clone())
+    assert not r.passed and "rel L2" in r.reason, r
+
+
+def test_fast_gate_element_guard_catches_a_few_wrong_elements():
+    """One wrong row of a large tensor hides in the L2 norm; the element guard catches it."""
+    _, exp, low = _problem(torch.bfloat16, seed=4)
+    e, lo = exp["o"], low["o"]
+    a = lo.double().clone()
+    a[0, 2, 50, :] += 5 * (lo.double() - e).abs().max()
+    r = testing.check_fast("o", a, e, torch.bfloat16, lowp=lo)
+    assert r.gate2_ok is False and not r.passed and "max abs" in r.reason, r
+
+
+def test_fast_gate_edge_cases():
+    e = _expected(100)
+    low = e.to(torch.bfloat16)
+    with pytest.raises(ValueError, match="needs lowp"):
+        testing.check_fast("x", e, e, torch.bfloat16, lowp=None)
+    with pytest.raises(ValueError, match="lowp shape"):
+        testing.check_fast("x", e, e, torch.bfloat16, lowp=low[:5])
+    with pytest.raises(ValueError, match="float64"):
+        testing.check_fast("x", e, e, torch.float64, lowp=e)
+    r = testing.check_fast("x", None, e, torch.bfloat16, lowp=low)
+    assert not r.passed and "missing" in r.reason
+    assert not testing.check_fast("x", e[:9], e, torch.bfloat16, lowp=low).passed
+    empty = torch.empty(0, 3, dtype=torch.float64)
+    assert testing.check_fast("x", torch.zeros(0, 3), empty, torch.bfloat16, lowp=empty).passed
+    # e all zero (and lowp exact): only exact zeros pass
+    z = torch.zeros(50, dtype=torch.float64)
+    assert testing.check_fast("x", z.clone(), z, torch.bfloat16, lowp=z.clone()).passed
+    a = z.clone()
+    a[3] = 1e-6
+    assert not testing.check_fast("x", a, z, torch.bfloat16, lowp=z.clone()).passed
+    # a non-finite lowp does not widen the bound
+    inf_low = torch.where(torch.arange(100) == 0, math.inf, low.double())
+    r = testing.check_fast("x", low, e, torch.bfloat16, lowp=inf_low)
+    assert r.passed and "lowp non-finite at 1" in r.reason and math.isfinite(r.l2_limit)
+    assert not testing.check_fast("x", e + 0.1, e, torch.bfloat16, lowp=inf_low).passed
+
+
+def test_fast_report_table_and_assert():
+    _, exp, low = _problem(torch.bfloat16)
+    r = testing.assert_fast("dq", low["dq"], exp["dq"], torch.bfloat16, lowp=low["dq"])
+    head, row = PrecisionReport.header(), r.row()
+    assert "rel L2" in head and "L2 lim" in head and "gate" in head
+    assert row.index("PASS") == head.index("result") and row.index("fast") == head.index("gate")
+    strict = check_precision("dq", low["dq"], exp["dq"], torch.bfloat16, lowp=low["dq"]).row()
+    assert strict.index("strict") == head.index("gate")
+    with pytest.raises(AssertionError, match="fast precision gate failed"):
+        testing.assert_fast("dq", exp["dq"] + 3 * (low["dq"].double() - exp["dq"]), exp["dq"], torch.bfloat16,
+                            lowp=low["dq"])
+
+
+def test_compare_all_picks_the_gate():
+    inp = testing.make_inputs(1, 4, 2, 40, 40, 16, torch.bfloat16, "cpu")
+    low = testing.reference_grads(**inp, window=9, compute_dtype=torch.bfloat16)
+    fast = testing.compare_all(low, **inp, window=9, precision="fast")
+    assert [r.name for r in fast] == list(testing.TENSORS) and all(r.gate == "fast" and r.passed for r in fast)
+    worse = {n: low[n].double() * (1 + 2 ** -5) for n in testing.TENSORS}
+    assert not any(r.passed for r in testing.compare_all(worse, **inp, window=9, precision="fast"))
+    strict = testing.compare_all(low, **inp, window=9)
+    assert all(r.gate == "strict" for r in strict)
+    with pytest.raises(ValueError, match="gate2=True"):
+        testing.compare_all(low, **inp, window=9, precision="fast", gate2=False)
+    with pytest.raises(ValueError, match="precision must be one of"):
+        testing.compare_all(low, **inp, window=9, precision="exact")

@@ -3,9 +3,13 @@
 For every problem (a preset, or ``--shape``) and every system:
 
 1. **Gate.** The system runs forward and backward once on fresh inputs; its output (and, when a
-   backward mode is asked for, dq / dk / dv / dsink) is judged against the float64 reference with
-   :func:`flashsink.testing.check_precision` (gate 1 and gate 2, the precision standard). A
-   system that fails, or raises, is reported ``FAIL`` and is not timed. SDPA has no sink: it is
+   backward mode is asked for, dq / dk / dv / dsink) is judged against the float64 reference under
+   both precision gates: :func:`flashsink.testing.check_precision` (gate 1 and gate 2, the precision
+   standard: "strict") and :func:`flashsink.testing.check_fast` (the fast gate: "fast"). Each row
+   says the strongest gate the system passes in its mode (strict, fast or none), and every system
+   is timed, so speed and precision stand side by side; only a system that raises is not. flashsink
+   must pass the gate of its own ``precision=`` (``flashsink``: fast, ``flashsink-strict``: strict),
+   else its row says ``FAIL`` (timed all the same) and the command exits 1. SDPA has no sink: it is
    judged against the reference computed with ``sinks=None``.
 2. **Timing** (METHOD.md): warm-up, then the median of many runs, through
    ``triton.testing.do_bench`` (CUDA events; it writes a 256 MB buffer between runs, so the L2
@@ -14,7 +18,9 @@ For every problem (a preset, or ``--shape``) and every system:
 3. **Numbers.** TFLOP/s over the visible (q, k) pairs (exact count, bottom-right aligned), achieved
    GB/s over the fewest bytes the mode must move, the floor ``max(FLOPs / matmul ceiling,
    bytes / copy ceiling)`` with both ceilings measured at the start of the same run, % of floor,
-   peak memory over the inputs, and the speedup over the best peer that has sinks (flex, fla).
+   peak memory over the inputs, the speedup over the best peer that has sinks (fa4, flex, fla) and
+   passes a gate, and the host time: the enqueue time of 20 calls without a sync, per call, after
+   warm-up (fwd and fwd+bwd; fwd+bwd as a training step calls it, ``o = f(...); o.backward(do)``).
 
 Problems are dense ``[B, H, S, D]`` (``seq_q < seq_kv`` bottom-right aligned), varlen (a packed
 ``[total, H, D]`` batch, :attr:`Problem.seqlens`; pairs and bytes summed over its sequences, the
@@ -22,8 +28,9 @@ reference run per sequence) or decode (``seq_q = 1`` against a KV cache, :attr:`
 its other modes are n/a). Every system gets a row for every problem and mode; one that cannot run
 says why.
 
-``flashsink-graph`` is flashsink replayed from CUDA graphs (fwd, bwd, fwd+bwd): the kernels' time
-without the host's, next to the eager ``flashsink`` row; its gate judges replays.
+``flashsink`` runs ``precision="fast"`` (the default), ``flashsink-strict`` ``precision="strict"``;
+``flashsink-graph`` / ``flashsink-strict-graph`` are the same replayed from CUDA graphs (fwd, bwd,
+fwd+bwd): the kernels' time without the host's, next to the eager rows; their gate judges replays.
 
 The pieces are plain functions so the tests can check them on the CPU (pair count, FLOP and byte
 formulas, the gate) and inject systems (:data:`SYSTEMS`).
@@ -50,7 +57,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from . import testing
-from .testing import check_precision, dtype_name
+from .testing import check_fast, check_precision, dtype_name
 
 # ----------------------------------------------------------------------------------------------
 # Problems
@@ -276,6 +283,7 @@ class System:
     has_sink = True
     peer = False  # a peer with sinks: counts for "speedup over the best peer"
     note = ""
+    required_gate: str | None = None  # flashsink: the gate of its precision= ("fast" / "strict"); peers: none
 
     def check_available(self, device: str) -> None:
         """Raise :class:`Unavailable` if the system cannot run on this machine."""
@@ -335,6 +343,12 @@ class System:
             o = self.forward(t, prob)
             return torch.autograd.grad(o, leaves, t["do"].to(o.dtype))
 
+        def train_step():  # fwd+bwd as a training step calls it (zero_grad(set_to_none=True) first)
+            for x in leaves:
+                x.grad = None
+            o = self.forward(t, prob)
+            o.backward(t["do"].to(o.dtype))
+
         state = {}
 
         def bwd():
@@ -342,7 +356,7 @@ class System:
                 state["o"] = self.forward(t, prob)
             return torch.autograd.grad(state["o"], leaves, t["do"].to(state["o"].dtype), retain_graph=True)
 
-        return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd_bwd}
+        return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd_bwd, "host:fwd+bwd": train_step}
 
     def release(self) -> None:
         """Drop what the system keeps between its gate and its timing (called after each problem)."""
@@ -355,7 +369,15 @@ def _all_visible(prob: Problem) -> bool:
 
 
 class FlashSink(System):
+    """flashsink's eager calls, ``precision=self.precision``; it must pass that precision's gate."""
+
     name = "flashsink"
+    precision = "fast"
+    note = 'precision="fast" (the default)'
+
+    @property
+    def required_gate(self):
+        return self.precision
 
     def forward(self, t, prob):
         import flashsink
@@ -363,9 +385,15 @@ class FlashSink(System):
         if prob.seqlens is not None:
             cu, m = t["cu_seqlens"], t["max_seqlen"]
             return flashsink.attention_varlen(t["q"], t["k"], t["v"], cu, cu, m, m, t["sinks"], window=prob.window,
-                                              causal=prob.causal, scale=prob.scale)
+                                              causal=prob.causal, scale=prob.scale, precision=self.precision)
         return flashsink.attention(t["q"], t["k"], t["v"], t["sinks"], window=prob.window,
-                                   causal=prob.causal, scale=prob.scale)
+                                   causal=prob.causal, scale=prob.scale, precision=self.precision)
+
+
+class FlashSinkStrict(FlashSink):
+    name = "flashsink-strict"
+    precision = "strict"
+    note = 'precision="strict"'
 
 
 class FlashSinkGraph(FlashSink):
@@ -383,7 +411,7 @@ class FlashSinkGraph(FlashSink):
     """
 
     name = "flashsink-graph"
-    note = "flashsink replayed from a CUDA graph: kernel time, no host overhead"
+    note = "flashsink (fast) replayed from a CUDA graph: kernel time, no host overhead"
 
     def __init__(self):
         self._graphs: dict = {}
@@ -461,6 +489,12 @@ class FlashSinkGraph(FlashSink):
             self._capture(inp, prob, grads=True)
         modes = self._graphs["modes"]
         return {m: g.replay for m, (g, _) in modes.items()}
+
+
+class FlashSinkStrictGraph(FlashSinkGraph):
+    name = "flashsink-strict-graph"
+    precision = "strict"
+    note = "flashsink-strict replayed from a CUDA graph"
 
 
 class Eager(System):
@@ -761,9 +795,75 @@ class Fla(System):
         return x.transpose(1, 2)
 
 
+class Fa4(System):
+    """FlashAttention-4 (``flash_attn.cute``, CuTe DSL; Hopper and Blackwell) with its learnable sink:
+    ``flash_attn_func(q, k, v, softmax_scale=, causal=, window_size=(W - 1, 0), learnable_sink=)`` on
+    [B, S, H, D] (its layout; decode is S_q = 1 against the cache, bottom-right aligned as ours), and
+    ``flash_attn_varlen_func(q, k, v, cu_seqlens_q=, cu_seqlens_k=, max_seqlen_q=, max_seqlen_k=, ...)``
+    on the packed [total, H, D] batch. It returns (o, lse); o is judged. Every configuration compiles
+    at its first call (5-15 s): the gate's, and each mode's first call, outside the timing."""
+
+    name = "fa4"
+    peer = True
+    note = "flash_attn.cute flash_attn_func(learnable_sink=), bshd"
+    MODULE = "flash_attn.cute.interface"
+
+    def __init__(self):
+        self._fns: dict = {}
+
+    def _fn(self, name: str):
+        if name not in self._fns:
+            self._fns[name] = getattr(importlib.import_module(self.MODULE), name)
+        return self._fns[name]
+
+    def check_available(self, device):
+        try:
+            importlib.import_module(self.MODULE)
+        except Exception as exc:  # noqa: BLE001
+            raise Unavailable(f"`import {self.MODULE}` failed: {type(exc).__name__}: {exc}") from None
+        if device != "cuda":
+            raise Unavailable("CUDA only (CuTe DSL kernels)")
+
+    def check_problem(self, prob, device, opts):
+        if prob.dtype not in ("fp16", "bf16"):
+            raise Unavailable(f"n/a: FA4 takes fp16 / bf16 inputs, not {prob.dtype}")
+        if prob.seqlens is not None and not hasattr(importlib.import_module(self.MODULE), "flash_attn_varlen_func"):
+            raise Unavailable(f"n/a: this {self.MODULE} has no flash_attn_varlen_func")
+
+    def problem_note(self, prob):
+        if prob.seqlens is not None:
+            return "flash_attn_varlen_func(cu_seqlens_q/k=, learnable_sink=), packed"
+        return self.note
+
+    def prepare(self, inp, prob):
+        t = dict(inp)
+        if prob.seqlens is None:  # [B, H, S, D] -> [B, S, H, D]
+            for n in ("q", "k", "v", "do"):
+                t[n] = inp[n].transpose(1, 2).contiguous()
+        return t
+
+    def forward(self, t, prob):
+        kw = dict(softmax_scale=prob.scale, causal=prob.causal, learnable_sink=t["sinks"],
+                  window_size=(None, None) if prob.window is None else (prob.window - 1, 0))
+        if prob.seqlens is not None:
+            cu, m = t["cu_seqlens"], t["max_seqlen"]
+            out = self._fn("flash_attn_varlen_func")(t["q"], t["k"], t["v"], cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                                     max_seqlen_q=m, max_seqlen_k=m, **kw)
+        else:
+            out = self._fn("flash_attn_func")(t["q"], t["k"], t["v"], **kw)
+        return out[0] if isinstance(out, (tuple, list)) else out  # (o, lse)
+
+    def to_bhsd(self, name, x, prob):
+        if prob.seqlens is None and name in ("o", "dq", "dk", "dv"):
+            return x.transpose(1, 2)
+        return x
+
+
 # The registry, in table order. Tests may add entries (a deliberately wrong system).
-SYSTEMS: dict[str, type] = {"flashsink": FlashSink, "flashsink-graph": FlashSinkGraph, "flex": Flex, "fla": Fla,
-                            "sdpa": Sdpa, "eager": Eager}
+SYSTEMS: dict[str, type] = {"flashsink": FlashSink, "flashsink-graph": FlashSinkGraph,
+                            "flashsink-strict": FlashSinkStrict, "flashsink-strict-graph": FlashSinkStrictGraph,
+                            "fa4": Fa4, "flex": Flex, "fla": Fla, "sdpa": Sdpa, "eager": Eager}
+GATES = ("strict", "fast")  # strongest first: a row's "gate" is the first of these it passes, else "none"
 
 # ----------------------------------------------------------------------------------------------
 # Reference (chunked over query heads, so the largest presets fit)
@@ -832,41 +932,74 @@ def _reference_varlen(inp: dict, prob: Problem, *, sinks: bool, compute_dtype) -
 # Gate
 
 
+def _mode_tensors(mode: str) -> tuple[str, ...]:
+    return ("o",) if mode == "fwd" else ("o", "dq", "dk", "dv", "dsink")
+
+
 @dataclass
 class GateResult:
-    fwd_ok: bool
+    fwd_ok: bool  # the strict gate (the precision standard)
     bwd_ok: bool
-    reports: list = field(default_factory=list)  # PrecisionReport
+    reports: list = field(default_factory=list)  # PrecisionReport, strict gate
     error: str = ""
+    fast_reports: list | None = None  # PrecisionReport, fast gate; None without lowp (--no-gate2)
 
-    def reason(self, mode: str) -> str:
+    def _of(self, mode: str, gate_name: str) -> list:
+        reports = self.reports if gate_name == "strict" else (self.fast_reports or [])
+        return [r for r in reports if r.name.split("@")[0] in _mode_tensors(mode)]
+
+    def passes(self, mode: str, gate_name: str) -> bool:
+        """Every tensor of the mode passes ``gate_name``. Without the fast gate's reports (no lowp),
+        "fast" falls back to strict: the only gate there is to judge by."""
+        if self.error:
+            return False
+        if gate_name == "fast" and self.fast_reports is None:
+            gate_name = "strict"
+        reports = self._of(mode, gate_name)
+        if mode != "fwd" and not any(r.name == "dq" for r in reports):
+            return False  # no backward was judged
+        return bool(reports) and all(r.passed for r in reports)
+
+    def label(self, mode: str) -> str:
+        """The strongest gate passed in this mode: "strict", "fast" or "none"."""
+        for name in GATES:
+            if (name == "strict" or self.fast_reports is not None) and self.passes(mode, name):
+                return name
+        return "none"
+
+    def failing(self, mode: str, gate_name: str) -> list[str]:
+        """Names of the tensors of the mode that fail ``gate_name``."""
+        return [r.name for r in self._of(mode, gate_name) if not r.passed]
+
+    def reason(self, mode: str, gate_name: str = "strict") -> str:
         if self.error:
             return self.error
-        names = ("o",) if mode == "fwd" else ("o", "dq", "dk", "dv", "dsink")
-        bad = [f"{r.name}: {r.reason or 'failed'}" for r in self.reports
-               if r.name.split("@")[0] in names and not r.passed]
+        bad = [f"{r.name}: {r.reason or 'failed'}" for r in self._of(mode, gate_name) if not r.passed]
         return "; ".join(bad)
 
 
 def gate(system: System, prob: Problem, inp: dict, expected: dict, lowp: dict | None, *, grads: bool) -> GateResult:
-    """Run the system forward (+ backward) once and judge it with the precision standard."""
+    """Run the system forward (+ backward) once and judge it under the precision standard (strict)
+    and, when ``lowp`` is given, the fast gate."""
     dt = prob.torch_dtype
     try:
         got = system.gate_outputs(inp, prob, grads)
     except Exception as exc:  # noqa: BLE001 -- a crash is a failed gate, reported like one
         msg = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
         return GateResult(False, False, [], error=msg[:300])
-    reports = []
     check = ["o"] + (["dq", "dk", "dv"] + (["dsink"] if system.has_sink else []) if grads else [])
-    for n in check:
-        reports.append(check_precision(n, got.get(n), expected[n], dt, lowp=None if lowp is None else lowp[n]))
-    for n in got:  # other runs of the same tensors ("o@fwd+bwd"): judged against the same reference
-        base = n.split("@")[0]
-        if "@" in n and base in check:
-            reports.append(check_precision(n, got[n], expected[base], dt, lowp=None if lowp is None else lowp[base]))
+    # other runs of the same tensors ("o@fwd+bwd"): judged against the same reference
+    names = check + [n for n in got if "@" in n and n.split("@")[0] in check]
+
+    def judge(fn):
+        return [fn(n, got.get(n), expected[n.split("@")[0]], dt,
+                   lowp=None if lowp is None else lowp[n.split("@")[0]]) for n in names]
+
+    reports = judge(check_precision)
+    fast = None if lowp is None else judge(check_fast)
     fwd_ok = all(r.passed for r in reports if r.name.split("@")[0] == "o")
     bwd_ok = grads and all(r.passed for r in reports)
-    return GateResult(fwd_ok, bwd_ok, reports)
+    return GateResult(fwd_ok, bwd_ok, reports, fast_reports=fast)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1029,6 +1162,22 @@ def _peak_mib(fn, device) -> float | None:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
+HOST_CALLS = 20  # calls enqueued back to back for the host time
+HOST_MODES = ("fwd", "fwd+bwd")
+
+
+def host_us(fn, device: str, calls: int = HOST_CALLS) -> float:
+    """Host time per call in us: ``calls`` calls enqueued without a sync (the device may still be
+    running them), divided by ``calls``. Run after warm-up: first-call compiles stay out."""
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    _sync(device)
+    return (t1 - t0) / calls * 1e6
+
+
 def _callables(system: System, prob: Problem, inp: dict):
     """fwd, bwd, fwd+bwd closures (:meth:`System.callables`) and a state slot for the caller."""
     return system.callables(inp, prob), None
@@ -1097,20 +1246,24 @@ def run_bench(problems: list[Problem], *, systems: list[str], modes: list[str], 
                 _say(f"{tag} {name}: correctness gate (first call compiles) ...")
                 t0 = time.perf_counter()
                 g = gate(system, prob, inp, exp, low, grads=grads)
-                _say(f"{tag} {name}: gate {'passed' if (g.fwd_ok and (g.bwd_ok or not grads)) else 'FAILED'} "
-                     f"in {time.perf_counter() - t0:.1f} s")
+                labels = {m: g.label(m) for m in modes if not (prob.forward_only and m != "fwd")}
+                _say(f"{tag} {name}: gate {'raised' if g.error else labels} in {time.perf_counter() - t0:.1f} s")
+
+                def dump(reports):
+                    return [{k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(r).items()}
+                            for r in reports]
+
                 result["gates"].append({
-                    "problem": asdict(prob), "system": name, "error": g.error,
-                    "reports": [{k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(r).items()}
-                                for r in g.reports],
+                    "problem": asdict(prob), "system": name, "error": g.error, "reports": dump(g.reports),
+                    "fast_reports": None if g.fast_reports is None else dump(g.fast_reports),
                 })
             calls = None
             for mode in modes:
                 row = {
                     "preset": prob.preset, "problem": prob.label(), "N": prob.n, "mode": mode, "system": name,
                     "kind": prob.kind, "window": prob.window,
-                    "note": note, "status": "", "ms": None, "tflops": None, "gbs": None,
-                    "floor_ms": None, "pct_floor": None, "peak_mib": None, "speedup": None,
+                    "note": note, "status": "", "gate": None, "gate_fails": "", "ms": None, "host_us": None, "tflops": None,
+                    "gbs": None, "floor_ms": None, "pct_floor": None, "peak_mib": None, "speedup": None,
                     "flops": flops(prob, mode), "bytes": min_bytes(prob, mode),
                 }
                 fl_ms = max(row["flops"] / (ceil["matmul_tflops"] * 1e12), row["bytes"] / (ceil["copy_gbs"] * 1e9)) * 1e3
@@ -1120,9 +1273,18 @@ def run_bench(problems: list[Problem], *, systems: list[str], modes: list[str], 
                     row["status"] = FORWARD_ONLY
                 elif status:
                     row["status"] = status
-                elif not (g.fwd_ok if mode == "fwd" else g.bwd_ok):
-                    row["status"] = "FAIL: " + g.reason(mode)
+                elif g.error:
+                    row["status"] = "FAIL: " + g.error
                 else:
+                    # timed whatever gate it passes: the row says which, so speed and precision stand
+                    # side by side; flashsink must pass its own precision's gate
+                    row["gate"] = g.label(mode)
+                    stronger = GATES[:GATES.index(row["gate"])] if row["gate"] in GATES else GATES
+                    row["gate_fails"] = "; ".join(f"{x}: {', '.join(g.failing(mode, x))}" for x in stronger
+                                                  if g.failing(mode, x))
+                    need = system.required_gate
+                    verdict = "ok" if need is None or g.passes(mode, need) else \
+                        f"FAIL ({need} gate): " + g.reason(mode, need if g.fast_reports is not None else "strict")
                     if calls is None:
                         calls, state = _callables(system, prob, inp)
                     _say(f"{tag} {name} {mode}: timing ...")
@@ -1131,10 +1293,14 @@ def run_bench(problems: list[Problem], *, systems: list[str], modes: list[str], 
                         _sync(device)
                         row["peak_mib"] = _peak_mib(calls[mode], device)
                         ms = timer(calls[mode])
+                        if mode in HOST_MODES:
+                            host = calls.get("host:" + mode, calls[mode])
+                            host()  # its own first call (the train step's .backward)
+                            row["host_us"] = host_us(host, device)
                     except Exception as exc:  # noqa: BLE001
                         row["status"] = f"error while timing: {type(exc).__name__}: {str(exc)[:200]}"
                     else:
-                        row["status"] = "ok"
+                        row["status"] = verdict
                         row["ms"] = ms
                         row["tflops"] = row["flops"] / (ms * 1e-3) / 1e12
                         row["gbs"] = row["bytes"] / (ms * 1e-3) / 1e9
@@ -1145,10 +1311,10 @@ def run_bench(problems: list[Problem], *, systems: list[str], modes: list[str], 
             if profile and name == "flashsink" and device == "cuda" and g is not None and g.bwd_ok:
                 _say(f"{tag} flashsink: profiling one fwd+bwd ...")
                 result["profiles"].append({"problem": prob.label(), "kernels": profile_flashsink(prob, inp)})
-        # speedup over the best peer with sinks, per mode
+        # speedup over the best peer with sinks that passes a gate, per mode
         for mode in modes:
             peers = [r["ms"] for r in prob_rows if r["mode"] == mode and r["ms"] is not None
-                     and SYSTEMS[r["system"]].peer]
+                     and SYSTEMS[r["system"]].peer and r["gate"] in GATES]
             best = min(peers) if peers else None
             for r in prob_rows:
                 if r["mode"] == mode and r["ms"] is not None and best is not None:
@@ -1246,9 +1412,9 @@ def format_table(result: dict) -> str:
     ]
     if result.get("interrupted"):
         lines.insert(3, "INTERRUPTED (SIGTERM / Ctrl-C): only the problems finished before it are below")
-    cols = [("preset", 12, "<"), ("N", 6, ">"), ("mode", 7, "<"), ("system", 15, "<"), ("ms", 9, ">"),
-            ("TFLOP/s", 8, ">"), ("GB/s", 7, ">"), ("floor ms", 9, ">"), ("bound", 5, "<"),
-            ("%floor", 6, ">"), ("peak MiB", 9, ">"), ("vs peer", 7, ">")]
+    cols = [("preset", 12, "<"), ("N", 6, ">"), ("mode", 7, "<"), ("system", 22, "<"), ("gate", 6, "<"),
+            ("ms", 9, ">"), ("host us", 8, ">"), ("TFLOP/s", 8, ">"), ("GB/s", 7, ">"), ("floor ms", 9, ">"),
+            ("bound", 5, "<"), ("%floor", 6, ">"), ("peak MiB", 9, ">"), ("vs peer", 7, ">")]
     lines.append("  ".join(f"{t:{a}{w}}" for t, w, a in cols) + "  status / note")
     lines.append("-" * (sum(w for _, w, _ in cols) + 2 * len(cols) + 14))
     last, shown = None, set()
@@ -1270,10 +1436,13 @@ def format_table(result: dict) -> str:
             every = {x["mode"] for x in rows if x["problem"] == r["problem"]}
             r = dict(r, mode="all" if len(same) > 1 and set(same) == every else ",".join(same),
                      floor_ms=None, bound="")
-        vals = (r["preset"], str(r["N"]), r["mode"], r["system"], _f(r["ms"], ".4f"), _f(r["tflops"], ".1f"),
-                _f(r["gbs"], ".0f"), _f(r["floor_ms"], ".4f"), r["bound"], _f(r["pct_floor"], ".1f"),
-                _f(r["peak_mib"], ".0f"), "-" if r["speedup"] is None else f"{r['speedup']:.2f}x")
+        vals = (r["preset"], str(r["N"]), r["mode"], r["system"], r.get("gate") or "-", _f(r["ms"], ".4f"),
+                _f(r.get("host_us"), ".1f"), _f(r["tflops"], ".1f"), _f(r["gbs"], ".0f"), _f(r["floor_ms"], ".4f"),
+                r["bound"], _f(r["pct_floor"], ".1f"), _f(r["peak_mib"], ".0f"),
+                "-" if r["speedup"] is None else f"{r['speedup']:.2f}x")
         status = r["status"]
+        if r.get("gate_fails"):
+            status += f" (fails {r['gate_fails']})"
         default_note = getattr(SYSTEMS.get(r["system"]), "note", "")
         if r["note"] and r["note"] != default_note:  # default notes are in the legend below
             status += f" ({r['note']})"
@@ -1283,8 +1452,11 @@ def format_table(result: dict) -> str:
         "TFLOP/s over visible (q,k) pairs: fwd 4*pairs*D, bwd 10*pairs*D, fwd+bwd 14*pairs*D. GB/s over the "
         "fewest bytes (q,k,v[,do] read once; o[,dq,dk,dv] written once). floor = max(FLOPs/matmul ceiling, "
         "bytes/copy ceiling); %floor = floor/ms. peak MiB: max allocated over the inputs during one call. "
-        "vs peer: best peer with sinks (flex, fla) ms / this ms (>1 = faster). sdpa has no sink (judged against "
-        "the no-sink reference); a FAIL row failed the precision gate and was not timed.",
+        "vs peer: best peer with sinks (fa4, flex, fla) passing a gate, ms / this ms (>1 = faster). gate: the "
+        "strongest precision gate passed in this mode (strict: the precision standard; fast: rel L2 <= 1.5x "
+        "torch's in the input dtype; none), every system is timed whatever it passes; flashsink must pass its "
+        "own precision's gate, else FAIL. host us: enqueue time per call, 20 calls without a sync after "
+        "warm-up (fwd+bwd: o = f(...); o.backward(do)). sdpa has no sink (judged against the no-sink reference).",
         *(["varlen: N = total tokens; pairs and bytes summed over the packed sequences (each masked within "
            "itself); the gate runs the reference per sequence."] if any(r.get("kind") == "varlen" for r in rows)
           else []),
@@ -1305,28 +1477,31 @@ def format_table(result: dict) -> str:
 
 
 def summary(result: dict) -> str:
-    """One line per (problem, mode): flashsink against the best peer with sinks and SDPA; "graph ms" is
-    flashsink replayed from a CUDA graph (its kernels without the host's time)."""
+    """One line per (problem, mode): flashsink (fast) against the best peer with sinks that passes a
+    gate (its gate in brackets) and SDPA; "strict ms" is flashsink-strict, "graph ms" flashsink
+    replayed from a CUDA graph (its kernels without the host's time), "host us" flashsink's host time."""
     rows = [r for r in result["rows"] if r["status"] != FORWARD_ONLY]
     keys = list(dict.fromkeys((r["problem"], r["mode"]) for r in rows))
     wp = max([len("problem")] + [len(p) for p, _ in keys])
     out = [f"summary: {'problem':<{wp}} {'mode':<7} {'flashsink ms':>12} {'TFLOP/s':>8} {'GB/s':>6} {'%floor':>6}  "
-           f"{'best peer':<18} {'vs peer':>7}  {'sdpa(no sink) ms':>16}  {'graph ms':>9}"]
+           f"{'best peer':<25} {'vs peer':>7}  {'sdpa(no sink) ms':>16}  {'strict ms':>9}  {'graph ms':>9}  "
+           f"{'host us':>7}"]
     for prob, mode in keys:
         rs = {r["system"]: r for r in rows if r["problem"] == prob and r["mode"] == mode}
         fs = rs.get("flashsink", {})
-        peers = [r for r in rs.values() if r["ms"] is not None and getattr(SYSTEMS.get(r["system"]), "peer", False)]
+        peers = [r for r in rs.values() if r["ms"] is not None and getattr(SYSTEMS.get(r["system"]), "peer", False)
+                 and r.get("gate") in GATES]
         best = min(peers, key=lambda r: r["ms"]) if peers else None
-        sd = rs.get("sdpa", {})
-        gr = rs.get("flashsink-graph", {})
         fs_ms = fs.get("ms")
         fs_txt = _f(fs_ms, ".4f") if fs_ms is not None else (fs.get("status", "-")[:12] or "-")
+        peer_txt = f"{best['system']} {best['ms']:.4f} [{best['gate']}]" if best else "none timed"
         out.append(
             f"         {prob:<{wp}} {mode:<7} {fs_txt:>12} {_f(fs.get('tflops'), '.1f'):>8} "
             f"{_f(fs.get('gbs'), '.0f'):>6} {_f(fs.get('pct_floor'), '.1f'):>6}  "
-            f"{(best['system'] + ' ' + format(best['ms'], '.4f')) if best else 'none timed':<18} "
+            f"{peer_txt:<25} "
             f"{'-' if fs.get('speedup') is None else format(fs['speedup'], '.2f') + 'x':>7}  "
-            f"{_f(sd.get('ms'), '.4f'):>16}  {_f(gr.get('ms'), '.4f'):>9}"
+            f"{_f(rs.get('sdpa', {}).get('ms'), '.4f'):>16}  {_f(rs.get('flashsink-strict', {}).get('ms'), '.4f'):>9}  "
+            f"{_f(rs.get('flashsink-graph', {}).get('ms'), '.4f'):>9}  {_f(fs.get('host_us'), '.1f'):>7}"
         )
     return "\n".join(out)
 
@@ -1478,7 +1653,7 @@ def cmd_bench(args) -> int:
         return 2
     modes = list(MODES) if args.mode in (None, "all") else [args.mode]
 
-    if device == "cuda" and not args.no_precompile and {"flashsink", "flashsink-graph"} & set(systems):
+    if device == "cuda" and not args.no_precompile and any(issubclass(SYSTEMS[s], FlashSink) for s in systems):
         _precompile(problems, device)
     if device == "cpu":  # a smoke run: a few repetitions are enough
         timer = Timer(device, rep_ms=min(args.rep_ms, 20.0), min_reps=3)
@@ -1517,7 +1692,8 @@ def cmd_bench(args) -> int:
     if args.plot:
         msg = plot(result, args.plot)
         _say(msg or f"wrote {args.plot}")
-    failed = [r for r in result["rows"] if r["status"].startswith("FAIL") and r["system"] == "flashsink"]
+    failed = [r for r in result["rows"] if r["status"].startswith("FAIL")
+              and issubclass(SYSTEMS.get(r["system"], System), FlashSink)]
     if interrupted:
         return 124
     return 1 if failed else 0

@@ -49,6 +49,31 @@ error inside the kernel. So:
 
 The lse and dsink tensors are float32 in every flashsink API, but they are computed from
 low-precision inputs; they are judged with the tolerances of the problem's input dtype.
+
+The fast gate (``precision="fast"``, :func:`check_fast`), per tensor: the error class of
+FlashAttention-4, FLA and flex (single-term products in the input dtype), held to what plain PyTorch
+gets on the same problem in that dtype. With ``lowp`` the reference computed in the input dtype (the
+lowp of gate 2, required here) and ``u`` the dtype's unit roundoff (eps / 2: 2^-11 fp16, 2^-8 bf16):
+    * L2 gate: ``||a - e|| <= FAST_FACTOR * max(||lowp - e||, u * ||e||)``, FAST_FACTOR = 1.5; the
+      report shows it relative, ``||a - e|| / ||e||`` against ``1.5 * max(||lowp - e|| / ||e||, u)``.
+    * element guard: ``max |a - e| <= FAST_MAX_FACTOR * max |lowp - e| + atol_small``, FAST_MAX_FACTOR
+      = 4 (twice gate 2's factor). An L2 norm over millions of elements hides a few wrong ones (one
+      wrong row per head of a 16k-token tensor is within 1.5x); FlashAttention's own tests hold a kernel
+      to 2x torch's low-precision max error, so 4x only catches what is wrong, not what is fast.
+Edge cases:
+    * ``lowp`` exactly right (||lowp - e|| = 0: the answer is representable, or the problem is trivial):
+      1.5 * 0 would fail any implementation that rounds differently. The floor ``u * ||e||`` is the
+      most that rounding the exact answer once to the dtype can cost (each element at most u relative),
+      so the correctly rounded exact answer always passes and nothing worse than 1.5 roundings does.
+    * ``e`` all zero: the floor is 0, so the bound is ``1.5 * ||lowp||`` (exact zeros when lowp is).
+    * empty tensors pass. A missing or misshapen ``actual`` fails.
+    * non-finite: as in the standard, a non-finite actual where the expected value is finite fails
+      (its error is inf), matching infinities (lse = -inf of rows without keys or sink) count exact and
+      leave ``||e||`` (over the finite elements of e); an expected NaN fails. A lowp that is non-finite
+      where e is finite does not widen the bound: those elements are left out of lowp's error (stricter).
+    * lse and dsink are float32 outputs, but the lowp reference computes them in the input dtype, and
+      ``u`` is the input dtype's, like the standard's tolerances: the gate asks no more than PyTorch in
+      that dtype gives (a kernel accumulating in fp32 passes them with room).
 """
 
 from __future__ import annotations
@@ -62,6 +87,7 @@ import torch
 
 from . import reference
 from ._validate import validate_attention
+from .ops.config import PRECISIONS  # the gate of each mode: check_fast ("fast"), check_precision ("strict")
 
 __all__ = [
     "MAX_ABS_LIMIT",
@@ -70,13 +96,20 @@ __all__ = [
     "TOLERANCES",
     "Tolerance",
     "PrecisionReport",
+    "FAST_FACTOR",
+    "FAST_MAX_FACTOR",
+    "PRECISIONS",
+    "assert_fast",
     "assert_precision",
     "case_id",
+    "check_fast",
     "check_precision",
     "compare_all",
     "dtype_name",
+    "judge_all",
     "make_inputs",
     "reference_grads",
+    "reference_pair",
     "tolerance",
 ]
 
@@ -86,6 +119,10 @@ GATE2_FACTOR = 2.0  # gate 2: max |a - e| <= GATE2_FACTOR * max |lowp - e| + ato
 # composed values (a model's logits and parameter gradients, downstream of the kernel through other
 # low-precision ops): gate 1's share may fall to the lowp system's own share minus this margin
 COMPOSED_MARGIN = 0.02
+# the fast gate: ||a - e|| <= FAST_FACTOR * max(||lowp - e||, u * ||e||), and
+# max |a - e| <= FAST_MAX_FACTOR * max |lowp - e| + atol_small
+FAST_FACTOR = 1.5
+FAST_MAX_FACTOR = 4.0
 
 
 @dataclass(frozen=True)
@@ -163,14 +200,21 @@ class PrecisionReport:
     lowp_ratio: float | None = None  # lowp's share within tolerance, when lowp was given
     reason: str = ""
     timing: str = ""  # free text filled by callers that time the op (e.g. "fwd 1.2 ms")
+    gate: str = "strict"  # which gate decided `passed`: "strict" (check_precision) or "fast" (check_fast)
+    rel_l2: float | None = None  # ||a - e|| / ||e|| (absolute when e is all zero)
+    lowp_rel_l2: float | None = None  # the same of lowp, when lowp was given
+    l2_limit: float | None = None  # fast gate: FAST_FACTOR * max(lowp_rel_l2, u)
 
     _COLUMNS = (
         ("tensor", 7, "<"),
         ("dtype", 5, "<"),
         ("shape", 20, "<"),
+        ("gate", 6, "<"),
         ("max |a-e|", 10, ">"),
         ("within tol", 10, ">"),
-        ("gate-2 lim", 10, ">"),
+        ("gate-2 lim", 10, ">"),  # the bound on max |a-e| (fast: its element guard)
+        ("rel L2", 9, ">"),
+        ("L2 lim", 9, ">"),
         ("result", 6, "<"),
         ("time", 14, "<"),
     )
@@ -186,9 +230,12 @@ class PrecisionReport:
             self.name,
             self.dtype,
             shape,
+            self.gate,
             f"{self.max_abs:.3e}",
             f"{100.0 * self.ratio:.3f}%",
-            "-" if self.gate2_limit is None else f"{self.gate2_limit:.3e}",
+            _fmt(self.gate2_limit),
+            _fmt(self.rel_l2, ".2e"),
+            _fmt(self.l2_limit, ".2e"),
             "PASS" if self.passed else "FAIL",
             self.timing,
         )
@@ -197,6 +244,10 @@ class PrecisionReport:
 
     def __str__(self) -> str:
         return self.header() + "\n" + self.row()
+
+
+def _fmt(x: float | None, spec: str = ".3e") -> str:
+    return "-" if x is None else format(x, spec)
 
 
 def _errors(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
@@ -287,10 +338,12 @@ def check_precision(name: str, actual, expected, dtype, *, lowp=None, composed: 
             )
 
     passed = ratio_ok and max_ok and not bad_nonfinite and gate2_ok is not False
+    e_norm = _l2(e, finite_only=True)
     return PrecisionReport(
         **base, max_abs=max_abs, ratio=ratio, passed=passed, gate1_ratio_ok=ratio_ok,
         gate1_max_ok=max_ok, gate2_limit=gate2_limit, gate2_ok=gate2_ok, lowp_max_abs=lowp_max,
-        lowp_ratio=lowp_ratio, reason="; ".join(reasons),
+        lowp_ratio=lowp_ratio, reason="; ".join(reasons), rel_l2=_rel(_l2(err), e_norm),
+        lowp_rel_l2=None if lowp is None else _rel(_l2(lowp_err), e_norm),
     )
 
 
@@ -299,6 +352,92 @@ def assert_precision(name: str, actual, expected, dtype, *, lowp=None, composed:
     report = check_precision(name, actual, expected, dtype, lowp=lowp, composed=composed)
     if not report.passed:
         raise AssertionError("precision standard failed\n" + str(report))
+    return report
+
+
+def _l2(x: torch.Tensor, *, finite_only: bool = False) -> float:
+    """L2 norm in float64; ``finite_only``: over the finite elements (||e|| next to matching infinities)."""
+    if finite_only:
+        x = torch.where(torch.isfinite(x), x, torch.zeros((), dtype=x.dtype, device=x.device))
+    return float(torch.linalg.vector_norm(x.flatten().double()))
+
+
+def _rel(err_norm: float, e_norm: float) -> float:
+    return err_norm / e_norm if e_norm > 0 else err_norm
+
+
+def check_fast(name: str, actual, expected, dtype, *, lowp) -> PrecisionReport:
+    """Judge ``actual`` against ``expected`` (float64 reference) under the fast gate (module
+    docstring): ``||a - e|| <= FAST_FACTOR * max(||lowp - e||, u * ||e||)`` and
+    ``max |a - e| <= FAST_MAX_FACTOR * max |lowp - e| + atol_small``.
+
+    ``dtype`` is the problem's input dtype (u and atol_small); ``lowp`` the same problem computed by
+    :mod:`flashsink.reference` in that dtype (required). The report's gate-1 fields (share within
+    tolerance, max bound) are filled for information; ``passed`` is the fast gate's verdict.
+    """
+    if lowp is None:
+        raise ValueError(f"{name}: the fast gate needs lowp (the reference computed in the input dtype)")
+    dt = _resolve_dtype(dtype)
+    tol = tolerance(dt)
+    u = torch.finfo(dt).eps / 2
+    shape = tuple(expected.shape)
+    base = dict(name=name, dtype=dtype_name(dt), shape=shape, atol=tol.atol, rtol=tol.rtol, gate="fast")
+    if tuple(lowp.shape) != shape:
+        raise ValueError(f"{name}: lowp shape {list(lowp.shape)} != expected {list(shape)}")
+    if actual is None or tuple(actual.shape) != shape:
+        why = "actual is missing (None)" if actual is None else f"shape {list(actual.shape)} != expected {list(shape)}"
+        return PrecisionReport(**base, max_abs=math.inf, ratio=0.0, passed=False, gate1_ratio_ok=False,
+                               gate1_max_ok=False, reason=why)
+    if expected.numel() == 0:
+        return PrecisionReport(**base, max_abs=0.0, ratio=1.0, passed=True, gate1_ratio_ok=True,
+                               gate1_max_ok=True, reason="empty")
+
+    e = expected.detach().to(torch.float64)
+    a = actual.detach().to(device=e.device, dtype=torch.float64)
+    low = lowp.detach().to(device=e.device, dtype=torch.float64)
+    err = _errors(a, e)
+    lowp_err = _errors(low, e)
+    reasons = []
+    lowp_bad = ~torch.isfinite(low) & torch.isfinite(e)
+    if lowp_bad.any():  # left out of lowp's error: a non-finite lowp must not widen the bound
+        reasons.append(f"lowp non-finite at {int(lowp_bad.sum())} elements (left out of its error)")
+        lowp_err = torch.where(lowp_bad, torch.zeros((), dtype=lowp_err.dtype, device=e.device), lowp_err)
+    e_norm = _l2(e, finite_only=True)
+    err_norm, lowp_norm = _l2(err), _l2(lowp_err)
+    l2_bound = FAST_FACTOR * max(lowp_norm, u * e_norm)
+    max_abs, lowp_max = float(err.max()), float(lowp_err.max())
+    max_limit = FAST_MAX_FACTOR * lowp_max + tol.atol_small
+    l2_ok = err_norm <= l2_bound
+    max_ok = max_abs <= max_limit
+    ratio = float((err <= tol.atol + tol.rtol * e.abs()).double().mean())
+
+    bad_nonfinite = int((~torch.isfinite(a) & torch.isfinite(e)).sum())
+    if bad_nonfinite:
+        reasons.append(f"{bad_nonfinite} non-finite where expected is finite")
+    expected_nan = bool(torch.isnan(e).any())
+    if expected_nan:
+        reasons.append("expected contains NaN")
+    rel, lowp_rel = _rel(err_norm, e_norm), _rel(lowp_norm, e_norm)
+    l2_limit = _rel(l2_bound, e_norm)
+    if not l2_ok:
+        reasons.append(f"rel L2 {rel:.3e} > {FAST_FACTOR:g} * max({lowp_rel:.3e} (torch {dtype_name(dt)}), "
+                       f"u {u:.2e})")
+    if not max_ok:
+        reasons.append(f"max abs err {max_abs:.3e} > {FAST_MAX_FACTOR:g} * {lowp_max:.3e} (torch "
+                       f"{dtype_name(dt)}) + {tol.atol_small:.2e}")
+    passed = l2_ok and max_ok and not bad_nonfinite and not expected_nan
+    return PrecisionReport(
+        **base, max_abs=max_abs, ratio=ratio, passed=passed, gate1_ratio_ok=ratio >= MIN_RATIO,
+        gate1_max_ok=max_abs <= MAX_ABS_LIMIT, gate2_limit=max_limit, gate2_ok=max_ok, lowp_max_abs=lowp_max,
+        reason="; ".join(reasons), rel_l2=rel, lowp_rel_l2=lowp_rel, l2_limit=l2_limit,
+    )
+
+
+def assert_fast(name: str, actual, expected, dtype, *, lowp) -> PrecisionReport:
+    """:func:`check_fast` that raises AssertionError carrying the table row on failure."""
+    report = check_fast(name, actual, expected, dtype, lowp=lowp)
+    if not report.passed:
+        raise AssertionError("fast precision gate failed\n" + str(report))
     return report
 
 
@@ -463,6 +602,36 @@ def reference_grads(q, k, v, sinks, do, *, window=None, causal=True, scale=None,
 TENSORS = ("o", "lse", "dq", "dk", "dv", "dsink")
 
 
+def reference_pair(q, k, v, sinks, do, *, window=None, causal=True, scale=None, layout="bhsd", lowp: bool = True,
+                   progress: Callable[[str], None] | None = None, lowp_why: str = "gate 2") -> tuple[dict, dict | None]:
+    """The float64 reference (forward and backward) and, with ``lowp`` (and low-precision inputs),
+    the same computed in q's dtype: what :func:`judge_all` judges against."""
+    kw = dict(window=window, causal=causal, scale=scale, layout=layout)
+    say = progress or (lambda _msg: None)
+    say("reference forward+backward in fp64 ...")
+    expected = reference_grads(q, k, v, sinks, do, compute_dtype=torch.float64, **kw)
+    low = None
+    if lowp and q.dtype != torch.float64:
+        say(f"reference forward+backward in {dtype_name(q.dtype)} ({lowp_why}) ...")
+        low = reference_grads(q, k, v, sinks, do, compute_dtype=q.dtype, **kw)
+    return expected, low
+
+
+def judge_all(actual: dict, expected: dict, lowp: dict | None, dtype, *, precision: str = "strict") -> list[PrecisionReport]:
+    """Every tensor of :data:`TENSORS` in ``expected`` (dsink only when it is not None) under the gate
+    of ``precision``: "strict" :func:`check_precision` (gate 2 when ``lowp`` is given), "fast"
+    :func:`check_fast` (``lowp`` required)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if precision == "fast" and lowp is None:
+        raise ValueError("precision='fast' judges against the reference in the input dtype: lowp is required")
+    names = [n for n in TENSORS if expected.get(n) is not None]
+    low = lowp or {}
+    if precision == "fast":
+        return [check_fast(n, actual.get(n), expected[n], dtype, lowp=low[n]) for n in names]
+    return [check_precision(n, actual.get(n), expected[n], dtype, lowp=low.get(n)) for n in names]
+
+
 def compare_all(
     actual: dict,
     q,
@@ -477,22 +646,22 @@ def compare_all(
     layout="bhsd",
     gate2: bool = True,
     progress: Callable[[str], None] | None = None,
+    precision: str = "strict",
 ) -> list[PrecisionReport]:
-    """Judge ``actual`` (dict o, lse, dq, dk, dv, dsink) against the float64 reference.
+    """Judge ``actual`` (dict o, lse, dq, dk, dv, dsink) against the float64 reference, under the
+    gate of ``precision``: "strict" the precision standard (:func:`check_precision`), "fast" the
+    fast gate (:func:`check_fast`).
 
-    Gate 2 uses the reference computed in q's dtype (skipped for float64 inputs or ``gate2=False``).
-    ``dsink`` is skipped when ``sinks`` is None. ``progress`` receives a line before each slow step.
+    Gate 2 (and the fast gate) use the reference computed in q's dtype; "strict" skips it for float64
+    inputs or ``gate2=False``, "fast" needs it. ``dsink`` is skipped when ``sinks`` is None.
+    ``progress`` receives a line before each slow step.
     """
-    kw = dict(window=window, causal=causal, scale=scale, layout=layout)
-    say = progress or (lambda _msg: None)
-    say("reference forward+backward in fp64 ...")
-    expected = reference_grads(q, k, v, sinks, do, compute_dtype=torch.float64, **kw)
-    lowp = None
-    if gate2 and q.dtype != torch.float64:
-        say(f"reference forward+backward in {dtype_name(q.dtype)} (gate 2) ...")
-        lowp = reference_grads(q, k, v, sinks, do, compute_dtype=q.dtype, **kw)
-    names = [n for n in TENSORS if not (n == "dsink" and sinks is None)]
-    return [
-        check_precision(n, actual.get(n), expected[n], q.dtype, lowp=None if lowp is None else lowp[n])
-        for n in names
-    ]
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if precision == "fast" and (not gate2 or q.dtype == torch.float64):
+        raise ValueError("precision='fast' judges against the reference in the input dtype: it needs gate2=True "
+                         f"and fp16/bf16/fp32 inputs (got gate2={gate2}, {dtype_name(q.dtype)})")
+    expected, lowp = reference_pair(q, k, v, sinks, do, window=window, causal=causal, scale=scale, layout=layout,
+                                    lowp=gate2, progress=progress,
+                                    lowp_why="fast gate" if precision == "fast" else "gate 2")
+    return judge_all(actual, expected, lowp, q.dtype, precision=precision)
