@@ -14,7 +14,7 @@ import torch
 from . import decode
 from .compile import get_kernel
 from .config import (
-    LOG2E, MAX_HEAD_DIM, NATIVE_HEAD_DIMS, PRECISIONS, SUPPORTED_DTYPES, KernelConfig, arch_of, pre_tiles,
+    LOG2E, MAX_HEAD_DIM, NATIVE_HEAD_DIMS, PRECISIONS, SUPPORTED_DTYPES, KernelConfig, arch_of, bwd_split, pre_tiles,
 )
 
 # Row statistics (lse, Delta) and the fp32 dQ accumulator are allocated with this many
@@ -110,6 +110,20 @@ def _stat_shape(spec, q, cu_seqlens) -> tuple:
     return (spec.heads, _padded_rows(q.shape[0] + ROW_PAD))
 
 
+def _stat_shape_kv(spec, k, cu_seqlens) -> tuple:
+    """Rows of the fp32 dK/dV accumulators: :func:`_stat_shape` over the keys."""
+    if cu_seqlens is None:
+        return (spec.batch, spec.kv_heads, _padded_rows(spec.seq_kv))
+    return (spec.kv_heads, _padded_rows(k.shape[0] + ROW_PAD))
+
+
+def _numel(shape) -> int:
+    n = 1
+    for x in shape:
+        n *= x
+    return n
+
+
 def _forward(q, k, v, sinks32, cfg, spec, window, cu_seqlens=None):
     """o (q's layout and dtype) and the row-padded lse (float32, :func:`_stat_shape`)."""
     if decode.use_split(spec, cfg):  # never for thd
@@ -133,14 +147,18 @@ def _backward(do, q, k, v, o, lse, dlse, sinks32, cfg, spec, window, cu_seqlens=
     stat = tuple(lse.shape)  # [B, H, rows] or [H, rows] (thd)
     scale = float(spec.scale)
     n_stat = lse.numel()
+    split = 1 if cfg.deterministic else bwd_split(cfg)
     if cfg.deterministic:
         dq_acc = None
         dlse_padded = torch.zeros(stat, dtype=torch.float32, device=dev)
     else:
-        # one zero fill for the dQ accumulator and dlse (both zeroed before the launches read them);
-        # dlse starts n_stat * D floats in: 512-byte aligned, as rows is a multiple of ROW_PAD
-        zeros = torch.zeros(n_stat * (spec.head_dim + 1), dtype=torch.float32, device=dev)
-        dq_acc, dlse_padded = zeros.split((n_stat * spec.head_dim, n_stat))
+        # one zero fill for the dQ accumulator, dlse and (when the main backward shares a GQA group
+        # over several programs) the dK/dV accumulators, all zeroed before the launches read them;
+        # every part is a multiple of ROW_PAD rows long, so each starts 512-byte aligned
+        kv_stat = _stat_shape_kv(spec, k, cu_seqlens) if split > 1 else ()
+        n_kv = _numel(kv_stat) * spec.head_dim if split > 1 else 0
+        zeros = torch.zeros(n_stat * (spec.head_dim + 1) + 2 * n_kv, dtype=torch.float32, device=dev)
+        dq_acc, dlse_padded, dk_acc, dv_acc = zeros.split((n_stat * spec.head_dim, n_stat, n_kv, n_kv))
         dq_acc, dlse_padded = dq_acc.view(*stat, spec.head_dim), dlse_padded.view(stat)
     if dlse is not None:
         dlse_padded[..., : dlse.shape[-1]] = dlse
@@ -171,6 +189,14 @@ def _backward(do, q, k, v, o, lse, dlse, sinks32, cfg, spec, window, cu_seqlens=
         get_kernel("bwd", cfg)(q, k, v, do, lse, delta, *seq_kv, window, scale, dk, dv)
         get_kernel("dq", cfg)(q, k, v, do, lse, delta, *seq_q, window, scale, dq)
         dsink = dsink_part.sum(dim=(0, 2))
+    elif split > 1:
+        # dK/dV summed in fp32 over the programs sharing a group, then cast like dQ
+        dk_acc, dv_acc = dk_acc.view(*kv_stat, spec.head_dim), dv_acc.view(*kv_stat, spec.head_dim)
+        get_kernel("bwd", cfg)(q, k, v, do, lse, delta, *seq_kv, window, scale, dq_acc, dk_acc, dv_acc)
+        post = get_kernel("postprocess", cfg)
+        post(dq_acc, dq)
+        post(dk_acc, dk)
+        post(dv_acc, dv)
     else:
         get_kernel("bwd", cfg)(q, k, v, do, lse, delta, *seq_kv, window, scale, dq_acc, dk, dv)
         get_kernel("postprocess", cfg)(dq_acc, dq)
