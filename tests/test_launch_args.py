@@ -281,6 +281,32 @@ def test_dense_backward_launches(monkeypatch, launches, arch, case, with_dlse, d
                     (spec.batch, spec.heads, rows), spec.seq_q)
 
 
+@pytest.mark.parametrize("case", DENSE[:2], ids=lambda c: f"{c[7]}-B{c[0]}-H{c[1]}-HK{c[2]}-N{c[3]}x{c[4]}")
+def test_split_backward_launches(monkeypatch, launches, case):
+    """config.bwd_split > 1 (a GQA group's query heads over several programs per KV tile): the main
+    backward gets zeroed fp32 dK/dV accumulators of [B, H_kv, rows_kv, D] and the postprocess casts
+    dQ, dK and dV, in that order, into the returned gradients."""
+    _arch(monkeypatch, "sm_90a")
+    monkeypatch.setattr(interface, "bwd_split", lambda cfg: 2)
+    q, k, v, do, sinks, spec = _dense_inputs(case)
+    cfg = interface.kernel_config(spec, torch.device("cuda", 0), False, "fast")
+    sinks32 = interface._sinks_f32(sinks, spec.heads, q.device)
+    lse = torch.randn(spec.batch, spec.heads, _rows(spec.seq_q))
+    dq, dk, dv, _ = interface._backward(do, q, k, v, _fake_o(q, spec), lse, None, sinks32, cfg, spec, NO_WINDOW)
+    assert [x.kind for x in launches] == ["preprocess", "bwd", "postprocess", "postprocess", "postprocess"]
+    main = launches[1]
+    dq_acc, dk_acc, dv_acc = main.args[-3:]
+    kv_rows = (spec.batch, spec.kv_heads, _rows(spec.seq_kv), spec.head_dim)
+    check_buffer(dq_acc, (spec.batch, spec.heads, _rows(spec.seq_q), spec.head_dim))
+    check_buffer(dk_acc, kv_rows)
+    check_buffer(dv_acc, kv_rows)
+    assert all(torch.all(t == 0) for t in main.seen[-3:])  # accumulated with atomics
+    for post, acc, out in zip(launches[2:], (dq_acc, dk_acc, dv_acc), (dq, dk, dv)):
+        assert len(post.args) == 2 and same(post.args[0], acc) and same(post.args[1], out)
+    check_buffer(dk, k.shape, k.dtype)
+    check_buffer(dv, v.shape, v.dtype)
+
+
 # ----------------------------------------------------------------------------------------------
 # packed varlen (thd)
 
