@@ -11,6 +11,7 @@ ops/bwd.py, written out; it must not change when the host code is reorganised.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -18,7 +19,7 @@ import torch
 
 from flashsink._validate import validate_attention, validate_varlen
 from flashsink.ops import compile as compile_mod
-from flashsink.ops import config, custom_ops, interface, varlen
+from flashsink.ops import attention, config, custom_ops, interface
 from flashsink.ops.config import LOG2E, NO_WINDOW, KernelConfig
 
 pytestmark = pytest.mark.l0
@@ -345,7 +346,7 @@ def test_varlen_forward_launch(monkeypatch, launches, arch, case):
     assert cfg.layout == "thd"
     window = NO_WINDOW if spec.window is None else spec.window
     sinks32 = interface._sinks_f32(sinks, spec.heads, q.device)
-    o, lse = varlen._forward(q, k, v, sinks32, cu_q, cu_k, cfg, spec, window)
+    o, lse = interface._forward(q, k, v, sinks32, cfg, spec, window, (cu_q, cu_k))
     (fw,) = launches
     assert fw.kind == "fwd" and len(fw.args) == 11
     a = fw.args
@@ -374,7 +375,7 @@ def test_varlen_backward_launches(monkeypatch, launches, arch, case, with_dlse, 
     rows = _varlen_rows(q.shape[0])
     lse = torch.randn(spec.heads, rows)
     dlse = torch.randn(spec.heads, q.shape[0]) if with_dlse else None
-    result = varlen._backward(do, q, k, v, o, lse, dlse, sinks32, cu_q, cu_k, cfg, spec, window)
+    result = interface._backward(do, q, k, v, o, lse, dlse, sinks32, cfg, spec, window, (cu_q, cu_k))
 
     def seq_args(kind):
         return (cu_q, cu_k, spec.seq_kv if kind == "bwd" else spec.seq_q)
@@ -383,12 +384,39 @@ def test_varlen_backward_launches(monkeypatch, launches, arch, case, with_dlse, 
                     (spec.heads, rows), q.shape[0])
 
 
+ROUTES = ["ops", "eager"]
+
+
+@contextlib.contextmanager
+def _cuda_impls_on_cpu(route, **impls):
+    """For the ops route, the ops' CPU kernels are their CUDA implementations inside the block (a scoped
+    library). The eager route gets none: it must launch without the ops (else nothing is recorded)."""
+    if route != "ops":
+        yield
+        return
+    with torch.library._scoped_library("flashsink", "IMPL") as lib:
+        for name, fn in impls.items():
+            lib.impl(name, fn, "CPU")
+        yield
+
+
+@pytest.fixture
+def route(request, monkeypatch):
+    """"ops": the custom ops (what a torch.compile trace runs); "eager": attention._Attention, the
+    autograd.Function CUDA tensors take eagerly (turned on here for CPU tensors)."""
+    if request.param == "eager":
+        monkeypatch.setattr(attention, "_eager", lambda q: True)
+    return request.param
+
+
+@pytest.mark.parametrize("route", ROUTES, indirect=True)
 @pytest.mark.parametrize("precision", ["fast", "strict"])
-def test_varlen_end_to_end_through_autograd(monkeypatch, launches, precision):
-    """``custom_ops.kernel_attention_varlen`` (what ``flashsink.attention_varlen`` runs on CUDA):
+def test_varlen_end_to_end_through_autograd(monkeypatch, launches, precision, route):
+    """``attention.kernel_attention_varlen`` (what ``flashsink.attention_varlen`` runs on CUDA):
     forward and backward launches through ``flashsink::varlen_fwd`` / ``varlen_bwd`` and their
-    autograd formula, the returned lse sliced to the packed rows, gradients the backward's buffers
-    (dsink in the sinks' dtype). Fast mode hands the forward's o to the preprocess, strict q, k, v.
+    autograd formula, or (eagerly) through ``attention._Attention``; the returned lse sliced to the
+    packed rows, gradients the backward's buffers (dsink in the sinks' dtype). Fast mode hands the
+    forward's o to the preprocess, strict q, k, v.
 
     On CPU tensors the ops dispatch to their reference implementation, so for this test only (a
     scoped library, removed on exit) the ops' CPU kernels are their CUDA implementations."""
@@ -397,10 +425,8 @@ def test_varlen_end_to_end_through_autograd(monkeypatch, launches, precision):
     leaves = [x.clone().requires_grad_(True) for x in (q, k, v, sinks.to(torch.bfloat16))]
     spec = validate_varlen(*leaves[:3], cu_q, cu_k, spec.seq_q, spec.seq_kv, leaves[3], window=16, causal=True,
                            scale=None)
-    with torch.library._scoped_library("flashsink", "IMPL") as lib:
-        lib.impl("varlen_fwd", custom_ops._varlen_fwd_cuda, "CPU")
-        lib.impl("varlen_bwd", custom_ops._varlen_bwd_cuda, "CPU")
-        o, lse = custom_ops.kernel_attention_varlen(spec, *leaves[:3], cu_q, cu_k, leaves[3], return_lse=True,
+    with _cuda_impls_on_cpu(route, varlen_fwd=custom_ops._varlen_fwd_cuda, varlen_bwd=custom_ops._varlen_bwd_cuda):
+        o, lse = attention.kernel_attention_varlen(spec, *leaves[:3], cu_q, cu_k, leaves[3], return_lse=True,
                                                     pad_head_dims=True, precision=precision)
         assert [x.kind for x in launches] == ["fwd"]
         fw = launches[0]
@@ -420,31 +446,49 @@ def test_varlen_end_to_end_through_autograd(monkeypatch, launches, precision):
         else:
             assert all(same(a, b) for a, b in zip(pre.args[:3], launches[0].args[:3]))  # q, k, v
             i_lse = 4
-        assert same(pre.args[i_lse], lse_padded)  # the forward's padded lse, its padding rows zeroed
-        assert torch.all(pre.seen[i_lse][:, : q.shape[0]] == 7.0) and torch.all(pre.seen[i_lse][:, q.shape[0]:] == 0)
+        assert same(pre.args[i_lse], lse_padded)  # the forward's padded lse
+        assert torch.all(pre.seen[i_lse][:, : q.shape[0]] == 7.0)
+        if route == "ops":  # the op's output contract: padding rows 0 (eagerly nobody sees them)
+            assert torch.all(pre.seen[i_lse][:, q.shape[0]:] == 0)
         assert same(grads[0], launches[-1].args[1])
         assert same(grads[1], launches[2].args[-2]) and same(grads[2], launches[2].args[-1])
         assert grads[3].dtype == torch.bfloat16 and grads[3].shape == (4,)
-    # the scoped kernels are gone: the ops' CPU implementation is the reference again
-    n = len(launches)
-    custom_ops.kernel_attention_varlen(spec, *leaves[:3], cu_q, cu_k, leaves[3])
-    assert len(launches) == n
+    if route == "ops":
+        # the scoped kernels are gone: the ops' CPU implementation is the reference again
+        n = len(launches)
+        attention.kernel_attention_varlen(spec, *leaves[:3], cu_q, cu_k, leaves[3])
+        assert len(launches) == n
 
 
+@pytest.mark.parametrize("route", ROUTES, indirect=True)
+@pytest.mark.parametrize("with_lse", [False, True])
 @pytest.mark.parametrize("precision", ["fast", "strict"])
-def test_dense_end_to_end_through_autograd(monkeypatch, launches, precision):
-    """``interface.kernel_attention`` (what ``flashsink.attention`` runs on CUDA) with the ops' CPU kernels
+def test_dense_end_to_end_through_autograd(monkeypatch, launches, precision, with_lse, route):
+    """``attention.kernel_attention`` (what ``flashsink.attention`` runs on CUDA, traced) with the ops' CPU kernels
     their CUDA implementations (a scoped library, as above): the fast backward's preprocess reads the
     forward's o, the strict one q, k, v; the other launches are the same in both modes."""
     _arch(monkeypatch, "sm_90a")
     q, k, v, do, sinks, spec = _dense_inputs(DENSE[0])
     leaves = [x.clone().requires_grad_(True) for x in (q, k, v, sinks)]
-    with torch.library._scoped_library("flashsink", "IMPL") as lib:
-        lib.impl("fwd", custom_ops._fwd_cuda, "CPU")
-        lib.impl("bwd", custom_ops._bwd_cuda, "CPU")
-        o = interface.kernel_attention(spec, *leaves, precision=precision)
-        torch.autograd.grad(o, leaves, do)
+    with _cuda_impls_on_cpu(route, fwd=custom_ops._fwd_cuda, bwd=custom_ops._bwd_cuda):
+        out = attention.kernel_attention(spec, *leaves, precision=precision, return_lse=with_lse)
+        o, lse = out if with_lse else (out, None)
+        assert same(o, launches[0].args[6])
+        if with_lse:
+            assert lse.shape == (2, 4, 200) and lse.data_ptr() == launches[0].args[7].data_ptr()
+            dlse = torch.randn(lse.shape, generator=torch.Generator().manual_seed(2))
+            grads = torch.autograd.grad((o, lse), leaves, (do, dlse))
+        else:
+            grads = torch.autograd.grad(o, leaves, do)
     assert [x.kind for x in launches] == ["fwd", "preprocess", "bwd", "postprocess"]
+    main, post = launches[2], launches[3]
+    assert same(grads[0], post.args[1]) and same(grads[1], main.args[-2]) and same(grads[2], main.args[-1])
+    assert grads[3].dtype == sinks.dtype and grads[3].shape == (4,)
+    i_dlse = 3 if precision == "fast" else 5
+    want = torch.zeros(2, 4, 256)
+    if with_lse:
+        want[:, :, :200] = dlse
+    assert torch.equal(launches[1].seen[i_dlse], want)  # the gradient of lse over the real rows, 0 past them
     assert {x.cfg.precision for x in launches} == {precision}
     fw, pre = launches[0], launches[1]
     if precision == "fast":

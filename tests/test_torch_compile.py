@@ -33,9 +33,8 @@ import flashsink
 from flashsink import testing
 from flashsink._validate import validate_attention, validate_varlen
 from flashsink.nn import SinkAttention
-from flashsink.ops.custom_ops import kernel_attention_varlen
-from flashsink.ops.interface import kernel_attention
-from flashsink.ops.varlen import _rows as varlen_rows
+from flashsink.ops.attention import kernel_attention, kernel_attention_varlen
+from flashsink.ops.interface import varlen_rows
 
 pytestmark = pytest.mark.l1
 
@@ -560,7 +559,7 @@ def test_opcheck_varlen_cpu(dtype, sinks, window, causal, precision):
 
 
 def test_varlen_fake_shapes():
-    """o [total_q, H, D_v] contiguous in q's dtype, lse [H, varlen._rows(total_q)], dsink in the sinks' dtype."""
+    """o [total_q, H, D_v] contiguous in q's dtype, lse [H, interface.varlen_rows(total_q)], dsink in the sinks' dtype."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():

@@ -7,9 +7,10 @@ CUDA: the GPU is first kept busy with ``torch.cuda._sleep`` (longer than the mea
 so the wall time of N calls is the host's alone (launches only queue); then the same calls
 back to back with a sync give the GPU time per call for comparison.
 
---cpu: the CUDA path (validation, ``kernel_attention`` / ``kernel_attention_varlen``, the
-``flashsink::fwd`` / ``bwd`` / ``varlen_fwd`` / ``varlen_bwd`` custom ops with their CUDA
-implementations registered for CPU tensors, ``interface`` / ``varlen``) runs on CPU tensors
+--cpu: the CUDA path (validation, ``kernel_attention`` / ``kernel_attention_varlen``, the eager
+``attention._Attention`` autograd.Function, or with ``--route ops`` the ``flashsink::fwd`` / ``bwd`` /
+``varlen_fwd`` / ``varlen_bwd`` custom ops (what a torch.compile trace runs) with their CUDA
+implementations registered for CPU tensors, and the launch layer ``interface``) runs on CPU tensors
 with every kernel a no-op (the kernel cache answers a no-op for every key) and the
 architecture reported as sm_90a. CPU allocations and fills cost less
 than CUDA ones (no launch), so this measures the Python part, not the whole host time.
@@ -40,10 +41,12 @@ def _noop_kernels():
     compile_mod._cache = NoopCache()
 
 
-def _fake_cuda():
+def _fake_cuda(route: str):
     """Run the CUDA implementations on CPU tensors (this process only)."""
-    from flashsink.ops import config, custom_ops, interface
+    from flashsink.ops import attention, config, custom_ops, interface
 
+    if route == "eager":
+        attention._eager = lambda q: True
     config._arch_of_index = lambda index: "sm_90a"
     torch.cuda.current_device = lambda: 0
     interface._sm_count = lambda index: 132
@@ -78,7 +81,7 @@ def _calls(device: str, b, h, hk, n, d, window, dtype, varlen_seqs: int):
             def attn(q, k, v, s):
                 return flashsink.attention(q, k, v, s, window=window)
     else:  # api.attention's CUDA branch (q.is_cuda is False here)
-        from flashsink.ops.custom_ops import kernel_attention_varlen
+        from flashsink.ops.attention import kernel_attention_varlen
 
         def attn(q, k, v, s):
             if varlen_seqs:
@@ -156,13 +159,16 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--problems", default=",".join(PROBLEMS))
+    p.add_argument("--route", choices=("eager", "ops"), default="eager",
+                   help="--cpu only: the eager autograd.Function (what CUDA tensors take) or the custom ops")
     args = p.parse_args(argv)
     device = "cpu" if args.cpu or not torch.cuda.is_available() else "cuda"
     if device == "cpu":
-        _fake_cuda()
+        _fake_cuda(args.route)
         torch.set_num_threads(1)
     table = CPU_PROBLEMS if device == "cpu" else PROBLEMS
-    print(f"device {device}" + (" (CUDA path on CPU tensors, kernels no-ops, tiny shapes)" if device == "cpu" else
+    print(f"device {device}" + (f" (CUDA path, {args.route} route, on CPU tensors, kernels no-ops, tiny shapes)"
+                                if device == "cpu" else
                                 f" {torch.cuda.get_device_name()}"))
     for name in args.problems.split(","):
         b, h, hk, n, d, w, dt, seqs = table[name]

@@ -7,8 +7,7 @@ import torch
 from . import reference
 from ._validate import validate_attention, validate_varlen
 from .ops.config import PRECISIONS
-from .ops.interface import kernel_attention  # registers the flashsink:: custom ops; never imports tilelang
-from .ops.custom_ops import kernel_attention_varlen  # noqa: I001  (after interface, as interface imports it)
+from .ops.attention import kernel_attention, kernel_attention_varlen  # registers the ops; never imports tilelang
 
 __all__ = ["attention", "attention_varlen"]
 

@@ -37,12 +37,12 @@ import traceback
 from pathlib import Path
 
 from ..errors import CompileError, tail
-from . import diskcache
+from . import diskcache, kinds
 from .config import KernelConfig
 
 log = logging.getLogger("flashsink")
 
-KINDS = ("fwd", "preprocess", "bwd", "dq", "postprocess", "fwd_split")
+KINDS = tuple(kinds.KINDS)  # the registry: kinds.py
 
 #: extra attempts after a transient failure (so at most 1 + COMPILE_RETRIES compiles)
 COMPILE_RETRIES = 2
@@ -93,24 +93,9 @@ def configure_logging() -> None:
 # ----------------------------------------------------------------------------------------------
 # what a kernel is: its PrimFunc, its compile arguments, its cache key
 
-def _builder(kind: str):
-    from . import bwd, fwd, fwd_split
-
-    return {
-        "fwd": fwd.build_fwd,
-        "fwd_split": fwd_split.build_fwd_split,
-        "preprocess": bwd.build_preprocess,
-        "bwd": bwd.build_bwd,
-        "dq": bwd.build_dq,
-        "postprocess": bwd.build_postprocess,
-    }[kind]
-
-
 def build_prim_func(kind: str, cfg: KernelConfig):
     """The TileLang ``PrimFunc`` of one kernel (lowering input, not compiled)."""
-    if kind not in KINDS:
-        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    return _builder(kind)(cfg)
+    return kinds.check_kind(kind).build(cfg)
 
 
 def pass_configs() -> dict:
@@ -172,17 +157,13 @@ def versions() -> dict:
 
 
 def _tiles(cfg) -> dict:
-    """Every tile choice config.py makes for ``cfg`` (each ``*_tiles`` function)."""
-    from . import config
-
+    """Every tile choice made for ``cfg`` (each kind's tile function, by name)."""
     out = {}
-    for name in sorted(dir(config)):
-        fn = getattr(config, name)
-        if name.endswith("_tiles") and callable(fn):
-            try:
-                out[name] = dataclasses.asdict(fn(cfg))
-            except Exception as exc:  # a table that does not cover this config
-                out[name] = f"n/a ({type(exc).__name__})"
+    for fn in sorted(kinds.tile_functions(), key=lambda f: f.__name__):
+        try:
+            out[fn.__name__] = dataclasses.asdict(fn(cfg))
+        except Exception as exc:  # a table that does not cover this config
+            out[fn.__name__] = f"n/a ({type(exc).__name__})"
     return out
 
 
@@ -323,14 +304,14 @@ def _load_kernel(files: dict, func, cfg, args: _CompileArgs, root: Path):
         os.unlink(so_path)
 
 
-def compile_kernel(kind: str, cfg: KernelConfig):
+def compile_kernel(kind: str, cfg: KernelConfig, *, load_only: bool = False):
     """The kernel for ``(kind, cfg)``: loaded from the disk cache when a verified entry exists,
-    compiled (and saved) otherwise. Raises :class:`flashsink.CompileError` if it cannot be built
-    and :class:`flashsink.errors.CacheDirError` if the cache directory is unsafe."""
+    compiled (and saved) otherwise (``load_only``: None then). Raises :class:`flashsink.CompileError`
+    if it cannot be built and :class:`flashsink.errors.CacheDirError` if the cache directory is unsafe."""
     configure_logging()
     root = diskcache.ensure_cache_dir()
-    if kind not in KINDS:
-        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    kinds.check_kind(kind)
+    cfg = kinds.canonical(kind, cfg)  # one build for the fields the kernel does not read
     try:
         func = build_prim_func(kind, cfg)
     except Exception as exc:  # the kernel's TileLang code failed for this configuration
@@ -354,6 +335,8 @@ def compile_kernel(kind: str, cfg: KernelConfig):
                 log.debug("flashsink: loaded the %s kernel for %s from the disk cache %s in %.2f s",
                           kind, cfg.short(), root / "kernels" / name, time.perf_counter() - start)
                 return kernel
+        if load_only:
+            return None
         log.info(
             "flashsink: compiling the %s kernel for %s (first use of this configuration on this machine, "
             "so this call is slow: ~10-60 s); it is then cached in %s",
@@ -374,20 +357,80 @@ def compile_kernel(kind: str, cfg: KernelConfig):
 
 
 def get_kernel(kind: str, cfg: KernelConfig):
-    """The compiled kernel for ``(kind, cfg)``, compiling it on first use."""
-    key = (kind, cfg)
-    kernel = _cache.get(key)
+    """The launcher of the kernel for ``(kind, cfg)``: one dict lookup per launch once built. The
+    first miss of a configuration builds every kernel it needs (:func:`_first_use`)."""
+    kernel = _cache.get((kind, cfg))
     if kernel is not None:
         return kernel
+    return _first_use(kind, cfg)
+
+
+def _first_use(kind: str, cfg: KernelConfig):
     record = os.environ.get("FLASHSINK_RECORD_KERNELS")
     if record:
         _record_and_stop(record, kind, cfg)
     with _lock:
-        kernel = _cache.get(key)
-        if kernel is None:
-            kernel = compile_kernel(kind, cfg)
-            _cache[key] = kernel
-    return kernel
+        if (kind, cfg) not in _cache:
+            _build_config(kind, cfg)
+    return _cache[(kind, cfg)]
+
+
+#: worker processes for a first use's parallel build (None: one per kernel, up to the CPU count)
+FIRST_USE_JOBS = None
+
+
+def _build_config(kind: str, cfg: KernelConfig) -> None:
+    """``kind`` and every other kernel ``cfg``'s forward and backward launch (``kinds.kinds_for``):
+    the ones in the disk cache are loaded, the others compiled at once in worker processes (TileLang's
+    lowering is Python and holds the GIL) into the disk cache, then loaded. A kernel other than
+    ``kind`` that fails to build is left out here; its own first launch raises the error."""
+    wanted = [k for k in dict.fromkeys((kind, *kinds.kinds_for(cfg))) if (k, cfg) not in _cache]
+    missing = []
+    for k in wanted:
+        kernel = _guarded(k, kind, cfg, load_only=True)
+        if kernel is not None:
+            _cache[(k, cfg)] = _launcher(kernel)
+        else:
+            missing.append(k)
+    if len(missing) > 1:
+        from .precompile import compile_parallel
+
+        start = time.perf_counter()
+        log.info("flashsink: compiling %d kernels (%s) for %s in parallel: first use of this configuration on "
+                 "this machine, so this call is slow (~10-20 s); they are then cached in %s",
+                 len(missing), " ".join(missing), cfg.short(), diskcache.ensure_cache_dir())
+        for k, _, seconds, how, err in compile_parallel([(k, cfg) for k in missing], jobs=FIRST_USE_JOBS):
+            log.debug("flashsink: %s for %s: %s in %.1f s%s", k, cfg.short(), how, seconds, f" ({err})" if err else "")
+        log.info("flashsink: compiled %d kernels for %s in %.1f s", len(missing), cfg.short(),
+                 time.perf_counter() - start)
+    for k in missing:  # loaded from the disk cache now (or compiled here: one kernel, or a failed worker)
+        kernel = _guarded(k, kind, cfg)
+        if kernel is not None:
+            _cache[(k, cfg)] = _launcher(kernel)
+
+
+def _guarded(k: str, kind: str, cfg: KernelConfig, *, load_only: bool = False):
+    """compile_kernel; errors of kernels other than the one asked for are logged, not raised."""
+    try:
+        return compile_kernel(k, cfg, load_only=load_only)
+    except CompileError as exc:
+        if k == kind:
+            raise
+        log.debug("flashsink: building %s for %s failed (raised when it is launched): %s", k, cfg.short(), exc)
+        return None
+
+
+def _launcher(kernel):
+    """What a launch calls: TileLang's tvm_ffi executable itself when the kernel allocates no outputs
+    (ours never do), skipping the adapter's per-call argument stitching (microseconds per launch)."""
+    adapter = getattr(kernel, "adapter", None)
+    get = getattr(adapter, "_get_executable", None)
+    if get is None or getattr(adapter, "result_idx", None):
+        return kernel
+    try:
+        return get()
+    except Exception:  # another TileLang version: the kernel's own call
+        return kernel
 
 
 class KernelRecorded(RuntimeError):

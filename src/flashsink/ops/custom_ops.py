@@ -26,7 +26,7 @@ Arguments are tensors and primitives only; the kernels' static configuration and
   kernels read; rows past ``S_q`` are padding and hold 0. ``flashsink.attention`` returns
   ``lse[:, :, :S_q]``.
 * varlen: q ``[total_q, H, D]``, k/v ``[total_k, H_kv, D]`` (layout "thd"), int32 ``cu_seqlens``; o
-  ``[total_q, H, D_v]``, lse ``[H, varlen._rows(total_q)]`` (padded one row tile past the last token).
+  ``[total_q, H, D_v]``, lse ``[H, interface.varlen_rows(total_q)]`` (padded one row tile past the last token).
 * dlse: the gradient of that padded lse or None; dsink: ``[H]`` in the sinks' dtype (float32 zeros
   when ``sinks`` is None, and the autograd formula then returns no gradient).
 * precision: "fast" or "strict" (``config.PRECISIONS``). The fast backward reads the forward's o
@@ -48,10 +48,10 @@ from torch import Tensor
 
 from .. import reference
 from .._validate import LAYOUTS, AttnSpec
-from . import interface, varlen
-from .config import NATIVE_HEAD_DIMS, NO_WINDOW
+from . import interface
+from .config import NATIVE_HEAD_DIMS
 
-__all__ = ["fwd", "bwd", "varlen_fwd", "varlen_bwd", "kernel_attention_varlen"]
+__all__ = ["fwd", "bwd", "varlen_fwd", "varlen_bwd"]
 
 
 def _spec(q, k, v, sinks, window, causal, scale, layout) -> AttnSpec:
@@ -87,8 +87,7 @@ def _kernel_inputs(spec: AttnSpec, device, deterministic: bool, precision: str, 
                 f"attention_varlen zero-pad the others); the {name} head dim is {d}"
             )
     cfg = interface.kernel_config(spec, device, deterministic, precision)
-    window = NO_WINDOW if spec.window is None else min(int(spec.window), NO_WINDOW)
-    return cfg, window, [t.contiguous() for t in tensors]
+    return cfg, interface.kernel_window(spec.window), [t.contiguous() for t in tensors]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -275,7 +274,7 @@ fwd.register_autograd(_backward, setup_context=_setup_context)
 # implementations read (the kernels on the device, the reference on the host), so no value of
 # them reaches the graph; max_seqlen_q/k are ints (SymInts when traced) that size the kernels' grids.
 # Output shapes depend on total tokens, heads and head dims only: o [total_q, H, D_v],
-# lse [H, varlen._rows(total_q)] (row-padded as the backward kernels read it; padding rows 0).
+# lse [H, interface.varlen_rows(total_q)] (row-padded as the backward kernels read it; padding rows 0).
 
 
 def _varlen_spec(q, k, v, sinks, cu_q, max_q, max_k, window, causal, scale) -> AttnSpec:
@@ -310,7 +309,7 @@ def _varlen_fwd_reference(
     cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()  # inside the op: never in a graph
     o, lse = reference._attention_varlen(q, k, v, cu_q, cu_k, sinks, spec, return_lse=True)
     total = q.shape[0]
-    return o.contiguous(), torch.nn.functional.pad(lse, (0, varlen._rows(total) - total))
+    return o.contiguous(), torch.nn.functional.pad(lse, (0, interface.varlen_rows(total) - total))
 
 
 varlen_fwd = torch.library.custom_op("flashsink::varlen_fwd", _varlen_fwd_reference, mutates_args=())
@@ -326,7 +325,7 @@ def _varlen_fwd_cuda(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
     cfg, win, (q, k, v, cu_q, cu_k) = _kernel_inputs(spec, q.device, deterministic, precision, q, k, v,
                                                      cu_seqlens_q, cu_seqlens_k)
     sinks32 = interface._sinks_f32(sinks, spec.heads, q.device)
-    o, lse = varlen._forward(q, k, v, sinks32, cu_q, cu_k, cfg, spec, win)
+    o, lse = interface._forward(q, k, v, sinks32, cfg, spec, win, cu_seqlens=(cu_q, cu_k))
     lse[:, q.shape[0]:] = 0  # the padding rows: some are never written by the kernel
     return o, lse
 
@@ -336,7 +335,7 @@ def _varlen_fwd_fake(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
                      deterministic, precision="fast"):
     total, heads = q.shape[0], q.shape[1]
     o = q.new_empty((total, heads, v.shape[2]))
-    lse = q.new_empty((heads, varlen._rows(total)), dtype=_lse_dtype(q.dtype))
+    lse = q.new_empty((heads, interface.varlen_rows(total)), dtype=_lse_dtype(q.dtype))
     return o, lse
 
 
@@ -399,7 +398,7 @@ def _varlen_bwd_cuda(do, q, k, v, sinks, lse, dlse, cu_seqlens_q, cu_seqlens_k, 
     o = _saved_output(o, cfg)
     sinks32 = interface._sinks_f32(sinks, spec.heads, q.device)
     dlse = None if dlse is None else dlse[:, : q.shape[0]]
-    dq, dk, dv, dsink = varlen._backward(do, q, k, v, o, lse, dlse, sinks32, cu_q, cu_k, cfg, spec, win)
+    dq, dk, dv, dsink = interface._backward(do, q, k, v, o, lse, dlse, sinks32, cfg, spec, win, cu_seqlens=(cu_q, cu_k))
     if dsink is None:
         return dq, dk, dv, sinks32.new_zeros(spec.heads)
     return dq, dk, dv, dsink.to(sinks.dtype)
@@ -428,29 +427,3 @@ def _varlen_backward(ctx, do, dlse):
 
 
 varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
-
-
-def kernel_attention_varlen(spec, q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, *, return_lse=False,
-                            deterministic=False, precision="fast", pad_head_dims=None):
-    """A validated packed batch through ``flashsink::varlen_fwd`` (autograd: ``varlen_bwd``).
-
-    Traceable with ``fullgraph=True`` and dynamic shapes, like ``interface.kernel_attention``. On CUDA
-    the head dims are zero-padded to the kernels' sizes around the op (``pad_head_dims``, default: on
-    CUDA only; the CPU implementation is the reference and takes any head dim).
-    """
-    if pad_head_dims is None:
-        pad_head_dims = q.is_cuda
-    if q.is_cuda:
-        interface.check_supported(spec)
-    cu_q = cu_seqlens_q.to(torch.int32)  # what the kernels read; a no-op for int32 offsets
-    cu_k = cu_seqlens_k.to(torch.int32)
-    if pad_head_dims:
-        q, k = (interface._pad_dim(x, interface._kernel_dim(spec.head_dim)) for x in (q, k))
-        v = interface._pad_dim(v, interface._kernel_dim(spec.head_dim_v))
-    o, lse = torch.ops.flashsink.varlen_fwd(
-        q, k, v, sinks, cu_q, cu_k, spec.seq_q, spec.seq_kv, spec.window, spec.causal, spec.scale, deterministic,
-        precision,
-    )
-    if o.shape[-1] != spec.head_dim_v:
-        o = o[..., : spec.head_dim_v]
-    return (o, lse[:, : q.shape[0]]) if return_lse else o

@@ -1,10 +1,14 @@
-"""``flashsink.attention`` on CUDA tensors: input preparation and launches.
+"""The launch layer: the kernels' configuration, buffers and launches, for every caller.
 
-``_forward`` / ``_backward`` launch the kernels, for the padded layouts and (with ``cu_seqlens``,
-from ``varlen.py``) packed varlen batches alike; the custom ops ``flashsink::fwd`` /
-``flashsink::bwd`` (``custom_ops.py``) wrap them with fake implementations and autograd, and
-``kernel_attention`` pads head dims and calls the forward op. Validation happened once, in the
-public function (``flashsink.api``). Nothing here imports tilelang: kernels are built on first launch.
+``_forward`` / ``_backward`` launch the kernels, for the padded layouts and (with ``cu_seqlens``)
+packed varlen batches (layout ``thd``) alike. Two callers, neither imported here: the eager
+``torch.autograd.Function`` of ``attention.py`` (what ``flashsink.attention`` runs on CUDA outside
+``torch.compile``) and the custom ops of ``custom_ops.py`` (the same launches, traceable). Validation
+happened once, in the public function (``flashsink.api``). Nothing here imports tilelang: kernels
+are built on first launch (``compile.get_kernel``).
+
+Host time matters here (every eager call runs this): the kernel handle is one dict lookup, the
+buffers that must start zeroed share one fill, and nothing is filled that no kernel reads.
 """
 
 import functools
@@ -14,7 +18,8 @@ import torch
 from . import decode
 from .compile import get_kernel
 from .config import (
-    LOG2E, MAX_HEAD_DIM, NATIVE_HEAD_DIMS, PRECISIONS, SUPPORTED_DTYPES, KernelConfig, arch_of, bwd_split, pre_tiles,
+    LOG2E, MAX_HEAD_DIM, NATIVE_HEAD_DIMS, NO_WINDOW, PRECISIONS, SUPPORTED_DTYPES, KernelConfig, arch_of, bwd_split,
+    pre_tiles,
 )
 
 # Row statistics (lse, Delta) and the fp32 dQ accumulator are allocated with this many
@@ -29,6 +34,17 @@ def _padded_rows(seq_q: int) -> int:
         return max(ROW_PAD, rows)
     # a torch.compile trace: symbolic lengths, no guard on seq_q
     return torch.sym_max(ROW_PAD, rows)
+
+
+def varlen_rows(total: int) -> int:
+    """Rows of a packed batch's statistics (:func:`_stat_shape` for ``thd``): whole row tiles of
+    the last sequence may start at any packed row, so one tile past the end."""
+    return _padded_rows(total + ROW_PAD)
+
+
+def kernel_window(window) -> int:
+    """The kernels' runtime window: NO_WINDOW (wider than any sequence) for none."""
+    return NO_WINDOW if window is None else min(int(window), NO_WINDOW)
 
 
 def _kernel_dim(d: int) -> int:
@@ -105,9 +121,7 @@ def _seq_args(cu_seqlens, longest: int) -> tuple:
 def _stat_shape(spec, q, cu_seqlens) -> tuple:
     if cu_seqlens is None:
         return (spec.batch, spec.heads, _padded_rows(spec.seq_q))
-    # whole row tiles of the last packed sequence may start at any row: one tile past the end
-    # (varlen._rows, which the custom ops' fake shapes use, is the same formula)
-    return (spec.heads, _padded_rows(q.shape[0] + ROW_PAD))
+    return (spec.heads, varlen_rows(q.shape[0]))
 
 
 def _stat_shape_kv(spec, k, cu_seqlens) -> tuple:
@@ -144,34 +158,39 @@ def _backward(do, q, k, v, o, lse, dlse, sinks32, cfg, spec, window, cu_seqlens=
     ``o``: the forward's output (contiguous, head dims as the kernels saw them), read by the fast
     preprocess (Delta = rowsum(dO * O)); None, and not read, for strict."""
     dev = q.device
-    stat = tuple(lse.shape)  # [B, H, rows] or [H, rows] (thd)
+    stat = lse.shape  # [B, H, rows] or [H, rows] (thd)
     scale = float(spec.scale)
     n_stat = lse.numel()
+    f32 = torch.float32
     split = 1 if cfg.deterministic else bwd_split(cfg)
-    if cfg.deterministic:
-        dq_acc = None
-        dlse_padded = torch.zeros(stat, dtype=torch.float32, device=dev)
-    else:
-        # one zero fill for the dQ accumulator, dlse and (when the main backward shares a GQA group
-        # over several programs) the dK/dV accumulators, all zeroed before the launches read them;
-        # every part is a multiple of ROW_PAD rows long, so each starts 512-byte aligned
-        kv_stat = _stat_shape_kv(spec, k, cu_seqlens) if split > 1 else ()
-        n_kv = _numel(kv_stat) * spec.head_dim if split > 1 else 0
-        zeros = torch.zeros(n_stat * (spec.head_dim + 1) + 2 * n_kv, dtype=torch.float32, device=dev)
-        dq_acc, dlse_padded, dk_acc, dv_acc = zeros.split((n_stat * spec.head_dim, n_stat, n_kv, n_kv))
-        dq_acc, dlse_padded = dq_acc.view(*stat, spec.head_dim), dlse_padded.view(stat)
-    if dlse is not None:
-        dlse_padded[..., : dlse.shape[-1]] = dlse
-    delta = torch.empty(stat, dtype=torch.float32, device=dev)
     # The sink gradient: atomically accumulated in dsink, or (deterministic) one partial per
     # program in dsink_part, summed below in a fixed order. The other buffer is not touched.
-    n_part = -(-spec.seq_q // pre_tiles(cfg).block_m) if cfg.deterministic else 1
+    # Buffers that must start zeroed share one fill, the others one allocation; every part starts
+    # a multiple of n_stat floats in (512-byte aligned: rows is a multiple of ROW_PAD). dsink is
+    # its own tensor: it becomes the sinks' gradient and must not keep a large buffer alive.
     if cfg.deterministic:
-        dsink = torch.empty((spec.heads,), dtype=torch.float32, device=dev)
-        dsink_part = torch.zeros((spec.batch, spec.heads, n_part), dtype=torch.float32, device=dev)
+        n_part = spec.batch * spec.heads * -(-spec.seq_q // pre_tiles(cfg).block_m)
+        zeros = torch.zeros(n_stat + n_part, dtype=f32, device=dev)
+        dlse_padded, dsink_part = zeros[:n_stat].view(stat), zeros[n_stat:].view(spec.batch, spec.heads, -1)
+        scratch = torch.empty(n_stat + spec.heads, dtype=f32, device=dev)
+        delta, dsink = scratch[:n_stat].view(stat), scratch[n_stat:]
+        dq_acc = None
     else:
-        dsink = torch.zeros((spec.heads,), dtype=torch.float32, device=dev)
-        dsink_part = torch.empty((spec.batch, spec.heads, n_part), dtype=torch.float32, device=dev)
+        # with a split main backward (a GQA group over several programs per KV tile) the fp32
+        # dK/dV accumulators share the fill too
+        n_acc = n_stat * spec.head_dim
+        kv_stat = _stat_shape_kv(spec, k, cu_seqlens) if split > 1 else ()
+        n_kv = _numel(kv_stat) * spec.head_dim if split > 1 else 0
+        zeros = torch.zeros(n_acc + n_stat + 2 * n_kv, dtype=f32, device=dev)
+        dq_acc, dlse_padded = zeros[:n_acc].view(*stat, spec.head_dim), zeros[n_acc:n_acc + n_stat].view(stat)
+        if split > 1:
+            dk_acc = zeros[n_acc + n_stat:n_acc + n_stat + n_kv].view(*kv_stat, spec.head_dim)
+            dv_acc = zeros[n_acc + n_stat + n_kv:].view(*kv_stat, spec.head_dim)
+        dsink = torch.zeros(spec.heads, dtype=f32, device=dev)
+        scratch = torch.empty(n_stat + spec.batch * spec.heads, dtype=f32, device=dev)
+        delta, dsink_part = scratch[:n_stat].view(stat), scratch[n_stat:].view(spec.batch, spec.heads, 1)
+    if dlse is not None:
+        dlse_padded[..., : dlse.shape[-1]] = dlse
     seq_q, seq_kv = _seq_args(cu_seqlens, spec.seq_q), _seq_args(cu_seqlens, spec.seq_kv)
     if cfg.precision == "strict":
         get_kernel("preprocess", cfg)(
@@ -191,7 +210,6 @@ def _backward(do, q, k, v, o, lse, dlse, sinks32, cfg, spec, window, cu_seqlens=
         dsink = dsink_part.sum(dim=(0, 2))
     elif split > 1:
         # dK/dV summed in fp32 over the programs sharing a group, then cast like dQ
-        dk_acc, dv_acc = dk_acc.view(*kv_stat, spec.head_dim), dv_acc.view(*kv_stat, spec.head_dim)
         get_kernel("bwd", cfg)(q, k, v, do, lse, delta, *seq_kv, window, scale, dq_acc, dk_acc, dv_acc)
         post = get_kernel("postprocess", cfg)
         post(dq_acc, dq)
@@ -203,38 +221,20 @@ def _backward(do, q, k, v, o, lse, dlse, sinks32, cfg, spec, window, cu_seqlens=
     return dq, dk, dv, (dsink if cfg.has_sinks else None)
 
 
+#: the sinks argument of kernels built without sinks, by (device, heads): read by none (their
+#: code has no sink term), so never filled, and allocated once
+_NO_SINKS: dict = {}
+
+
 def _sinks_f32(sinks, heads, device):
     if sinks is None:
-        # read by no kernel without sinks (their code has no sink term), so not filled
-        return torch.empty((heads,), dtype=torch.float32, device=device)
+        placeholder = _NO_SINKS.get((device, heads))
+        if placeholder is None:
+            placeholder = _NO_SINKS[(device, heads)] = torch.empty((heads,), dtype=torch.float32, device=device)
+        return placeholder
+    if sinks.dtype == torch.float32 and sinks.is_contiguous():
+        return sinks.detach()
     return sinks.detach().to(torch.float32).contiguous()
-
-
-def kernel_attention(spec, q, k, v, sinks, *, return_lse=False, deterministic=False, precision="fast"):
-    """Run validated inputs through the kernels (autograd for q, k, v and sinks).
-
-    Everything here is traceable by torch.compile (fullgraph, dynamic shapes): the launches are
-    behind the custom ops ``flashsink::fwd`` / ``flashsink::bwd`` (``custom_ops.py``), whose
-    autograd formula calls the backward op. Head-dim padding and the slicing of o and lse are
-    plain torch ops around them, so autograd slices and pads the gradients.
-    """
-    check_supported(spec)
-    if 0 in (spec.batch, spec.heads, spec.seq_q, spec.seq_kv):
-        # Empty problems (no rows, or no keys: o = 0 and lse = the sink) have no tiles to
-        # launch; the reference gives their exact, differentiable result on q's device.
-        from .. import reference
-
-        return reference._attention(q, k, v, sinks, spec, return_lse=return_lse)
-    d, dv = _kernel_dim(spec.head_dim), _kernel_dim(spec.head_dim_v)
-    q, k = (_pad_dim(x, d) for x in (q, k))
-    v = _pad_dim(v, dv)
-    # lse comes back with _padded_rows(seq_q) rows (the layout the backward kernels read).
-    o, lse = torch.ops.flashsink.fwd(
-        q, k, v, sinks, spec.window, spec.causal, spec.scale, spec.layout, deterministic, precision
-    )
-    if dv != spec.head_dim_v:
-        o = o[..., : spec.head_dim_v]
-    return (o, lse[:, :, : spec.seq_q]) if return_lse else o
 
 
 def _pad_dim(x, d):
@@ -243,6 +243,3 @@ def _pad_dim(x, d):
     if x.shape[-1] != d:
         return torch.nn.functional.pad(x, (0, d - x.shape[-1]))
     return x if x.is_contiguous() else x.contiguous()
-
-
-from . import custom_ops  # noqa: E402,F401  (registers flashsink::fwd / flashsink::bwd; it reads this module's names at call time)

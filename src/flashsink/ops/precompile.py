@@ -15,16 +15,10 @@ import time
 from . import compile as _compile
 from . import diskcache
 from .compile import KINDS
-from .config import SPLIT_ROWS, KernelConfig
+from .config import KernelConfig
+from .kinds import canonical, kinds_for
 
-
-def kinds_for(cfg: KernelConfig) -> tuple:
-    """The kernels one configuration needs for forward and backward (padded layouts on Hopper
-    add the split-KV forward that decode and short chunks against long caches use)."""
-    kinds = ("fwd", "preprocess", "bwd", "dq") if cfg.deterministic else ("fwd", "preprocess", "bwd", "postprocess")
-    if cfg.hopper and cfg.layout != "thd" and cfg.groups <= SPLIT_ROWS:
-        kinds += ("fwd_split",)
-    return kinds
+__all__ = ["compile_parallel", "kinds_for", "precompile"]
 
 
 def _init_worker():
@@ -46,6 +40,19 @@ def _compile_one(job):
     return kind, cfg, time.perf_counter() - start, how, None
 
 
+def _executor(jobs: int):
+    """Worker processes (spawned: no CUDA state or locks inherited)."""
+    return cf.ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn"), initializer=_init_worker)
+
+
+def compile_parallel(todo, *, jobs=None):
+    """Compile (kind, config) pairs in worker processes into the disk cache; yields
+    ``(kind, cfg, seconds, how, error)`` per pair as each finishes, in ``todo``'s order."""
+    jobs = jobs or max(1, min(len(todo), os.cpu_count() or 1))
+    with _executor(jobs) as pool:
+        yield from pool.map(_compile_one, todo)
+
+
 def precompile(configs, *, kinds=None, jobs=None, out=sys.stderr, pairs=()) -> list:
     """Compile every (kind, config) pair (``kinds``, default all a config needs, of each config,
     plus the explicit ``(kind, config)`` ``pairs``); returns the failures (empty when all built)."""
@@ -53,19 +60,19 @@ def precompile(configs, *, kinds=None, jobs=None, out=sys.stderr, pairs=()) -> l
     for cfg in dict.fromkeys(configs):
         for kind in kinds or kinds_for(cfg):
             todo.append((kind, cfg))
-    todo = list(dict.fromkeys(todo + list(pairs)))
-    for kind, _ in todo:
+    for kind, _ in todo + list(pairs):
         if kind not in KINDS:
             raise ValueError(f"unknown kernel kind {kind!r}; expected one of {KINDS}")
+    # one build for configurations that differ only in fields a kernel does not read
+    todo = list(dict.fromkeys((kind, canonical(kind, cfg)) for kind, cfg in todo + list(pairs)))
     jobs = jobs or max(1, min(len(todo), os.cpu_count() or 1))
     root = diskcache.ensure_cache_dir()  # an unsafe directory fails here, once, not in every worker
     failures = []
     print(f"precompiling {len(todo)} kernels in {jobs} processes into {root} ...", file=out, flush=True)
     start = time.perf_counter()
     tally = {"compiled": 0, "cached": 0, "rebuilt": 0}
-    ctx = mp.get_context("spawn")
-    with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_init_worker) as pool:
-        for n, (kind, cfg, secs, how, err) in enumerate(pool.map(_compile_one, todo), 1):
+    if todo:
+        for n, (kind, cfg, secs, how, err) in enumerate(compile_parallel(todo, jobs=jobs), 1):
             status = f"ok ({how})" if err is None else "FAILED"
             print(f"[{n}/{len(todo)}] {kind:<11} {cfg.short():<60} {secs:6.1f} s {status}", file=out, flush=True)
             if err is None:

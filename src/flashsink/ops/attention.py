@@ -1,0 +1,132 @@
+"""``flashsink.attention`` / ``attention_varlen`` on CUDA tensors: head-dim padding, then the launches.
+
+Two routes to the same launches (``interface._forward`` / ``_backward``):
+
+* eagerly (the common case), :class:`_Attention`, a plain ``torch.autograd.Function`` that calls
+  the launchers itself: no custom-op dispatch, no re-derivation of the problem from the tensors'
+  shapes, a few microseconds of Python per direction;
+* under ``torch.compile`` (``torch.compiler.is_compiling()``), the custom ops ``flashsink::fwd`` /
+  ``bwd`` / ``varlen_fwd`` / ``varlen_bwd`` (``custom_ops.py``), whose fake implementations let the
+  compiler trace around the kernels (their host cost is then inside the compiled graph's call).
+
+Both give the same tensors: o in q's layout and dtype, lse float32 over the real rows, gradients for
+q, k, v and the sinks (in the sinks' dtype). Validation happened once, in ``flashsink.api``.
+"""
+
+import torch
+
+from . import custom_ops  # noqa: F401  (registers the flashsink:: ops)
+from . import interface
+
+
+def _eager(q) -> bool:
+    """The autograd.Function route: CUDA tensors outside a torch.compile trace. (Other devices take
+    the ops, whose implementation there is the reference; tools/host_overhead.py and the CPU tests
+    of the launches turn this on for CPU tensors.)"""
+    return q.is_cuda and not torch.compiler.is_compiling()
+
+
+class _Attention(torch.autograd.Function):
+    """The eager route: forward and backward launches on kernel-ready tensors (contiguous, head dims
+    the kernels' own). ``cu_seqlens`` is None (padded layouts) or int32 ``(cu_q, cu_k)`` (thd).
+    Returns o and lse over the real rows (a view of the row-padded lse the backward reads)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, spec, cfg, cu_seqlens):
+        window = interface.kernel_window(spec.window)
+        sinks32 = interface._sinks_f32(sinks, spec.heads, q.device)
+        o, lse = interface._forward(q, k, v, sinks32, cfg, spec, window, cu_seqlens)
+        # strict recomputes Delta from P and dP; fast reads o (Delta = rowsum(dO * O))
+        ctx.save_for_backward(q, k, v, None if cfg.precision == "strict" else o, lse, sinks32)
+        ctx.problem = (spec, cfg, window, cu_seqlens, None if sinks is None else sinks.dtype)
+        ctx.set_materialize_grads(False)
+        # rows past the sequences are padding: never read by the caller, masked by the kernels
+        rows = q.shape[0] if cu_seqlens is not None else spec.seq_q
+        return o, lse[..., :rows]
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        q, k, v, o, lse, sinks32 = ctx.saved_tensors
+        spec, cfg, window, cu_seqlens, sinks_dtype = ctx.problem
+        if do is None:  # only lse was used
+            do = q.new_zeros((*q.shape[:-1], v.shape[-1]))
+        elif not do.is_contiguous():
+            do = do.contiguous()
+        dq, dk, dv, dsink = interface._backward(
+            do, q, k, v, o, lse, dlse, sinks32, cfg, spec, window, cu_seqlens
+        )
+        if dsink is not None and dsink.dtype != sinks_dtype:
+            dsink = dsink.to(sinks_dtype)
+        return dq, dk, dv, dsink, None, None, None
+
+
+def _launch(q, k, v, sinks, spec, cfg, cu_seqlens):
+    """The eager route; without gradients, no autograd node at all."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks)):
+        return _Attention.apply(q, k, v, sinks, spec, cfg, cu_seqlens)
+    window = interface.kernel_window(spec.window)
+    sinks32 = interface._sinks_f32(sinks, spec.heads, q.device)
+    o, lse = interface._forward(q, k, v, sinks32, cfg, spec, window, cu_seqlens)
+    return o, lse[..., : q.shape[0] if cu_seqlens is not None else spec.seq_q]
+
+
+def _pad_head_dims(spec, q, k, v):
+    d, dv = interface._kernel_dim(spec.head_dim), interface._kernel_dim(spec.head_dim_v)
+    return interface._pad_dim(q, d), interface._pad_dim(k, d), interface._pad_dim(v, dv)
+
+
+def kernel_attention(spec, q, k, v, sinks, *, return_lse=False, deterministic=False, precision="fast"):
+    """Run validated inputs through the kernels (autograd for q, k, v and sinks).
+
+    Traceable by torch.compile (fullgraph, dynamic shapes) through the custom op ``flashsink::fwd``,
+    whose autograd formula calls ``flashsink::bwd``. Head-dim padding and the slicing of o and lse
+    are plain torch ops around the launches, so autograd slices and pads the gradients.
+    """
+    interface.check_supported(spec)
+    if 0 in (spec.batch, spec.heads, spec.seq_q, spec.seq_kv):
+        # Empty problems (no rows, or no keys: o = 0 and lse = the sink) have no tiles to
+        # launch; the reference gives their exact, differentiable result on q's device.
+        from .. import reference
+
+        return reference._attention(q, k, v, sinks, spec, return_lse=return_lse)
+    q, k, v = _pad_head_dims(spec, q, k, v)
+    if _eager(q):
+        o, lse = _launch(q, k, v, sinks, spec, interface.kernel_config(spec, q.device, deterministic, precision), None)
+    else:
+        # lse comes back with _padded_rows(seq_q) rows (the layout the backward kernels read).
+        o, lse = torch.ops.flashsink.fwd(
+            q, k, v, sinks, spec.window, spec.causal, spec.scale, spec.layout, deterministic, precision
+        )
+        lse = lse[:, :, : spec.seq_q]
+    if o.shape[-1] != spec.head_dim_v:
+        o = o[..., : spec.head_dim_v]
+    return (o, lse) if return_lse else o
+
+
+def kernel_attention_varlen(spec, q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, *, return_lse=False,
+                            deterministic=False, precision="fast", pad_head_dims=None):
+    """A validated packed batch through the kernels (autograd as :func:`kernel_attention`; traced:
+    ``flashsink::varlen_fwd`` / ``varlen_bwd``). On CUDA the head dims are zero-padded to the kernels'
+    sizes (``pad_head_dims``, default: on CUDA only; the ops' CPU implementation is the reference and
+    takes any head dim).
+    """
+    if pad_head_dims is None:
+        pad_head_dims = q.is_cuda
+    if q.is_cuda:
+        interface.check_supported(spec)
+    cu_q = cu_seqlens_q.to(torch.int32)  # what the kernels read; a no-op for int32 offsets
+    cu_k = cu_seqlens_k.to(torch.int32)
+    if pad_head_dims:
+        q, k, v = _pad_head_dims(spec, q, k, v)
+    if _eager(q) and spec.batch > 0 and q.shape[0] > 0 and k.shape[0] > 0:
+        cfg = interface.kernel_config(spec, q.device, deterministic, precision)
+        o, lse = _launch(q, k, v, sinks, spec, cfg, (cu_q.contiguous(), cu_k.contiguous()))
+    else:
+        o, lse = torch.ops.flashsink.varlen_fwd(
+            q, k, v, sinks, cu_q, cu_k, spec.seq_q, spec.seq_kv, spec.window, spec.causal, spec.scale,
+            deterministic, precision,
+        )
+        lse = lse[:, : q.shape[0]]
+    if o.shape[-1] != spec.head_dim_v:
+        o = o[..., : spec.head_dim_v]
+    return (o, lse) if return_lse else o

@@ -1,0 +1,77 @@
+"""The registry of kernel kinds: one entry per kernel, read by everything that builds or lists kernels.
+
+A kind is its builder (``KernelConfig -> PrimFunc``, in a module that imports tilelang, so named here
+as ``"module.function"`` and imported when a kernel is built), its tile function (``config.py``; part
+of the disk-cache key), the configurations that need it (first use of a configuration builds exactly
+those, in parallel: ``compile.get_kernel``; ``flashsink precompile`` builds the same set), and the
+configuration fields its code never reads (one build then serves every value of them).
+
+A new kind is one entry here, its builder, and its launch in ``interface.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Callable, Optional
+
+from .config import SPLIT_ROWS, KernelConfig, bwd_tiles, dq_tiles, fwd_tiles, pre_tiles, split_tiles
+
+
+def _always(cfg: KernelConfig) -> bool:
+    return True
+
+
+def _split_kv(cfg: KernelConfig) -> bool:
+    # decode.use_split's static part: padded layouts on Hopper whose GQA group fits a packed tile
+    return cfg.hopper and cfg.layout != "thd" and cfg.groups <= SPLIT_ROWS
+
+
+@dataclasses.dataclass(frozen=True)
+class Kind:
+    builder: str  # "module.function" in flashsink.ops
+    tiles: Optional[Callable]  # the config.py tile function, or None (fixed blocks)
+    needed: Callable[[KernelConfig], bool]  # does a configuration's forward + backward launch it?
+    ignores: tuple = ()  # KernelConfig fields the kernel's code does not read
+
+    def build(self, cfg: KernelConfig):
+        module, function = self.builder.rsplit(".", 1)
+        return getattr(importlib.import_module(f"{__package__}.{module}"), function)(cfg)
+
+
+#: every kernel, in the order listed to users (``flashsink precompile --kinds``)
+KINDS: dict = {
+    "fwd": Kind("fwd.build_fwd", fwd_tiles, _always, ignores=("deterministic", "precision")),
+    "preprocess": Kind("bwd.build_preprocess", pre_tiles, _always),
+    "bwd": Kind("bwd.build_bwd", bwd_tiles, _always),
+    "dq": Kind("bwd.build_dq", dq_tiles, lambda cfg: cfg.deterministic),
+    "postprocess": Kind("bwd.build_postprocess", None, lambda cfg: not cfg.deterministic,
+                        ignores=("deterministic", "precision")),
+    "fwd_split": Kind("fwd_split.build_fwd_split", split_tiles, _split_kv, ignores=("deterministic", "precision")),
+}
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(KernelConfig) if f.default is not dataclasses.MISSING}
+
+
+def kinds_for(cfg: KernelConfig) -> tuple:
+    """The kernels one configuration's forward and backward launch."""
+    return tuple(name for name, kind in KINDS.items() if kind.needed(cfg))
+
+
+def canonical(name: str, cfg: KernelConfig) -> KernelConfig:
+    """``cfg`` with the fields kernel ``name`` does not read at their defaults: the configuration it
+    is built (and cached on disk) for."""
+    ignored = {f: _DEFAULTS[f] for f in KINDS[name].ignores if getattr(cfg, f) != _DEFAULTS[f]}
+    return dataclasses.replace(cfg, **ignored) if ignored else cfg
+
+
+def tile_functions() -> tuple:
+    """Every tile function a kind uses (each once)."""
+    return tuple(dict.fromkeys(k.tiles for k in KINDS.values() if k.tiles is not None))
+
+
+def check_kind(name: str) -> Kind:
+    kind = KINDS.get(name)
+    if kind is None:
+        raise ValueError(f"kind must be one of {tuple(KINDS)}, got {name!r}")
+    return kind

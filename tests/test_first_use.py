@@ -1,0 +1,130 @@
+"""First use of a configuration (``compile.get_kernel`` missing): every kernel the configuration needs
+is built at once, in parallel workers, then loaded; later launches are one dict lookup.
+
+No kernel is compiled here: the disk cache and the workers are fakes (the workers are threads that
+meet at a barrier, which they pass only if all of them run at the same time), and the real process
+pool is ``precompile``'s, covered by tests/test_precompile_cli.py.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import threading
+
+import pytest
+
+from flashsink.errors import CompileError
+from flashsink.ops import compile as compile_mod
+from flashsink.ops import kinds, precompile
+from flashsink.ops.config import KernelConfig
+
+pytestmark = pytest.mark.l0
+
+CFG = KernelConfig(arch="sm_90a", dtype="bfloat16", head_dim=64, head_dim_v=64, groups=8, causal=True,
+                   has_sinks=True, layout="bhsd", precision="fast")
+
+
+class FakeKernel:
+    """A JITKernel's shape as get_kernel sees it: an adapter with the tvm_ffi executable."""
+
+    def __init__(self, kind, cfg):
+        self.kind, self.cfg = kind, cfg
+        self.adapter = self
+        self.result_idx = []
+        self.executable = ("executable", kind, cfg)
+
+    def _get_executable(self):
+        return self.executable
+
+
+@pytest.fixture
+def fake_build(monkeypatch):
+    """A fresh in-process cache; a disk cache holding ``state["disk"]``; workers that record what they
+    built (and only pass the barrier together). Returns the state."""
+    state = {"disk": set(), "built": [], "loads": [], "fail": set(), "barrier": None}
+
+    def compile_kernel(kind, cfg, *, load_only=False):
+        cfg = kinds.canonical(kind, cfg)
+        state["loads"].append((kind, load_only))
+        if (kind, cfg) in state["disk"]:
+            return FakeKernel(kind, cfg)
+        if load_only:
+            return None
+        if kind in state["fail"]:
+            raise CompileError(kind, cfg, cfg.target(), "fake failure")
+        state["built"].append((kind, "in-process"))
+        return FakeKernel(kind, cfg)
+
+    def compile_one(job):
+        kind, cfg = job
+        state["barrier"].wait(timeout=30)  # raises BrokenBarrierError unless every job runs at once
+        if kind in state["fail"]:
+            return kind, cfg, 0.0, "failed", "CompileError: fake failure"
+        state["built"].append((kind, "worker"))
+        state["disk"].add((kind, kinds.canonical(kind, cfg)))
+        return kind, cfg, 0.0, "compiled", None
+
+    def executor(jobs):
+        state["barrier"] = threading.Barrier(jobs)
+        state["jobs"] = jobs
+        return cf.ThreadPoolExecutor(max_workers=jobs)
+
+    monkeypatch.setattr(compile_mod, "_cache", {})
+    monkeypatch.setattr(compile_mod, "compile_kernel", compile_kernel)
+    monkeypatch.setattr(precompile, "_compile_one", compile_one)
+    monkeypatch.setattr(precompile, "_executor", executor)
+    monkeypatch.setattr(precompile.os, "cpu_count", lambda: 16)
+    monkeypatch.delenv("FLASHSINK_RECORD_KERNELS", raising=False)
+    return state
+
+
+def test_first_use_builds_the_whole_set_in_parallel(fake_build, caplog):
+    needed = kinds.kinds_for(CFG)
+    assert needed == ("fwd", "preprocess", "bwd", "postprocess", "fwd_split")
+    with caplog.at_level(logging.INFO, logger="flashsink"):
+        launcher = compile_mod.get_kernel("fwd", CFG)
+    assert launcher == ("executable", "fwd", kinds.canonical("fwd", CFG))  # the executable, not the adapter
+    assert sorted(k for k, where in fake_build["built"]) == sorted(needed)
+    assert {where for _, where in fake_build["built"]} == {"worker"}
+    assert fake_build["jobs"] == len(needed)  # one worker per kernel: all at once (the barrier passed)
+    assert "compiling 5 kernels" in caplog.text and "in parallel" in caplog.text
+    # every kernel of the configuration is now one dict lookup away, nothing else is built or loaded
+    n = len(fake_build["loads"])
+    for kind in needed:
+        assert compile_mod.get_kernel(kind, CFG)[1] == kind
+    assert len(fake_build["loads"]) == n and len(fake_build["built"]) == len(needed)
+
+
+def test_first_use_loads_cached_kernels_and_compiles_only_the_rest(fake_build):
+    for kind in ("fwd", "bwd", "fwd_split"):
+        fake_build["disk"].add((kind, kinds.canonical(kind, CFG)))
+    compile_mod.get_kernel("bwd", CFG)
+    assert sorted(k for k, _ in fake_build["built"]) == ["postprocess", "preprocess"]
+    assert fake_build["jobs"] == 2
+
+
+def test_one_missing_kernel_compiles_in_process(fake_build):
+    for kind in kinds.kinds_for(CFG):
+        if kind != "postprocess":
+            fake_build["disk"].add((kind, kinds.canonical(kind, CFG)))
+    compile_mod.get_kernel("fwd", CFG)
+    assert fake_build["built"] == [("postprocess", "in-process")] and "jobs" not in fake_build
+
+
+def test_a_failing_kernel_fails_its_own_launch_only(fake_build):
+    fake_build["fail"].add("preprocess")
+    assert compile_mod.get_kernel("fwd", CFG)[1] == "fwd"  # the forward works
+    with pytest.raises(CompileError):
+        compile_mod.get_kernel("preprocess", CFG)
+
+
+def test_fields_a_kernel_does_not_read_share_one_build(fake_build):
+    """fwd reads neither precision nor deterministic: the strict configuration loads the fast one's."""
+    compile_mod.get_kernel("fwd", CFG)
+    built = len(fake_build["built"])
+    strict = KernelConfig(**{**CFG.__dict__, "precision": "strict"})
+    compile_mod.get_kernel("fwd", strict)
+    new = [k for k, _ in fake_build["built"][built:]]
+    assert "fwd" not in new and "postprocess" not in new and "fwd_split" not in new
+    assert sorted(new) == ["bwd", "preprocess"]  # these read precision
