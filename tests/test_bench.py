@@ -52,7 +52,8 @@ def test_flops_and_bytes():
 
 
 def test_presets_and_shape():
-    assert set(bench.PRESETS) == {"golden", "gptoss-swa", "gptoss-full", "causal-d128", "varlen", "decode"}
+    assert set(bench.PRESETS) == {"golden", "gptoss-swa", "gptoss-full", "causal-d128", "varlen", "decode", "hf-train"}
+    assert set(bench.TINY_PRESETS) == set(bench.PRESETS)
     g = bench.preset_problems("golden")[0]
     assert (g.dtype, g.batch, g.heads, g.kv_heads, g.seq_q, g.head_dim, g.window) == ("fp16", 1, 64, 8, 4096, 128, 128)
     assert [p.seq_q for p in bench.preset_problems("gptoss-full")] == [2048, 4096, 8192, 16384]
@@ -490,6 +491,53 @@ def test_fa4_listed_unavailable_without_flash_attn(monkeypatch):
         bench.Fa4().check_available("cuda")
 
 
+def test_hf_train_preset_on_cpu(monkeypatch):
+    """The GptOss training step: flashsink and eager gated (logits) and timed with tokens/s, flex listed
+    unavailable off CUDA, and an implementation that runs out of memory reported skipped with the reason."""
+    pytest.importorskip("transformers", reason="Hugging Face transformers is not installed")
+    from flashsink import bench_hf
+
+    (prob,) = bench.preset_problems("hf-train", tiny=True, dtype="fp32")
+    assert prob.kind == "hf-train" and "GptOssForCausalLM" in prob.label()
+    (full,) = bench.preset_problems("hf-train")
+    assert (full.heads, full.kv_heads, full.head_dim, full.window, full.seq_q, full.dtype) == (64, 8, 64, 128, 16384,
+                                                                                               "bf16")
+    real = bench_hf._with_impl
+
+    def eager_oom_when_long(model, impl, dtype):
+        m = real(model, impl, dtype)
+        forward = m.forward
+
+        def fwd(*args, input_ids=None, **kw):
+            if impl == "eager" and input_ids.shape[1] > bench_hf.TINY_GATE_TOKENS:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 32.00 GiB")
+            return forward(*args, input_ids=input_ids, **kw)
+
+        m.forward = fwd
+        return m
+
+    timer = bench.Timer("cpu", rep_ms=1.0, min_reps=1)
+    res = bench.run_bench([prob], systems=["flashsink", "flex", "eager"], modes=list(bench.MODES), device="cpu",
+                          timer=timer)
+    rows = {r["system"]: r for r in res["rows"]}
+    assert set(rows) == {"hf/flashsink", "hf/flex_attention", "hf/eager"}
+    for name in ("hf/flashsink", "hf/eager"):
+        r = rows[name]
+        assert r["status"] == "ok" and r["gate"] == "strict" and r["ms"] > 0, r
+        assert r["tokens_s"] == pytest.approx(prob.seq_q / (r["ms"] * 1e-3))
+    assert rows["hf/flex_attention"]["status"].startswith("unavailable: CUDA only")
+    assert {g["system"] for g in res["gates"]} == {"hf/flashsink", "hf/eager"}
+    assert "tokens/s" in bench.format_table(res)
+
+    monkeypatch.setattr(bench_hf, "_with_impl", eager_oom_when_long)
+    res = bench.run_bench([prob], systems=["flashsink", "eager"], modes=["fwd+bwd"], device="cpu", timer=timer)
+    rows = {r["system"]: r for r in res["rows"]}
+    assert rows["hf/eager"]["status"].startswith("skipped: out of memory at 96 tokens") and rows["hf/eager"]["ms"] is None
+    assert rows["hf/flashsink"]["status"] == "ok"
+    res = bench.run_bench([prob], systems=["flashsink"], modes=["fwd"], device="cpu", timer=timer)
+    assert res["rows"][0]["status"].startswith("n/a: the training step is fwd+bwd")
+
+
 def test_cpu_cli_runs_the_new_presets(tmp_path):
     out = tmp_path / "bench.json"
     r = _run("--device", "cpu", "--preset", "varlen,decode", "--systems", "flashsink,sdpa", "--json", str(out))
@@ -509,6 +557,9 @@ def test_preset_all_lists_every_preset(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert {x["preset"] for x in rows} == set(bench.PRESETS)
     for x in rows:
+        if x["kind"] == "hf-train":  # a model step: sdpa is not one of its attn_implementations
+            assert x["status"].startswith("n/a: the training step compares attn_implementation"), x
+            continue
         assert x["status"] == bench.FORWARD_ONLY if (x["kind"] == "decode" and x["mode"] != "fwd") else \
             x["status"].startswith("unavailable: CUDA only"), x
 
