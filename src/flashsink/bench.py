@@ -81,6 +81,8 @@ class Problem:
     forward_only: bool = False
     # hf-train: a GptOssForCausalLM training step (bench_hf) over seq_q tokens, not one attention call
     hf_train: bool = False
+    # decode-paged: the page size of the paged KV cache (flashsink.attention_kvcache with a block table)
+    page_size: int | None = None
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -121,8 +123,9 @@ class Problem:
             return (f"{self.preset} T={self.tokens_q} ({len(self.seqlens)} seqs, len {lengths_summary(self.seqlens)}) "
                     f"H={self.heads} Hkv={self.kv_heads} D={self.head_dim}{w}{c} {self.dtype}")
         n = f"N={self.seq_q}" if self.seq_q == self.seq_kv else f"Nq={self.seq_q},Nk={self.seq_kv}"
+        page = "" if self.page_size is None else f" page={self.page_size}"
         return (f"{self.preset} B={self.batch} H={self.heads} Hkv={self.kv_heads} {n} "
-                f"D={self.head_dim}{w}{c} {self.dtype}")
+                f"D={self.head_dim}{w}{c}{page} {self.dtype}")
 
 
 # name -> (dtype, B, H, H_kv, D, W, sequence lengths). W may be a tuple: one problem per window.
@@ -144,6 +147,9 @@ PRESETS: dict[str, tuple] = {
     # A Hugging Face GptOssForCausalLM training step (bench_hf): gpt-oss attention shapes, 2 layers
     # (sliding W, full), 16k tokens; attn_implementation flashsink vs flex_attention vs eager.
     "hf-train": ("bf16", 1, 64, 8, 64, 128, (16384,)),
+    # decode against a paged KV cache (pages of PAGE_SIZE, a random block table) next to the contiguous
+    # cache and the peers' contiguous decode
+    "decode-paged": ("bf16", 8, 64, 8, 64, None, (4096, 16384, 65536)),
 }
 # --device cpu with --preset: the same kinds of problems, shrunk to a smoke run of a few seconds.
 TINY_PRESETS: dict[str, tuple] = {
@@ -154,10 +160,13 @@ TINY_PRESETS: dict[str, tuple] = {
     "varlen": ("bf16", 6, 4, 2, 16, (8, None), (96,)),
     "decode": ("bf16", 2, 4, 2, 16, None, (64, 200)),
     "hf-train": ("bf16", 1, 4, 2, 16, 16, (96,)),
+    "decode-paged": ("bf16", 2, 4, 2, 16, None, (64, 200)),
 }
 MODES = ("fwd", "bwd", "fwd+bwd")
 VARLEN_PRESETS = ("varlen",)
-DECODE_PRESETS = ("decode",)
+DECODE_PRESETS = ("decode", "decode-paged")
+PAGE_SIZE = {"decode-paged": 256}  # tiny presets: TINY_PAGE_SIZE
+TINY_PAGE_SIZE = 16
 HF_PRESETS = ("hf-train",)
 VARLEN_SEED = 5  # fixed: every run packs the same lengths
 FORWARD_ONLY = "n/a: decode is forward only (inference)"
@@ -188,7 +197,9 @@ def preset_problems(name: str, *, tiny: bool = False, dtype: str | None = None) 
         lens = varlen_lengths(b, seqs[0])
         return [Problem(name, b, h, hk, max(lens), max(lens), d, win, dt, seqlens=lens) for win in windows]
     if name in DECODE_PRESETS:
-        return [Problem(name, b, h, hk, 1, n, d, win, dt, forward_only=True) for win in windows for n in seqs]
+        page = (TINY_PAGE_SIZE if tiny else PAGE_SIZE[name]) if name in PAGE_SIZE else None
+        return [Problem(name, b, h, hk, 1, n, d, win, dt, forward_only=True, page_size=page)
+                for win in windows for n in seqs]
     if name in HF_PRESETS:
         return [Problem(name, b, h, hk, n, n, d, w, dt, hf_train=True) for n in seqs]
     return [Problem(name, b, h, hk, n, n, d, win, dt) for win in windows for n in seqs]
@@ -503,6 +514,70 @@ class FlashSinkGraph(FlashSink):
             self._capture(inp, prob, grads=True)
         modes = self._graphs["modes"]
         return {m: g.replay for m, (g, _) in modes.items()}
+
+
+class FlashSinkKVCache(System):
+    """``flashsink.attention_kvcache`` (serving decode): q ``[B, 1, H, D]`` against the cache, contiguous
+    ``[B, S_max, H_kv, D]`` (``flashsink-kvcache``) or paged (``flashsink-paged``: pages of the problem's
+    page size in a random order, a block table ``[B, max_pages]``; the unused tail of each last page is
+    NaN, so a kernel that reads past ``cache_seqlens`` fails the gate)."""
+
+    name = "flashsink-kvcache"
+    paged = False
+    required_gate = "fast"  # the default precision
+    note = "attention_kvcache, contiguous [B, S, H_kv, D] cache"
+
+    def check_available(self, device):
+        import flashsink
+
+        if not hasattr(flashsink, "attention_kvcache"):
+            raise Unavailable("flashsink.attention_kvcache is not in this build (the paged KV cache lands it)")
+
+    def check_problem(self, prob, device, opts):
+        if not prob.forward_only:
+            raise Unavailable("n/a: attention_kvcache is the decode path (decode presets)")
+        if self.paged and prob.page_size is None:
+            raise Unavailable("n/a: no page size (the decode-paged preset)")
+
+    def problem_note(self, prob):
+        return f"{self.note}, page {prob.page_size}" if self.paged else self.note
+
+    def prepare(self, inp, prob):
+        t = dict(inp)
+        t["q"] = inp["q"].transpose(1, 2).contiguous()  # [B, 1, H, D]
+        b, n = prob.batch, prob.seq_kv
+        t["cache_seqlens"] = torch.full((b,), n, dtype=torch.int32, device=inp["q"].device)
+        t["block_table"] = None
+        caches = {x: inp[x].transpose(1, 2).contiguous() for x in ("k", "v")}  # [B, N, H_kv, D]
+        if self.paged:
+            ps = prob.page_size
+            per_seq = -(-n // ps)
+            gen = torch.Generator(device="cpu").manual_seed(n)
+            perm = torch.randperm(b * per_seq, generator=gen).to(inp["q"].device)
+            t["block_table"] = perm.view(b, per_seq).to(torch.int32)
+            for x, c in caches.items():
+                flat = torch.full((b, per_seq * ps, *c.shape[2:]), float("nan"), dtype=c.dtype, device=c.device)
+                flat[:, :n] = c
+                pages = torch.empty_like(flat).view(b * per_seq, ps, *c.shape[2:])
+                pages[perm] = flat.view(b * per_seq, ps, *c.shape[2:])  # page block_table[b, j] holds block j of b
+                caches[x] = pages
+        t.update(caches)
+        return t
+
+    def forward(self, t, prob):
+        import flashsink
+
+        return flashsink.attention_kvcache(t["q"], t["k"], t["v"], t["cache_seqlens"], block_table=t["block_table"],
+                                           sinks=t["sinks"], window=prob.window, scale=prob.scale)
+
+    def to_bhsd(self, name, x, prob):
+        return x.transpose(1, 2) if name == "o" else x
+
+
+class FlashSinkPaged(FlashSinkKVCache):
+    name = "flashsink-paged"
+    paged = True
+    note = "attention_kvcache, paged cache (random block table)"
 
 
 class FlashSinkStrictGraph(FlashSinkGraph):
@@ -876,6 +951,7 @@ class Fa4(System):
 # The registry, in table order. Tests may add entries (a deliberately wrong system).
 SYSTEMS: dict[str, type] = {"flashsink": FlashSink, "flashsink-graph": FlashSinkGraph,
                             "flashsink-strict": FlashSinkStrict, "flashsink-strict-graph": FlashSinkStrictGraph,
+                            "flashsink-kvcache": FlashSinkKVCache, "flashsink-paged": FlashSinkPaged,
                             "fa4": Fa4, "flex": Flex, "fla": Fla, "sdpa": Sdpa, "eager": Eager}
 GATES = ("strict", "fast")  # strongest first: a row's "gate" is the first of these it passes, else "none"
 
@@ -1729,7 +1805,7 @@ def cmd_bench(args) -> int:
         msg = plot(result, args.plot)
         _say(msg or f"wrote {args.plot}")
     failed = [r for r in result["rows"] if r["status"].startswith("FAIL")
-              and (issubclass(SYSTEMS.get(r["system"], System), FlashSink) or r["system"] == "hf/flashsink")]
+              and (getattr(SYSTEMS.get(r["system"]), "required_gate", None) or r["system"] == "hf/flashsink")]
     if interrupted:
         return 124
     return 1 if failed else 0
