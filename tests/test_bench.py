@@ -52,7 +52,9 @@ def test_flops_and_bytes():
 
 
 def test_presets_and_shape():
-    assert set(bench.PRESETS) == {"golden", "gptoss-swa", "gptoss-full", "causal-d128", "varlen", "decode"}
+    assert set(bench.PRESETS) == {"golden", "gptoss-swa", "gptoss-full", "causal-d128", "varlen", "decode", "hf-train",
+                                  "decode-paged"}
+    assert set(bench.TINY_PRESETS) == set(bench.PRESETS)
     g = bench.preset_problems("golden")[0]
     assert (g.dtype, g.batch, g.heads, g.kv_heads, g.seq_q, g.head_dim, g.window) == ("fp16", 1, 64, 8, 4096, 128, 128)
     assert [p.seq_q for p in bench.preset_problems("gptoss-full")] == [2048, 4096, 8192, 16384]
@@ -336,10 +338,12 @@ def test_varlen_and_decode_run_on_cpu_with_the_gate(monkeypatch):
             assert r["status"] == "ok", r
             assert r["ms"] > 0 and r["tflops"] > 0 and r["gbs"] > 0 and r["pct_floor"] > 0
             assert r["gate"] == ("none" if r["system"] == "wrong" else "strict"), r
+        elif r["system"] in ("flashsink-kvcache", "flashsink-paged"):  # decode only, once attention_kvcache exists
+            assert r["status"].startswith(("unavailable: ", "n/a: ")) or (p.forward_only and r["status"] == "ok"), r
         else:  # CUDA-only peers: listed with a reason
             assert r["status"].startswith("unavailable: "), r
     gated = {(g["problem"]["preset"], g["problem"]["window"], g["problem"]["seq_kv"], g["system"])
-             for g in res["gates"]}
+             for g in res["gates"] if g["system"] in ("flashsink", "flashsink-strict", "eager", "wrong")}
     assert len(gated) == len(probs) * 4  # flashsink, flashsink-strict, eager, wrong
     for g in res["gates"]:
         assert g["problem"]["forward_only"] == (g["problem"]["preset"] == "decode")
@@ -490,6 +494,118 @@ def test_fa4_listed_unavailable_without_flash_attn(monkeypatch):
         bench.Fa4().check_available("cuda")
 
 
+def test_hf_train_preset_on_cpu(monkeypatch):
+    """The GptOss training step: flashsink and eager gated (logits) and timed with tokens/s, flex listed
+    unavailable off CUDA, and an implementation that runs out of memory reported skipped with the reason."""
+    pytest.importorskip("transformers", reason="Hugging Face transformers is not installed")
+    from flashsink import bench_hf
+
+    (prob,) = bench.preset_problems("hf-train", tiny=True, dtype="fp32")
+    assert prob.kind == "hf-train" and "GptOssForCausalLM" in prob.label()
+    (full,) = bench.preset_problems("hf-train")
+    assert (full.heads, full.kv_heads, full.head_dim, full.window, full.seq_q, full.dtype) == (64, 8, 64, 128, 16384,
+                                                                                               "bf16")
+    real = bench_hf._with_impl
+
+    def eager_oom_when_long(model, impl, dtype):
+        m = real(model, impl, dtype)
+        forward = m.forward
+
+        def fwd(*args, input_ids=None, **kw):
+            if impl == "eager" and input_ids.shape[1] > bench_hf.TINY_GATE_TOKENS:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 32.00 GiB")
+            return forward(*args, input_ids=input_ids, **kw)
+
+        m.forward = fwd
+        return m
+
+    timer = bench.Timer("cpu", rep_ms=1.0, min_reps=1)
+    res = bench.run_bench([prob], systems=["flashsink", "flex", "eager"], modes=list(bench.MODES), device="cpu",
+                          timer=timer)
+    rows = {r["system"]: r for r in res["rows"]}
+    assert set(rows) == {"hf/flashsink", "hf/flex_attention", "hf/eager"}
+    for name in ("hf/flashsink", "hf/eager"):
+        r = rows[name]
+        assert r["status"] == "ok" and r["gate"] == "strict" and r["ms"] > 0, r
+        assert r["tokens_s"] == pytest.approx(prob.seq_q / (r["ms"] * 1e-3))
+    assert rows["hf/flex_attention"]["status"].startswith("unavailable: CUDA only")
+    assert {g["system"] for g in res["gates"]} == {"hf/flashsink", "hf/eager"}
+    assert "tokens/s" in bench.format_table(res)
+
+    monkeypatch.setattr(bench_hf, "_with_impl", eager_oom_when_long)
+    res = bench.run_bench([prob], systems=["flashsink", "eager"], modes=["fwd+bwd"], device="cpu", timer=timer)
+    rows = {r["system"]: r for r in res["rows"]}
+    assert rows["hf/eager"]["status"].startswith("skipped: out of memory at 96 tokens") and rows["hf/eager"]["ms"] is None
+    assert rows["hf/flashsink"]["status"] == "ok"
+    res = bench.run_bench([prob], systems=["flashsink"], modes=["fwd"], device="cpu", timer=timer)
+    assert res["rows"][0]["status"].startswith("n/a: the training step is fwd+bwd")
+
+
+def _fake_kvcache(monkeypatch, calls):
+    """flashsink.attention_kvcache on the reference (until the paged-KV branch lands): FlashAttention's
+    flash_attn_with_kvcache semantics, the block table gathered page by page."""
+    import flashsink
+    from flashsink import reference
+
+    def attention_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_table=None, sinks=None, window=None,
+                          scale=None, return_lse=False):
+        calls.append(block_table is not None)
+        outs = []
+        for b, n in enumerate(cache_seqlens.tolist()):
+            if block_table is None:
+                k, v = k_cache[b, :n], v_cache[b, :n]
+            else:
+                k = k_cache[block_table[b].long()].flatten(0, 1)[:n]
+                v = v_cache[block_table[b].long()].flatten(0, 1)[:n]
+            outs.append(reference.attention(q[b:b + 1], k[None], v[None], sinks, window=window, scale=scale,
+                                            layout="bshd"))
+        return torch.cat(outs)
+
+    monkeypatch.setattr(flashsink, "attention_kvcache", attention_kvcache, raising=False)
+
+
+def test_decode_paged_preset_on_cpu(monkeypatch):
+    """decode-paged: flashsink-paged (random block table, NaN past the cache) and flashsink-kvcache
+    (contiguous) pass the gate next to flashsink's contiguous decode; a kernel reading past
+    cache_seqlens (the NaN tail of the last page) fails it; without attention_kvcache they say why."""
+    import flashsink
+
+    probs = bench.preset_problems("decode-paged", tiny=True)
+    assert [(p.seq_kv, p.page_size, p.forward_only) for p in probs] == [(64, 16, True), (200, 16, True)]
+    (full, *_) = bench.preset_problems("decode-paged")
+    assert (full.batch, full.page_size, full.seq_kv) == (8, 256, 4096) and "page=256" in full.label()
+    monkeypatch.delattr(flashsink, "attention_kvcache", raising=False)
+    with pytest.raises(bench.Unavailable, match="attention_kvcache is not in this build"):
+        bench.FlashSinkPaged().check_available("cpu")
+    calls = []
+    _fake_kvcache(monkeypatch, calls)
+    timer = bench.Timer("cpu", rep_ms=1.0, min_reps=1)
+    systems = ["flashsink", "flashsink-kvcache", "flashsink-paged"]
+    res = bench.run_bench(probs, systems=systems, modes=list(bench.MODES), device="cpu", timer=timer)
+    for r in res["rows"]:
+        if r["mode"] == "fwd":
+            assert r["status"] == "ok" and r["gate"] == "strict" and r["ms"] > 0, r
+    assert True in calls and False in calls
+    t = bench.FlashSinkPaged().prepare(bench.make_problem_inputs(probs[1], "cpu", seed=0), probs[1])
+    assert t["k"].shape == (2 * 13, 16, 2, 16) and t["block_table"].shape == (2, 13)  # 200 keys: 13 pages of 16
+    assert sorted(t["block_table"].flatten().tolist()) == list(range(26))
+    assert t["block_table"].flatten().tolist() != list(range(26))  # pages out of order
+    assert torch.isnan(t["k"][t["block_table"][0, -1].long(), 200 - 12 * 16:]).all()  # the poisoned tail
+
+    right = flashsink.attention_kvcache
+
+    def reads_past_the_end(q, k_cache, v_cache, cache_seqlens, **kw):
+        return right(q, k_cache, v_cache, cache_seqlens + 1, **kw)
+
+    monkeypatch.setattr(flashsink, "attention_kvcache", reads_past_the_end)
+    res = bench.run_bench(probs[1:], systems=["flashsink-paged"], modes=["fwd"], device="cpu", timer=timer)
+    assert res["rows"][0]["status"].startswith("FAIL") and res["rows"][0]["gate"] == "none", res["rows"][0]
+    with pytest.raises(bench.Unavailable, match="decode"):
+        bench.FlashSinkKVCache().check_problem(bench.preset_problems("golden", tiny=True)[0], "cpu", {})
+    with pytest.raises(bench.Unavailable, match="page size"):
+        bench.FlashSinkPaged().check_problem(bench.preset_problems("decode", tiny=True)[0], "cpu", {})
+
+
 def test_cpu_cli_runs_the_new_presets(tmp_path):
     out = tmp_path / "bench.json"
     r = _run("--device", "cpu", "--preset", "varlen,decode", "--systems", "flashsink,sdpa", "--json", str(out))
@@ -509,6 +625,9 @@ def test_preset_all_lists_every_preset(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert {x["preset"] for x in rows} == set(bench.PRESETS)
     for x in rows:
+        if x["kind"] == "hf-train":  # a model step: sdpa is not one of its attn_implementations
+            assert x["status"].startswith("n/a: the training step compares attn_implementation"), x
+            continue
         assert x["status"] == bench.FORWARD_ONLY if (x["kind"] == "decode" and x["mode"] != "fwd") else \
             x["status"].startswith("unavailable: CUDA only"), x
 

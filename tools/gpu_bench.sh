@@ -13,7 +13,7 @@ export TILELANG_CACHE_DIR=${TILELANG_CACHE_DIR:-$PWD/.tlcache}
 export FLASHSINK_CACHE_DIR=${FLASHSINK_CACHE_DIR:-$PWD/.fscache}
 export PYTHONUNBUFFERED=1
 start=$SECONDS
-for p in ${PRESETS:-golden gptoss-swa causal-d128 gptoss-full varlen decode}; do
+for p in ${PRESETS:-golden gptoss-swa causal-d128 gptoss-full varlen decode decode-paged hf-train}; do
   if (( SECONDS - start > ${BUDGET_S:-420} )); then echo "not started (time): $p" | tee -a "$dest/bench.txt"; continue; fi
   echo "=== preset $p (at ${SECONDS}s)" | tee -a "$dest/bench.txt"
   timeout ${PRESET_TIMEOUT_S:-300} python -m flashsink bench --preset "$p" --json "bench-results/$p.json" \

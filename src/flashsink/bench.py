@@ -79,6 +79,10 @@ class Problem:
     seqlens: tuple[int, ...] | None = None
     # decode: inference only, so the bwd / fwd+bwd modes are not applicable
     forward_only: bool = False
+    # hf-train: a GptOssForCausalLM training step (bench_hf) over seq_q tokens, not one attention call
+    hf_train: bool = False
+    # decode-paged: the page size of the paged KV cache (flashsink.attention_kvcache with a block table)
+    page_size: int | None = None
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -90,6 +94,8 @@ class Problem:
 
     @property
     def kind(self) -> str:
+        if self.hf_train:
+            return "hf-train"
         return "varlen" if self.seqlens is not None else "decode" if self.forward_only else "dense"
 
     @property
@@ -110,12 +116,16 @@ class Problem:
     def label(self) -> str:
         w = "" if self.window is None else f" W={self.window}"
         c = "" if self.causal else " noncausal"
+        if self.hf_train:
+            return (f"{self.preset} GptOssForCausalLM train step T={self.seq_q} H={self.heads} Hkv={self.kv_heads} "
+                    f"D={self.head_dim} layers sliding{w} / full {self.dtype}")
         if self.seqlens is not None:
             return (f"{self.preset} T={self.tokens_q} ({len(self.seqlens)} seqs, len {lengths_summary(self.seqlens)}) "
                     f"H={self.heads} Hkv={self.kv_heads} D={self.head_dim}{w}{c} {self.dtype}")
         n = f"N={self.seq_q}" if self.seq_q == self.seq_kv else f"Nq={self.seq_q},Nk={self.seq_kv}"
+        page = "" if self.page_size is None else f" page={self.page_size}"
         return (f"{self.preset} B={self.batch} H={self.heads} Hkv={self.kv_heads} {n} "
-                f"D={self.head_dim}{w}{c} {self.dtype}")
+                f"D={self.head_dim}{w}{c}{page} {self.dtype}")
 
 
 # name -> (dtype, B, H, H_kv, D, W, sequence lengths). W may be a tuple: one problem per window.
@@ -134,6 +144,12 @@ PRESETS: dict[str, tuple] = {
     # Decode: one query per sequence (bottom-right causal: it sees the whole cache) against KV
     # caches of 4k, 16k, 64k; forward only, bound by the bytes of the cache.
     "decode": ("bf16", 8, 64, 8, 64, None, (4096, 16384, 65536)),
+    # A Hugging Face GptOssForCausalLM training step (bench_hf): gpt-oss attention shapes, 2 layers
+    # (sliding W, full), 16k tokens; attn_implementation flashsink vs flex_attention vs eager.
+    "hf-train": ("bf16", 1, 64, 8, 64, 128, (16384,)),
+    # decode against a paged KV cache (pages of PAGE_SIZE, a random block table) next to the contiguous
+    # cache and the peers' contiguous decode
+    "decode-paged": ("bf16", 8, 64, 8, 64, None, (4096, 16384, 65536)),
 }
 # --device cpu with --preset: the same kinds of problems, shrunk to a smoke run of a few seconds.
 TINY_PRESETS: dict[str, tuple] = {
@@ -143,10 +159,15 @@ TINY_PRESETS: dict[str, tuple] = {
     "causal-d128": ("bf16", 1, 4, 2, 32, None, (32, 64)),
     "varlen": ("bf16", 6, 4, 2, 16, (8, None), (96,)),
     "decode": ("bf16", 2, 4, 2, 16, None, (64, 200)),
+    "hf-train": ("bf16", 1, 4, 2, 16, 16, (96,)),
+    "decode-paged": ("bf16", 2, 4, 2, 16, None, (64, 200)),
 }
 MODES = ("fwd", "bwd", "fwd+bwd")
 VARLEN_PRESETS = ("varlen",)
-DECODE_PRESETS = ("decode",)
+DECODE_PRESETS = ("decode", "decode-paged")
+PAGE_SIZE = {"decode-paged": 256}  # tiny presets: TINY_PAGE_SIZE
+TINY_PAGE_SIZE = 16
+HF_PRESETS = ("hf-train",)
 VARLEN_SEED = 5  # fixed: every run packs the same lengths
 FORWARD_ONLY = "n/a: decode is forward only (inference)"
 
@@ -176,7 +197,11 @@ def preset_problems(name: str, *, tiny: bool = False, dtype: str | None = None) 
         lens = varlen_lengths(b, seqs[0])
         return [Problem(name, b, h, hk, max(lens), max(lens), d, win, dt, seqlens=lens) for win in windows]
     if name in DECODE_PRESETS:
-        return [Problem(name, b, h, hk, 1, n, d, win, dt, forward_only=True) for win in windows for n in seqs]
+        page = (TINY_PAGE_SIZE if tiny else PAGE_SIZE[name]) if name in PAGE_SIZE else None
+        return [Problem(name, b, h, hk, 1, n, d, win, dt, forward_only=True, page_size=page)
+                for win in windows for n in seqs]
+    if name in HF_PRESETS:
+        return [Problem(name, b, h, hk, n, n, d, w, dt, hf_train=True) for n in seqs]
     return [Problem(name, b, h, hk, n, n, d, win, dt) for win in windows for n in seqs]
 
 
@@ -489,6 +514,70 @@ class FlashSinkGraph(FlashSink):
             self._capture(inp, prob, grads=True)
         modes = self._graphs["modes"]
         return {m: g.replay for m, (g, _) in modes.items()}
+
+
+class FlashSinkKVCache(System):
+    """``flashsink.attention_kvcache`` (serving decode): q ``[B, 1, H, D]`` against the cache, contiguous
+    ``[B, S_max, H_kv, D]`` (``flashsink-kvcache``) or paged (``flashsink-paged``: pages of the problem's
+    page size in a random order, a block table ``[B, max_pages]``; the unused tail of each last page is
+    NaN, so a kernel that reads past ``cache_seqlens`` fails the gate)."""
+
+    name = "flashsink-kvcache"
+    paged = False
+    required_gate = "fast"  # the default precision
+    note = "attention_kvcache, contiguous [B, S, H_kv, D] cache"
+
+    def check_available(self, device):
+        import flashsink
+
+        if not hasattr(flashsink, "attention_kvcache"):
+            raise Unavailable("flashsink.attention_kvcache is not in this build (the paged KV cache lands it)")
+
+    def check_problem(self, prob, device, opts):
+        if not prob.forward_only:
+            raise Unavailable("n/a: attention_kvcache is the decode path (decode presets)")
+        if self.paged and prob.page_size is None:
+            raise Unavailable("n/a: no page size (the decode-paged preset)")
+
+    def problem_note(self, prob):
+        return f"{self.note}, page {prob.page_size}" if self.paged else self.note
+
+    def prepare(self, inp, prob):
+        t = dict(inp)
+        t["q"] = inp["q"].transpose(1, 2).contiguous()  # [B, 1, H, D]
+        b, n = prob.batch, prob.seq_kv
+        t["cache_seqlens"] = torch.full((b,), n, dtype=torch.int32, device=inp["q"].device)
+        t["block_table"] = None
+        caches = {x: inp[x].transpose(1, 2).contiguous() for x in ("k", "v")}  # [B, N, H_kv, D]
+        if self.paged:
+            ps = prob.page_size
+            per_seq = -(-n // ps)
+            gen = torch.Generator(device="cpu").manual_seed(n)
+            perm = torch.randperm(b * per_seq, generator=gen).to(inp["q"].device)
+            t["block_table"] = perm.view(b, per_seq).to(torch.int32)
+            for x, c in caches.items():
+                flat = torch.full((b, per_seq * ps, *c.shape[2:]), float("nan"), dtype=c.dtype, device=c.device)
+                flat[:, :n] = c
+                pages = torch.empty_like(flat).view(b * per_seq, ps, *c.shape[2:])
+                pages[perm] = flat.view(b * per_seq, ps, *c.shape[2:])  # page block_table[b, j] holds block j of b
+                caches[x] = pages
+        t.update(caches)
+        return t
+
+    def forward(self, t, prob):
+        import flashsink
+
+        return flashsink.attention_kvcache(t["q"], t["k"], t["v"], t["cache_seqlens"], block_table=t["block_table"],
+                                           sinks=t["sinks"], window=prob.window, scale=prob.scale)
+
+    def to_bhsd(self, name, x, prob):
+        return x.transpose(1, 2) if name == "o" else x
+
+
+class FlashSinkPaged(FlashSinkKVCache):
+    name = "flashsink-paged"
+    paged = True
+    note = "attention_kvcache, paged cache (random block table)"
 
 
 class FlashSinkStrictGraph(FlashSinkGraph):
@@ -862,6 +951,7 @@ class Fa4(System):
 # The registry, in table order. Tests may add entries (a deliberately wrong system).
 SYSTEMS: dict[str, type] = {"flashsink": FlashSink, "flashsink-graph": FlashSinkGraph,
                             "flashsink-strict": FlashSinkStrict, "flashsink-strict-graph": FlashSinkStrictGraph,
+                            "flashsink-kvcache": FlashSinkKVCache, "flashsink-paged": FlashSinkPaged,
                             "fa4": Fa4, "flex": Flex, "fla": Fla, "sdpa": Sdpa, "eager": Eager}
 GATES = ("strict", "fast")  # strongest first: a row's "gate" is the first of these it passes, else "none"
 
@@ -1210,6 +1300,16 @@ def run_bench(problems: list[Problem], *, systems: list[str], modes: list[str], 
 
     for prob in problems:
         tag = f"[{prob.label()}]"
+        if prob.hf_train:  # a model's training step, not one attention call: its own runner
+            from . import bench_hf
+
+            rows, gates = bench_hf.run_problem(prob, systems, device, timer, seed, tiny=prob.seq_q < 1024, say=_say,
+                                               timed="fwd+bwd" in modes)
+            result["rows"].extend(rows)
+            result["gates"].extend(gates)
+            if on_problem is not None:
+                on_problem(result)
+            continue
         # decode is forward only: no backward in its gate, and its other modes are n/a
         grads = any(m != "fwd" for m in modes) and not prob.forward_only
         if prob.seqlens is not None:
@@ -1283,8 +1383,12 @@ def run_bench(problems: list[Problem], *, systems: list[str], modes: list[str], 
                     row["gate_fails"] = "; ".join(f"{x}: {', '.join(g.failing(mode, x))}" for x in stronger
                                                   if g.failing(mode, x))
                     need = system.required_gate
-                    verdict = "ok" if need is None or g.passes(mode, need) else \
-                        f"FAIL ({need} gate): " + g.reason(mode, need if g.fast_reports is not None else "strict")
+                    if need is None or g.passes(mode, need):
+                        verdict = "ok"
+                    elif g.fast_reports is None:  # --no-gate2: no lowp, so no fast gate; judged by gate 1
+                        verdict = f"FAIL ({need} gate not run without gate 2; strict): " + g.reason(mode)
+                    else:
+                        verdict = f"FAIL ({need} gate): " + g.reason(mode, need)
                     if calls is None:
                         calls, state = _callables(system, prob, inp)
                     _say(f"{tag} {name} {mode}: timing ...")
@@ -1308,7 +1412,7 @@ def run_bench(problems: list[Problem], *, systems: list[str], modes: list[str], 
                 prob_rows.append(row)
             calls = state = None
             system.release()
-            if profile and name == "flashsink" and device == "cuda" and g is not None and g.bwd_ok:
+            if profile and name == "flashsink" and device == "cuda" and g is not None and not g.error:
                 _say(f"{tag} flashsink: profiling one fwd+bwd ...")
                 result["profiles"].append({"problem": prob.label(), "kernels": profile_flashsink(prob, inp)})
         # speedup over the best peer with sinks that passes a gate, per mode
@@ -1441,6 +1545,8 @@ def format_table(result: dict) -> str:
                 r["bound"], _f(r["pct_floor"], ".1f"), _f(r["peak_mib"], ".0f"),
                 "-" if r["speedup"] is None else f"{r['speedup']:.2f}x")
         status = r["status"]
+        if r.get("tokens_s"):
+            status += f", {r['tokens_s']:,.0f} tokens/s"
         if r.get("gate_fails"):
             status += f" (fails {r['gate_fails']})"
         default_note = getattr(SYSTEMS.get(r["system"]), "note", "")
@@ -1463,9 +1569,15 @@ def format_table(result: dict) -> str:
         *(["decode: N = KV-cache length, one query row per sequence; bound by bytes, so %floor is the share of "
            "the copy ceiling reached (GB/s over the copy GB/s)."] if any(r.get("kind") == "decode" for r in rows)
           else []),
-        "systems: " + "; ".join(f"{n} = {getattr(SYSTEMS[n], 'note', '') or n}"
-                                for n in dict.fromkeys(r["system"] for r in result["rows"]) if n in SYSTEMS),
+        *(["hf-train: N = tokens of one GptOssForCausalLM training step (zero_grad, loss, backward); ms per step, "
+           "peak MiB = torch.cuda.max_memory_allocated over the step (weights and gradients included), vs peer = "
+           "hf/flex_attention ms / this ms; gate judges the logits on a short sequence (fp64 model as expected, "
+           "eager in the bench dtype as lowp)."] if any(r.get("kind") == "hf-train" for r in rows) else []),
     ]
+    legend = [f"{n} = {getattr(SYSTEMS[n], 'note', '') or n}"
+              for n in dict.fromkeys(r["system"] for r in result["rows"]) if n in SYSTEMS]
+    if legend:
+        lines.append("systems: " + "; ".join(legend))
     for p in result["profiles"]:
         lines += ["", f"profile: flashsink fwd+bwd, {p['problem']} (per iteration, torch.profiler CUDA)",
                   f"{'kernel':<60} {'role':<28} {'calls':>5} {'us':>9} {'share':>6}"]
@@ -1478,19 +1590,19 @@ def format_table(result: dict) -> str:
 
 def summary(result: dict) -> str:
     """One line per (problem, mode): flashsink (fast) against the best peer with sinks that passes a
-    gate (its gate in brackets) and SDPA; "strict ms" is flashsink-strict, "graph ms" flashsink
+    gate (its gate in brackets), FA4 and FLA (the peers the varlen and causal targets name) and SDPA; "strict ms" is flashsink-strict, "graph ms" flashsink
     replayed from a CUDA graph (its kernels without the host's time), "host us" flashsink's host time."""
     rows = [r for r in result["rows"] if r["status"] != FORWARD_ONLY]
     keys = list(dict.fromkeys((r["problem"], r["mode"]) for r in rows))
     wp = max([len("problem")] + [len(p) for p, _ in keys])
     out = [f"summary: {'problem':<{wp}} {'mode':<7} {'flashsink ms':>12} {'TFLOP/s':>8} {'GB/s':>6} {'%floor':>6}  "
-           f"{'best peer':<25} {'vs peer':>7}  {'sdpa(no sink) ms':>16}  {'strict ms':>9}  {'graph ms':>9}  "
-           f"{'host us':>7}"]
+           f"{'best peer':<25} {'vs peer':>7}  {'fa4 ms':>9}  {'fla ms':>9}  {'sdpa(no sink) ms':>16}  "
+           f"{'strict ms':>9}  {'graph ms':>9}  {'host us':>7}"]
     for prob, mode in keys:
         rs = {r["system"]: r for r in rows if r["problem"] == prob and r["mode"] == mode}
-        fs = rs.get("flashsink", {})
-        peers = [r for r in rs.values() if r["ms"] is not None and getattr(SYSTEMS.get(r["system"]), "peer", False)
-                 and r.get("gate") in GATES]
+        fs = rs.get("flashsink") or rs.get("hf/flashsink", {})  # hf-train: the model step, against flex
+        peers = [r for r in rs.values() if r["ms"] is not None and r.get("gate") in GATES
+                 and (getattr(SYSTEMS.get(r["system"]), "peer", False) or r["system"] == "hf/flex_attention")]
         best = min(peers, key=lambda r: r["ms"]) if peers else None
         fs_ms = fs.get("ms")
         fs_txt = _f(fs_ms, ".4f") if fs_ms is not None else (fs.get("status", "-")[:12] or "-")
@@ -1500,6 +1612,7 @@ def summary(result: dict) -> str:
             f"{_f(fs.get('gbs'), '.0f'):>6} {_f(fs.get('pct_floor'), '.1f'):>6}  "
             f"{peer_txt:<25} "
             f"{'-' if fs.get('speedup') is None else format(fs['speedup'], '.2f') + 'x':>7}  "
+            f"{_f(rs.get('fa4', {}).get('ms'), '.4f'):>9}  {_f(rs.get('fla', {}).get('ms'), '.4f'):>9}  "
             f"{_f(rs.get('sdpa', {}).get('ms'), '.4f'):>16}  {_f(rs.get('flashsink-strict', {}).get('ms'), '.4f'):>9}  "
             f"{_f(rs.get('flashsink-graph', {}).get('ms'), '.4f'):>9}  {_f(fs.get('host_us'), '.1f'):>7}"
         )
@@ -1595,8 +1708,8 @@ def _precompile(problems: list[Problem], device: str) -> None:
 
     cfgs = []
     for p in problems:
-        if p.seqlens is not None:
-            continue  # the varlen kernels compile in-process on their first call (the gate)
+        if p.seqlens is not None or p.hf_train:
+            continue  # the varlen kernels (and the model's) compile in-process on their first call (the gate)
         inp = testing.make_inputs(p.batch, p.heads, p.kv_heads, 1, 1, p.head_dim, p.torch_dtype, "cpu", seed=0)
         spec = validate_attention(inp["q"], inp["k"], inp["v"], inp["sinks"], window=p.window, causal=p.causal,
                                   scale=None, layout="bhsd")
@@ -1693,7 +1806,7 @@ def cmd_bench(args) -> int:
         msg = plot(result, args.plot)
         _say(msg or f"wrote {args.plot}")
     failed = [r for r in result["rows"] if r["status"].startswith("FAIL")
-              and issubclass(SYSTEMS.get(r["system"], System), FlashSink)]
+              and (getattr(SYSTEMS.get(r["system"]), "required_gate", None) or r["system"] == "hf/flashsink")]
     if interrupted:
         return 124
     return 1 if failed else 0
