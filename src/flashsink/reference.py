@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from ._validate import AttnSpec, validate_attention, validate_varlen
+from ._validate import AttnSpec, check_flag, validate_attention, validate_varlen
 
 __all__ = ["attention", "attention_varlen", "visible_mask"]
 
@@ -133,6 +133,7 @@ def attention(
         in float64).
     """
     spec = validate_attention(q, k, v, sinks, window=window, causal=causal, scale=scale, layout=layout)
+    check_flag("return_lse", return_lse)
     return _attention(q, k, v, sinks, spec, return_lse=return_lse, compute_dtype=compute_dtype)
 
 
@@ -189,6 +190,7 @@ def attention_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks,
         window=window, causal=causal, scale=scale,
     )
+    check_flag("return_lse", return_lse)
     cu_q = cu_seqlens_q.detach().cpu().tolist()
     cu_k = cu_seqlens_k.detach().cpu().tolist()
     return _attention_varlen(q, k, v, cu_q, cu_k, sinks, spec, return_lse=return_lse, compute_dtype=compute_dtype)

@@ -43,7 +43,8 @@ import torch
 from torch import Tensor
 
 from .. import reference
-from .._validate import LAYOUTS, AttnSpec
+from .. import _validate
+from .._validate import AttnSpec
 from . import interface, varlen
 from .config import NATIVE_HEAD_DIMS, NO_WINDOW
 
@@ -51,19 +52,7 @@ __all__ = ["fwd", "bwd", "varlen_fwd", "varlen_bwd", "kernel_attention_varlen"]
 
 
 def _spec(q, k, v, sinks, window, causal, scale, layout) -> AttnSpec:
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    if layout == "bhsd":
-        b, h, sq, d = q.shape
-        hk, skv = k.shape[1], k.shape[2]
-    else:
-        b, sq, h, d = q.shape
-        skv, hk = k.shape[1], k.shape[2]
-    return AttnSpec(
-        batch=b, heads=h, kv_heads=hk, seq_q=sq, seq_kv=skv, head_dim=d, head_dim_v=v.shape[-1],
-        window=window, causal=causal, scale=scale, layout=layout, dtype=q.dtype,
-        has_sinks=sinks is not None,
-    )
+    return _validate.check_op(q, k, v, sinks, window, causal, scale, layout)  # the ops are public names
 
 
 def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -156,7 +145,7 @@ def _bwd_reference(
     deterministic: bool,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """Reference implementation (every device but CUDA): the closed-form gradient."""
-    spec = _spec(q, k, v, sinks, window, causal, scale, layout)
+    spec = _validate.check_bwd_op(do, q, k, v, sinks, lse, dlse, window, causal, scale, layout)
     dlse = None if dlse is None else dlse[:, :, : spec.seq_q]
     return _reference_backward(do, q, k, v, sinks, dlse, spec)
 
@@ -166,7 +155,7 @@ bwd = torch.library.custom_op("flashsink::bwd", _bwd_reference, mutates_args=())
 
 @bwd.register_kernel("cuda")
 def _bwd_cuda(do, q, k, v, sinks, lse, dlse, window, causal, scale, layout, deterministic):
-    spec = _spec(q, k, v, sinks, window, causal, scale, layout)
+    spec = _validate.check_bwd_op(do, q, k, v, sinks, lse, dlse, window, causal, scale, layout)
     if _empty(spec):
         return _bwd_reference(do, q, k, v, sinks, lse, dlse, window, causal, scale, layout, deterministic)
     cfg, win, (do, q, k, v, lse) = _kernel_inputs(spec, q.device, deterministic, do, q, k, v, lse)
@@ -259,14 +248,6 @@ fwd.register_autograd(_backward, setup_context=_setup_context)
 # lse [H, varlen._rows(total_q)] (row-padded as the backward kernels read it; padding rows 0).
 
 
-def _varlen_spec(q, k, v, sinks, cu_q, max_q, max_k, window, causal, scale) -> AttnSpec:
-    return AttnSpec(
-        batch=cu_q.shape[0] - 1, heads=q.shape[1], kv_heads=k.shape[1], seq_q=max_q, seq_kv=max_k,
-        head_dim=q.shape[2], head_dim_v=v.shape[2], window=window, causal=causal, scale=scale,
-        layout="thd", dtype=q.dtype, has_sinks=sinks is not None,
-    )
-
-
 def _varlen_empty(spec: AttnSpec, q, k) -> bool:
     return 0 in (spec.batch, q.shape[0], k.shape[0])
 
@@ -286,7 +267,8 @@ def _varlen_fwd_reference(
     deterministic: bool,
 ) -> Tuple[Tensor, Tensor]:
     """Reference implementation (every device but CUDA): the varlen reference, lse row-padded."""
-    spec = _varlen_spec(q, k, v, sinks, cu_seqlens_q, max_seqlen_q, max_seqlen_k, window, causal, scale)
+    spec = _validate.check_varlen_op(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window,
+                                     causal, scale)
     cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()  # inside the op: never in a graph
     o, lse = reference._attention_varlen(q, k, v, cu_q, cu_k, sinks, spec, return_lse=True)
     total = q.shape[0]
@@ -299,7 +281,8 @@ varlen_fwd = torch.library.custom_op("flashsink::varlen_fwd", _varlen_fwd_refere
 @varlen_fwd.register_kernel("cuda")
 def _varlen_fwd_cuda(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window, causal, scale,
                      deterministic):
-    spec = _varlen_spec(q, k, v, sinks, cu_seqlens_q, max_seqlen_q, max_seqlen_k, window, causal, scale)
+    spec = _validate.check_varlen_op(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window,
+                                     causal, scale)
     if _varlen_empty(spec, q, k):
         return _varlen_fwd_reference(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                      window, causal, scale, deterministic)
@@ -338,7 +321,8 @@ def _varlen_bwd_reference(
     deterministic: bool,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """Reference implementation (every device but CUDA): the closed-form gradient, one sequence at a time."""
-    spec = _varlen_spec(q, k, v, sinks, cu_seqlens_q, max_seqlen_q, max_seqlen_k, window, causal, scale)
+    spec = _validate.check_varlen_bwd_op(do, q, k, v, sinks, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                         max_seqlen_k, window, causal, scale)
     cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     acc = _lse_dtype(q.dtype)  # the reference's compute dtype: dsink is summed over sequences in it
     s_acc = None if sinks is None else sinks.to(acc)
@@ -368,7 +352,8 @@ varlen_bwd = torch.library.custom_op("flashsink::varlen_bwd", _varlen_bwd_refere
 @varlen_bwd.register_kernel("cuda")
 def _varlen_bwd_cuda(do, q, k, v, sinks, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window,
                      causal, scale, deterministic):
-    spec = _varlen_spec(q, k, v, sinks, cu_seqlens_q, max_seqlen_q, max_seqlen_k, window, causal, scale)
+    spec = _validate.check_varlen_bwd_op(do, q, k, v, sinks, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                         max_seqlen_k, window, causal, scale)
     if _varlen_empty(spec, q, k):
         return _varlen_bwd_reference(do, q, k, v, sinks, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                      max_seqlen_k, window, causal, scale, deterministic)
