@@ -188,12 +188,14 @@ def _reference_backward(do, q, k, v, sinks, dlse, spec: AttnSpec):
     b, hk, g, sq, skv = spec.batch, spec.kv_heads, spec.groups, spec.seq_q, spec.seq_kv
     _, lse = reference._attention_bhsd(q, k, v, sinks, spec, cdt)  # [B, H, Sq]
     lse = lse.view(b, hk, g, sq)
-    qc = q.to(cdt).reshape(b, hk, g * sq, spec.head_dim)
-    kc, vc = k.to(cdt), v.to(cdt)
-    doc = do.to(cdt).reshape(b, hk, g * sq, spec.head_dim_v)
+    visible = reference.visible_mask(sq, skv, window=spec.window, causal=spec.causal, device=q.device)
+    # the finite parts only, as the forward: a masked key's NaN never meets a zero (reference.finite_part)
+    (qc, _), (kc, _), (vc, v_bad) = (reference.finite_part(t.to(cdt)) for t in (q, k, v))
+    qc = qc.reshape(b, hk, g * sq, spec.head_dim)
+    doc = do.to(cdt).reshape(b, hk, g, sq, spec.head_dim_v)  # no gradient through the NaN entries of o:
+    doc = torch.where(reference.seen_bad(v_bad, visible).unsqueeze(2), 0, doc).reshape(b, hk, g * sq, -1)
 
     s = torch.matmul(qc, kc.transpose(-1, -2)).view(b, hk, g, sq, skv) * spec.scale
-    visible = reference.visible_mask(sq, skv, window=spec.window, causal=spec.causal, device=q.device)
     keep = visible & torch.isfinite(lse).unsqueeze(-1)  # lse = -inf: a row with no key and no sink
     zero = torch.zeros((), dtype=cdt, device=q.device)
     p = torch.where(keep, torch.exp(s - lse.unsqueeze(-1)), zero)  # [B, Hk, G, Sq, Skv]
