@@ -760,3 +760,61 @@ def test_plot_title_of_one_run_and_of_a_merged_result():
     merged = {"runs": [{"header": h1}, {"header": h2}], "rows": []}
     assert bench.plot_title(merged) == ("flashsink bench - NVIDIA H200 - aaaaaaaaaaaa, bbbbbbbbbbbb - "
                                         "2026-12-03 03:21 UTC .. 2026-12-03 03:40 UTC")
+
+
+def _bench_cli(*argv):
+    from flashsink.cli import main
+
+    return main(["bench", "--device", "cpu", *argv])
+
+
+class _Planned(Exception):
+    pass
+
+
+def _planned(monkeypatch, *argv):
+    """The problems a bench command would run (its run stopped before any work)."""
+    def fake_run(problems, **kw):
+        raise _Planned(problems)
+
+    monkeypatch.setattr(bench, "run_bench", fake_run)
+    with pytest.raises(_Planned) as exc:
+        _bench_cli(*argv)
+    return exc.value.args[0]
+
+
+@pytest.mark.boundary
+@pytest.mark.parametrize("argv, needle", [
+    (["--shape", "1,4,2,16,16,0"], "window W must be >= 1"),
+    (["--shape", "1,4,2,16,16,-3"], "window W must be >= 1"),
+    (["--json", "/nonexistent/x.json"], "--json /nonexistent/x.json"),
+    (["--plot", "/nonexistent/x.png"], "--plot /nonexistent/x.png"),
+    (["--preset", "golden", "--seq", "4096"], "--seq 4096 matches no problem of golden"),
+    (["--preset", "golden", "--seq", "0"], "--seq: lengths must be >= 1"),
+    (["--preset", "golden", "--seq", "x"], "--seq wants comma-separated lengths"),
+    (["--shape", "1,4,2,16,16", "--seq", "16"], "--seq selects lengths of the presets"),
+])
+def test_bench_usage_errors_exit_2_before_running(monkeypatch, argv, needle, capsys):
+    def never(*a, **kw):
+        raise AssertionError("the run started")
+
+    monkeypatch.setattr(bench, "run_bench", never)
+    assert _bench_cli(*argv) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_bench_seed_beyond_64_bits_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exc:
+        _bench_cli("--seed", str(2 ** 64))
+    assert exc.value.code == 2 and "--seed" in capsys.readouterr().err
+
+
+def test_bench_dtype_default_is_what_the_help_says(monkeypatch):
+    from flashsink.cli import build_parser
+
+    help_text = " ".join(build_parser()._subparsers._group_actions[0].choices["bench"].format_help().split())
+    assert "fp32 on cpu" in help_text
+    assert [p.dtype for p in _planned(monkeypatch, "--shape", "1,4,2,16,16")] == ["fp32"]  # was bf16
+    assert [p.dtype for p in _planned(monkeypatch, "--shape", "1,4,2,16,16", "--dtype", "bf16")] == ["bf16"]
+    assert {p.dtype for p in _planned(monkeypatch, "--preset", "golden")} == {"fp32"}
+    assert {p.dtype for p in _planned(monkeypatch, "--preset", "golden", "--dtype", "fp16")} == {"fp16"}

@@ -108,3 +108,15 @@ def test_cpu_default_is_scaled_down():
     assert (prob["batch"], prob["heads"], prob["kv_heads"], prob["seq_q"], prob["head_dim"], prob["window"], prob["dtype"]) == (
         1, 64, 8, 4096, 128, 128, "fp16"
     )
+
+
+@pytest.mark.boundary
+@pytest.mark.parametrize("argv", [
+    ["--seq", "-4"], ["--batch", "-1"], ["--heads", "0"], ["--seq-q", "0"], ["--head-dim", "x"],
+    ["--seed", str(2 ** 64)], ["--seed", "-1"],
+])
+def test_check_usage_errors_exit_2(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["check", "--device", "cpu", *argv])
+    assert exc.value.code == 2
+    assert f"argument {argv[0]}" in capsys.readouterr().err

@@ -48,3 +48,43 @@ def test_builds_a_kernel_without_a_gpu(capsys):
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "[1/1] postprocess" in out and " ok" in out and "0 failed" in out
+
+
+@pytest.mark.boundary
+@pytest.mark.parametrize("jobs", ["-1", "0", "two"])
+def test_jobs_must_be_positive(jobs, capsys):
+    # a usage error (argparse: exit 2 with a message), not a traceback, and 0 is not the default
+    with pytest.raises(SystemExit) as exc:
+        main(["precompile", "--dry-run", "--jobs", jobs])
+    assert exc.value.code == 2
+    assert "--jobs" in capsys.readouterr().err
+
+
+@pytest.mark.boundary
+def test_fwd_split_on_sm80_is_refused_up_front(capsys):
+    # sm_80's code generator rejects the split-KV forward: refused before any compile, dry run included
+    assert main(["precompile", "--dry-run", "--arch", "sm_80", "--kinds", "fwd_split"]) == 2
+    err = capsys.readouterr().err
+    assert "--kinds fwd_split" in err and "sm_80" in err and "fwd preprocess bwd dq postprocess" in err
+    assert main(["precompile", "--dry-run", "--varlen", "--kinds", "fwd_split"]) == 2  # thd never splits
+    assert main(["precompile", "--dry-run", "--arch", "sm_90a", "--kinds", "fwd_split"]) == 0
+
+
+@pytest.mark.l0
+def test_dry_run_counts_what_is_built(capsys):
+    # repeated options plan each configuration (and kind) once, as precompile builds each once
+    assert main(["precompile", "--dry-run", "--dtype", "bf16", "--head-dim", "64", "--groups", "8", "8"]) == 0
+    assert "1 configurations, 5 kernels" in capsys.readouterr().out
+    assert main(["precompile", "--dry-run", "--dtype", "bf16", "--head-dim", "64", "--groups", "8",
+                 "--kinds", "fwd", "fwd"]) == 0
+    assert "1 configurations, 1 kernels" in capsys.readouterr().out
+
+
+def test_precompile_refuses_bad_jobs():
+    from flashsink.ops.config import KernelConfig
+    from flashsink.ops.precompile import precompile
+
+    cfg = KernelConfig("sm_80", "bfloat16", 64, 64, 1, True, True, "bhsd")
+    for jobs in (0, -1, 1.5):
+        with pytest.raises(ValueError, match="jobs"):
+            precompile([cfg], kinds=("postprocess",), jobs=jobs)

@@ -360,3 +360,87 @@ def test_varlen_api_cpu_matches_reference():
     o2, l2 = reference.attention_varlen(q, k, v, cu_q, cu_k, 8, 10, s, window=3, return_lse=True)
     assert_close64("o", o1, o2)
     assert_close64("lse", l1, l2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Non-finite inputs (README, "Non-finite inputs"): a masked key contributes nothing, by the formula.
+
+
+def test_nan_in_a_value_no_row_sees_stays_out():
+    # the issue's case: 2 keys, 4 queries (bottom-right causal: rows 0, 1 see no key, row 2 key 0)
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 1, n, 8, generator=g, dtype=torch.float64) for n in (4, 2, 2))
+    clean = reference.attention(q, k, v, return_lse=True)
+    v[0, 0, 1, 0] = float("nan")
+    o, lse = reference.attention(q, k, v, return_lse=True)
+    assert torch.equal(o[..., :3, :], clean[0][..., :3, :]) and torch.equal(lse, clean[1])
+    assert (o[..., :2, :] == 0).all()  # rows that see no key: o = 0, as the formula says
+    assert torch.isnan(o[0, 0, 3, 0]) and torch.equal(o[0, 0, 3, 1:], clean[0][0, 0, 3, 1:])
+
+
+def test_window_1_nan_in_the_last_value_row():
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, 6, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    sinks = torch.randn(2, generator=g, dtype=torch.float64)
+    clean = reference.attention(q, k, v, sinks, window=1)
+    v[0, :, -1] = float("nan")
+    o = reference.attention(q, k, v, sinks, window=1)
+    assert torch.equal(o[..., :-1, :], clean[..., :-1, :])
+    assert torch.isnan(o[..., -1, :]).all()
+
+
+def _nan_case(where: str, seed: int):
+    """A causal window-3 GQA problem with one non-finite entry, and the rows it reaches."""
+    g = torch.Generator().manual_seed(seed)
+    b, h, hk, n, d = 1, 4, 2, 10, 8
+    q = torch.randn(b, h, n, d, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(b, hk, n, d, generator=g, dtype=torch.float64) for _ in range(2))
+    sinks = torch.randn(h, generator=g, dtype=torch.float64)
+    visible = reference.visible_mask(n, n, window=3, causal=True)
+    bad = {"q": (q, (0, 1, 6, 2)), "k": (k, (0, 0, 6, 5)), "v": (v, (0, 1, 7, 3))}[where]
+    rows = visible[:, bad[1][2]] if where != "q" else torch.arange(n) == bad[1][2]
+    return (q, k, v, sinks), bad, rows, visible
+
+
+@pytest.mark.parametrize("where, value", [("q", math.nan), ("k", math.nan), ("v", math.nan), ("v", math.inf),
+                                          ("v", -math.inf)], ids=["q-nan", "k-nan", "v-nan", "v-inf", "v--inf"])
+@pytest.mark.parametrize("path", ["reference", "op"])
+def test_non_finite_reaches_only_the_rows_that_see_it(where, value, path):
+    """Rows that see no non-finite entry, and keys that only such rows see, get exactly the results of
+    the same problem with the entry finite: forward and backward, the autograd reference and the
+    custom op's closed-form backward (flashsink::fwd / bwd on the CPU)."""
+    inputs, (tensor, index), reached, visible = _nan_case(where, seed=11)
+    do = torch.randn(1, 4, 10, 8, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+
+    def run(args):
+        leaves = [x.clone().requires_grad_(True) for x in args]
+        if path == "op":
+            o, lse = torch.ops.flashsink.fwd(*leaves, 3, True, 8 ** -0.5, "bhsd", False)
+            lse = lse[..., :10]
+        else:
+            o, lse = reference.attention(*leaves, window=3, return_lse=True)
+        return (o, lse, *torch.autograd.grad(o, leaves, do))
+
+    clean = run(inputs)
+    tensor[index] = value
+    got = run(inputs)
+    ok_rows = ~reached  # rows of q, o, lse
+    ok_keys = ~(visible & reached[:, None]).any(0)  # keys no reached row sees
+    assert reached.any() and ok_rows.any() and ok_keys.any()
+    checked = [("o", got[0], clean[0], 2, ok_rows), ("lse", got[1], clean[1], 2, ok_rows)]
+    if path == "op" or where == "v":  # the autograd reference's gradients for non-finite q / k: unspecified
+        checked += [("dq", got[2], clean[2], 2, ok_rows), ("dk", got[3], clean[3], 2, ok_keys),
+                    ("dv", got[4], clean[4], 2, ok_keys)]
+    for name, a, e, dim, ok in checked:
+        assert_close64(name, a.index_select(dim, ok.nonzero()[:, 0]), e.index_select(dim, ok.nonzero()[:, 0]))
+    # the rows that see it: o and lse NaN (a v entry: its column of o)
+    row = index[2]
+    if where == "v":
+        heads = slice(2 * index[1], 2 * index[1] + 2)  # both query heads of the KV head
+        assert torch.isnan(got[0][0, heads, reached, index[3]]).all()
+        assert_close64("lse", got[1][0, heads][:, reached], clean[1][0, heads][:, reached])
+    elif where == "k":
+        heads = slice(2 * index[1], 2 * index[1] + 2)
+        assert torch.isnan(got[1][0, heads][:, reached]).all()
+    else:
+        assert torch.isnan(got[1][0, index[1], row]) and torch.isnan(got[0][0, index[1], row]).all()

@@ -7,6 +7,8 @@ import pytest
 import torch
 
 import flashsink
+import flashsink.nn
+from flashsink import reference
 from flashsink._validate import validate_attention
 
 pytestmark = pytest.mark.boundary
@@ -253,3 +255,101 @@ def test_varlen_options():
         vcall(sinks=torch.ones(3))
     with pytest.raises(ValueError, match=r"q, k and v must share one dtype"):
         vcall(q=varlen_args()["q"].double())
+
+
+# ---------------------------------------------------------------------------------------------
+# issue 16: the custom ops validate as the public functions; flags, scale, window, dtypes, meta
+
+
+def _small(dtype=torch.float32, n=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(1, 2, n, 16, generator=g).to(dtype) for _ in range(3)]
+
+
+@pytest.mark.parametrize("change, error, needle", [
+    (dict(window=0), ValueError, "window must be >= 1"),
+    (dict(window=4, causal=False), ValueError, "needs causal=True"),
+    (dict(scale=float("nan")), ValueError, "scale must be finite"),
+    (dict(scale=1e39), ValueError, "finite in float32"),
+    (dict(dtype=torch.int64), TypeError, "floating-point dtype"),
+    (dict(layout="sbhd"), ValueError, "layout"),
+])
+def test_ops_validate_like_attention(change, error, needle):
+    q, k, v = _small(change.pop("dtype", torch.float32))
+    args = {**dict(window=None, causal=True, scale=0.25, layout="bhsd"), **change}
+    with pytest.raises(error, match=needle):
+        torch.ops.flashsink.fwd(q, k, v, None, args["window"], args["causal"], args["scale"], args["layout"], False)
+
+
+def test_bwd_op_checks_the_gradient_shapes():
+    q, k, v = _small()
+    o, lse = torch.ops.flashsink.fwd(q, k, v, None, None, True, 0.25, "bhsd", False)
+    torch.ops.flashsink.bwd(torch.randn_like(o), q, k, v, None, lse, None, None, True, 0.25, "bhsd", False)
+    for do, lse_, needle in [(torch.randn(1, 2, 8, 8), lse, "do"), (torch.randn_like(o), lse[..., :8], "lse")]:
+        with pytest.raises(ValueError, match=needle):
+            torch.ops.flashsink.bwd(do, q, k, v, None, lse_, None, None, True, 0.25, "bhsd", False)
+
+
+def test_varlen_op_checks_cu_seqlens_values():
+    x = torch.randn(5, 2, 16)
+    good = torch.tensor([0, 4, 5], dtype=torch.int32)
+    torch.ops.flashsink.varlen_fwd(x, x, x, None, good, good, 4, 4, None, True, 0.25, False)
+    for cu, needle in [([0, 4, 2], "non-decreasing"), ([0, 4, 9], r"\[-1\] must equal"), ([1, 4, 5], "start at 0")]:
+        bad = torch.tensor(cu, dtype=torch.int32)
+        with pytest.raises(ValueError, match=needle):  # was: 4 rows back for 5 tokens
+            torch.ops.flashsink.varlen_fwd(x, x, x, None, bad, good, 4, 4, None, True, 0.25, False)
+    with pytest.raises(ValueError, match="max_seqlen_q must be >= the longest sequence"):
+        torch.ops.flashsink.varlen_fwd(x, x, x, None, good, good, 3, 4, None, True, 0.25, False)
+    with pytest.raises(ValueError, match="window must be >= 1"):
+        torch.ops.flashsink.varlen_fwd(x, x, x, None, good, good, 4, 4, 0, True, 0.25, False)
+
+
+@pytest.mark.parametrize("flag", ["return_lse", "deterministic"])
+@pytest.mark.parametrize("value", ["no", 0, None])
+def test_flags_must_be_bools(flag, value):
+    q, k, v = _small()
+    with pytest.raises(TypeError, match=flag):
+        flashsink.attention(q, k, v, **{flag: value})
+    x = q[0].transpose(0, 1)
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    with pytest.raises(TypeError, match=flag):
+        flashsink.attention_varlen(x, x, x, cu, cu, 8, 8, **{flag: value})
+    if flag == "return_lse":
+        with pytest.raises(TypeError, match=flag):
+            reference.attention(q, k, v, return_lse=value)
+        with pytest.raises(TypeError, match=flag):
+            flashsink.nn.SinkAttention(2, head_dim=16)(q, k, v, return_lse=value)
+
+
+def test_sink_init_std_must_be_finite():
+    with pytest.raises(ValueError, match="init_std"):
+        flashsink.nn.SinkAttention(2, head_dim=16, init_std=float("inf"))
+
+
+def test_huge_window_is_no_window():
+    q, k, v = _small()
+    torch.testing.assert_close(flashsink.attention(q, k, v, window=2 ** 64), flashsink.attention(q, k, v))
+
+
+def test_scale_must_be_finite_in_float32():
+    q, k, v = _small()
+    with pytest.raises(ValueError, match="finite in float32"):  # was: all NaN
+        flashsink.attention(q, k, v, scale=1e39)
+    with pytest.raises(ValueError, match="finite in float32"):
+        flashsink.attention(*_small(torch.bfloat16), scale=-1e39)
+    assert flashsink.attention(*_small(torch.float64), scale=1e-3).isfinite().all()  # float64 computes in float64
+
+
+def test_float8_inputs_are_refused():
+    with pytest.raises(TypeError, match="float16, bfloat16, float32 or float64"):
+        flashsink.attention(*_small(torch.float8_e4m3fn))
+
+
+def test_attention_varlen_on_meta_tensors():
+    x = torch.empty(12, 4, 16, device="meta")
+    kv = torch.empty(12, 2, 16, device="meta")
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32, device="meta")
+    o, lse = flashsink.attention_varlen(x, kv, kv, cu, cu, 7, 7, return_lse=True)
+    assert o.shape == (12, 4, 16) and o.device.type == "meta" and lse.shape == (4, 12)
+    o = flashsink.attention(*(t.to("meta") for t in _small()))
+    assert o.shape == (1, 2, 8, 16)

@@ -16,6 +16,15 @@ from dataclasses import dataclass
 import torch
 
 LAYOUTS = ("bhsd", "bshd")
+#: input dtypes of q, k, v and sinks (the reference computes in float32, or float64 for float64;
+#: the CUDA kernels take float16 and bfloat16)
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# The largest |scale| whose product with log2(e) (the kernels' base-2 scores) is finite in float32:
+# the kernels, and the reference for inputs other than float64, scale the scores in float32.
+_MAX_SCALE_F32 = torch.finfo(torch.float32).max / math.log2(math.e)
+# Windows at least this wide see every key of any sequence: clamped here, so that a huge int (2**64)
+# never overflows the int64 / int32 arithmetic of the masks.
+_MAX_WINDOW = 1 << 62
 
 
 @dataclass(frozen=True)
@@ -50,10 +59,16 @@ def _shape(t: torch.Tensor) -> str:
     return "[" + ", ".join(str(s) for s in t.shape) + "]"
 
 
+def check_flag(name: str, value) -> None:
+    """TypeError unless ``value`` is a bool (``return_lse="no"`` is truthy: never guess)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} ({value!r})")
+
+
 def _check_tensor(name: str, t, *, floating: bool = True) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if floating and not t.is_floating_point():
+    if floating and t.dtype not in FLOAT_DTYPES:
         raise TypeError(
             f"{name} must have a floating-point dtype (float16, bfloat16, float32 or float64), "
             f"got {t.dtype}"
@@ -61,10 +76,9 @@ def _check_tensor(name: str, t, *, floating: bool = True) -> None:
 
 
 def _check_options(window, causal, scale) -> None:
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__} ({causal!r})")
+    check_flag("causal", causal)
     if window is not None:
-        if isinstance(window, bool) or not isinstance(window, numbers.Integral):
+        if isinstance(window, bool) or not isinstance(window, (numbers.Integral, torch.SymInt)):
             raise TypeError(
                 f"window must be an int (number of keys a query sees, itself included) or None, "
                 f"got {type(window).__name__} ({window!r})"
@@ -87,6 +101,20 @@ def _check_options(window, causal, scale) -> None:
             )
         if not math.isfinite(float(scale)):
             raise ValueError(f"scale must be finite, got {scale!r}")
+
+
+def _check_scale_dtype(scale, dtype: torch.dtype) -> None:
+    if scale is not None and dtype != torch.float64 and not abs(float(scale)) <= _MAX_SCALE_F32:
+        raise ValueError(
+            f"scale must be finite in float32 (|scale| <= {_MAX_SCALE_F32:.3g}): scores of {dtype} inputs "
+            f"are scaled in float32, where {scale!r} overflows; got scale={scale!r}"
+        )
+
+
+def _spec_window(window):
+    if window is None or isinstance(window, torch.SymInt):  # symbolic (the ops' fakes): no guard on it
+        return window
+    return min(int(window), _MAX_WINDOW)
 
 
 def _check_sinks(sinks, heads: int, device: torch.device) -> None:
@@ -157,6 +185,7 @@ def validate_attention(q, k, v, sinks, *, window, causal, scale, layout) -> Attn
                 f"{name} must be 4-D {what} for layout={layout!r}, got {t.dim()}-D shape {_shape(t)}"
             )
     _check_same_dtype_device(q, k, v)
+    _check_scale_dtype(scale, q.dtype)
 
     if layout == "bhsd":
         b, h, sq, d = q.shape
@@ -187,7 +216,7 @@ def validate_attention(q, k, v, sinks, *, window, causal, scale, layout) -> Attn
         seq_kv=skv,
         head_dim=d,
         head_dim_v=dv,
-        window=None if window is None else int(window),
+        window=_spec_window(window),
         causal=causal,
         scale=1.0 / math.sqrt(d) if scale is None else float(scale),
         layout=layout,
@@ -201,9 +230,7 @@ def _tracing() -> bool:
     return torch.compiler.is_compiling()
 
 
-def _check_cu_seqlens(name: str, cu, total, device: torch.device) -> list[int] | None:
-    """The offsets as a host list (eager), or None under tracing, where the value checks are
-    tensor asserts in the graph instead (see ``_assert_cu_seqlens``)."""
+def _check_cu_structure(name: str, cu, device: torch.device) -> None:
     if not isinstance(cu, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of int32 or int64, got {type(cu).__name__}")
     if cu.dtype not in (torch.int32, torch.int64):
@@ -215,10 +242,9 @@ def _check_cu_seqlens(name: str, cu, total, device: torch.device) -> list[int] |
         )
     if cu.device != device:
         raise ValueError(f"{name} must be on the same device as q ({device}), got {cu.device}")
-    if _tracing():
-        _assert_cu_seqlens(name, cu, total)
-        return None
-    vals = cu.detach().cpu().tolist()  # one host copy, checked in Python
+
+
+def _check_cu_values(name: str, vals: list[int], total) -> None:
     if vals[0] != 0:
         raise ValueError(f"{name} must start at 0, got {name}[0] = {vals[0]}")
     for i in range(1, len(vals)):
@@ -231,62 +257,75 @@ def _check_cu_seqlens(name: str, cu, total, device: torch.device) -> list[int] |
         raise ValueError(
             f"{name}[-1] must equal the total number of tokens ({total}), got {vals[-1]}"
         )
-    return vals
-
-
-# Under torch.compile the checks of the offsets' values are the same conditions as tensor asserts
-# (torch._assert_async) in the graph: reading the values on the host (.tolist(), .item()) would break
-# it. They fail at run time with a RuntimeError (on CUDA: a device-side assert, which ends the CUDA
-# context) whose message names the argument and the rule, but not the offending value, which stays on
-# the device. Nothing is skipped; run the call eagerly for the ValueError with the values.
-_TRACED = " (checked in the compiled graph; call eagerly for the ValueError with the values)"
-
-
-def _assert_cu_seqlens(name: str, cu, total) -> None:
-    torch._assert_async(cu[0] == 0, f"{name} must start at 0{_TRACED}")
-    torch._assert_async((cu[1:] >= cu[:-1]).all(), f"{name} must be non-decreasing{_TRACED}")
-    rows = "q.shape[0]" if name.endswith("_q") else "k.shape[0]"
-    torch._assert_async(cu[-1] == total, f"{name}[-1] must equal the total number of tokens ({rows}){_TRACED}")
 
 
 def _check_max_seqlen_type(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, (numbers.Integral, torch.SymInt)):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
-
-
-def _check_max_seqlen(name: str, value, lengths: list[int]) -> int:
-    _check_max_seqlen_type(name, value)
-    longest = max(lengths, default=0)
-    if value < longest:
-        raise ValueError(
-            f"{name} must be >= the longest sequence ({longest}), got {value}"
-        )
-    return int(value)
-
-
-def _assert_max_seqlen(name: str, value, cu):
-    """Traced twin of ``_check_max_seqlen``: the sign is a guard on the (symbolic) int, the bound a
-    tensor assert over the lengths."""
-    _check_max_seqlen_type(name, value)
-    if value < 0:
+    if value < 0:  # a guard on a symbolic int under tracing
         raise ValueError(f"{name} must be >= the longest sequence (>= 0), got {value}")
-    which = "q" if name.endswith("_q") else "k"
-    torch._assert_async(
-        (cu[1:] - cu[:-1] <= value).all(),
-        f"{name} must be >= the longest sequence in cu_seqlens_{which}{_TRACED}",
-    )
-    return value
 
 
-def validate_varlen(
-    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks, *, window, causal, scale
-) -> AttnSpec:
-    """Check the arguments of ``attention_varlen`` (THD layout) and return its :class:`AttnSpec`.
+def _check_max_seqlen(name: str, value, vals: list[int]) -> None:
+    longest = max((b - a for a, b in zip(vals[:-1], vals[1:])), default=0)
+    if value < longest:
+        raise ValueError(f"{name} must be >= the longest sequence ({longest}), got {value}")
 
-    q ``[total_q, H, D]``, k ``[total_k, H_kv, D]``, v ``[total_k, H_kv, D_v]``; sequence ``i`` is
-    rows ``cu_seqlens[i]:cu_seqlens[i+1]``. The returned spec has ``layout="thd"``, ``batch`` = number
-    of sequences, ``seq_q`` / ``seq_kv`` = ``max_seqlen_q`` / ``max_seqlen_k``.
-    """
+
+# The custom ops check the offsets' values where they run (ops_check_varlen). On CUDA that is with
+# tensor asserts (torch._assert_async: no host sync, so the ops stay traceable and capturable in a
+# CUDA graph); they fail with a device-side assert (a RuntimeError that ends the CUDA context) naming
+# the argument and the rule, not the offending value, which stays on the device. Offsets that
+# attention_varlen checked on the host (a ValueError with the values) are not checked again while the
+# tensor is unchanged: same object, same version counter, same total and max_seqlen.
+_DEVICE = " (checked on the device; call flashsink.attention_varlen eagerly for the ValueError with the values)"
+_CHECKED = torch.utils.weak.WeakIdKeyDictionary()  # offsets tensor -> (version, total, max_seqlen)
+
+
+def _version(t):
+    try:
+        return t._version
+    except RuntimeError:  # an inference tensor has no version counter: never remembered
+        return None
+
+
+def _remember(cu, total, max_seqlen) -> None:
+    version = _version(cu)
+    if cu.is_cuda and version is not None:
+        _CHECKED[cu] = (version, total, max_seqlen)
+
+
+def _assert_cu_seqlens(name: str, cu, total, max_seqlen) -> None:
+    if _CHECKED.get(cu) == (_version(cu), total, max_seqlen):
+        return
+    torch._assert_async(cu[0] == 0, f"{name} must start at 0{_DEVICE}")
+    lens = cu[1:] - cu[:-1]
+    torch._assert_async((lens >= 0).all(), f"{name} must be non-decreasing{_DEVICE}")
+    rows = "q.shape[0]" if name.endswith("_q") else "k.shape[0]"
+    torch._assert_async(cu[-1] == total, f"{name}[-1] must equal the total number of tokens ({rows}){_DEVICE}")
+    which = "max_seqlen_q" if name.endswith("_q") else "max_seqlen_k"
+    torch._assert_async((lens <= max_seqlen).all(), f"{which} must be >= the longest sequence in {name}{_DEVICE}")
+    _remember(cu, total, max_seqlen)
+
+
+def _varlen_values(cu_q, cu_k, tq, tk, max_q, max_k) -> None:
+    """Host checks of the offsets and the max_seqlen bounds (one copy of each tensor)."""
+    cq = cu_q.detach().cpu().tolist()
+    ck = cu_k.detach().cpu().tolist()
+    _check_cu_values("cu_seqlens_q", cq, tq)
+    _check_cu_values("cu_seqlens_k", ck, tk)
+    _check_max_seqlen("max_seqlen_q", max_q, cq)
+    _check_max_seqlen("max_seqlen_k", max_k, ck)
+    _remember(cu_q, tq, max_q)
+    _remember(cu_k, tk, max_k)
+
+
+def _int(n):
+    return n if isinstance(n, torch.SymInt) else int(n)
+
+
+def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks, window, causal, scale):
+    """Everything but the offsets' values; returns the spec."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t)
     if sinks is not None:
@@ -299,6 +338,7 @@ def validate_varlen(
                 f"got {t.dim()}-D shape {_shape(t)}"
             )
     _check_same_dtype_device(q, k, v)
+    _check_scale_dtype(scale, q.dtype)
     tq, h, d = q.shape
     tk, hk, dk = k.shape
     tv, hv, dv = v.shape
@@ -310,35 +350,123 @@ def validate_varlen(
         )
     _check_heads(h, hk, d, dv, lambda: f"varlen, q {_shape(q)}, k {_shape(k)}, v {_shape(v)}")
     _check_sinks(sinks, h, q.device)
-
-    cq = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, tq, q.device)
-    ck = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, tk, q.device)
+    _check_cu_structure("cu_seqlens_q", cu_seqlens_q, q.device)
+    _check_cu_structure("cu_seqlens_k", cu_seqlens_k, q.device)
     if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0]:
         raise ValueError(
             f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got "
             f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}"
         )
-    if cq is None:  # tracing: the bounds are asserts in the graph; max_seqlen may be a SymInt
-        mq = _assert_max_seqlen("max_seqlen_q", max_seqlen_q, cu_seqlens_q)
-        mk = _assert_max_seqlen("max_seqlen_k", max_seqlen_k, cu_seqlens_k)
-    else:
-        lens_q = [b - a for a, b in zip(cq[:-1], cq[1:])]
-        lens_k = [b - a for a, b in zip(ck[:-1], ck[1:])]
-        mq = _check_max_seqlen("max_seqlen_q", max_seqlen_q, lens_q)
-        mk = _check_max_seqlen("max_seqlen_k", max_seqlen_k, lens_k)
-
+    _check_max_seqlen_type("max_seqlen_q", max_seqlen_q)
+    _check_max_seqlen_type("max_seqlen_k", max_seqlen_k)
     return AttnSpec(
         batch=cu_seqlens_q.shape[0] - 1,
         heads=h,
         kv_heads=hk,
-        seq_q=mq,
-        seq_kv=mk,
+        seq_q=_int(max_seqlen_q),
+        seq_kv=_int(max_seqlen_k),
         head_dim=d,
         head_dim_v=dv,
-        window=None if window is None else int(window),
+        window=_spec_window(window),
         causal=causal,
         scale=1.0 / math.sqrt(d) if scale is None else float(scale),
         layout="thd",
         dtype=q.dtype,
         has_sinks=sinks is not None,
     )
+
+
+def validate_varlen(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks, *, window, causal, scale
+) -> AttnSpec:
+    """Check the arguments of ``attention_varlen`` (THD layout) and return its :class:`AttnSpec`.
+
+    q ``[total_q, H, D]``, k ``[total_k, H_kv, D]``, v ``[total_k, H_kv, D_v]``; sequence ``i`` is
+    rows ``cu_seqlens[i]:cu_seqlens[i+1]``. The returned spec has ``layout="thd"``, ``batch`` = number
+    of sequences, ``seq_q`` / ``seq_kv`` = ``max_seqlen_q`` / ``max_seqlen_k``.
+    """
+    spec = _check_varlen(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks, window, causal, scale
+    )
+    # The offsets' values: on the host here, eagerly, for a ValueError with the values. Under tracing
+    # (no host reads) and on meta tensors (no values) the ops check them where they run (check_varlen_op).
+    if not _tracing() and cu_seqlens_q.device.type != "meta":
+        _varlen_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
+    return spec
+
+
+# ------------------------------------------------------------------------------------------------
+# The custom ops torch.ops.flashsink.fwd / bwd / varlen_fwd / varlen_bwd are public names: their
+# implementations (and fake implementations) check their arguments as the public functions do, with
+# the same code. These take the ops' own argument lists. Cheap: shape and type checks in Python (a
+# few microseconds, no host-device sync); the varlen offsets' values as described at _CHECKED.
+
+
+def check_op(q, k, v, sinks, window, causal, scale, layout) -> AttnSpec:
+    """``flashsink::fwd``: the checks of :func:`validate_attention` (``scale`` is required)."""
+    if scale is None:
+        raise TypeError("scale must be a float for the flashsink ops (flashsink.attention defaults it)")
+    return validate_attention(q, k, v, sinks, window=window, causal=causal, scale=scale, layout=layout)
+
+
+def _check_grad(name: str, t, shape: tuple, dtype: torch.dtype, device: torch.device) -> None:
+    _check_tensor(name, t)
+    if tuple(t.shape) != tuple(shape) or t.dtype != dtype or t.device != device:
+        raise ValueError(
+            f"{name} must be a {dtype} tensor of shape {list(shape)} on {device}, "
+            f"got {t.dtype} {_shape(t)} on {t.device}"
+        )
+
+
+def _check_grads(do, lse, dlse, o_shape: tuple, lse_shape: tuple, q) -> None:
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    _check_grad("do", do, o_shape, q.dtype, q.device)
+    _check_grad("lse", lse, lse_shape, lse_dtype, q.device)
+    if dlse is not None:
+        _check_grad("dlse", dlse, lse_shape, lse_dtype, q.device)
+
+
+def check_bwd_op(do, q, k, v, sinks, lse, dlse, window, causal, scale, layout) -> AttnSpec:
+    """``flashsink::bwd``: :func:`check_op`, and do / lse / dlse shaped as ``flashsink::fwd`` returns o / lse."""
+    from .ops.interface import _padded_rows
+
+    spec = check_op(q, k, v, sinks, window, causal, scale, layout)
+    if layout == "bhsd":
+        o_shape = (spec.batch, spec.heads, spec.seq_q, spec.head_dim_v)
+    else:
+        o_shape = (spec.batch, spec.seq_q, spec.heads, spec.head_dim_v)
+    _check_grads(do, lse, dlse, o_shape, (spec.batch, spec.heads, _padded_rows(spec.seq_q)), q)
+    return spec
+
+
+def check_varlen_op(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window, causal,
+                    scale) -> AttnSpec:
+    """``flashsink::varlen_fwd``: the checks of :func:`validate_varlen`, the offsets' values included:
+    on the host off CUDA (where the reference reads them anyway), with device asserts on CUDA."""
+    if scale is None:
+        raise TypeError("scale must be a float for the flashsink ops (flashsink.attention_varlen defaults it)")
+    spec = _check_varlen(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks, window, causal, scale
+    )
+    if cu_seqlens_q.device.type == "meta" or _tracing():
+        return spec  # no values to read
+    tq, tk = q.shape[0], k.shape[0]
+    if cu_seqlens_q.is_cuda:
+        _assert_cu_seqlens("cu_seqlens_q", cu_seqlens_q, tq, max_seqlen_q)
+        _assert_cu_seqlens("cu_seqlens_k", cu_seqlens_k, tk, max_seqlen_k)
+    else:
+        _varlen_values(cu_seqlens_q, cu_seqlens_k, tq, tk, max_seqlen_q, max_seqlen_k)
+    return spec
+
+
+def check_varlen_bwd_op(do, q, k, v, sinks, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                        window, causal, scale) -> AttnSpec:
+    """``flashsink::varlen_bwd``: :func:`check_varlen_op`, and do / lse / dlse shaped as ``varlen_fwd``
+    returns o / lse."""
+    from .ops.varlen import _rows
+
+    spec = check_varlen_op(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window, causal,
+                           scale)
+    total = q.shape[0]
+    _check_grads(do, lse, dlse, (total, spec.heads, spec.head_dim_v), (spec.heads, _rows(total)), q)
+    return spec

@@ -5,16 +5,16 @@ from __future__ import annotations
 import torch
 
 from . import reference
-from ._validate import validate_attention, validate_varlen
+from ._validate import check_flag, validate_attention, validate_varlen
 from .ops.config import PRECISIONS
 from .ops.attention import kernel_attention, kernel_attention_varlen  # registers the ops; never imports tilelang
 
 __all__ = ["attention", "attention_varlen"]
 
 
-def _check_deterministic(deterministic) -> None:
-    if not isinstance(deterministic, bool):
-        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__} ({deterministic!r})")
+def _check_flags(return_lse, deterministic) -> None:
+    check_flag("return_lse", return_lse)
+    check_flag("deterministic", deterministic)
 
 
 def check_precision(precision) -> str:
@@ -60,7 +60,7 @@ def attention(
     ``torch.compile(fullgraph=True, dynamic=True)``.
     """
     spec = validate_attention(q, k, v, sinks, window=window, causal=causal, scale=scale, layout=layout)
-    _check_deterministic(deterministic)
+    _check_flags(return_lse, deterministic)
     check_precision(precision)
     if q.is_cuda:
         return kernel_attention(
@@ -96,18 +96,18 @@ def attention_varlen(
     CUDA tensors run the kernels through the custom ops ``flashsink::varlen_fwd`` / ``varlen_bwd``;
     tensors on other devices run the reference (eagerly; under ``torch.compile`` through the same ops,
     whose CPU implementation is the reference). Both trace with ``torch.compile(fullgraph=True,
-    dynamic=True)``: under tracing the checks of ``cu_seqlens``' values are asserts in the graph
-    (``_validate._assert_cu_seqlens``).
+    dynamic=True)``: under tracing the ops check ``cu_seqlens``' values where they run
+    (``_validate.check_varlen_op``). Meta tensors go through the ops' fake implementations.
     """
     spec = validate_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks,
         window=window, causal=causal, scale=scale,
     )
-    _check_deterministic(deterministic)
+    _check_flags(return_lse, deterministic)
     check_precision(precision)
-    if q.is_cuda or torch.compiler.is_compiling():
+    if q.is_cuda or torch.compiler.is_compiling() or q.device.type == "meta":
         # The ops flashsink::varlen_fwd/bwd: the kernels on CUDA; elsewhere the reference, read
-        # cu_seqlens inside the op, where a traced graph does not see it.
+        # cu_seqlens inside the op, where a traced graph does not see it; on meta tensors the fake.
         return kernel_attention_varlen(
             spec, q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, return_lse=return_lse, deterministic=deterministic,
             precision=precision,

@@ -220,6 +220,8 @@ def parse_shape(text: str, dtype: str, *, causal: bool = True) -> Problem:
         w = None if len(parts) == 5 or parts[5].lower() == "none" else int(parts[5])
     except ValueError:
         raise ValueError(f"--shape wants integers B,H,HKV,N,D[,W], got {text!r}") from None
+    if w is not None and w < 1:
+        raise ValueError(f"--shape: the window W must be >= 1 (keys [i-W+1, i]) or 'none', got {w} in {text!r}")
     return Problem("custom", b, h, hk, sq, skv, d, w, dtype, causal)
 
 
@@ -1721,6 +1723,27 @@ def _precompile(problems: list[Problem], device: str) -> None:
         precompile(cfgs)
 
 
+def _parse_seq(text: str) -> set[int]:
+    try:
+        keep = {int(x) for x in text.split(",")}
+    except ValueError:
+        raise ValueError(f"--seq wants comma-separated lengths, e.g. 4096,8192, got {text!r}") from None
+    if min(keep) < 1:
+        raise ValueError(f"--seq: lengths must be >= 1, got {text!r}")
+    return keep
+
+
+def _check_output_path(option: str, path) -> None:
+    """ValueError unless ``path`` can be written (its directory exists and is writable)."""
+    if not path:
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path) or not os.path.isdir(parent):
+        raise ValueError(f"{option} {path}: {'is a directory' if os.path.isdir(path) else 'no directory ' + parent}")
+    if not os.access(path if os.path.exists(path) else parent, os.W_OK):
+        raise ValueError(f"{option} {path}: not writable")
+
+
 def cmd_bench(args) -> int:
     if args.device == "cpu":
         device = "cpu"
@@ -1731,8 +1754,13 @@ def cmd_bench(args) -> int:
         device = "cuda"
 
     try:
+        for name in ("json", "plot"):  # before the run, not after it
+            _check_output_path(f"--{name}", getattr(args, name))
+        if args.seq and args.shape:
+            raise ValueError("--seq selects lengths of the presets' sweeps; --shape gives its own length")
         if args.shape:
-            problems = [parse_shape(args.shape, args.dtype or "bf16", causal=not args.no_causal)]
+            problems = [parse_shape(args.shape, args.dtype or ("fp32" if device == "cpu" else "bf16"),
+                                    causal=not args.no_causal)]
         elif device == "cpu" and args.preset is None:
             problems = [parse_shape(CPU_DEFAULT_SHAPE, args.dtype or "fp32")]
         else:
@@ -1743,10 +1771,15 @@ def cmd_bench(args) -> int:
             if device == "cpu":  # the presets' tiny versions: a smoke run of their code paths
                 problems = [p for n in names for p in preset_problems(n, tiny=True, dtype=args.dtype or "fp32")]
             else:
-                problems = [p for n in names for p in preset_problems(n)]
+                problems = [p for n in names for p in preset_problems(n, dtype=args.dtype)]
             if args.seq:
-                keep = {int(x) for x in args.seq.split(",")}
+                keep = _parse_seq(args.seq)
+                lengths = sorted({p.n for p in problems})
                 problems = [p for p in problems if p.n in keep]
+                if not problems:
+                    raise ValueError(f"--seq {args.seq} matches no problem of {', '.join(names)}"
+                                     f"{' (the tiny CPU versions)' if device == 'cpu' else ''}; their lengths: "
+                                     f"{','.join(map(str, lengths))}")
         if args.shape and args.preset:
             raise ValueError("give --preset or --shape, not both")
         for p in problems:
@@ -1817,6 +1850,8 @@ class _Interrupted(Exception):
 
 
 def add_parser(sub) -> None:
+    from ._argtypes import seed
+
     p = sub.add_parser(
         "bench",
         help="benchmark flashsink against FlexAttention, FLA, SDPA and the eager reference",
@@ -1827,7 +1862,9 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--preset", help=f"comma-separated of {', '.join(PRESETS)} or 'all' (default all)")
     p.add_argument("--shape", help="custom problem B,H,HKV,N,D[,W] (N may be NQ:NK)")
-    p.add_argument("--dtype", choices=("fp16", "bf16", "fp32"), help="dtype of --shape (default bf16; fp32 on cpu)")
+    p.add_argument("--dtype", choices=("fp16", "bf16", "fp32"),
+                   help="input dtype of every problem (default: on cuda bf16 for --shape and each preset's own; "
+                   "fp32 on cpu)")
     p.add_argument("--no-causal", action="store_true", help="--shape without the causal mask")
     p.add_argument("--seq", help="only these lengths of the presets' sweeps, e.g. 4096,8192 (decode: the KV-cache "
                    "length; varlen: the total tokens)")
@@ -1844,5 +1881,5 @@ def add_parser(sub) -> None:
     p.add_argument("--eager-max-gib", type=float, default=48.0, help="skip eager above this score memory")
     p.add_argument("--no-gate2", action="store_true", help="gate 1 only (skips the low-precision reference)")
     p.add_argument("--no-precompile", action="store_true", help="compile flashsink kernels in-process")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed, default=0, help="input seed in [0, 2**64) (default 0)")
     p.set_defaults(func=cmd_bench)

@@ -17,6 +17,8 @@ import argparse
 import sys
 import time
 
+from ._argtypes import positive_int, seed
+
 # The seed's golden problem.
 GOLDEN = dict(batch=1, heads=64, kv_heads=8, seq=4096, head_dim=128, window=128, dtype="fp16")
 # On CPU the fp64 reference of the golden problem needs tens of GB and minutes; this keeps the
@@ -38,18 +40,18 @@ def _window(text: str):
 
 def _add_problem_args(p: argparse.ArgumentParser) -> None:
     """Shape options shared by commands that run one problem (check; later bench)."""
-    p.add_argument("--batch", type=int, help=f"batch size (golden {GOLDEN['batch']})")
-    p.add_argument("--heads", type=int, help=f"query heads (golden {GOLDEN['heads']})")
-    p.add_argument("--kv-heads", type=int, help=f"key/value heads (golden {GOLDEN['kv_heads']})")
-    p.add_argument("--seq", type=int, help=f"sequence length of q and k/v (golden {GOLDEN['seq']})")
-    p.add_argument("--seq-q", type=int, help="query length (overrides --seq)")
-    p.add_argument("--seq-kv", type=int, help="key/value length (overrides --seq)")
-    p.add_argument("--head-dim", type=int, help=f"head dim (golden {GOLDEN['head_dim']})")
+    p.add_argument("--batch", type=positive_int, help=f"batch size (golden {GOLDEN['batch']})")
+    p.add_argument("--heads", type=positive_int, help=f"query heads (golden {GOLDEN['heads']})")
+    p.add_argument("--kv-heads", type=positive_int, help=f"key/value heads (golden {GOLDEN['kv_heads']})")
+    p.add_argument("--seq", type=positive_int, help=f"sequence length of q and k/v (golden {GOLDEN['seq']})")
+    p.add_argument("--seq-q", type=positive_int, help="query length (overrides --seq)")
+    p.add_argument("--seq-kv", type=positive_int, help="key/value length (overrides --seq)")
+    p.add_argument("--head-dim", type=positive_int, help=f"head dim (golden {GOLDEN['head_dim']})")
     p.add_argument("--dtype", choices=_DTYPES, help=f"input dtype (golden {GOLDEN['dtype']})")
     p.add_argument("--window", type=_window, default=_FROM_BASE, help=f"sliding window W or 'none' (golden {GOLDEN['window']})")
     p.add_argument("--no-causal", action="store_true", help="full attention (needs --window none)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: cuda if available")
-    p.add_argument("--seed", type=int, default=0, help="input seed (default 0)")
+    p.add_argument("--seed", type=seed, default=0, help="input seed in [0, 2**64) (default 0)")
 
 
 def _resolve_problem(args, device: str) -> tuple[dict, str | None]:

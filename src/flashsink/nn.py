@@ -15,6 +15,7 @@ the sink with the weight of one key of score 0; it is learnt from there.
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import torch
@@ -85,8 +86,8 @@ class SinkAttention(nn.Module):
             scale = float(scale)
         if layout not in _LAYOUTS:
             raise ValueError(f"layout must be one of {_LAYOUTS}, got {layout!r}")
-        if isinstance(init_std, bool) or not isinstance(init_std, numbers.Real) or not float(init_std) >= 0:
-            raise ValueError(f"init_std must be a float >= 0, got {init_std!r}")
+        if isinstance(init_std, bool) or not isinstance(init_std, numbers.Real) or not 0 <= float(init_std) < math.inf:
+            raise ValueError(f"init_std must be a finite float >= 0, got {init_std!r}")
         check_precision(precision)
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise ValueError(f"dtype must be a floating torch.dtype or None, got {dtype!r}")

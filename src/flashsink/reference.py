@@ -14,13 +14,20 @@ Math, per query head h and query row at absolute position i::
 Visibility: causal keys j <= i; with a window W, keys [i-W+1, i]. Query row r has absolute
 position r + (seq_kv - seq_q) (bottom-right alignment). A row that sees no key gives o = 0 and
 lse = sink_h (or -inf without sinks), with finite (zero) gradients.
+
+Non-finite inputs follow the formula: a masked key contributes nothing, whatever its k and v hold.
+Scores are IEEE products (a NaN/Inf in q or a visible k gives NaN or +-Inf scores; a -Inf score is
+an invisible key); a NaN/Inf in column d of a visible key's v makes o[..., d] of that query NaN.
+Rows that see no non-finite entry are exact, as if it were not there. Gradients: with a non-finite
+v, those of unaffected rows and of the keys only they see are exact; with a non-finite q or k
+(scores: autograd multiplies the masked zeros into k and q), unspecified.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ._validate import AttnSpec, validate_attention, validate_varlen
+from ._validate import AttnSpec, check_flag, validate_attention, validate_varlen
 
 __all__ = ["attention", "attention_varlen", "visible_mask"]
 
@@ -37,6 +44,21 @@ def visible_mask(seq_q: int, seq_kv: int, *, window: int | None, causal: bool, d
     return visible
 
 
+def finite_part(x: torch.Tensor):
+    """``x`` with its non-finite entries zeroed, and where they were. The matmuls only ever see the
+    finite part, so a masked key's NaN never meets a zero probability (0 * NaN = NaN): by the formula a
+    masked key contributes nothing. The non-finite entries come back as NaN, by selection, where a
+    visible pair uses them."""
+    bad = ~torch.isfinite(x)
+    return torch.where(bad, torch.zeros((), dtype=x.dtype, device=x.device), x), bad
+
+
+def seen_bad(bad: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """Bool ``[B, Hk, Sq, D]``: True where query row r sees (``visible [Sq, Skv]``) a key whose
+    column d is non-finite (``bad [B, Hk, Skv, D]``). Counts of 0/1, exact in the matmul."""
+    return torch.matmul(visible.to(torch.float32), bad.to(torch.float32)) > 0
+
+
 def _compute_dtype(dtype: torch.dtype, compute_dtype: torch.dtype | None) -> torch.dtype:
     if compute_dtype is not None:
         if not isinstance(compute_dtype, torch.dtype) or not compute_dtype.is_floating_point:
@@ -49,14 +71,14 @@ def _attention_bhsd(q, k, v, sinks, spec: AttnSpec, cdt: torch.dtype):
     """Core on ``[B, H, S, D]`` views. Returns o ``[B, H, S_q, D_v]`` (compute dtype) and lse ``[B, H, S_q]``."""
     b, hk, g = spec.batch, spec.kv_heads, spec.groups
     sq, skv = spec.seq_q, spec.seq_kv
-    qc, kc, vc = q.to(cdt), k.to(cdt), v.to(cdt)
+    visible = visible_mask(sq, skv, window=spec.window, causal=spec.causal, device=q.device)
+    qc, kc = q.to(cdt), k.to(cdt)
+    vc, v_bad = finite_part(v.to(cdt))
 
     # GQA without copying K/V: query head h uses kv head h // g, so fold the g query heads of
     # one kv head into the row dimension of a batched matmul.
     q5 = qc.reshape(b, hk, g * sq, spec.head_dim)
     s = torch.matmul(q5, kc.transpose(-1, -2)).view(b, hk, g, sq, skv) * spec.scale  # [B, Hk, G, Sq, Skv]
-
-    visible = visible_mask(sq, skv, window=spec.window, causal=spec.causal, device=q.device)
     neg_inf = torch.tensor(float("-inf"), dtype=cdt, device=q.device)
     s = torch.where(visible, s, neg_inf)  # backward of where only routes grad, never multiplies by inf
 
@@ -80,7 +102,8 @@ def _attention_bhsd(q, k, v, sinks, spec: AttnSpec, cdt: torch.dtype):
     denom_safe = torch.where(empty, one, denom)
 
     p = e / denom_safe.unsqueeze(-1)
-    o = torch.matmul(p.view(b, hk, g * sq, skv), vc).view(b, spec.heads, sq, spec.head_dim_v)
+    o = torch.matmul(p.view(b, hk, g * sq, skv), vc).view(b, hk, g, sq, spec.head_dim_v)
+    o = torch.where(seen_bad(v_bad, visible).unsqueeze(2), float("nan"), o).view(b, spec.heads, sq, spec.head_dim_v)
     lse = torch.where(empty, neg_inf, m + torch.log(denom_safe)).view(b, spec.heads, sq)
     return o, lse
 
@@ -133,6 +156,7 @@ def attention(
         in float64).
     """
     spec = validate_attention(q, k, v, sinks, window=window, causal=causal, scale=scale, layout=layout)
+    check_flag("return_lse", return_lse)
     return _attention(q, k, v, sinks, spec, return_lse=return_lse, compute_dtype=compute_dtype)
 
 
@@ -189,6 +213,7 @@ def attention_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks,
         window=window, causal=causal, scale=scale,
     )
+    check_flag("return_lse", return_lse)
     cu_q = cu_seqlens_q.detach().cpu().tolist()
     cu_k = cu_seqlens_k.detach().cpu().tolist()
     return _attention_varlen(q, k, v, cu_q, cu_k, sinks, spec, return_lse=return_lse, compute_dtype=compute_dtype)

@@ -47,7 +47,8 @@ import torch
 from torch import Tensor
 
 from .. import reference
-from .._validate import LAYOUTS, AttnSpec
+from .. import _validate
+from .._validate import AttnSpec
 from . import interface
 from .config import NATIVE_HEAD_DIMS
 
@@ -55,19 +56,7 @@ __all__ = ["fwd", "bwd", "varlen_fwd", "varlen_bwd"]
 
 
 def _spec(q, k, v, sinks, window, causal, scale, layout) -> AttnSpec:
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    if layout == "bhsd":
-        b, h, sq, d = q.shape
-        hk, skv = k.shape[1], k.shape[2]
-    else:
-        b, sq, h, d = q.shape
-        skv, hk = k.shape[1], k.shape[2]
-    return AttnSpec(
-        batch=b, heads=h, kv_heads=hk, seq_q=sq, seq_kv=skv, head_dim=d, head_dim_v=v.shape[-1],
-        window=window, causal=causal, scale=scale, layout=layout, dtype=q.dtype,
-        has_sinks=sinks is not None,
-    )
+    return _validate.check_op(q, k, v, sinks, window, causal, scale, layout)  # the ops are public names
 
 
 def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -163,7 +152,7 @@ def _bwd_reference(
     o: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """Reference implementation (every device but CUDA): the closed-form gradient (o is not read)."""
-    spec = _spec(q, k, v, sinks, window, causal, scale, layout)
+    spec = _validate.check_bwd_op(do, q, k, v, sinks, lse, dlse, window, causal, scale, layout)
     dlse = None if dlse is None else dlse[:, :, : spec.seq_q]
     return _reference_backward(do, q, k, v, sinks, dlse, spec)
 
@@ -173,7 +162,7 @@ bwd = torch.library.custom_op("flashsink::bwd", _bwd_reference, mutates_args=())
 
 @bwd.register_kernel("cuda")
 def _bwd_cuda(do, q, k, v, sinks, lse, dlse, window, causal, scale, layout, deterministic, precision="fast", o=None):
-    spec = _spec(q, k, v, sinks, window, causal, scale, layout)
+    spec = _validate.check_bwd_op(do, q, k, v, sinks, lse, dlse, window, causal, scale, layout)
     if _empty(spec):
         return _bwd_reference(do, q, k, v, sinks, lse, dlse, window, causal, scale, layout, deterministic)
     cfg, win, (do, q, k, v, lse) = _kernel_inputs(spec, q.device, deterministic, precision, do, q, k, v, lse)
@@ -207,12 +196,14 @@ def _reference_backward(do, q, k, v, sinks, dlse, spec: AttnSpec):
     b, hk, g, sq, skv = spec.batch, spec.kv_heads, spec.groups, spec.seq_q, spec.seq_kv
     _, lse = reference._attention_bhsd(q, k, v, sinks, spec, cdt)  # [B, H, Sq]
     lse = lse.view(b, hk, g, sq)
-    qc = q.to(cdt).reshape(b, hk, g * sq, spec.head_dim)
-    kc, vc = k.to(cdt), v.to(cdt)
-    doc = do.to(cdt).reshape(b, hk, g * sq, spec.head_dim_v)
+    visible = reference.visible_mask(sq, skv, window=spec.window, causal=spec.causal, device=q.device)
+    # the finite parts only, as the forward: a masked key's NaN never meets a zero (reference.finite_part)
+    (qc, _), (kc, _), (vc, v_bad) = (reference.finite_part(t.to(cdt)) for t in (q, k, v))
+    qc = qc.reshape(b, hk, g * sq, spec.head_dim)
+    doc = do.to(cdt).reshape(b, hk, g, sq, spec.head_dim_v)  # no gradient through the NaN entries of o:
+    doc = torch.where(reference.seen_bad(v_bad, visible).unsqueeze(2), 0, doc).reshape(b, hk, g * sq, -1)
 
     s = torch.matmul(qc, kc.transpose(-1, -2)).view(b, hk, g, sq, skv) * spec.scale
-    visible = reference.visible_mask(sq, skv, window=spec.window, causal=spec.causal, device=q.device)
     keep = visible & torch.isfinite(lse).unsqueeze(-1)  # lse = -inf: a row with no key and no sink
     zero = torch.zeros((), dtype=cdt, device=q.device)
     p = torch.where(keep, torch.exp(s - lse.unsqueeze(-1)), zero)  # [B, Hk, G, Sq, Skv]
@@ -277,14 +268,6 @@ fwd.register_autograd(_backward, setup_context=_setup_context)
 # lse [H, interface.varlen_rows(total_q)] (row-padded as the backward kernels read it; padding rows 0).
 
 
-def _varlen_spec(q, k, v, sinks, cu_q, max_q, max_k, window, causal, scale) -> AttnSpec:
-    return AttnSpec(
-        batch=cu_q.shape[0] - 1, heads=q.shape[1], kv_heads=k.shape[1], seq_q=max_q, seq_kv=max_k,
-        head_dim=q.shape[2], head_dim_v=v.shape[2], window=window, causal=causal, scale=scale,
-        layout="thd", dtype=q.dtype, has_sinks=sinks is not None,
-    )
-
-
 def _varlen_empty(spec: AttnSpec, q, k) -> bool:
     return 0 in (spec.batch, q.shape[0], k.shape[0])
 
@@ -305,7 +288,8 @@ def _varlen_fwd_reference(
     precision: str = "fast",
 ) -> Tuple[Tensor, Tensor]:
     """Reference implementation (every device but CUDA): the varlen reference, lse row-padded."""
-    spec = _varlen_spec(q, k, v, sinks, cu_seqlens_q, max_seqlen_q, max_seqlen_k, window, causal, scale)
+    spec = _validate.check_varlen_op(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window,
+                                     causal, scale)
     cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()  # inside the op: never in a graph
     o, lse = reference._attention_varlen(q, k, v, cu_q, cu_k, sinks, spec, return_lse=True)
     total = q.shape[0]
@@ -318,7 +302,8 @@ varlen_fwd = torch.library.custom_op("flashsink::varlen_fwd", _varlen_fwd_refere
 @varlen_fwd.register_kernel("cuda")
 def _varlen_fwd_cuda(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window, causal, scale,
                      deterministic, precision="fast"):
-    spec = _varlen_spec(q, k, v, sinks, cu_seqlens_q, max_seqlen_q, max_seqlen_k, window, causal, scale)
+    spec = _validate.check_varlen_op(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window,
+                                     causal, scale)
     if _varlen_empty(spec, q, k):
         return _varlen_fwd_reference(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                      window, causal, scale, deterministic)
@@ -359,7 +344,8 @@ def _varlen_bwd_reference(
     o: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """Reference implementation (every device but CUDA): the closed-form gradient, one sequence at a time."""
-    spec = _varlen_spec(q, k, v, sinks, cu_seqlens_q, max_seqlen_q, max_seqlen_k, window, causal, scale)
+    spec = _validate.check_varlen_bwd_op(do, q, k, v, sinks, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                         max_seqlen_k, window, causal, scale)
     cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     acc = _lse_dtype(q.dtype)  # the reference's compute dtype: dsink is summed over sequences in it
     s_acc = None if sinks is None else sinks.to(acc)
@@ -389,7 +375,8 @@ varlen_bwd = torch.library.custom_op("flashsink::varlen_bwd", _varlen_bwd_refere
 @varlen_bwd.register_kernel("cuda")
 def _varlen_bwd_cuda(do, q, k, v, sinks, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window,
                      causal, scale, deterministic, precision="fast", o=None):
-    spec = _varlen_spec(q, k, v, sinks, cu_seqlens_q, max_seqlen_q, max_seqlen_k, window, causal, scale)
+    spec = _validate.check_varlen_bwd_op(do, q, k, v, sinks, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                         max_seqlen_k, window, causal, scale)
     if _varlen_empty(spec, q, k):
         return _varlen_bwd_reference(do, q, k, v, sinks, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                      max_seqlen_k, window, causal, scale, deterministic)

@@ -21,6 +21,14 @@ from .kinds import canonical, kinds_for
 __all__ = ["compile_parallel", "kinds_for", "precompile"]
 
 
+def supported_kinds(cfg: KernelConfig) -> tuple:
+    """Every kernel kind that builds for ``cfg``: the split-KV forward only on Hopper (sm_90a) for
+    the padded layouts (sm_80's code generator rejects it; packed varlen batches never split)."""
+    if cfg.hopper and cfg.layout != "thd":
+        return KINDS
+    return tuple(k for k in KINDS if k != "fwd_split")
+
+
 def _init_worker():
     # the parent prints one progress line per kernel; workers only say what goes wrong
     os.environ.setdefault("FLASHSINK_LOG", "warning")
@@ -63,6 +71,8 @@ def precompile(configs, *, kinds=None, jobs=None, out=sys.stderr, pairs=()) -> l
     for kind, _ in todo + list(pairs):
         if kind not in KINDS:
             raise ValueError(f"unknown kernel kind {kind!r}; expected one of {KINDS}")
+    if jobs is not None and (isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1):
+        raise ValueError(f"jobs must be an int >= 1 or None (one per CPU), got {jobs!r}")
     # one build for configurations that differ only in fields a kernel does not read
     todo = list(dict.fromkeys((kind, canonical(kind, cfg)) for kind, cfg in todo + list(pairs)))
     jobs = jobs or max(1, min(len(todo), os.cpu_count() or 1))
@@ -126,25 +136,41 @@ def configs_from_args(args) -> list:
                                             groups=g, causal=c, has_sinks=s, layout=layout, deterministic=dt,
                                         )
                                     )
-    return out
+    return list(dict.fromkeys(out))  # --groups 8 8 plans one configuration, as precompile builds one
+
+
+def kinds_from_args(args, configs) -> tuple | None:
+    """``--kinds`` without repeats, or None (each configuration's own); ValueError for a kind that does
+    not build for one of the configurations (refused before any compile)."""
+    if not args.kinds:
+        return None
+    kinds = tuple(dict.fromkeys(args.kinds))
+    for cfg in configs:
+        bad = [k for k in kinds if k not in supported_kinds(cfg)]
+        if bad:
+            raise ValueError(
+                f"--kinds {' '.join(bad)}: not built for {cfg.short()} (the split-KV forward is sm_90a-only, "
+                f"padded layouts); {cfg.arch} {cfg.layout} configurations take {' '.join(supported_kinds(cfg))}"
+            )
+    return kinds
 
 
 def cmd_precompile(args) -> int:
     try:
         configs = configs_from_args(args)
+        kinds = kinds_from_args(args, configs)
     except ValueError as exc:
         print(f"flashsink precompile: {exc}", file=sys.stderr)
         return 2
     if args.dry_run:
         for cfg in configs:
-            kinds = args.kinds or kinds_for(cfg)
-            print(f"{cfg.short():<60} {' '.join(kinds)}")
-        print(f"{len(configs)} configurations, {sum(len(args.kinds or kinds_for(c)) for c in configs)} kernels")
+            print(f"{cfg.short():<60} {' '.join(kinds or kinds_for(cfg))}")
+        print(f"{len(configs)} configurations, {sum(len(kinds or kinds_for(c)) for c in configs)} kernels")
         return 0
     from ..errors import CacheDirError
 
     try:
-        failures = precompile(configs, kinds=args.kinds, jobs=args.jobs, out=sys.stdout)
+        failures = precompile(configs, kinds=kinds, jobs=args.jobs, out=sys.stdout)
     except CacheDirError as exc:
         print(f"flashsink precompile: {exc}", file=sys.stderr)
         return 2
@@ -152,6 +178,7 @@ def cmd_precompile(args) -> int:
 
 
 def add_parser(sub) -> None:
+    from .._argtypes import positive_int
     from .config import SUPPORTED_ARCHS
 
     p = sub.add_parser(
@@ -177,6 +204,6 @@ def add_parser(sub) -> None:
                    help="causal (with or without a window: the window is a runtime value) or full; default causal")
     p.add_argument("--deterministic", action="store_true", help="also the deterministic=True backward")
     p.add_argument("--kinds", nargs="+", choices=KINDS, help="only these kernels (default: all a configuration needs)")
-    p.add_argument("--jobs", type=int, default=None, help="parallel processes (default: CPU count)")
+    p.add_argument("--jobs", type=positive_int, default=None, help="parallel processes, >= 1 (default: CPU count)")
     p.add_argument("--dry-run", action="store_true", help="list what would be compiled and exit")
     p.set_defaults(func=cmd_precompile)

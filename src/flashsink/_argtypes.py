@@ -1,0 +1,29 @@
+"""argparse ``type=`` functions shared by the command-line tools: a bad value is a usage error
+(argparse prints ``error: argument --x: ...`` and exits 2), never a traceback later."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
+def positive_int(text: str) -> int:
+    """An int >= 1."""
+    n = _int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
+def seed(text: str) -> int:
+    """A seed for ``torch.Generator.manual_seed``: an int in ``[0, 2**64)``."""
+    n = _int(text)
+    if not 0 <= n < 1 << 64:
+        raise argparse.ArgumentTypeError(f"must be in [0, 2**64), got {n}")
+    return n
