@@ -463,7 +463,7 @@ def check_varlen_bwd_op(do, q, k, v, sinks, lse, dlse, cu_seqlens_q, cu_seqlens_
                         window, causal, scale) -> AttnSpec:
     """``flashsink::varlen_bwd``: :func:`check_varlen_op`, and do / lse / dlse shaped as ``varlen_fwd``
     returns o / lse."""
-    from .ops.varlen import _rows
+    from .ops.interface import varlen_rows as _rows
 
     spec = check_varlen_op(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window, causal,
                            scale)
