@@ -284,17 +284,17 @@ def test_dense_backward_launches(monkeypatch, launches, arch, case, with_dlse, d
 
 @pytest.mark.parametrize("case", DENSE[:2], ids=lambda c: f"{c[7]}-B{c[0]}-H{c[1]}-HK{c[2]}-N{c[3]}x{c[4]}")
 def test_split_backward_launches(monkeypatch, launches, case):
-    """config.bwd_split > 1 (a GQA group's query heads over several programs per KV tile): the main
-    backward gets zeroed fp32 dK/dV accumulators of [B, H_kv, rows_kv, D] and the postprocess casts
-    dQ, dK and dV, in that order, into the returned gradients."""
+    """The split main backward (a GQA group's query heads over several programs per KV tile): the
+    ``bwd_split`` kernel gets zeroed fp32 dK/dV accumulators of [B, H_kv, rows_kv, D] and the
+    postprocess casts dQ, dK and dV, in that order, into the returned gradients."""
     _arch(monkeypatch, "sm_90a")
-    monkeypatch.setattr(interface, "bwd_split", lambda cfg: 2)
+    monkeypatch.setattr(interface, "_use_split", lambda cfg, spec, window: True)
     q, k, v, do, sinks, spec = _dense_inputs(case)
     cfg = interface.kernel_config(spec, torch.device("cuda", 0), False, "fast")
     sinks32 = interface._sinks_f32(sinks, spec.heads, q.device)
     lse = torch.randn(spec.batch, spec.heads, _rows(spec.seq_q))
     dq, dk, dv, _ = interface._backward(do, q, k, v, _fake_o(q, spec), lse, None, sinks32, cfg, spec, NO_WINDOW)
-    assert [x.kind for x in launches] == ["preprocess", "bwd", "postprocess", "postprocess", "postprocess"]
+    assert [x.kind for x in launches] == ["preprocess", "bwd_split", "postprocess", "postprocess", "postprocess"]
     main = launches[1]
     dq_acc, dk_acc, dv_acc = main.args[-3:]
     kv_rows = (spec.batch, spec.kv_heads, _rows(spec.seq_kv), spec.head_dim)
@@ -306,6 +306,21 @@ def test_split_backward_launches(monkeypatch, launches, case):
         assert len(post.args) == 2 and same(post.args[0], acc) and same(post.args[1], out)
     check_buffer(dk, k.shape, k.dtype)
     check_buffer(dv, v.shape, v.dtype)
+
+
+def test_split_backward_is_chosen_for_long_rows(monkeypatch):
+    """bwd_split runs where a KV tile sees at least BWD_SPLIT_MIN_ROWS rows and the configuration has
+    a split (GQA, not deterministic, Hopper); windowed and short problems keep the unsplit kernel."""
+    from flashsink.ops.config import BWD_SPLIT_MIN_ROWS
+
+    _arch(monkeypatch, "sm_90a")
+    long_n = BWD_SPLIT_MIN_ROWS + 1
+    for n, window, det, hk, want in ((long_n, None, False, 2, True), (long_n, 128, False, 2, False),
+                                     (long_n - 2, None, False, 2, False), (long_n, None, True, 2, False),
+                                     (long_n, None, False, 8, False)):
+        q, k, v, do, sinks, spec = _dense_inputs((1, 8, hk, n, n, 64, window, "bhsd", True))
+        cfg = interface.kernel_config(spec, torch.device("cuda", 0), det, "fast")
+        assert interface._use_split(cfg, spec, interface.kernel_window(spec.window)) is want, (n, window, det, hk)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ and the sink gets ``dsink[h] = -sum_rows exp(sink[h] - lse) * Delta``.
 import tilelang.language as T
 
 from .block_range import kv_blocks_for_rows, row_blocks_for_keys
-from .config import ROW_BLOCK, KernelConfig, bwd_dq_bulk, bwd_split, bwd_tiles, dq_tiles, pre_tiles
+from .config import ROW_BLOCK, KernelConfig, bwd_dq_bulk, bwd_overlap, bwd_split, bwd_tiles, dq_tiles, pre_tiles
 from .layout import acc_tile, prologue_load, qkv_shapes, sequence, stat_at, stat_shape, stat_tile, store_rows, store_stat, tile
 from .mask import visible
 from .softmax import LOG2E
@@ -279,7 +279,8 @@ def build_bwd(cfg: KernelConfig, tiles=None, dq_bulk=None, overlap=None, split=N
     dQ tiles added by one bulk (TMA) reduce-add from shared memory instead of per-thread atomics
     (Hopper); ``overlap``, the S^T and dP^T products issued asynchronously back to back, P
     computed while the second runs (Hopper wgmma); ``split`` (``bwd_split(cfg)``), the query
-    heads of a GQA group shared out over that many programs per KV tile.
+    heads of a GQA group shared out over that many programs per KV tile (default 1;
+    :func:`build_bwd_split` is the kernel kind with ``config.bwd_split(cfg)``).
 
     With ``split == 1`` a program streams every query head of its group, and dK/dV leave the chip
     once, in the input dtype. With ``split > 1`` (more programs: a causal problem of 32 KV tiles
@@ -289,8 +290,8 @@ def build_bwd(cfg: KernelConfig, tiles=None, dq_bulk=None, overlap=None, split=N
     """
     t = tiles or bwd_tiles(cfg)
     dq_bulk = bwd_dq_bulk(cfg) if dq_bulk is None else dq_bulk
-    overlap = False if overlap is None else overlap
-    split = bwd_split(cfg) if split is None else split
+    overlap = bwd_overlap(cfg) if overlap is None else overlap
+    split = 1 if split is None else split
     if cfg.groups % split or (split > 1 and (cfg.deterministic or cfg.head_dim != cfg.head_dim_v)):
         raise ValueError(f"split={split} needs a divisor of groups={cfg.groups}, a non-deterministic "
                          "configuration and head_dim == head_dim_v")
@@ -500,6 +501,13 @@ def build_bwd(cfg: KernelConfig, tiles=None, dq_bulk=None, overlap=None, split=N
             body(Q, K, V, dO, LSE, Delta, None, None, window, scale, None, dK, dV, T.ceildiv(seq_kv, bn), batch)
 
     return flashsink_bwd
+
+
+def build_bwd_split(cfg: KernelConfig):
+    """The main backward with a GQA group's query heads over ``config.bwd_split(cfg)`` programs per
+    KV tile (fp32 dK/dV accumulators): for problems whose KV tiles see many rows, where the unsplit
+    kernel has too few programs (``interface._backward`` chooses)."""
+    return build_bwd(cfg, split=bwd_split(cfg))
 
 
 def build_dq(cfg: KernelConfig):

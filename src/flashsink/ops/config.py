@@ -103,14 +103,36 @@ def bwd_tiles(cfg: KernelConfig) -> Tiles:
 
 def bwd_dq_bulk(cfg: KernelConfig) -> bool:
     """Whether the main backward adds its dQ tiles with one bulk (TMA) reduce-add from shared
-    memory instead of per-thread fp32 atomics (Hopper only)."""
-    return False
+    memory instead of per-thread fp32 atomics. Hopper, head dims up to 128: measured on the H200
+    (tools/bwd_variants.py, docs/perf.md v6) 19-23% off the main kernel on every problem."""
+    return cfg.hopper and max(cfg.head_dim, cfg.head_dim_v) <= 128
+
+
+def bwd_overlap(cfg: KernelConfig) -> bool:
+    """Whether the main backward issues its S^T and dP^T products asynchronously back to back and
+    computes P while the second runs (Hopper wgmma, head dims up to 128: 7-12% off on the H200)."""
+    return cfg.hopper and max(cfg.head_dim, cfg.head_dim_v) <= 128
+
+
+#: query heads of a GQA group per program in the split main backward: at most this many programs
+#: share one (KV tile, KV head)
+MAX_BWD_SPLIT = 8
 
 
 def bwd_split(cfg: KernelConfig) -> int:
-    """Programs per (KV tile, KV head) in the main backward, each streaming ``groups / split`` query
-    heads (see ``bwd.build_bwd``); 1 keeps dK/dV on chip across the whole group."""
-    return 1
+    """Programs per (KV tile, KV head) of the ``bwd_split`` kernel (``bwd.build_bwd``), each
+    streaming ``groups / split`` query heads: the largest divisor of the group up to
+    MAX_BWD_SPLIT. 1 (no split kernel) for MQA-free groups of one head, deterministic
+    configurations (its dK/dV are fp32 atomics) and head_dim != head_dim_v (one cast kernel)."""
+    if cfg.deterministic or cfg.head_dim != cfg.head_dim_v or not cfg.hopper:
+        return 1
+    return max(d for d in range(1, MAX_BWD_SPLIT + 1) if cfg.groups % d == 0)
+
+
+#: the split main backward runs when the rows one KV tile can see reach this many: measured on
+#: the H200 (docs/perf.md v6), full causal N=4096/8192 ran 1.5-1.6x faster split 8 ways, while
+#: window 128 ran 6-10% slower (few rows per program: the fp32 dK/dV adds and casts dominate)
+BWD_SPLIT_MIN_ROWS = 1024
 
 
 def pre_tiles(cfg: KernelConfig) -> Tiles:

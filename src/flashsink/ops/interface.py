@@ -18,8 +18,8 @@ import torch
 from . import decode
 from .compile import get_kernel
 from .config import (
-    LOG2E, MAX_HEAD_DIM, NATIVE_HEAD_DIMS, NO_WINDOW, PRECISIONS, SUPPORTED_DTYPES, KernelConfig, arch_of, bwd_split,
-    pre_tiles,
+    BWD_SPLIT_MIN_ROWS, LOG2E, MAX_HEAD_DIM, NATIVE_HEAD_DIMS, NO_WINDOW, PRECISIONS, SUPPORTED_DTYPES, KernelConfig,
+    arch_of, bwd_split, pre_tiles,
 )
 
 # Row statistics (lse, Delta) and the fp32 dQ accumulator are allocated with this many
@@ -124,6 +124,16 @@ def _stat_shape(spec, q, cu_seqlens) -> tuple:
     return (spec.heads, varlen_rows(q.shape[0]))
 
 
+def _use_split(cfg, spec, window) -> bool:
+    """Whether the backward runs the ``bwd_split`` main kernel (a GQA group's query heads over
+    several programs per KV tile): where the configuration has one and a KV tile sees at least
+    BWD_SPLIT_MIN_ROWS rows (long causal or full problems; windowed ones stay unsplit)."""
+    if bwd_split(cfg) == 1:
+        return False
+    rows = spec.seq_q if not spec.causal else min(spec.seq_q, window)
+    return rows >= BWD_SPLIT_MIN_ROWS
+
+
 def _stat_shape_kv(spec, k, cu_seqlens) -> tuple:
     """Rows of the fp32 dK/dV accumulators: :func:`_stat_shape` over the keys."""
     if cu_seqlens is None:
@@ -162,7 +172,7 @@ def _backward(do, q, k, v, o, lse, dlse, sinks32, cfg, spec, window, cu_seqlens=
     scale = float(spec.scale)
     n_stat = lse.numel()
     f32 = torch.float32
-    split = 1 if cfg.deterministic else bwd_split(cfg)
+    split = _use_split(cfg, spec, window)
     # The sink gradient: atomically accumulated in dsink, or (deterministic) one partial per
     # program in dsink_part, summed below in a fixed order. The other buffer is not touched.
     # Buffers that must start zeroed share one fill, the others one allocation; every part starts
@@ -179,11 +189,11 @@ def _backward(do, q, k, v, o, lse, dlse, sinks32, cfg, spec, window, cu_seqlens=
         # with a split main backward (a GQA group over several programs per KV tile) the fp32
         # dK/dV accumulators share the fill too
         n_acc = n_stat * spec.head_dim
-        kv_stat = _stat_shape_kv(spec, k, cu_seqlens) if split > 1 else ()
-        n_kv = _numel(kv_stat) * spec.head_dim if split > 1 else 0
+        kv_stat = _stat_shape_kv(spec, k, cu_seqlens) if split else ()
+        n_kv = _numel(kv_stat) * spec.head_dim if split else 0
         zeros = torch.zeros(n_acc + n_stat + 2 * n_kv, dtype=f32, device=dev)
         dq_acc, dlse_padded = zeros[:n_acc].view(*stat, spec.head_dim), zeros[n_acc:n_acc + n_stat].view(stat)
-        if split > 1:
+        if split:
             dk_acc = zeros[n_acc + n_stat:n_acc + n_stat + n_kv].view(*kv_stat, spec.head_dim)
             dv_acc = zeros[n_acc + n_stat + n_kv:].view(*kv_stat, spec.head_dim)
         dsink = torch.zeros(spec.heads, dtype=f32, device=dev)
@@ -208,9 +218,9 @@ def _backward(do, q, k, v, o, lse, dlse, sinks32, cfg, spec, window, cu_seqlens=
         get_kernel("bwd", cfg)(q, k, v, do, lse, delta, *seq_kv, window, scale, dk, dv)
         get_kernel("dq", cfg)(q, k, v, do, lse, delta, *seq_q, window, scale, dq)
         dsink = dsink_part.sum(dim=(0, 2))
-    elif split > 1:
+    elif split:
         # dK/dV summed in fp32 over the programs sharing a group, then cast like dQ
-        get_kernel("bwd", cfg)(q, k, v, do, lse, delta, *seq_kv, window, scale, dq_acc, dk_acc, dv_acc)
+        get_kernel("bwd_split", cfg)(q, k, v, do, lse, delta, *seq_kv, window, scale, dq_acc, dk_acc, dv_acc)
         post = get_kernel("postprocess", cfg)
         post(dq_acc, dq)
         post(dk_acc, dk)

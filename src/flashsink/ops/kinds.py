@@ -15,7 +15,7 @@ import dataclasses
 import importlib
 from typing import Callable, Optional
 
-from .config import SPLIT_ROWS, KernelConfig, bwd_tiles, dq_tiles, fwd_tiles, pre_tiles, split_tiles
+from .config import SPLIT_ROWS, KernelConfig, bwd_split, bwd_tiles, dq_tiles, fwd_tiles, pre_tiles, split_tiles
 
 
 def _always(cfg: KernelConfig) -> bool:
@@ -44,6 +44,7 @@ KINDS: dict = {
     "fwd": Kind("fwd.build_fwd", fwd_tiles, _always, ignores=("deterministic", "precision")),
     "preprocess": Kind("bwd.build_preprocess", pre_tiles, _always),
     "bwd": Kind("bwd.build_bwd", bwd_tiles, _always),
+    "bwd_split": Kind("bwd.build_bwd_split", bwd_tiles, lambda cfg: bwd_split(cfg) > 1),
     "dq": Kind("bwd.build_dq", dq_tiles, lambda cfg: cfg.deterministic),
     "postprocess": Kind("bwd.build_postprocess", None, lambda cfg: not cfg.deterministic,
                         ignores=("deterministic", "precision")),

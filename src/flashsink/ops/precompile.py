@@ -15,7 +15,7 @@ import time
 from . import compile as _compile
 from . import diskcache
 from .compile import KINDS
-from .config import KernelConfig
+from .config import KernelConfig, bwd_split
 from .kinds import canonical, kinds_for
 
 __all__ = ["compile_parallel", "kinds_for", "precompile"]
@@ -23,10 +23,10 @@ __all__ = ["compile_parallel", "kinds_for", "precompile"]
 
 def supported_kinds(cfg: KernelConfig) -> tuple:
     """Every kernel kind that builds for ``cfg``: the split-KV forward only on Hopper (sm_90a) for
-    the padded layouts (sm_80's code generator rejects it; packed varlen batches never split)."""
-    if cfg.hopper and cfg.layout != "thd":
-        return KINDS
-    return tuple(k for k in KINDS if k != "fwd_split")
+    the padded layouts (sm_80's code generator rejects it; packed varlen batches never split); the
+    split main backward only where the configuration has a split (``config.bwd_split``)."""
+    kinds = KINDS if cfg.hopper and cfg.layout != "thd" else tuple(k for k in KINDS if k != "fwd_split")
+    return tuple(k for k in kinds if k != "bwd_split" or bwd_split(cfg) > 1)
 
 
 def _init_worker():
