@@ -57,6 +57,9 @@ def named_cases() -> list:
         Case(1, 64, 8, 4096, 64, None, BF16, name="gptoss-full"),
         Case(2, 16, 1, 4096, 128, None, F16, name="mqa-4k-causal"),
         Case(1, 12, 4, 4096, 64, 100, BF16, name="gqa3-4k-w100"),
+        # long enough for the split main backward (BWD_SPLIT_MIN_ROWS), at lengths off the tiles
+        Case(2, 12, 4, 1500, 64, None, BF16, name="gqa3-1500-causal"),
+        Case(1, 8, 2, 1100, 128, 1050, F16, name="gqa4-1100-w1050"),
     ]
 
 
@@ -99,6 +102,19 @@ def all_cases() -> list:
     return main_matrix() + named_cases() + extra_cases()
 
 
+#: extra cases that also run in fast mode (the others are strict only: each case is a kernel set)
+FAST_EXTRA = ("chunked-prefill", "bshd", "noncausal", "nosink")
+
+
+def fast_cases() -> list:
+    """The cases run in fast mode too: the main matrix at gpt-oss's GQA (64/8) and at MQA (16/1),
+    every dtype, head dim, length and window; the named problems; a few off-grid options. Fast
+    mode's kernels are the strict ones less the two-term products and with Delta from O: the
+    strict matrix covers the shared code (masks, layouts, block ranges) everywhere."""
+    main = [c for c in main_matrix() if (c.heads, c.kv_heads) in ((64, 8), (16, 1))]
+    return main + named_cases() + [c for c in extra_cases() if c.name in FAST_EXTRA]
+
+
 def case_config(arch: str, c, *, layout=None, deterministic=False, precision="strict"):
     """The KernelConfig a case (``Case`` or ``VarlenCase``) runs with on ``arch``."""
     from flashsink.ops.config import SUPPORTED_DTYPES, KernelConfig
@@ -112,15 +128,14 @@ def case_config(arch: str, c, *, layout=None, deterministic=False, precision="st
 
 
 def kernel_configs(arch: str, cases=None):
-    """The KernelConfigs the cases need on ``arch`` in both precision modes (deterministic and
-    varlen variants included)."""
-    return [
-        cfg
-        for p in ("fast", "strict")
-        for cfg in [case_config(arch, c, precision=p) for c in cases or all_cases()]
-        + [case_config(arch, c, deterministic=True, precision=p) for c in determinism_cases()]
-        + varlen_kernel_configs(arch, p)
-    ]
+    """The KernelConfigs the cases need on ``arch``: strict for every case, fast for
+    :func:`fast_cases` (deterministic and varlen variants included, in both modes)."""
+    return (
+        [case_config(arch, c) for c in cases or all_cases()]
+        + [case_config(arch, c, precision="fast") for c in cases or fast_cases()]
+        + [case_config(arch, c, deterministic=True, precision=p) for c in determinism_cases() for p in ("fast", "strict")]
+        + varlen_kernel_configs(arch, "strict") + varlen_kernel_configs(arch, "fast")
+    )
 
 
 def determinism_cases() -> list:

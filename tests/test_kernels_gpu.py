@@ -15,7 +15,7 @@ import torch
 import flashsink
 from flashsink.testing import case_id, compare_all, make_inputs
 
-from gpu_cases import Case, determinism_cases, extra_cases, main_matrix, named_cases
+from gpu_cases import Case, determinism_cases, extra_cases, fast_cases, main_matrix, named_cases
 
 pytestmark = pytest.mark.gpu
 
@@ -71,24 +71,28 @@ def check_case(c, precision="strict", deterministic=False):
 
 
 @pytest.mark.l1
-@pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("c", main_matrix(), ids=_ident)
-def test_matrix(c, precision):
-    check_case(c, precision)
+def test_matrix(c):
+    check_case(c, "strict")
 
 
 @pytest.mark.l0
-@pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("c", named_cases(), ids=_ident)
-def test_named(c, precision):
-    check_case(c, precision)
+def test_named(c):
+    check_case(c, "strict")
 
 
 @pytest.mark.l2
-@pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("c", extra_cases(), ids=_ident)
-def test_extra(c, precision):
-    check_case(c, precision)
+def test_extra(c):
+    check_case(c, "strict")
+
+
+@pytest.mark.l1
+@pytest.mark.parametrize("c", fast_cases(), ids=_ident)
+def test_fast(c):
+    """precision="fast" (the default) under the fast gate."""
+    check_case(c, "fast")
 
 
 @pytest.mark.l1
@@ -108,16 +112,17 @@ def test_deterministic_bitwise(c, precision):
 
 
 @pytest.mark.l1
+@pytest.mark.parametrize("n", [1000, 2048], ids=["unsplit", "split"])
 @pytest.mark.parametrize("precision", PRECISIONS)
-def test_default_path_is_stable(precision):
-    """The non-deterministic (atomic) path: o and lse (and, in strict mode, dK and dV) are bitwise
-    stable across runs; the atomically summed gradients (dQ and dsink; in fast mode dK and dV too,
-    when the main backward shares a GQA group over several programs) move only at rounding level
-    (a larger movement would be a race)."""
-    c = Case(1, 16, 2, 1000, 128, 128, torch.float16)
-    inp = make_inputs(1, 16, 2, 1000, 1000, 128, torch.float16, "cuda")
+def test_default_path_is_stable(precision, n):
+    """The non-deterministic (atomic) path: o and lse are bitwise stable across runs, and so are
+    dK and dV where the main backward keeps a GQA group on chip (N=1000: KV tiles see fewer than
+    BWD_SPLIT_MIN_ROWS rows); the atomically summed gradients (dQ, dsink, and dK/dV of the split
+    main backward at N=2048) move only at rounding level (a larger movement would be a race)."""
+    c = Case(1, 16, 2, n, 128, None, torch.float16)
+    inp = make_inputs(1, 16, 2, n, n, 128, torch.float16, "cuda")
     runs = [run_flashsink(c, inp, precision=precision) for _ in range(3)]
-    exact = ("o", "lse", "dk", "dv") if precision == "strict" else ("o", "lse")
+    exact = ("o", "lse", "dk", "dv") if n == 1000 else ("o", "lse")
     for name in exact:
         assert all(torch.equal(runs[0][name], r[name]) for r in runs[1:]), f"{name} moved between runs"
     for name in ("dq", "dsink", "dk", "dv"):
@@ -125,7 +130,7 @@ def test_default_path_is_stable(precision):
             continue
         ref = runs[0][name].float()
         spread = max(float((r[name].float() - ref).abs().max()) for r in runs[1:])
-        assert spread <= 1e-3 * float(ref.abs().max()) + 1e-4, f"{name} moved by {spread} between runs"
+        assert spread <= 2e-3 * float(ref.abs().max()) + 1e-4, f"{name} moved by {spread} between runs"
 
 
 @pytest.mark.l0
