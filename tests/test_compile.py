@@ -41,6 +41,26 @@ def test_kernel_compiles(arch, kind):
         assert ("wgmma" in src) == (arch == "sm_90a"), f"{kind} on {arch}: wgmma presence is wrong"
 
 
+@pytest.mark.l1
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
+@pytest.mark.parametrize("kind", ["preprocess", "bwd", "dq"])
+def test_fast_kernels_compile(arch, kind):
+    """precision="fast": single-term products, Delta from O (the kinds that read precision)."""
+    src = compile_kernel(kind, _cfg(arch, kind, precision="fast")).get_kernel_source()
+    assert "__global__" in src
+    if kind in ("bwd", "dq"):
+        assert ("wgmma" in src) == (arch == "sm_90a"), f"{kind} on {arch}: wgmma presence is wrong"
+
+
+@pytest.mark.l1
+@pytest.mark.parametrize("precision", ["fast", "strict"])
+def test_split_main_backward_compiles(precision):
+    """bwd_split: the GQA group over several programs per KV tile, dK/dV added into fp32
+    accumulators (so atomics for dQ, dK and dV)."""
+    src = compile_kernel("bwd_split", _cfg("sm_90a", "bwd_split", precision=precision)).get_kernel_source()
+    assert "wgmma" in src and src.count("AtomicAdd") >= 2
+
+
 @pytest.mark.l2
 def test_deterministic_main_kernel_compiles():
     """The deterministic main backward (no dQ atomics, per-program sink partials)."""
