@@ -70,10 +70,29 @@ def run(c, inp, *, api=flashsink.attention_varlen, compute_dtype=None, determini
             "dsink": named.get("sinks")}
 
 
+_LAST: list = []  # [(case, inputs, references)]: the two modes of a case run back to back on the same inputs
+
+
+def _same(a, b) -> bool:
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        return torch.is_tensor(a) and torch.is_tensor(b) and a.shape == b.shape and torch.equal(a, b)
+    return a == b
+
+
+def references(c, inp):
+    """The float64 varlen reference and the same in the case's dtype (outputs and gradients), reused
+    when the case and its inputs are those of the previous call (the 2000-sequence case loops in Python)."""
+    if _LAST and _LAST[0][0] == c and all(_same(_LAST[0][1][n], inp[n]) for n in inp):
+        return _LAST[0][2]
+    refs = (run(c, inp, api=reference.attention_varlen, compute_dtype=torch.float64),
+            run(c, inp, api=reference.attention_varlen, compute_dtype=c.dtype))
+    _LAST[:] = [(c, inp, refs)]
+    return refs
+
+
 def check_varlen(c, actual, inp, precision):
     """Every tensor (dsink only with sinks) under the gate of ``precision``."""
-    expected = run(c, inp, api=reference.attention_varlen, compute_dtype=torch.float64)
-    lowp = run(c, inp, api=reference.attention_varlen, compute_dtype=c.dtype)
+    expected, lowp = references(c, inp)
     reports = judge_all(actual, expected, lowp, c.dtype, precision=precision)
     failed = [r for r in reports if not r.passed]
     assert not failed, f"{precision} gate failed\n" + reports[0].header() + "\n" + "\n".join(r.row() for r in reports)
