@@ -6,6 +6,7 @@ and check that the two loss curves agree.
     python examples/train_gptoss_tiny.py                 # CPU, float32, 200 steps (a few minutes at most)
     python examples/train_gptoss_tiny.py --steps 20
     python examples/train_gptoss_tiny.py --device cuda   # bfloat16 (the CUDA kernels take fp16/bf16)
+    python examples/train_gptoss_tiny.py --device cuda --precision strict
 
 The model: 2 layers, hidden 256, 8 query heads, 2 kv heads, head dim 64, sliding window 16 on the first
 layer (full attention on the second), 4 experts (top 2), vocabulary 128. The data: a fixed set of random
@@ -18,7 +19,12 @@ the weights to 8 (or 11) bits, and the difference grows with training (measured 
 120 steps: flashsink and eager 4e-2 apart at step 90). So a third run, eager in float32 from the same
 (rounded) initial weights, is the reference curve, and the low-precision check is the precision
 standard's gate 2 applied to the curves: flashsink's largest relative distance to the float32 curve
-must not exceed twice eager's own plus one ulp of the format (``--rtol`` overrides that ulp).
+must not exceed twice eager's own plus one ulp of the format (``--rtol`` overrides that ulp). That is
+the criterion of ``--precision strict``; with ``--precision fast`` (the default, as in flashsink) the
+factor is the fast gate's element guard, 4 (``flashsink.testing.FAST_MAX_FACTOR``), in place of gate 2's
+2. The fast gate's L2 part (1.5x eager's) is not applied to a curve: two bf16 trainings drift apart
+chaotically whatever the attention, so the ratio of two such distances is not the attention's to judge.
+Off CUDA ``--precision`` changes nothing (the reference is exact either way).
 
 Training amplifies rounding differences step after step (a router that flips one token to another
 expert is enough), so two correct fp32 implementations drift apart slowly. With the defaults
@@ -107,6 +113,9 @@ def main(argv=None) -> int:
     p.add_argument("--rtol", type=float, default=None,
                    help="fp32: max relative loss difference (default 1e-3); bf16/fp16: the margin added to twice eager's "
                         "distance to the fp32 curve (default one ulp: 2^-7 bf16, 2^-10 fp16)")
+    p.add_argument("--precision", choices=["fast", "strict"], default="fast",
+                   help="flashsink's precision mode (CUDA; default fast, as flashsink.attention); picks the bf16/fp16 "
+                        "criterion's factor: 2 (strict, gate 2) or 4 (fast, the fast gate's element guard)")
     p.add_argument("--plot", default="train_gptoss_tiny.png", help="PNG path ('' for none)")
     args = p.parse_args(argv)
     if args.steps < 1:
@@ -116,6 +125,7 @@ def main(argv=None) -> int:
         from transformers import GptOssForCausalLM
 
         import flashsink.integrations.transformers  # noqa: F401  registers "flashsink"
+        from flashsink.testing import FAST_MAX_FACTOR, GATE2_FACTOR
     except ImportError as err:
         print(f"this example needs Hugging Face transformers: pip install 'flashsink[hf]' ({err})", file=sys.stderr)
         return 2
@@ -143,6 +153,7 @@ def main(argv=None) -> int:
         print(f"training with {label} ({args.steps} steps)...", flush=True)
         model = copy.deepcopy(init).to(device=device, dtype=run_dtype)
         model.config._attn_implementation = impl
+        model.config.flashsink_precision = args.precision  # read by the flashsink attention only
         torch.manual_seed(args.seed + 2)
         t0 = time.perf_counter()
         losses[label], peaks[label] = train(model, data, args.steps, args.batch, args.lr, device)
@@ -156,7 +167,8 @@ def main(argv=None) -> int:
         return [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(xs, ys)]
 
     rel = rel_to(fs, ea)
-    print(f"tiny gpt-oss, {device.type}, {dtype_name}, batch {args.batch} x seq {args.seq}, {args.steps} steps")
+    print(f"tiny gpt-oss, {device.type}, {dtype_name}, precision {args.precision}, batch {args.batch} x seq {args.seq}, "
+          f"{args.steps} steps")
     extra = f" {'eager fp32':>12}" if lowp else ""
     print(f"{'step':>6} {'flashsink':>12} {'eager':>12}{extra} {'rel diff':>10}")
     shown = sorted({0, *range(args.every - 1, args.steps, args.every), args.steps - 1})
@@ -170,9 +182,10 @@ def main(argv=None) -> int:
     print(f"max relative loss difference flashsink vs eager {rel[worst]:.2e} at step {worst + 1}")
     if lowp:
         fs_ref, ea_ref = max(rel_to(fs, ref)), max(rel_to(ea, ref))
-        limit = 2 * ea_ref + rtol
+        factor = FAST_MAX_FACTOR if args.precision == "fast" else GATE2_FACTOR
+        limit = factor * ea_ref + rtol
         print(f"largest relative distance to the fp32 curve: flashsink {fs_ref:.2e}, eager {ea_ref:.2e} "
-              f"(limit 2 * eager + {rtol:.2e} = {limit:.2e})")
+              f"(limit {factor:g} * eager + {rtol:.2e} = {limit:.2e}, precision {args.precision})")
         ok = fs_ref <= limit
     else:
         print(f"(limit {rtol:.0e})")

@@ -6,11 +6,13 @@ masked problems (causal, window, bottom-right alignment), by a small explicit-ma
 each key's visibility from the unsplit problem. Also: gradcheck, non-finite sinks and NaN as the
 reference gives them, fp16/bf16 partials merged in fp32, a fixed op count for any number of
 partials, and partials from flashsink.attention itself (the kernels on CUDA, marked gpu; the same
-test on CPU runs the reference) judged by the precision standard.
+test on CPU runs the reference) judged by the precision standard (``precision="strict"``) and, for
+``precision="fast"``, by the fast gate.
 """
 
 from __future__ import annotations
 
+import functools
 import random
 
 import pytest
@@ -466,16 +468,18 @@ def test_low_precision_inputs_fp32_partials(seed, dtype):
 
 # --- partials from the kernels: the GPU test and its CPU twin ------------------------------------
 
-def kernel_partials(q, k, v, ranges, *, causal, window):
+def kernel_partials(q, k, v, ranges, *, causal, window, attn=None):
     """One partial per key range ``[a, b)`` of a "bhsd" problem, computed as ring attention
     computes them (``flashsink.distributed``): the queries that see keys of the range are split by
-    ``_plan_pair`` into pieces that are each one ``flashsink.attention`` call without the sink
-    (``return_lse=True``) under the full problem's mask -- fully visible (``causal=False``),
-    diagonal (``causal=True`` with the window, keys ending at the last query), or, with a window,
-    rows that see only the last keys of the range (reversed rows and keys, bottom-right causal).
-    Rows in no piece keep o = 0, lse = -inf. Differentiable (autograd through every call)."""
+    ``_plan_pair`` into pieces that are each one ``attn`` call (default ``flashsink.attention``)
+    without the sink (``return_lse=True``) under the full problem's mask -- fully visible
+    (``causal=False``), diagonal (``causal=True`` with the window, keys ending at the last query),
+    or, with a window, rows that see only the last keys of the range (reversed rows and keys,
+    bottom-right causal). Rows in no piece keep o = 0, lse = -inf. Differentiable (autograd
+    through every call)."""
     from flashsink.distributed import _plan_pair
 
+    attn = attn or flashsink.attention
     b_, h, sq, _ = q.shape
     skv = k.shape[2]
     off = skv - sq  # key position of query row 0 (bottom-right alignment)
@@ -487,10 +491,10 @@ def kernel_partials(q, k, v, ranges, *, causal, window):
             rows = slice(q0 - off, q1 - off)
             qs, ks, vs = q[:, :, rows], k[:, :, k0:k1], v[:, :, k0:k1]
             if kind == "suffix":
-                op, lp = flashsink.attention(qs.flip(2), ks.flip(2), vs.flip(2), None, causal=True, return_lse=True)
+                op, lp = attn(qs.flip(2), ks.flip(2), vs.flip(2), None, causal=True, return_lse=True)
                 op, lp = op.flip(2), lp.flip(2)
             else:
-                op, lp = flashsink.attention(
+                op, lp = attn(
                     qs, ks, vs, None, causal=kind == "causal", window=window if kind == "causal" else None,
                     return_lse=True,
                 )
@@ -521,13 +525,15 @@ def test_kernel_partials_combine_to_the_unsplit_attention(seed, device, dtype, c
     float64 reference of the unsplit problem, gate 2 against its fp16/bf16 twin. o and lse meet the
     whole standard; the gradients (q, k, v through the kernels' backward, with an lse gradient, and
     the sinks) meet gate 2 and the max-error bound, and are finite: each partial's o is rounded to
-    fp16/bf16 and so is its incoming gradient (as in test_low_precision_outs)."""
+    fp16/bf16 and so is its incoming gradient (as in test_low_precision_outs). The kernels run with
+    ``precision="strict"``, the mode this standard judges (fast: the next test)."""
     b, h, hk, sq, skv, window, causal, cuts = SPLIT_CASES[case]
     x = testing.make_inputs(b, h, hk, sq, skv, 64, dtype, device, seed=seed)
     q, k, v = (x[n].clone().requires_grad_(True) for n in ("q", "k", "v"))
     s = x["sinks"].clone().requires_grad_(True)
     bounds = [0, *cuts, skv]
-    outs, lses = kernel_partials(q, k, v, list(zip(bounds[:-1], bounds[1:])), causal=causal, window=window)
+    outs, lses = kernel_partials(q, k, v, list(zip(bounds[:-1], bounds[1:])), causal=causal, window=window,
+                                 attn=functools.partial(flashsink.attention, precision="strict"))
     assert outs[0].dtype == dtype and lses[0].dtype == torch.float32
     o, lse = flashsink.combine(outs, lses, s, return_lse=True)
     assert o.dtype == dtype and o.device.type == device
@@ -539,6 +545,38 @@ def test_kernel_partials_combine_to_the_unsplit_attention(seed, device, dtype, c
         str(r) for r in reports
         if r.name not in ("o", "lse") and not (r.gate2_ok and r.gate1_max_ok and torch.isfinite(actual[r.name]).all())
     ]
+    assert not failed, "\n".join(failed)
+
+
+@pytest.mark.l1
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_kernel_partials_combine_fast(seed, device):
+    """The same split with ``precision="fast"`` partials (the default), bf16: o, lse and the gradients
+    under the fast gate against the float64 reference of the unsplit problem, lowp the same split
+    and merge with the reference computing each partial in bf16 -- so lowp carries the partials'
+    extra roundings too (their o and incoming gradient rounded to bf16), and the gate asks the
+    kernels' split to be no worse than PyTorch's own in bf16. One case (non-causal: a single kernel
+    configuration); the CPU twin runs the reference."""
+    b, h, hk, sq, skv, window, causal, cuts = SPLIT_CASES["noncausal"]
+    dtype = torch.bfloat16
+    x = testing.make_inputs(b, h, hk, sq, skv, 64, dtype, device, seed=seed)
+    bounds = [0, *cuts, skv]
+
+    def split_and_merge(attn):
+        q, k, v = (x[n].clone().requires_grad_(True) for n in ("q", "k", "v"))
+        s = x["sinks"].clone().requires_grad_(True)
+        outs, lses = kernel_partials(q, k, v, list(zip(bounds[:-1], bounds[1:])), causal=causal, window=window,
+                                     attn=attn)
+        o, lse = flashsink.combine(outs, lses, s, return_lse=True)
+        dq, dk, dv, ds = torch.autograd.grad(o, [q, k, v, s], x["do"])
+        return {"o": o.detach(), "lse": lse.detach(), "dq": dq, "dk": dk, "dv": dv, "dsink": ds}
+
+    actual = split_and_merge(functools.partial(flashsink.attention, precision="fast"))
+    lowp = split_and_merge(functools.partial(reference.attention, compute_dtype=dtype))
+    expected = testing.reference_grads(x["q"], x["k"], x["v"], x["sinks"], x["do"], window=window, causal=causal,
+                                       compute_dtype=torch.float64)
+    reports = testing.judge_all(actual, expected, lowp, dtype, precision="fast")
+    failed = [str(r) for r in reports if not r.passed]
     assert not failed, "\n".join(failed)
 
 

@@ -183,11 +183,16 @@ def test_unsupported_raise():
 
 
 @pytest.mark.l1
-@pytest.mark.parametrize("sinks_on", [True, False], ids=["sink", "nosink"])
-def test_gradient_through_lse(sinks_on):
-    """A loss that uses lse too (context-parallel merges do): the kernels fold dlse into Delta."""
+@pytest.mark.parametrize("sinks_on, precision", [(True, "strict"), (False, "strict"), (True, "fast")],
+                         ids=["sink-strict", "nosink-strict", "sink-fast"])
+def test_gradient_through_lse(sinks_on, precision):
+    """A loss that uses lse too (context-parallel merges do): the kernels fold dlse into Delta. Strict
+    under the standard, fast under the fast gate (lowp: the reference in bf16); fast with sinks only,
+    a configuration the matrix builds (G4, D64, bf16)."""
+    import functools
+
     from flashsink import reference
-    from flashsink.testing import check_precision
+    from flashsink.testing import check_fast, check_precision
 
     inp = make_inputs(1, 8, 2, 300, 300, 64, torch.bfloat16, "cuda", sinks=sinks_on)
     g = torch.randn(1, 8, 300, device="cuda")
@@ -199,10 +204,15 @@ def test_gradient_through_lse(sinks_on):
         ((o.to(cast(inp["do"]).dtype) * cast(inp["do"])).sum() + (lse * cast(g)).sum()).backward()
         return [x.grad for x in leaves] + ([] if s is None else [s.grad])
 
-    actual = grads(flashsink.attention, lambda x: x.clone())
+    actual = grads(functools.partial(flashsink.attention, precision=precision), lambda x: x.clone())
     expected = grads(reference.attention, lambda x: x.detach().double())
-    for name, a, e in zip(("dq", "dk", "dv", "dsink"), actual, expected):
-        report = check_precision(name, a, e, torch.bfloat16)
+    if precision == "fast":
+        lowp = grads(functools.partial(reference.attention, compute_dtype=torch.bfloat16), lambda x: x.clone())
+    for i, (name, a, e) in enumerate(zip(("dq", "dk", "dv", "dsink"), actual, expected)):
+        if precision == "fast":
+            report = check_fast(name, a, e, torch.bfloat16, lowp=lowp[i])
+        else:
+            report = check_precision(name, a, e, torch.bfloat16)
         assert report.passed, str(report)
 
 
@@ -229,11 +239,14 @@ def test_decode_runs_the_split_kernel(monkeypatch):
 
 
 @pytest.mark.l2
-def test_offsets_past_2_to_the_31():
-    """B*H*N*D > 2**31 elements (N = 256k): every offset must be 64-bit. The window keeps the
-    reference small: rows near the end see only the last keys, so a slice of the problem is
-    the reference's whole problem (bottom-right alignment)."""
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_offsets_past_2_to_the_31(precision):
+    """B*H*N*D > 2**31 elements (N = 256k): every offset must be 64-bit, in both modes' backward
+    kernels (fast has its own preprocess). The window keeps the reference small: rows near the end
+    see only the last keys, so a slice of the problem is the reference's whole problem (bottom-right
+    alignment). Strict under the standard, fast under the fast gate (lowp: the reference in bf16)."""
     from flashsink import reference
+    from flashsink.testing import check_fast, check_precision
 
     B, H, HK, N, D, W = 1, 160, 20, 262144, 64, 16
     assert B * H * N * D > 2**31  # 2.7e9 elements in q, o, do and dq
@@ -242,7 +255,7 @@ def test_offsets_past_2_to_the_31():
     k = torch.randn(B, HK, N, D, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
     v = torch.randn(B, HK, N, D, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
     s = torch.randn(H, device="cuda", generator=g).requires_grad_(True)
-    o, lse = flashsink.attention(q, k, v, s, window=W, return_lse=True)
+    o, lse = flashsink.attention(q, k, v, s, window=W, return_lse=True, precision=precision)
     do = torch.randn_like(o)
     o.backward(do)
     rows, keys = slice(N - 100, N), slice(N - 100 - (W - 1), N)
@@ -254,9 +267,17 @@ def test_offsets_past_2_to_the_31():
         vs = v.detach()[:, hk : hk + 1, keys].double()
         o_ref, lse_ref = reference.attention(qs, ks, vs, s.detach()[h : h + 1].double(), window=W, return_lse=True)
         (dq_ref,) = torch.autograd.grad(o_ref, qs, do[:, h : h + 1, rows].double())
-        for name, got, want in (("o", o[:, h : h + 1, rows], o_ref), ("lse", lse[:, h : h + 1, rows], lse_ref),
-                                ("dq", q.grad[:, h : h + 1, rows], dq_ref)):
-            from flashsink.testing import check_precision
-
-            rep = check_precision(f"{name} head {h}", got.detach(), want, torch.bfloat16)
+        ql = q.detach()[:, h : h + 1, rows].clone().requires_grad_(True)  # the same slice in bf16 (fast gate)
+        o_low, lse_low = reference.attention(ql, k.detach()[:, hk : hk + 1, keys], v.detach()[:, hk : hk + 1, keys],
+                                             s.detach()[h : h + 1], window=W, return_lse=True,
+                                             compute_dtype=torch.bfloat16)
+        (dq_low,) = torch.autograd.grad(o_low, ql, do[:, h : h + 1, rows])
+        for name, got, want, low in (("o", o[:, h : h + 1, rows], o_ref, o_low),
+                                     ("lse", lse[:, h : h + 1, rows], lse_ref, lse_low),
+                                     ("dq", q.grad[:, h : h + 1, rows], dq_ref, dq_low)):
+            label = f"{name} head {h}"
+            if precision == "fast":
+                rep = check_fast(label, got.detach(), want, torch.bfloat16, lowp=low.detach())
+            else:
+                rep = check_precision(label, got.detach(), want, torch.bfloat16)
             assert rep.passed, rep.row()

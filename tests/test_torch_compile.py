@@ -13,10 +13,12 @@
   the ops ``flashsink::varlen_fwd`` / ``varlen_bwd`` (opcheck, fake shapes) and their head-dim padding
   on the CPU.
 * GPU (``gpu`` marker): the same compiled functions on the kernels, against the eager kernels and the
-  float64 reference.
+  float64 reference, with ``precision="strict"`` pinned (the standard) and, for configurations the kernel
+  matrix already builds in that mode, with ``precision="fast"`` (the fast gate).
 
-Every comparison is the precision standard: expected = float64 (the eager reference, or the eager
-model/module in float64), ``lowp`` = the eager computation in the input dtype where one exists.
+Every comparison is the precision standard (the fast gate for the fast cases): expected = float64 (the
+eager reference, or the eager model/module in float64), ``lowp`` = the eager computation in the input
+dtype where one exists.
 """
 
 from __future__ import annotations
@@ -63,7 +65,15 @@ def _flashsink_ops(counter) -> set:
 
 def _assert_all(reports):
     failed = [r for r in reports if not r.passed]
-    assert not failed, "precision standard failed\n" + "\n".join([testing.PrecisionReport.header()] + [r.row() for r in reports])
+    assert not failed, "precision gate failed\n" + "\n".join([testing.PrecisionReport.header()] + [r.row() for r in reports])
+
+
+def _judge(label, names, got, expected, lowp, dtype, precision="strict"):
+    """``got`` against the float64 ``expected`` under the gate of ``precision``: "strict" the standard (gate 2
+    with ``lowp``, the reference in the input dtype), "fast" the fast gate (``lowp`` required)."""
+    if precision == "fast":
+        return [testing.check_fast(f"{label} {nm}", a, e, dtype, lowp=lo) for nm, a, e, lo in zip(names, got, expected, lowp)]
+    return [testing.check_precision(f"{label} {nm}", a, e, dtype, lowp=lo) for nm, a, e, lo in zip(names, got, expected, lowp)]
 
 
 def _grads(fn, leaves, *args):
@@ -311,25 +321,31 @@ def test_import_registers_ops_without_tilelang():
 
 
 GPU_CASES = [
-    # h, hk, d, window, layout, sinks, deterministic
-    (8, 2, 64, 100, "bhsd", True, False),
-    (16, 2, 128, None, "bshd", True, False),
-    (8, 8, 80, 64, "bhsd", False, False),  # head dim padded 80 -> 128, no sinks
-    (12, 4, 64, 33, "bshd", True, True),
+    # h, hk, d, window, layout, sinks, deterministic, precision
+    (8, 2, 64, 100, "bhsd", True, False, "strict"),
+    (16, 2, 128, None, "bshd", True, False, "strict"),
+    (8, 8, 80, 64, "bhsd", False, False, "strict"),  # head dim padded 80 -> 128, no sinks
+    (12, 4, 64, 33, "bshd", True, True, "strict"),
+    # fast: configurations tests/gpu_cases.py already builds in that mode ("d80", "bshd"), so no new
+    # kernels; the first pads 80 -> 128, so the o the fast backward reads is the op's padded one
+    (8, 2, 80, 64, "bhsd", True, False, "fast"),
+    (12, 4, 64, 33, "bshd", True, False, "fast"),
 ]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: "H{}-HK{}-D{}-W{}-{}-{}{}".format(
-    c[0], c[1], c[2], c[3], c[4], "sink" if c[5] else "nosink", "-det" if c[6] else ""))
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: "H{}-HK{}-D{}-W{}-{}-{}{}-{}".format(
+    c[0], c[1], c[2], c[3], c[4], "sink" if c[5] else "nosink", "-det" if c[6] else "", c[7]))
 def test_kernels_fullgraph_dynamic_gpu(counter, case):
     """flashsink.attention on CUDA bf16 compiled (fullgraph, dynamic, inductor) at two lengths: every output
-    and gradient (lse in the loss) under the precision standard against the float64 reference, and against
-    the eager kernels (o and lse bitwise: the same forward kernel on the same inputs)."""
-    h, hk, d, window, layout, sinks, det = case
+    and gradient (lse in the loss) under the gate of the case's precision (the standard for "strict", the
+    fast gate for "fast") against the float64 reference, and against the eager kernels (the standard; o and
+    lse bitwise: the same forward kernel on the same inputs)."""
+    h, hk, d, window, layout, sinks, det, precision = case
 
     def fn(q, k, v, s):
-        return flashsink.attention(q, k, v, s, window=window, layout=layout, return_lse=True, deterministic=det)
+        return flashsink.attention(q, k, v, s, window=window, layout=layout, return_lse=True, deterministic=det,
+                                   precision=precision)
 
     compiled = torch.compile(fn, backend=counter, fullgraph=True, dynamic=True)
     for i, n in enumerate(GPU_LENGTHS):
@@ -347,8 +363,7 @@ def test_kernels_fullgraph_dynamic_gpu(counter, case):
 
         eager, comp = run(fn), run(compiled)
         for label, got in (("eager", eager), ("compiled", comp)):
-            _assert_all([testing.check_precision(f"{label} {nm}@{n}", a, e, torch.bfloat16, lowp=lo)
-                         for nm, a, e, lo in zip(names, got, expected, lowp)])
+            _assert_all(_judge(f"{label}@{n}", names, got, expected, lowp, torch.bfloat16, precision))
         _assert_all([testing.check_precision(f"compiled-vs-eager {nm}@{n}", c, e, torch.bfloat16)
                      for nm, c, e in zip(names, comp, eager)])
         assert torch.equal(comp[0], eager[0]) and torch.equal(comp[1], eager[1])
@@ -376,8 +391,12 @@ def test_opcheck_gpu(layout, sinks, window, causal, precision, seq_q, seq_kv):
 
 
 @pytest.mark.gpu
-def test_sink_attention_module_fullgraph_gpu(counter):
-    module = SinkAttention(num_heads=16, num_kv_heads=4, head_dim=64, window=128, layout="bshd").cuda()
+@pytest.mark.parametrize("precision", testing.PRECISIONS)
+def test_sink_attention_module_fullgraph_gpu(counter, precision):
+    """SinkAttention (G4, D64, bf16, bshd: a configuration the kernel matrix builds in both modes) compiled,
+    its precision passed to the kernels: o and the gradients under that mode's gate."""
+    module = SinkAttention(num_heads=16, num_kv_heads=4, head_dim=64, window=128, layout="bshd",
+                           precision=precision).cuda()
     with torch.no_grad():
         module.sinks.normal_(0.0, 1.0)
     compiled = torch.compile(module, backend=counter, fullgraph=True, dynamic=True)
@@ -386,10 +405,12 @@ def test_sink_attention_module_fullgraph_gpu(counter):
         ls = [inp[x].clone().requires_grad_(True) for x in ("q", "k", "v")]
         o = compiled(*ls)
         grads = torch.autograd.grad(o, ls + [module.sinks], inp["do"])
-        expected = testing.reference_grads(inp["q"], inp["k"], inp["v"], module.sinks.detach(), inp["do"],
-                                           window=128, layout="bshd", compute_dtype=torch.float64)
-        _assert_all([testing.check_precision(nm, a, expected[nm], torch.bfloat16)
-                     for nm, a in zip(("o", "dq", "dk", "dv", "dsink"), [o, *grads])])
+        expected, lowp = (testing.reference_grads(inp["q"], inp["k"], inp["v"], module.sinks.detach(), inp["do"],
+                                                  window=128, layout="bshd", compute_dtype=cdt)
+                          for cdt in (torch.float64, torch.bfloat16))
+        names = ("o", "dq", "dk", "dv", "dsink")
+        _assert_all(_judge(f"@{n}", names, [o, *grads], [expected[nm] for nm in names], [lowp[nm] for nm in names],
+                           torch.bfloat16, precision))
     assert counter.frame_count == 1
     assert any("flashsink.fwd" in t for t in _flashsink_ops(counter))
 
@@ -443,14 +464,13 @@ def _varlen_reference(window, causal, compute_dtype):
     return fn
 
 
-def _check_varlen(label, actual, inp, dtype, window, causal, eager=None):
-    """actual against the float64 reference (lowp: the reference in the input dtype) and, if given, against
-    the eager run of the same function."""
+def _check_varlen(label, actual, inp, dtype, window, causal, eager=None, precision="strict"):
+    """actual against the float64 reference (lowp: the reference in the input dtype) under the gate of
+    ``precision`` and, if given, against the eager run of the same function (the standard)."""
     names = VARLEN_NAMES[: len(actual)]
     expected = _varlen_run(_varlen_reference(window, causal, torch.float64), inp, lambda x: x.double())
     lowp = _varlen_run(_varlen_reference(window, causal, dtype), inp)
-    reports = [testing.check_precision(f"{label} {nm}", a, e, dtype, lowp=lo)
-               for nm, a, e, lo in zip(names, actual, expected, lowp)]
+    reports = _judge(label, names, actual, expected, lowp, dtype, precision)
     if eager is not None:
         reports += [testing.check_precision(f"{label} compiled-vs-eager {nm}", a, e, dtype)
                     for nm, a, e in zip(names, actual, eager)]
@@ -579,35 +599,39 @@ def test_varlen_fake_shapes():
             assert ds.dtype == torch.float32
 
 
-# h, hk, d, window, sinks, deterministic
+# h, hk, d, window, sinks, deterministic, precision
 GPU_VARLEN_CASES = [
-    (8, 2, 64, 100, True, False),
-    (16, 2, 128, None, True, False),
-    (8, 8, 80, 64, False, False),  # head dim padded 80 -> 128, no sinks
-    (12, 4, 64, 33, True, True),
+    (8, 2, 64, 100, True, False, "strict"),
+    (16, 2, 128, None, True, False, "strict"),
+    (8, 8, 80, 64, False, False, "strict"),  # head dim padded 80 -> 128, no sinks
+    (12, 4, 64, 33, True, True, "strict"),
+    # fast: varlen configurations tests/gpu_cases.py already builds in that mode ("gqa4-causal", "d96": head
+    # dim padded 96 -> 128, so the o the fast backward reads is the op's padded one)
+    (8, 2, 64, 100, True, False, "fast"),
+    (4, 2, 96, 64, True, False, "fast"),
 ]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", GPU_VARLEN_CASES, ids=lambda c: "H{}-HK{}-D{}-W{}-{}{}".format(
-    c[0], c[1], c[2], c[3], "sink" if c[4] else "nosink", "-det" if c[5] else ""))
+@pytest.mark.parametrize("case", GPU_VARLEN_CASES, ids=lambda c: "H{}-HK{}-D{}-W{}-{}{}-{}".format(
+    c[0], c[1], c[2], c[3], "sink" if c[4] else "nosink", "-det" if c[5] else "", c[6]))
 def test_varlen_kernels_fullgraph_dynamic_gpu(counter, case):
     """flashsink.attention_varlen on CUDA bf16 compiled (fullgraph, dynamic, inductor) over several length sets:
-    every output and gradient (lse in the loss) under the precision standard against the float64 reference and
-    the eager kernels (o and lse bitwise: the same forward kernel on the same inputs). Outputs are poisoned
-    (conftest's NaN torch.empty), inputs fresh per length set."""
-    h, hk, d, window, sinks, det = case
+    every output and gradient (lse in the loss) under the gate of the case's precision against the float64
+    reference, and against the eager kernels (the standard; o and lse bitwise: the same forward kernel on the
+    same inputs). Outputs are poisoned (conftest's NaN torch.empty), inputs fresh per length set."""
+    h, hk, d, window, sinks, det, precision = case
 
     def fn(q, k, v, cu_q, cu_k, max_q, max_k, s):
         return flashsink.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, s, window=window, return_lse=True,
-                                          deterministic=det)
+                                          deterministic=det, precision=precision)
 
     compiled = torch.compile(fn, backend=counter, fullgraph=True, dynamic=True)
     for i, (lens_q, lens_k) in enumerate(GPU_VARLEN_LENS):
         inp = _varlen_inputs(lens_q, lens_k, h, hk, d, torch.bfloat16, "cuda", sinks=sinks, seed=300 + i)
         eager, comp = _varlen_run(fn, inp), _varlen_run(compiled, inp)
-        _check_varlen(f"eager@{lens_q}", eager, inp, torch.bfloat16, window, True)
-        _check_varlen(f"compiled@{lens_q}", comp, inp, torch.bfloat16, window, True, eager=eager)
+        _check_varlen(f"eager@{lens_q}", eager, inp, torch.bfloat16, window, True, precision=precision)
+        _check_varlen(f"compiled@{lens_q}", comp, inp, torch.bfloat16, window, True, eager=eager, precision=precision)
         assert torch.equal(comp[0], eager[0]) and torch.equal(comp[1], eager[1])
     assert counter.frame_count == 1
     ops = _flashsink_ops(counter)

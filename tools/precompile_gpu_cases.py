@@ -14,8 +14,9 @@ if __name__ == "__main__":
     from flashsink.ops.precompile import kinds_for, precompile
 
     arch = sys.argv[1] if len(sys.argv) > 1 else "sm_90a"
-    # the split-KV forward only where the tests take it (decode cases), not for every config
-    split = {case_config(arch, c) for c in decode_cases()}
+    # the split-KV forward only where the tests take it (decode cases, in both precision modes: the
+    # configuration, hence the kernel's cache key, carries the mode), not for every config
+    split = {case_config(arch, c, precision=p) for c in decode_cases() for p in ("fast", "strict")}
     pairs = [(k, cfg) for cfg in dict.fromkeys(kernel_configs(arch)) for k in kinds_for(cfg)
              if k != "fwd_split" or cfg in split]
     sys.exit(1 if precompile([], pairs=pairs) else 0)
