@@ -9,6 +9,7 @@ from ._validate import validate_attention, validate_varlen
 from ._validate_kvcache import check_cache_values, validate_kvcache
 from .ops.interface import kernel_attention  # registers the flashsink:: custom ops; never imports tilelang
 from .ops.custom_ops import kernel_attention_varlen  # noqa: I001  (after interface, as interface imports it)
+from .ops.kvcache import kernel_attention_kvcache
 
 __all__ = ["attention", "attention_kvcache", "attention_varlen"]
 
@@ -136,5 +137,8 @@ def attention_kvcache(
     """
     spec = validate_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, sinks, window=window, scale=scale,
                             return_lse=return_lse)
+    if q.is_cuda:
+        return kernel_attention_kvcache(spec, q, k_cache, v_cache, cache_seqlens, block_table, sinks,
+                                        return_lse=return_lse)
     lengths, pages = check_cache_values(spec, cache_seqlens, block_table)
     return reference._attention_kvcache(q, k_cache, v_cache, lengths, pages, sinks, spec, return_lse=return_lse)

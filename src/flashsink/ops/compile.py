@@ -42,7 +42,7 @@ from .config import KernelConfig
 
 log = logging.getLogger("flashsink")
 
-KINDS = ("fwd", "preprocess", "bwd", "dq", "postprocess", "fwd_split")
+KINDS = ("fwd", "preprocess", "bwd", "dq", "postprocess", "fwd_split", "fwd_kvcache", "merge_splits")
 
 #: extra attempts after a transient failure (so at most 1 + COMPILE_RETRIES compiles)
 COMPILE_RETRIES = 2
@@ -94,11 +94,13 @@ def configure_logging() -> None:
 # what a kernel is: its PrimFunc, its compile arguments, its cache key
 
 def _builder(kind: str):
-    from . import bwd, fwd, fwd_split
+    from . import bwd, fwd, fwd_kvcache, fwd_split, merge_splits
 
     return {
         "fwd": fwd.build_fwd,
         "fwd_split": fwd_split.build_fwd_split,
+        "fwd_kvcache": fwd_kvcache.build_fwd_kvcache,
+        "merge_splits": merge_splits.build_merge_splits,
         "preprocess": bwd.build_preprocess,
         "bwd": bwd.build_bwd,
         "dq": bwd.build_dq,

@@ -20,11 +20,22 @@ from .config import SPLIT_ROWS, KernelConfig
 
 def kinds_for(cfg: KernelConfig) -> tuple:
     """The kernels one configuration needs for forward and backward (padded layouts on Hopper
-    add the split-KV forward that decode and short chunks against long caches use)."""
+    add the split-KV forward and its merge, which decode and short chunks against long caches
+    use); causal "bshd" configurations add ``attention_kvcache``'s forward (paged KV cache)."""
     kinds = ("fwd", "preprocess", "bwd", "dq") if cfg.deterministic else ("fwd", "preprocess", "bwd", "postprocess")
     if cfg.hopper and cfg.layout != "thd" and cfg.groups <= SPLIT_ROWS:
-        kinds += ("fwd_split",)
+        kinds += ("fwd_split", "merge_splits")
+    if is_kvcache_config(cfg):
+        kinds += ("fwd_kvcache",) + (() if "merge_splits" in kinds else ("merge_splits",))
     return kinds
+
+
+def is_kvcache_config(cfg: KernelConfig) -> bool:
+    """Whether ``attention_kvcache`` runs with this configuration (``ops/kvcache.py`` builds it)."""
+    from .kvcache import KVCACHE_HEAD_DIMS
+
+    return (cfg.layout == "bshd" and cfg.causal and not cfg.deterministic and cfg.head_dim in KVCACHE_HEAD_DIMS
+            and cfg.head_dim_v in KVCACHE_HEAD_DIMS and cfg.precision == KernelConfig.precision)
 
 
 def _init_worker():
