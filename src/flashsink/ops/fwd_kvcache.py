@@ -72,8 +72,10 @@ def build_fwd_kvcache(cfg: KernelConfig):
             l = T.alloc_fragment([bm], accum)
             lse = T.alloc_fragment([bm], accum)
 
-            split = bx % n_splits
-            p0 = (bx // n_splits) * bm  # first packed row of this tile
+            # truncated division (C's / and %) wherever the operands are >= 0: floor division's sign
+            # fix-ups are otherwise repeated in every expression that uses the result
+            split = T.truncmod(bx, n_splits)
+            p0 = T.truncdiv(bx, n_splits) * bm  # first packed row of this tile
             stored = SeqLens[b]
             bad_len = (stored < 0) | (stored > max_pages * page_size)
             seq_kv = T.if_then_else(bad_len, 0, stored)
@@ -141,8 +143,6 @@ def build_fwd_kvcache(cfg: KernelConfig):
 
 def _entry(table, b, key, page_size, max_pages):
     """The block-table entry of ``key`` (the index clamped into the table, for keys past the end)."""
-    # truncated division (C's /): keys and page sizes are >= 0, and floor division's sign fix-ups
-    # would be evaluated per element
     return table[b, T.min(T.truncdiv(key, page_size), max_pages - 1)]
 
 
