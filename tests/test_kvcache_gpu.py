@@ -9,7 +9,7 @@ import flashsink
 from flashsink import reference
 from flashsink.testing import assert_precision, dtype_name
 
-from gpu_cases import KVCase, kvcache_cases
+from gpu_cases import KVCase, kvcache_cases, merge_test_config
 
 pytestmark = pytest.mark.gpu
 
@@ -117,7 +117,7 @@ def test_merge_kernel_nonfinite_as_combine_splits():
     """The merge kernel against its torch twin decode.combine_splits on sinks +inf, -inf, NaN and
     finite, splits with no key holding NaN, and rows where every split is empty."""
     from flashsink.ops.compile import get_kernel
-    from flashsink.ops.config import KernelConfig
+    from flashsink.ops.config import arch_of
     from flashsink.ops.decode import combine_splits
 
     g = torch.Generator().manual_seed(3)
@@ -129,9 +129,7 @@ def test_merge_kernel_nonfinite_as_combine_splits():
     lse_part[1, :, 2] = float("-inf")  # a row with no key in any split
     o_part[1, :, 2] = float("nan")
     sinks = torch.tensor([float("inf"), float("-inf"), float("nan"), 0.7])
-    cfg = KernelConfig(arch="sm_90a" if torch.cuda.get_device_capability()[0] == 9 else "sm_80",
-                       dtype="float32", head_dim=D, head_dim_v=D, groups=1, causal=True, has_sinks=True,
-                       layout="bhsd")
+    cfg = merge_test_config(arch_of(torch.device("cuda")))
     o = torch.empty(B, H, Sq, D, device="cuda")
     lse = torch.empty(B, H, Sq, device="cuda")
     get_kernel("merge_splits", cfg)(o_part.cuda(), lse_part.cuda(), sinks.cuda(), o, lse)

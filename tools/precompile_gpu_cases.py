@@ -9,7 +9,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
 if __name__ == "__main__":
-    from gpu_cases import case_config, decode_cases, kernel_configs, kvcache_cases, kvcache_config
+    from gpu_cases import case_config, decode_cases, kernel_configs, kvcache_cases, kvcache_config, merge_test_config
 
     from flashsink.ops.precompile import kinds_for, precompile
 
@@ -20,4 +20,5 @@ if __name__ == "__main__":
              if k not in ("fwd_split", "merge_splits", "fwd_kvcache") or cfg in split]
     # attention_kvcache's kernels only for its cases (tests/test_kvcache_gpu.py)
     pairs += [(k, kvcache_config(arch, c)) for c in kvcache_cases() for k in ("fwd_kvcache", "merge_splits")]
+    pairs += [("merge_splits", merge_test_config(arch))]
     sys.exit(1 if precompile([], pairs=pairs) else 0)
