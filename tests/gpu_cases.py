@@ -197,3 +197,62 @@ def varlen_cases() -> list:
 def varlen_kernel_configs(arch: str, precision: str = "strict") -> list:
     return [case_config(arch, c, layout="thd", deterministic=c.deterministic, precision=precision)
             for c in varlen_cases()]
+
+
+# -- attention_kvcache: decode and chunked prefill against a (paged) KV cache --------------------
+
+
+@dataclass(frozen=True)
+class KVCase:
+    heads: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    lengths: tuple  # cache_seqlens, one per batch row
+    page_size: int | None  # None: a contiguous cache [B, S_max, H_kv, D]
+    seq_q: int = 1
+    window: int | None = None
+    sinks: bool = True
+    shared: bool = False  # every row's first pages are row 0's (prefix sharing)
+    name: str = field(default="", compare=False)
+
+
+def kvcache_cases() -> list:
+    """Page sizes 1-256 (and an odd 48), lengths 1..64k in one batch, windows, sinks or none, GQA
+    64/8 and others, D 64/128, bf16/fp16, shared pages, a row shorter than its chunk, a contiguous cache."""
+    mixed = _lens(7, 7, 1, 5000, extra=(1,))
+    return [
+        KVCase(64, 8, 64, BF16, mixed, 16, name="decode-p16"),
+        KVCase(64, 8, 128, F16, (65536, 3, 1000), 256, name="decode-p256-64k"),
+        KVCase(64, 8, 64, BF16, mixed, 32, window=128, name="decode-p32-w128"),
+        KVCase(64, 8, 128, BF16, mixed, 64, sinks=False, name="decode-p64-nosink"),
+        KVCase(64, 8, 64, F16, mixed, 128, shared=True, name="decode-p128-shared"),
+        KVCase(64, 8, 64, BF16, (3000, 777, 2), 48, name="decode-p48"),
+        KVCase(8, 2, 64, BF16, (40, 1, 17), 1, name="decode-p1"),
+        KVCase(16, 1, 128, BF16, (20000, 5), 16, name="decode-mqa"),
+        KVCase(8, 8, 64, F16, (300, 4096), 32, name="decode-mha"),
+        KVCase(64, 8, 64, BF16, (1, 3000, 9000), None, name="decode-contiguous"),
+        KVCase(64, 8, 128, F16, (1, 3000, 9000), None, window=1000, name="decode-contiguous-w1000"),
+        KVCase(64, 8, 64, BF16, (200, 1000), 128, seq_q=64, window=100, name="chunk64-p128-w100"),
+        KVCase(64, 8, 128, BF16, (5, 1500, 64), 16, seq_q=64, shared=True, name="chunk64-p16-short-row"),
+        KVCase(16, 1, 64, F16, (700, 33), 64, seq_q=9, name="chunk9-mqa"),
+        KVCase(8, 2, 128, BF16, (2048, 513), 256, seq_q=300, sinks=False, name="chunk300-p256"),
+        KVCase(12, 4, 64, F16, (4000, 100), None, seq_q=16, window=64, name="chunk16-contiguous"),
+    ]
+
+
+def kvcache_config(arch: str, c):
+    from flashsink.ops.config import SUPPORTED_DTYPES, KernelConfig
+
+    return KernelConfig(
+        arch=arch, dtype=SUPPORTED_DTYPES[c.dtype], head_dim=c.head_dim, head_dim_v=c.head_dim,
+        groups=c.heads // c.kv_heads, causal=True, has_sinks=c.sinks, layout="bshd",
+    )
+
+
+def merge_test_config(arch: str):
+    """The fp32 merge kernel that test_kvcache_gpu.py judges against its torch twin."""
+    from flashsink.ops.config import KernelConfig
+
+    return KernelConfig(arch=arch, dtype="float32", head_dim=64, head_dim_v=64, groups=1, causal=True,
+                        has_sinks=True, layout="bhsd")

@@ -33,10 +33,14 @@ def test_kernel_compiles(arch, kind):
                     "decode on sm_80 runs the regular forward, see test_decode.py")
     # fp16 + D=128 + bshd for the forward so the other dtype, head dim and layout build too.
     over = dict(dtype="float16", head_dim=128, head_dim_v=128, layout="bshd") if kind == "fwd" else {}
+    if kind in ("fwd_kvcache", "merge_splits"):  # attention_kvcache's (q, o in bshd)
+        over = dict(layout="bshd")
     kernel = compile_kernel(kind, _cfg(arch, kind, **over))
     src = kernel.get_kernel_source()
     assert "__global__" in src
-    if kind in ("fwd", "bwd", "dq", "fwd_split"):
+    if kind == "fwd_kvcache":
+        assert "BlockTable[" in src and "SeqLens[" in src  # pages and lengths read on the device
+    if kind in ("fwd", "bwd", "dq", "fwd_split", "fwd_kvcache"):
         # The matrix products use Hopper's warpgroup MMA on sm_90a, and must not on sm_80.
         assert ("wgmma" in src) == (arch == "sm_90a"), f"{kind} on {arch}: wgmma presence is wrong"
 

@@ -152,7 +152,7 @@ def test_decode_uses_the_split_forward(monkeypatch, launches):
     cfg = interface.kernel_config(spec, torch.device("cuda", 0), False)
     sinks32 = interface._sinks_f32(sinks, spec.heads, q.device)
     o, lse = interface._forward(q, k, v, sinks32, cfg, spec, NO_WINDOW)
-    (fw,) = launches
+    fw, merge = launches
     assert fw.kind == "fwd_split" and len(fw.args) == 7
     for got, want in zip(fw.args[:3], (q, k, v)):
         assert same(got, want)
@@ -161,7 +161,56 @@ def test_decode_uses_the_split_forward(monkeypatch, launches):
     n_split = fw.args[5].shape[3]
     check_buffer(fw.args[5], (2, 8, 1, n_split, 64))
     check_buffer(fw.args[6], (2, 8, 1, n_split))
+    # the merge kernel reads the partials and the sinks, writes o (q's layout) and the padded lse
+    assert merge.kind == "merge_splits" and merge.cfg == cfg and len(merge.args) == 5
+    assert same(merge.args[0], fw.args[5]) and same(merge.args[1], fw.args[6]) and same(merge.args[2], sinks32)
+    check_buffer(merge.args[3], q.shape, q.dtype)
+    check_buffer(merge.args[4], (2, 8, 128))
+    assert same(o, merge.args[3]) and same(lse, merge.args[4])
     assert o.shape == q.shape and o.dtype == q.dtype and lse.shape == (2, 8, 128)
+
+
+@pytest.mark.parametrize("paged", [True, False], ids=["paged", "contiguous"])
+@pytest.mark.parametrize("sinks", [True, False], ids=["sink", "nosink"])
+def test_kvcache_launches(monkeypatch, launches, paged, sinks):
+    """attention_kvcache: the paged forward then the merge, nothing else; the caller's cache,
+    lengths and block table in place (a contiguous cache with the identity table [[0], [1], ..])."""
+    from flashsink._validate_kvcache import validate_kvcache
+    from flashsink.ops import kvcache
+
+    _arch(monkeypatch, "sm_90a")
+    monkeypatch.setattr(kvcache, "_PLANS", {})  # plans hold the kernels: fetch the recorder's
+    B, Sq, H, Hk, D = 3, 2, 16, 2, 64
+    q = torch.randn(B, Sq, H, D, dtype=torch.bfloat16)
+    kc = torch.randn(20, 16, Hk, D, dtype=torch.bfloat16) if paged else torch.randn(B, 300, Hk, D, dtype=torch.bfloat16)
+    table = torch.randint(0, 20, (B, 7), dtype=torch.int32) if paged else None
+    lens = torch.tensor([5, 100, 1], dtype=torch.int32)
+    s = torch.randn(H, dtype=torch.bfloat16) if sinks else None
+    spec = validate_kvcache(q, kc, kc, lens, table, s, window=50, scale=None, return_lse=True)
+    o, lse = kvcache.kernel_attention_kvcache(spec, q, kc, kc, lens, table, s, return_lse=True)
+    fw, merge = launches
+    assert fw.kind == "fwd_kvcache" and merge.kind == "merge_splits" and fw.cfg == merge.cfg
+    assert fw.cfg.layout == "bshd" and fw.cfg.causal and fw.cfg.has_sinks == sinks and fw.cfg.groups == 8
+    assert len(fw.args) == 9
+    for got, want in zip(fw.args[:3], (q, kc, kc)):
+        assert same(got, want)
+    if paged:
+        assert same(fw.args[3], table)
+    else:
+        assert torch.equal(fw.args[3], torch.arange(B, dtype=torch.int32).view(B, 1))
+    assert same(fw.args[4], lens)
+    check_scalar(fw.args[5], 50, int)
+    check_scalar(fw.args[6], spec.scale * LOG2E, float)
+    n_split = fw.args[7].shape[3]
+    check_buffer(fw.args[7], (B, H, Sq, n_split, D))
+    check_buffer(fw.args[8], (B, H, Sq, n_split))
+    assert same(merge.args[0], fw.args[7]) and same(merge.args[1], fw.args[8])
+    check_buffer(merge.args[2], (H,))
+    if sinks:
+        assert torch.equal(merge.args[2], s.float())
+    check_buffer(merge.args[3], (B, Sq, H, D), torch.bfloat16)
+    check_buffer(merge.args[4], (B, H, Sq))
+    assert same(o, merge.args[3]) and same(lse, merge.args[4])
 
 
 def _check_backward(launches, cfg, spec, t, lse, dlse, sinks32, result, seq_args, stat_shape, rows_q):

@@ -14,8 +14,8 @@ def test_dry_run_plans_the_product(capsys):
     out = capsys.readouterr().out
     assert rc == 0
     # 2 archs x 2 dtypes x 2 tiles (80 runs on the 128 tile) x 2 ratios x 2 sink modes x 2 (det or not),
-    # each 4 kernels, plus the split-KV forward on sm_90a
-    assert "64 configurations, 296 kernels" in out
+    # each 4 kernels, plus the split-KV forward and its merge on sm_90a
+    assert "64 configurations, 320 kernels" in out
     assert "sm_80-float16-D128x128-G8-causal-nosink-bhsd-det" in out and " dq" in out and " fwd_split" in out
     assert not any(line.startswith("sm_80") and "fwd_split" in line for line in out.splitlines())
 
@@ -26,7 +26,19 @@ def test_dry_run_varlen_adds_the_packed_kernels(capsys):
     out = capsys.readouterr().out
     assert rc == 0
     assert "sm_90a-bfloat16-D64x64-G8-causal-sink-thd" in out
-    assert "2 configurations, 11 kernels" in out  # bhsd: 4 + split-KV; thd: 4
+    assert "2 configurations, 10 kernels" in out  # bhsd: 4 + split-KV and merge; thd: 4
+
+
+@pytest.mark.l0
+def test_dry_run_bshd_adds_the_kvcache_kernels(capsys):
+    """Causal bshd configurations also build attention_kvcache's paged forward (on sm_80 too)."""
+    rc = main(["precompile", "--dry-run", "--arch", "sm_90a", "sm_80", "--dtype", "bf16", "--head-dim", "64",
+               "--groups", "8", "--layout", "bshd"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    lines = {ln.split()[0]: ln.split()[1:] for ln in out.splitlines() if ln.startswith("sm_")}
+    assert lines["sm_90a-bfloat16-D64x64-G8-causal-sink-bshd"][-3:] == ["fwd_split", "fwd_kvcache", "merge_splits"]
+    assert lines["sm_80-bfloat16-D64x64-G8-causal-sink-bshd"][-2:] == ["fwd_kvcache", "merge_splits"]
 
 
 @pytest.mark.boundary

@@ -57,11 +57,37 @@ def _fake_cuda(route: str):
     custom_ops.varlen_bwd.register_kernel("cpu")(lambda *a: custom_ops._varlen_bwd_cuda(*a))
 
 
-def _calls(device: str, b, h, hk, n, d, window, dtype, varlen_seqs: int):
+def _kvcache_calls(device: str, b, h, hk, n, d, page_size, dtype):
+    """Paged decode: one query per row against ``n`` cached keys, pages of ``page_size``."""
+    import flashsink
+    from flashsink import api
+
+    g = torch.Generator().manual_seed(0)
+    pages = -(-n // page_size)
+    kc = torch.randn(b * pages, page_size, hk, d, generator=g).to(device=device, dtype=dtype)
+    q = torch.randn(b, 1, h, d, generator=g).to(device=device, dtype=dtype)
+    table = torch.randperm(b * pages, generator=g).to(device=device, dtype=torch.int32).view(b, pages)
+    lens = torch.full((b,), n, dtype=torch.int32, device=device)
+    sinks = torch.zeros(h, device=device)
+    if device == "cuda":
+        def fwd():
+            with torch.inference_mode():
+                flashsink.attention_kvcache(q, kc, kc, lens, block_table=table, sinks=sinks)
+    else:  # api.attention_kvcache's CUDA branch
+        def fwd():
+            with torch.inference_mode():
+                spec = api.validate_kvcache(q, kc, kc, lens, table, sinks, window=None, scale=None, return_lse=False)
+                api.kernel_attention_kvcache(spec, q, kc, kc, lens, table, sinks, return_lse=False)
+    return {"fwd": fwd}
+
+
+def _calls(device: str, b, h, hk, n, d, window, dtype, varlen_seqs: int, seq_q=None):
     import flashsink
     from flashsink import api, testing
 
-    if varlen_seqs:
+    if seq_q is not None:  # decode: fewer queries than keys, forward only
+        inp = testing.make_inputs(b, h, hk, seq_q, n, d, dtype, device, seed=0)
+    elif varlen_seqs:
         inp = testing.make_inputs(1, h, hk, n, n, d, dtype, device, layout="bshd", seed=0)
         for x in ("q", "k", "v", "do"):
             inp[x] = inp[x][0]
@@ -108,6 +134,8 @@ def _calls(device: str, b, h, hk, n, d, window, dtype, varlen_seqs: int):
             state["o"] = attn(*leaves)
         torch.autograd.grad(state["o"], leaves, do, retain_graph=True)
 
+    if seq_q is not None:
+        return {"fwd": fwd}
     return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd_bwd}
 
 
@@ -143,13 +171,18 @@ def _gpu_us(fn, iters, repeats):
 
 
 PROBLEMS = {
-    # name: B, H, H_kv, N, D, W, dtype, varlen sequences (0: dense)
+    # name: B, H, H_kv, N, D, W (kvcache: page size), dtype, varlen sequences (0: dense) or the kind
     "gptoss-swa": (1, 64, 8, 4096, 64, 128, torch.bfloat16, 0),
     "varlen": (1, 64, 8, 4096, 64, 128, torch.bfloat16, 16),
+    # decode (attention, 1 query against N keys) and paged decode (attention_kvcache, pages of 16)
+    "decode": (8, 64, 8, 4096, 64, None, torch.bfloat16, "decode"),
+    "kvcache": (8, 64, 8, 4096, 64, 16, torch.bfloat16, "kvcache"),
 }
 CPU_PROBLEMS = {  # tiny: CPU fills (synchronous here, queued on CUDA) stay negligible; the Python is the same
     "gptoss-swa": (1, 2, 1, 128, 64, 128, torch.bfloat16, 0),
     "varlen": (1, 2, 1, 128, 64, 128, torch.bfloat16, 4),
+    "decode": (2, 8, 1, 1024, 64, None, torch.bfloat16, "decode"),  # >= 512 keys: the split-KV path
+    "kvcache": (2, 8, 1, 1024, 64, 16, torch.bfloat16, "kvcache"),
 }
 
 
@@ -172,7 +205,12 @@ def main(argv=None):
                                 f" {torch.cuda.get_device_name()}"))
     for name in args.problems.split(","):
         b, h, hk, n, d, w, dt, seqs = table[name]
-        calls = _calls(device, b, h, hk, n, d, w, dt, seqs)
+        if seqs == "kvcache":
+            calls = _kvcache_calls(device, b, h, hk, n, d, w, dt)
+        elif seqs == "decode":
+            calls = _calls(device, b, h, hk, n, d, w, dt, 0, seq_q=1)
+        else:
+            calls = _calls(device, b, h, hk, n, d, w, dt, seqs)
         for mode, fn in calls.items():
             best, med = _host_us(fn, args.iters, args.repeats, device)
             line = f"{name:<11} {mode:<8} host {best:8.1f} us/call (min of {args.repeats}; median {med:.1f})"

@@ -9,7 +9,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
 if __name__ == "__main__":
-    from gpu_cases import case_config, decode_cases, kernel_configs
+    from gpu_cases import case_config, decode_cases, kernel_configs, kvcache_cases, kvcache_config, merge_test_config
 
     from flashsink.ops.precompile import kinds_for, precompile
 
@@ -18,5 +18,8 @@ if __name__ == "__main__":
     # configuration, hence the kernel's cache key, carries the mode), not for every config
     split = {case_config(arch, c, precision=p) for c in decode_cases() for p in ("fast", "strict")}
     pairs = [(k, cfg) for cfg in dict.fromkeys(kernel_configs(arch)) for k in kinds_for(cfg)
-             if k != "fwd_split" or cfg in split]
+             if k not in ("fwd_split", "merge_splits", "fwd_kvcache") or cfg in split]
+    # attention_kvcache's kernels only for its cases (tests/test_kvcache_gpu.py)
+    pairs += [(k, kvcache_config(arch, c)) for c in kvcache_cases() for k in ("fwd_kvcache", "merge_splits")]
+    pairs += [("merge_splits", merge_test_config(arch))]
     sys.exit(1 if precompile([], pairs=pairs) else 0)

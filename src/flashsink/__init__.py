@@ -4,11 +4,11 @@
 """
 
 from . import reference, testing
-from .api import attention, attention_varlen
+from .api import attention, attention_kvcache, attention_varlen
 from .combine import combine
 from .errors import CacheDirError, CompileError
 
 __version__ = "0.1.0"
 
-__all__ = ["attention", "attention_varlen", "combine", "reference", "testing", "__version__"]
+__all__ = ["attention", "attention_kvcache", "attention_varlen", "combine", "reference", "testing", "__version__"]
 __all__ += ["CompileError", "CacheDirError"]

@@ -6,10 +6,12 @@ import torch
 
 from . import reference
 from ._validate import check_flag, validate_attention, validate_varlen
+from ._validate_kvcache import check_cache_values, validate_kvcache
 from .ops.config import PRECISIONS
 from .ops.attention import kernel_attention, kernel_attention_varlen  # registers the ops; never imports tilelang
+from .ops.kvcache import kernel_attention_kvcache
 
-__all__ = ["attention", "attention_varlen"]
+__all__ = ["attention", "attention_kvcache", "attention_varlen"]
 
 
 def _check_flags(return_lse, deterministic) -> None:
@@ -115,3 +117,47 @@ def attention_varlen(
     cu_q = cu_seqlens_q.detach().cpu().tolist()
     cu_k = cu_seqlens_k.detach().cpu().tolist()
     return reference._attention_varlen(q, k, v, cu_q, cu_k, sinks, spec, return_lse=return_lse)
+
+
+def attention_kvcache(
+    q,
+    k_cache,
+    v_cache,
+    cache_seqlens,
+    *,
+    block_table=None,
+    sinks=None,
+    window=None,
+    scale=None,
+    return_lse=False,
+):
+    """Attention of new tokens against a (paged) KV cache: decode and chunked prefill for serving.
+
+    FlashAttention's ``flash_attn_with_kvcache`` semantics, with sinks. Forward only: no autograd
+    (NotImplementedError if an input requires grad while grad mode is on; serve under
+    ``torch.inference_mode()``).
+
+    Args:
+        q: ``[B, S_q, H, D]`` the new tokens' queries (S_q = 1: decode; more: a prefill chunk).
+        k_cache, v_cache: paged ``[num_pages, page_size, H_kv, D]`` (``D_v`` for v) with
+            ``block_table``, or contiguous ``[B, S_max, H_kv, D]`` without. The new tokens' keys and
+            values are already written to the cache.
+        cache_seqlens: int32 ``[B]``: batch row b sees the first ``cache_seqlens[b]`` cached keys,
+            its S_q queries being the last S_q of them (causal, bottom-right aligned).
+        block_table: int32 ``[B, max_pages]``: key j of row b is row ``j % page_size`` of page
+            ``block_table[b, j // page_size]``; entries past a row's last used page are ignored.
+        sinks: ``[H]`` sink logits or None. window: keys ``[i-W+1, i]``. scale: default 1/sqrt(D).
+        return_lse: also return the natural-log LSE (sink included), float32 ``[B, H, S_q]``.
+
+    Returns o ``[B, S_q, H, D_v]`` in q's dtype (and lse). Off CUDA this is
+    :func:`flashsink.reference.attention_kvcache`, which checks the values of ``cache_seqlens`` and
+    ``block_table`` on the host (ValueError); on CUDA the kernels check them on the device (no host
+    sync) and write NaN to the rows of a batch row whose length, or a used page index, is out of range.
+    """
+    spec = validate_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, sinks, window=window, scale=scale,
+                            return_lse=return_lse)
+    if q.is_cuda:
+        return kernel_attention_kvcache(spec, q, k_cache, v_cache, cache_seqlens, block_table, sinks,
+                                        return_lse=return_lse)
+    lengths, pages = check_cache_values(spec, cache_seqlens, block_table)
+    return reference._attention_kvcache(q, k_cache, v_cache, lengths, pages, sinks, spec, return_lse=return_lse)

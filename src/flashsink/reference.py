@@ -28,8 +28,9 @@ from __future__ import annotations
 import torch
 
 from ._validate import AttnSpec, check_flag, validate_attention, validate_varlen
+from ._validate_kvcache import KVCacheSpec, check_cache_values, validate_kvcache
 
-__all__ = ["attention", "attention_varlen", "visible_mask"]
+__all__ = ["attention", "attention_kvcache", "attention_varlen", "gather_kvcache", "visible_mask"]
 
 
 def visible_mask(seq_q: int, seq_kv: int, *, window: int | None, causal: bool, device=None) -> torch.Tensor:
@@ -217,3 +218,66 @@ def attention_varlen(
     cu_q = cu_seqlens_q.detach().cpu().tolist()
     cu_k = cu_seqlens_k.detach().cpu().tolist()
     return _attention_varlen(q, k, v, cu_q, cu_k, sinks, spec, return_lse=return_lse, compute_dtype=compute_dtype)
+
+
+def gather_kvcache(cache: torch.Tensor, length: int, pages: list[int] | None = None, row: int = 0) -> torch.Tensor:
+    """The first ``length`` cached rows of one sequence, contiguous ``[length, H_kv, D]``: from its
+    ``pages`` of a paged cache ``[num_pages, page_size, H_kv, D]``, or from batch ``row`` of a
+    contiguous one ``[B, S_max, H_kv, D]`` (``pages=None``)."""
+    if pages is None:
+        return cache[row, :length]
+    index = torch.tensor(pages, dtype=torch.long, device=cache.device)
+    return cache[index].flatten(0, 1)[:length]
+
+
+def _attention_kvcache(q, k_cache, v_cache, lengths, pages, sinks, spec: KVCacheSpec, *, return_lse,
+                       compute_dtype=None):
+    """KV-cache reference on a validated problem: gather each sequence's keys, then the dense
+    reference (causal, bottom-right aligned: the S_q queries are the last S_q of the sequence)."""
+    cdt = _compute_dtype(q.dtype, compute_dtype)
+    outs, lses = [], []
+    for b, n in enumerate(lengths):
+        k = gather_kvcache(k_cache, n, None if pages is None else pages[b], b).unsqueeze(0)
+        v = gather_kvcache(v_cache, n, None if pages is None else pages[b], b).unsqueeze(0)
+        sub = AttnSpec(
+            batch=1, heads=spec.heads, kv_heads=spec.kv_heads, seq_q=spec.seq_q, seq_kv=n,
+            head_dim=spec.head_dim, head_dim_v=spec.head_dim_v, window=spec.window, causal=True,
+            scale=spec.scale, layout="bshd", dtype=spec.dtype, has_sinks=spec.has_sinks,
+        )
+        o, lse = _attention(q[b : b + 1], k, v, sinks, sub, return_lse=True, compute_dtype=cdt)
+        outs.append(o)
+        lses.append(lse)
+    if outs:
+        o, lse = torch.cat(outs), torch.cat(lses)
+    else:  # an empty batch
+        o = q.new_zeros(0, spec.seq_q, spec.heads, spec.head_dim_v)
+        lse = torch.zeros(0, spec.heads, spec.seq_q, dtype=_lse_dtype(cdt), device=q.device)
+    return (o, lse) if return_lse else o
+
+
+def attention_kvcache(
+    q,
+    k_cache,
+    v_cache,
+    cache_seqlens,
+    *,
+    block_table=None,
+    sinks=None,
+    window=None,
+    scale=None,
+    return_lse=False,
+    compute_dtype=None,
+):
+    """Attention against a (paged) KV cache in plain PyTorch: ``flashsink.attention_kvcache``'s
+    reference (forward only, like it). Batch row b's ``S_q`` queries are the last ``S_q`` tokens
+    of a sequence whose first ``cache_seqlens[b]`` keys are in the cache (causal, bottom-right
+    aligned). Paged caches are ``[num_pages, page_size, H_kv, D]`` with ``block_table`` int32
+    ``[B, max_pages]``; contiguous ones ``[B, S_max, H_kv, D]``. The values of ``cache_seqlens``
+    and of the used block-table entries are checked here (ValueError). Returns o ``[B, S_q, H,
+    D_v]`` in q's dtype and, with ``return_lse``, lse ``[B, H, S_q]`` (float32, or float64 when
+    computing in float64)."""
+    spec = validate_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, sinks, window=window, scale=scale,
+                            return_lse=return_lse)
+    lengths, pages = check_cache_values(spec, cache_seqlens, block_table)
+    return _attention_kvcache(q, k_cache, v_cache, lengths, pages, sinks, spec, return_lse=return_lse,
+                              compute_dtype=compute_dtype)

@@ -27,6 +27,15 @@ def _split_kv(cfg: KernelConfig) -> bool:
     return cfg.hopper and cfg.layout != "thd" and cfg.groups <= SPLIT_ROWS
 
 
+def _kvcache(cfg: KernelConfig) -> bool:
+    """Configurations ``attention_kvcache`` builds (``ops/kvcache.py``): causal bshd, the kernels'
+    head dims, at KernelConfig's default precision and not deterministic (its kernels read neither)."""
+    from .kvcache import KVCACHE_HEAD_DIMS  # at call time: kvcache imports compile, which imports this
+
+    return (cfg.layout == "bshd" and cfg.causal and not cfg.deterministic and cfg.head_dim in KVCACHE_HEAD_DIMS
+            and cfg.head_dim_v in KVCACHE_HEAD_DIMS and cfg.precision == KernelConfig.precision)
+
+
 @dataclasses.dataclass(frozen=True)
 class Kind:
     builder: str  # "module.function" in flashsink.ops
@@ -49,6 +58,10 @@ KINDS: dict = {
     "postprocess": Kind("bwd.build_postprocess", None, lambda cfg: not cfg.deterministic,
                         ignores=("deterministic", "precision")),
     "fwd_split": Kind("fwd_split.build_fwd_split", split_tiles, _split_kv, ignores=("deterministic", "precision")),
+    "fwd_kvcache": Kind("fwd_kvcache.build_fwd_kvcache", split_tiles, _kvcache, ignores=("deterministic", "precision")),
+    # merges the split-KV partials (decode through attention, and attention_kvcache)
+    "merge_splits": Kind("merge_splits.build_merge_splits", None, lambda cfg: _split_kv(cfg) or _kvcache(cfg),
+                         ignores=("deterministic", "precision")),
 }
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(KernelConfig) if f.default is not dataclasses.MISSING}

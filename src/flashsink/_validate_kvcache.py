@@ -1,0 +1,168 @@
+"""Argument validation of ``attention_kvcache`` (decode and chunked prefill against a KV cache).
+
+Two kinds of checks:
+
+- :func:`validate_kvcache`: types, shapes, dtypes and devices, read from the tensors' metadata
+  only (no host sync), on every device;
+- :func:`check_cache_values`: the *values* of ``cache_seqlens`` and of the block-table entries a
+  sequence uses, read on the host. The reference (every device but CUDA) runs it; on CUDA the
+  kernels check the same conditions on the device instead (``ops/kvcache.py``), so a serving step
+  never waits for the host.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ._validate import _check_heads, _check_options, _check_same_dtype_device, _check_sinks, _check_tensor, _shape
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """Static description of one ``attention_kvcache`` problem.
+
+    A contiguous cache ``[B, S_max, H_kv, D]`` is described as a paged one with ``B`` pages of
+    ``S_max`` rows and one page per sequence (``paged=False``, ``max_pages=1``): batch row b's
+    page is page b.
+    """
+
+    batch: int
+    heads: int
+    kv_heads: int
+    seq_q: int
+    head_dim: int
+    head_dim_v: int
+    window: int | None
+    scale: float
+    dtype: torch.dtype
+    has_sinks: bool
+    paged: bool
+    num_pages: int
+    page_size: int
+    max_pages: int
+
+    @property
+    def groups(self) -> int:
+        return self.heads // self.kv_heads
+
+    @property
+    def capacity(self) -> int:
+        """Most keys one sequence can hold (``cache_seqlens`` must not exceed it)."""
+        return self.max_pages * self.page_size
+
+
+def _check_int_tensor(name: str, t, dims: int, what: str, device) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of int32 {what}, got {type(t).__name__}")
+    if t.dtype != torch.int32:
+        raise TypeError(f"{name} must have dtype int32 (the kernels read it on the device), got {t.dtype}; "
+                        f"convert it once with .to(torch.int32)")
+    if t.dim() != dims:
+        raise ValueError(f"{name} must be {dims}-D {what}, got {t.dim()}-D shape {_shape(t)}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on the same device as q ({device}), got {t.device}")
+
+
+def _check_no_grad(q, k_cache, v_cache, sinks) -> None:
+    if not torch.is_grad_enabled():
+        return
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("sinks", sinks)):
+        if t is not None and t.requires_grad:
+            raise NotImplementedError(
+                f"attention_kvcache is forward only (serving: decode and chunked prefill) and tracks no "
+                f"gradients, but {name} requires grad; call it under torch.no_grad() or "
+                f"torch.inference_mode() (or pass {name}.detach()), or use flashsink.attention for training"
+            )
+
+
+def validate_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, sinks, *, window, scale,
+                     return_lse) -> KVCacheSpec:
+    """Check the arguments of ``attention_kvcache`` from metadata alone; return the :class:`KVCacheSpec`.
+
+    q ``[B, S_q, H, D]``; with ``block_table`` (int32 ``[B, max_pages]``) the caches are
+    ``[num_pages, page_size, H_kv, D]`` / ``[.., D_v]``, else ``[B, S_max, H_kv, D]``;
+    ``cache_seqlens`` int32 ``[B]``.
+    """
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        _check_tensor(name, t)
+    if sinks is not None:
+        _check_tensor("sinks", sinks)
+    _check_options(window, True, scale)
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__} ({return_lse!r})")
+    if q.dim() != 4:
+        raise ValueError(f"q must be 4-D [B, S_q, H, D], got {q.dim()}-D shape {_shape(q)}")
+    paged = block_table is not None
+    what = "[num_pages, page_size, H_kv, D]" if paged else "[B, S_max, H_kv, D]"
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dim() != 4:
+            raise ValueError(
+                f"{name} must be 4-D {what} ({'paged: block_table given' if paged else 'no block_table'}), "
+                f"got {t.dim()}-D shape {_shape(t)}"
+            )
+    try:
+        _check_same_dtype_device(q, k_cache, v_cache)
+    except ValueError as exc:
+        raise ValueError(str(exc).replace("q, k and v", "q, k_cache and v_cache")) from None
+    b, sq, h, d = q.shape
+    n0, rows, hk, dk = k_cache.shape
+    if tuple(v_cache.shape[:3]) != (n0, rows, hk):
+        raise ValueError(f"v_cache must match k_cache in its first three dims {what}: "
+                         f"k_cache {_shape(k_cache)}, v_cache {_shape(v_cache)}")
+    if dk != d:
+        raise ValueError(f"k_cache head_dim ({dk}) must equal q head_dim ({d}); q {_shape(q)}, k_cache {_shape(k_cache)}")
+    _check_heads(h, hk, d, v_cache.shape[3], lambda: f"q {_shape(q)}, k_cache {_shape(k_cache)}")
+    _check_sinks(sinks, h, q.device)
+    _check_int_tensor("cache_seqlens", cache_seqlens, 1, "[B] (keys in the cache per batch row)", q.device)
+    if cache_seqlens.shape[0] != b:
+        raise ValueError(f"cache_seqlens must have one entry per batch row of q ([{b}]), got shape {_shape(cache_seqlens)}")
+    if paged:
+        _check_int_tensor("block_table", block_table, 2, "[B, max_pages] (page indices per batch row)", q.device)
+        if block_table.shape[0] != b or block_table.shape[1] < 1:
+            raise ValueError(f"block_table must be [B, max_pages] = [{b}, >= 1], got shape {_shape(block_table)}")
+        if rows < 1:
+            raise ValueError(f"page_size (k_cache.shape[1]) must be >= 1, got k_cache {_shape(k_cache)}")
+        num_pages, page_size, max_pages = n0, rows, block_table.shape[1]
+    else:
+        if n0 != b:
+            raise ValueError(f"k_cache batch ({n0}) must equal q batch ({b}) for a contiguous cache "
+                             f"[B, S_max, H_kv, D] (pass block_table for a paged one); k_cache {_shape(k_cache)}")
+        num_pages, page_size, max_pages = b, rows, 1
+    _check_no_grad(q, k_cache, v_cache, sinks)
+    return KVCacheSpec(
+        batch=b, heads=h, kv_heads=hk, seq_q=sq, head_dim=d, head_dim_v=v_cache.shape[3],
+        window=None if window is None else int(window),
+        scale=1.0 / math.sqrt(d) if scale is None else float(scale),
+        dtype=q.dtype, has_sinks=sinks is not None, paged=paged,
+        num_pages=num_pages, page_size=page_size, max_pages=max_pages,
+    )
+
+
+def check_cache_values(spec: KVCacheSpec, cache_seqlens, block_table) -> tuple[list[int], list[list[int]] | None]:
+    """The values, read on the host (one copy each): ``0 <= cache_seqlens[b] <= capacity``, and the
+    block-table entries of the pages a sequence uses (the first ``ceil(cache_seqlens[b] /
+    page_size)``) in ``[0, num_pages)``; entries past them are padding and may hold anything.
+    Returns the lengths and the used pages per row (None for a contiguous cache)."""
+    lengths = cache_seqlens.detach().cpu().tolist()
+    for i, n in enumerate(lengths):
+        if not 0 <= n <= spec.capacity:
+            where = (f"max_pages * page_size = {spec.max_pages} * {spec.page_size}" if spec.paged
+                     else f"S_max = k_cache.shape[1]")
+            raise ValueError(f"cache_seqlens[{i}] = {n} must be in [0, {spec.capacity}] ({where})")
+    if block_table is None:
+        return lengths, None
+    table = block_table.detach().cpu().tolist()
+    pages = []
+    for i, n in enumerate(lengths):
+        used = table[i][: -(-n // spec.page_size)]
+        for j, p in enumerate(used):
+            if not 0 <= p < spec.num_pages:
+                raise ValueError(
+                    f"block_table[{i}, {j}] = {p} must be a page index in [0, {spec.num_pages}) "
+                    f"(k_cache.shape[0]): batch row {i} holds {n} keys, so it uses its first {len(used)} pages"
+                )
+        pages.append(used)
+    return lengths, pages

@@ -1,0 +1,157 @@
+"""Split-KV forward against a paged KV cache (``attention_kvcache``: decode and chunked prefill).
+
+The split-KV kernel of ``fwd_split.py`` with the keys read through a block table:
+
+- key ``j`` of batch row ``b`` is row ``j % page_size`` of page ``BlockTable[b, j // page_size]``;
+  the address is computed per key row (a gather into shared memory), so one kernel serves every
+  page size (a runtime value, like the lengths) and a key tile may span several pages. (A tile
+  copy per page would need ``page_size`` to be a multiple of the tile and a kernel per page-size
+  class; TMA needs an affine tile. The per-row gather has neither constraint, and decode reads each
+  key once, so it is bound by bytes, not by how they are addressed.) A contiguous cache ``[B,
+  S_max, H_kv, D]`` is the same kernel with B pages of S_max rows and the block table ``[[0], [1],
+  ...]``.
+- each batch row has its own length, ``SeqLens[b]``, read on the device: one launch serves a batch
+  of sequences of different lengths (``seq_q`` new tokens each, the last ``seq_q`` of the row).
+- rows are packed query-major, ``p = r * groups + g``: a tile holds all heads of a GQA group for
+  consecutive query rows, so each K/V tile is read once per group and a chunk's rows have a tight
+  key range.
+- checks on the device, instead of on the host (no sync): a length outside ``[0, max_pages *
+  page_size]`` gives NaN partials for the whole row (nothing is read); a used page index outside
+  ``[0, num_pages)`` reads page 0 instead and turns its keys into NaN, so every query row that sees
+  such a key gets NaN (o and lse). Nothing is ever read out of bounds.
+
+Partials (fp32 o and natural-log LSE without the sink, one per split) are merged by
+``merge_splits.py``.
+"""
+
+import tilelang.language as T
+
+from . import softmax
+from .block_range import kv_blocks_for_rows
+from .config import KernelConfig, split_tiles
+from .mask import visible
+
+NAN = float("nan")
+
+
+def build_fwd_kvcache(cfg: KernelConfig):
+    t = split_tiles(cfg)
+    bm, bn = t.block_m, t.block_n
+    dim, dim_v, groups = cfg.head_dim, cfg.head_dim_v, cfg.groups
+    dtype, accum = cfg.dtype, "float32"
+    batch, heads, seq_q, num_pages, page_size, max_pages, n_splits = T.dynamic(
+        "batch, heads, seq_q, num_pages, page_size, max_pages, n_splits"
+    )
+    heads_kv = heads // groups
+    n_rows = groups * seq_q  # packed rows per (batch row, KV head)
+    m_tiles = T.ceildiv(n_rows, bm)
+
+    @T.prim_func
+    def flashsink_fwd_kvcache(
+        Q: T.Tensor([batch, seq_q, heads, dim], dtype),
+        K: T.Tensor([num_pages, page_size, heads_kv, dim], dtype),
+        V: T.Tensor([num_pages, page_size, heads_kv, dim_v], dtype),
+        BlockTable: T.Tensor([batch, max_pages], "int32"),
+        SeqLens: T.Tensor([batch], "int32"),
+        window: T.int32,
+        scale_log2: T.float32,
+        OPart: T.Tensor([batch, heads, seq_q, n_splits, dim_v], accum),
+        LSEPart: T.Tensor([batch, heads, seq_q, n_splits], accum),
+    ):
+        with T.Kernel(n_splits * m_tiles, heads_kv, batch, threads=t.threads) as (bx, kv_head, b):
+            q_s = T.alloc_shared([bm, dim], dtype)
+            k_s = T.alloc_shared([bn, dim], dtype)
+            v_s = T.alloc_shared([bn, dim_v], dtype)
+            acc_s = T.alloc_fragment([bm, bn], accum)
+            p = T.alloc_fragment([bm, bn], dtype)
+            acc_o = T.alloc_fragment([bm, dim_v], accum)
+            m = T.alloc_fragment([bm], accum)
+            m_prev = T.alloc_fragment([bm], accum)
+            alpha = T.alloc_fragment([bm], accum)
+            row_sum = T.alloc_fragment([bm], accum)
+            l = T.alloc_fragment([bm], accum)
+            lse = T.alloc_fragment([bm], accum)
+
+            # truncated division (C's / and %) wherever the operands are >= 0: floor division's sign
+            # fix-ups are otherwise repeated in every expression that uses the result
+            split = T.truncmod(bx, n_splits)
+            p0 = T.truncdiv(bx, n_splits) * bm  # first packed row of this tile
+            stored = SeqLens[b]
+            bad_len = (stored < 0) | (stored > max_pages * page_size)
+            seq_kv = T.if_then_else(bad_len, 0, stored)
+            # (no Python names for per-element expressions inside T.Parallel: a name becomes a Let
+            # binding, which the sm_80 code generator refuses to see bound twice; hence the helpers)
+            for r, d in T.Parallel(bm, dim):
+                q_s[r, d] = T.if_then_else(
+                    p0 + r < n_rows, Q[b, (p0 + r) // groups, kv_head * groups + (p0 + r) % groups, d], T.cast(0, dtype)
+                )
+            T.fill(acc_o, 0)
+            softmax.init_state(m, l, None, 0, bm, False)
+            first_row = p0 // groups
+            last_row = (T.min(p0 + bm, n_rows) - 1) // groups
+            lo, hi = kv_blocks_for_rows(first_row, last_row - first_row + 1, bn, seq_q, seq_kv, window, True)
+            per = T.ceildiv(hi - lo, n_splits)
+            my_lo = T.min(hi, lo + split * per)
+            my_hi = T.min(hi, my_lo + per)
+
+            for kb in T.Pipelined(my_lo, my_hi, num_stages=t.stages):
+                key0 = kb * bn
+                for r, d in T.Parallel(bn, dim):
+                    k_s[r, d] = T.if_then_else(
+                        key0 + r < seq_kv,
+                        T.if_then_else(
+                            _page_ok(BlockTable, b, key0 + r, page_size, max_pages, num_pages),
+                            K[_page(BlockTable, b, key0 + r, page_size, max_pages, num_pages),
+                              T.truncmod(key0 + r, page_size), kv_head, d],
+                            T.cast(NAN, dtype),
+                        ),
+                        T.cast(0, dtype),
+                    )
+                T.clear(acc_s)
+                T.gemm(q_s, k_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                for i, j in T.Parallel(bm, bn):
+                    acc_s[i, j] = T.if_then_else(
+                        (p0 + i < n_rows) & visible((p0 + i) // groups, key0 + j, seq_q, seq_kv, window, True),
+                        acc_s[i, j] * scale_log2,
+                        -T.infinity(accum),
+                    )
+                for r, d in T.Parallel(bn, dim_v):
+                    v_s[r, d] = T.if_then_else(
+                        key0 + r < seq_kv,
+                        V[_page(BlockTable, b, key0 + r, page_size, max_pages, num_pages),
+                          T.truncmod(key0 + r, page_size), kv_head, d],
+                        T.cast(0, dtype),
+                    )
+                softmax.update(acc_s, acc_o, m, m_prev, alpha, row_sum, l, bm, bn, dim_v)
+                T.copy(acc_s, p)
+                T.gemm(p, v_s, acc_o, policy=T.GemmWarpPolicy.FullRow)
+
+            softmax.finalize(acc_o, m, l, lse, bm, dim_v)
+            for r, d in T.Parallel(bm, dim_v):
+                if p0 + r < n_rows:
+                    OPart[b, kv_head * groups + (p0 + r) % groups, (p0 + r) // groups, split, d] = T.if_then_else(
+                        bad_len, NAN, acc_o[r, d]
+                    )
+            for r in T.Parallel(bm):
+                if p0 + r < n_rows:
+                    LSEPart[b, kv_head * groups + (p0 + r) % groups, (p0 + r) // groups, split] = T.if_then_else(
+                        bad_len, NAN, lse[r]
+                    )
+
+    return flashsink_fwd_kvcache
+
+
+def _entry(table, b, key, page_size, max_pages):
+    """The block-table entry of ``key`` (the index clamped into the table, for keys past the end)."""
+    return table[b, T.min(T.truncdiv(key, page_size), max_pages - 1)]
+
+
+def _page_ok(table, b, key, page_size, max_pages, num_pages):
+    e = _entry(table, b, key, page_size, max_pages)
+    return (e >= 0) & (e < num_pages)
+
+
+def _page(table, b, key, page_size, max_pages, num_pages):
+    """The page of ``key``; page 0 for an index out of range (its keys are NaN, see ``_page_ok``)."""
+    return T.if_then_else(_page_ok(table, b, key, page_size, max_pages, num_pages),
+                          _entry(table, b, key, page_size, max_pages), 0)

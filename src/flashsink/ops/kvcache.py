@@ -1,0 +1,118 @@
+"""``flashsink.attention_kvcache`` on CUDA tensors: two launches and nothing else on the hot path.
+
+The split-KV forward against the paged cache (``fwd_kvcache.py``) writes fp32 partials, and the
+merge kernel (``merge_splits.py``) applies the sink and writes o and lse. Per call the host does
+the metadata checks (``_validate_kvcache``), dict lookups for the configuration and the kernels,
+three ``torch.empty`` and the two launches: no host sync, no value read, no torch op that a CUDA
+graph would hide. A contiguous cache ``[B, S_max, H_kv, D]`` runs the same kernel as B pages of
+S_max rows with the identity block table (cached per batch size and device).
+
+Checked where: types, shapes, dtypes, devices and contiguity on the host, from metadata; the
+values of ``cache_seqlens`` (``0 <= n <= max_pages * page_size``) and of the used block-table
+entries (``0 <= page < num_pages``) in the kernel, which never reads out of bounds and writes NaN
+instead (``fwd_kvcache.py`` says where). Nothing here imports tilelang.
+"""
+
+import math
+
+import torch
+
+from .compile import get_kernel
+from .config import LOG2E, NO_WINDOW, SUPPORTED_DTYPES, KernelConfig, arch_of, split_tiles
+
+#: head dims with kvcache kernels (the cache is never padded: that would copy it every call)
+KVCACHE_HEAD_DIMS = (64, 128)
+
+_PLANS: dict = {}  # static facts -> (cfg, forward kernel, merge kernel, tiles)
+_IDENTITY: dict = {}  # (batch, device) -> int32 [[0], [1], .., [B-1]]
+_NO_SINKS: dict = {}  # (heads, device) -> an fp32 [H] the merge kernel does not read without sinks
+
+
+def check_supported(spec, k_cache, v_cache) -> None:
+    if spec.dtype not in SUPPORTED_DTYPES:
+        raise NotImplementedError(
+            f"attention_kvcache kernels support float16 and bfloat16 on CUDA; got {spec.dtype}. "
+            "Use flashsink.reference.attention_kvcache for other dtypes."
+        )
+    for name, d in (("q/k_cache", spec.head_dim), ("v_cache", spec.head_dim_v)):
+        if d not in KVCACHE_HEAD_DIMS:
+            raise NotImplementedError(
+                f"attention_kvcache kernels support head dims {KVCACHE_HEAD_DIMS} on CUDA; the {name} head dim is {d}"
+            )
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not t.is_contiguous():
+            raise NotImplementedError(
+                f"attention_kvcache kernels address {name} as a dense (contiguous) array on CUDA, got strides "
+                f"{tuple(t.stride())} for shape {tuple(t.shape)}; allocate the cache contiguous once (a copy per "
+                "call would cost a read and a write of the whole cache)"
+            )
+
+
+def _plan(spec, device):
+    arch = arch_of(device)
+    key = (arch, spec.dtype, spec.head_dim, spec.head_dim_v, spec.groups, spec.has_sinks)
+    plan = _PLANS.get(key)
+    if plan is None:
+        cfg = KernelConfig(
+            arch=arch, dtype=SUPPORTED_DTYPES[spec.dtype], head_dim=spec.head_dim, head_dim_v=spec.head_dim_v,
+            groups=spec.groups, causal=True, has_sinks=spec.has_sinks, layout="bshd",
+        )
+        plan = _PLANS[key] = (cfg, get_kernel("fwd_kvcache", cfg), get_kernel("merge_splits", cfg), split_tiles(cfg))
+    return plan
+
+
+def _identity(batch: int, device):
+    key = (batch, device)
+    t = _IDENTITY.get(key)
+    if t is None:
+        t = _IDENTITY[key] = torch.arange(batch, dtype=torch.int32, device=device).view(batch, 1)
+    return t
+
+
+def _no_sinks(heads: int, device):
+    key = (heads, device)
+    t = _NO_SINKS.get(key)
+    if t is None:
+        t = _NO_SINKS[key] = torch.zeros(heads, dtype=torch.float32, device=device)
+    return t
+
+
+def n_splits_for(spec, tiles, sm_count: int) -> int:
+    """Splits of each row's keys: enough programs for about two waves, at least four key tiles
+    each, sized by the capacity (the lengths stay on the device); a shorter row's splits just get
+    fewer tiles, and a split with none writes lse = -inf, which the merge ignores."""
+    m_tiles = -(-spec.groups * spec.seq_q // tiles.block_m)
+    programs = m_tiles * spec.batch * spec.kv_heads
+    blocks = -(-spec.capacity // tiles.block_n)
+    return max(1, min(math.ceil(2 * sm_count / programs), blocks // 4))
+
+
+def kernel_attention_kvcache(spec, q, k_cache, v_cache, cache_seqlens, block_table, sinks, *, return_lse):
+    """Run validated inputs through the kernels (forward only)."""
+    from .interface import _sm_count
+
+    check_supported(spec, k_cache, v_cache)
+    dev = q.device
+    B, Sq, H, Dv = spec.batch, spec.seq_q, spec.heads, spec.head_dim_v
+    o = torch.empty((B, Sq, H, Dv), dtype=q.dtype, device=dev)
+    lse = torch.empty((B, H, Sq), dtype=torch.float32, device=dev)
+    if B == 0 or Sq == 0:
+        return (o, lse) if return_lse else o
+    cfg, fwd, merge, tiles = _plan(spec, dev)
+    if block_table is None:
+        block_table = _identity(B, dev)
+    q = q if q.is_contiguous() else q.contiguous()
+    block_table = block_table if block_table.is_contiguous() else block_table.contiguous()
+    lengths = cache_seqlens if cache_seqlens.is_contiguous() else cache_seqlens.contiguous()
+    if sinks is None:
+        sinks32 = _no_sinks(H, dev)
+    else:
+        sinks32 = sinks if sinks.dtype == torch.float32 and sinks.is_contiguous() else sinks.to(torch.float32).contiguous()
+    S = n_splits_for(spec, tiles, _sm_count(dev.index if dev.index is not None else torch.cuda.current_device()))
+    part = torch.empty(B * H * Sq * S * (Dv + 1), dtype=torch.float32, device=dev)
+    o_part = part[: B * H * Sq * S * Dv].view(B, H, Sq, S, Dv)
+    lse_part = part[B * H * Sq * S * Dv :].view(B, H, Sq, S)
+    window = NO_WINDOW if spec.window is None else min(spec.window, NO_WINDOW)
+    fwd(q, k_cache, v_cache, block_table, lengths, window, spec.scale * LOG2E, o_part, lse_part)
+    merge(o_part, lse_part, sinks32, o, lse)
+    return (o, lse) if return_lse else o
