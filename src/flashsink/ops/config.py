@@ -122,9 +122,11 @@ MAX_BWD_SPLIT = 8
 def bwd_split(cfg: KernelConfig) -> int:
     """Programs per (KV tile, KV head) of the ``bwd_split`` kernel (``bwd.build_bwd``), each
     streaming ``groups / split`` query heads: the largest divisor of the group up to
-    MAX_BWD_SPLIT. 1 (no split kernel) for MQA-free groups of one head, deterministic
-    configurations (its dK/dV are fp32 atomics) and head_dim != head_dim_v (one cast kernel)."""
-    if cfg.deterministic or cfg.head_dim != cfg.head_dim_v or not cfg.hopper:
+    MAX_BWD_SPLIT. 1 (no split kernel) for groups of one head, strict and deterministic
+    configurations (its dK/dV are fp32 atomics, so not bitwise reproducible; strict keeps dK/dV
+    reproducible as before), head_dim != head_dim_v (one cast kernel) and off Hopper (measured there
+    only)."""
+    if cfg.deterministic or cfg.precision != "fast" or cfg.head_dim != cfg.head_dim_v or not cfg.hopper:
         return 1
     return max(d for d in range(1, MAX_BWD_SPLIT + 1) if cfg.groups % d == 0)
 

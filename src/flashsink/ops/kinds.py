@@ -28,12 +28,17 @@ def _split_kv(cfg: KernelConfig) -> bool:
 
 
 def _kvcache(cfg: KernelConfig) -> bool:
-    """Configurations ``attention_kvcache`` builds (``ops/kvcache.py``): causal bshd, the kernels'
-    head dims, at KernelConfig's default precision and not deterministic (its kernels read neither)."""
+    """Configurations ``attention_kvcache`` runs with (``ops/kvcache.py``): causal bshd, the kernels'
+    head dims, not deterministic. Its kernels are not launched by attention's forward or backward, so
+    a first use does not build them; ``flashsink precompile`` does (:func:`precompile_kinds`)."""
     from .kvcache import KVCACHE_HEAD_DIMS  # at call time: kvcache imports compile, which imports this
 
     return (cfg.layout == "bshd" and cfg.causal and not cfg.deterministic and cfg.head_dim in KVCACHE_HEAD_DIMS
-            and cfg.head_dim_v in KVCACHE_HEAD_DIMS and cfg.precision == KernelConfig.precision)
+            and cfg.head_dim_v in KVCACHE_HEAD_DIMS)
+
+
+def _never(cfg: KernelConfig) -> bool:
+    return False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,10 +63,9 @@ KINDS: dict = {
     "postprocess": Kind("bwd.build_postprocess", None, lambda cfg: not cfg.deterministic,
                         ignores=("deterministic", "precision")),
     "fwd_split": Kind("fwd_split.build_fwd_split", split_tiles, _split_kv, ignores=("deterministic", "precision")),
-    "fwd_kvcache": Kind("fwd_kvcache.build_fwd_kvcache", split_tiles, _kvcache, ignores=("deterministic", "precision")),
+    "fwd_kvcache": Kind("fwd_kvcache.build_fwd_kvcache", split_tiles, _never, ignores=("deterministic", "precision")),
     # merges the split-KV partials (decode through attention, and attention_kvcache)
-    "merge_splits": Kind("merge_splits.build_merge_splits", None, lambda cfg: _split_kv(cfg) or _kvcache(cfg),
-                         ignores=("deterministic", "precision")),
+    "merge_splits": Kind("merge_splits.build_merge_splits", None, _split_kv, ignores=("deterministic", "precision")),
 }
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(KernelConfig) if f.default is not dataclasses.MISSING}
@@ -70,6 +74,13 @@ _DEFAULTS = {f.name: f.default for f in dataclasses.fields(KernelConfig) if f.de
 def kinds_for(cfg: KernelConfig) -> tuple:
     """The kernels one configuration's forward and backward launch."""
     return tuple(name for name, kind in KINDS.items() if kind.needed(cfg))
+
+
+def precompile_kinds(cfg: KernelConfig) -> tuple:
+    """What ``flashsink precompile`` builds for ``cfg``: :func:`kinds_for`, and attention_kvcache's
+    kernels where that configuration serves it."""
+    extra = ("fwd_kvcache", "merge_splits") if _kvcache(cfg) else ()
+    return tuple(dict.fromkeys(kinds_for(cfg) + extra))
 
 
 def canonical(name: str, cfg: KernelConfig) -> KernelConfig:

@@ -15,8 +15,8 @@ import time
 from . import compile as _compile
 from . import diskcache
 from .compile import KINDS
-from .config import KernelConfig, bwd_split
-from .kinds import canonical, kinds_for
+from .config import PRECISIONS, KernelConfig, bwd_split
+from .kinds import canonical, kinds_for, precompile_kinds
 
 __all__ = ["compile_parallel", "kinds_for", "precompile"]
 
@@ -66,7 +66,7 @@ def precompile(configs, *, kinds=None, jobs=None, out=sys.stderr, pairs=()) -> l
     plus the explicit ``(kind, config)`` ``pairs``); returns the failures (empty when all built)."""
     todo = []
     for cfg in dict.fromkeys(configs):
-        for kind in kinds or kinds_for(cfg):
+        for kind in kinds or precompile_kinds(cfg):
             todo.append((kind, cfg))
     for kind, _ in todo + list(pairs):
         if kind not in KINDS:
@@ -130,12 +130,14 @@ def configs_from_args(args) -> list:
                         for s in sinks:
                             for c in causal:
                                 for dt in det:
-                                    out.append(
-                                        KernelConfig(
-                                            arch=arch, dtype=_DTYPES[dtype], head_dim=d, head_dim_v=d,
-                                            groups=g, causal=c, has_sinks=s, layout=layout, deterministic=dt,
+                                    for prec in dict.fromkeys(args.precision):
+                                        out.append(
+                                            KernelConfig(
+                                                arch=arch, dtype=_DTYPES[dtype], head_dim=d, head_dim_v=d,
+                                                groups=g, causal=c, has_sinks=s, layout=layout,
+                                                deterministic=dt, precision=prec,
+                                            )
                                         )
-                                    )
     return list(dict.fromkeys(out))  # --groups 8 8 plans one configuration, as precompile builds one
 
 
@@ -164,8 +166,8 @@ def cmd_precompile(args) -> int:
         return 2
     if args.dry_run:
         for cfg in configs:
-            print(f"{cfg.short():<60} {' '.join(kinds or kinds_for(cfg))}")
-        print(f"{len(configs)} configurations, {sum(len(kinds or kinds_for(c)) for c in configs)} kernels")
+            print(f"{cfg.short():<60} {' '.join(kinds or precompile_kinds(cfg))}")
+        print(f"{len(configs)} configurations, {sum(len(kinds or precompile_kinds(c)) for c in configs)} kernels")
         return 0
     from ..errors import CacheDirError
 
@@ -203,6 +205,8 @@ def add_parser(sub) -> None:
     p.add_argument("--mask", choices=("causal", "full", "both"), default="causal",
                    help="causal (with or without a window: the window is a runtime value) or full; default causal")
     p.add_argument("--deterministic", action="store_true", help="also the deterministic=True backward")
+    p.add_argument("--precision", nargs="+", choices=PRECISIONS, default=["fast"],
+                   help="the backward's precision modes (default fast, flashsink.attention's default)")
     p.add_argument("--kinds", nargs="+", choices=KINDS, help="only these kernels (default: all a configuration needs)")
     p.add_argument("--jobs", type=positive_int, default=None, help="parallel processes, >= 1 (default: CPU count)")
     p.add_argument("--dry-run", action="store_true", help="list what would be compiled and exit")
