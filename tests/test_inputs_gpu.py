@@ -185,8 +185,16 @@ def test_kernels_nan_in_a_masked_value_stays_in_the_tiles_that_visit_it():
     o_ref = reference.attention(q, k, v, sinks, compute_dtype=torch.float64)
     torch.cuda.synchronize()
     assert o_ref[:, :, :1000].isfinite().all() and o_ref[0, 2:, 1000:, 5].isnan().all()  # the formula
+    ref_nan = o_ref.isnan()
+    assert o[ref_nan].isnan().all()  # NaN wherever the formula gives it (rows that see the key)
+    # the kernels' documented difference, and only that: 0 * NaN in the partly visible key tile, so
+    # column 5 of rows 896..999 of the query heads of KV head 1 (heads 2 and 3), and nothing else
+    leak = o.isnan() & ~ref_nan
+    allowed = torch.zeros_like(leak)
+    allowed[0, 2:, 896:1000, 5] = True
+    assert not (leak & ~allowed).any(), f"NaN outside the tiles that visit the key: {(leak & ~allowed).nonzero()[:5]}"
     assert o[:, :, :896].isfinite().all()
-    assert_precision("o rows < 896", o[:, :, :896], o_ref[:, :, :896], torch.bfloat16)
-    rest, ref_rest = o[:, :, 896:], o_ref[:, :, 896:]
-    nan = rest.isnan() & ~ref_rest.isnan()  # the kernels' documented difference, and only that
-    assert_precision("o rows >= 896", torch.where(nan, ref_rest.to(rest.dtype), rest), ref_rest, torch.bfloat16)
+    # every other element matches the reference (the standard cannot judge NaN = NaN: set both to 0)
+    skip = ref_nan | leak
+    zero = torch.zeros((), dtype=o.dtype, device=o.device)
+    assert_precision("o", torch.where(skip, zero, o), torch.where(skip, 0.0, o_ref), torch.bfloat16)
