@@ -176,10 +176,10 @@ class _Interrupted(Exception):
 
 
 def add_parser(sub) -> None:
-    from .._argtypes import seed
+    from .._argtypes import add_command, seed
 
-    p = sub.add_parser(
-        "bench",
+    p = add_command(
+        sub, "bench", cmd_bench,
         help="benchmark flashsink against FlexAttention, FLA, SDPA and the eager reference",
         description="Gate every system against the fp64 reference (precision standard), then time it: "
         "ms, TFLOP/s over visible pairs, GB/s, floor from ceilings measured in the same run, peak memory, "
@@ -208,4 +208,3 @@ def add_parser(sub) -> None:
     p.add_argument("--no-gate2", action="store_true", help="gate 1 only (skips the low-precision reference)")
     p.add_argument("--no-precompile", action="store_true", help="compile flashsink kernels in-process")
     p.add_argument("--seed", type=seed, default=0, help="input seed in [0, 2**64) (default 0)")
-    p.set_defaults(func=cmd_bench)
