@@ -68,7 +68,7 @@ def forward_split(q, k, v, sinks32, cfg, spec, window, sm_count: int, lse_rows: 
     kernel twin of :func:`combine_splits` (sink applied once, o cast into q's layout)."""
     from .compile import get_kernel
 
-    B, H, Sq, Dv = spec.batch, spec.heads, spec.seq_q, spec.head_dim_v
+    B, H, Sq, Dv = spec.batch, spec.heads, spec.seq_q, cfg.head_dim_v  # the kernels' (padded) head dim
     S = n_splits_for(spec, cfg, sm_count)
     part = torch.empty(B * H * Sq * S * (Dv + 1), dtype=torch.float32, device=q.device)
     o_part = part[: B * H * Sq * S * Dv].view(B, H, Sq, S, Dv)

@@ -154,7 +154,8 @@ def _forward(q, k, v, sinks32, cfg, spec, window, cu_seqlens=None):
         # few query rows against a long cache: split the keys over programs (decode.py)
         sms = _sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device())
         return decode.forward_split(q, k, v, sinks32, cfg, spec, window, sms, _padded_rows(spec.seq_q))
-    o = torch.empty((*q.shape[:-1], spec.head_dim_v), dtype=q.dtype, device=q.device)
+    # the kernels' head dim (cfg), not the problem's: q, k, v arrive zero-padded to it
+    o = torch.empty((*q.shape[:-1], cfg.head_dim_v), dtype=q.dtype, device=q.device)
     lse = torch.empty(_stat_shape(spec, q, cu_seqlens), dtype=torch.float32, device=q.device)
     get_kernel("fwd", cfg)(
         q, k, v, sinks32, *_seq_args(cu_seqlens, spec.seq_q), window, float(spec.scale) * LOG2E, o, lse
@@ -188,14 +189,16 @@ def _backward(do, q, k, v, o, lse, dlse, sinks32, cfg, spec, window, cu_seqlens=
     else:
         # with a split main backward (a GQA group over several programs per KV tile) the fp32
         # dK/dV accumulators share the fill too
-        n_acc = n_stat * spec.head_dim
+        # (head dims: the kernels' own, cfg's; q, k, v, do arrive zero-padded to them)
+        d = cfg.head_dim
+        n_acc = n_stat * d
         kv_stat = _stat_shape_kv(spec, k, cu_seqlens) if split else ()
-        n_kv = _numel(kv_stat) * spec.head_dim if split else 0
+        n_kv = _numel(kv_stat) * d if split else 0
         zeros = torch.zeros(n_acc + n_stat + 2 * n_kv, dtype=f32, device=dev)
-        dq_acc, dlse_padded = zeros[:n_acc].view(*stat, spec.head_dim), zeros[n_acc:n_acc + n_stat].view(stat)
+        dq_acc, dlse_padded = zeros[:n_acc].view(*stat, d), zeros[n_acc:n_acc + n_stat].view(stat)
         if split:
-            dk_acc = zeros[n_acc + n_stat:n_acc + n_stat + n_kv].view(*kv_stat, spec.head_dim)
-            dv_acc = zeros[n_acc + n_stat + n_kv:].view(*kv_stat, spec.head_dim)
+            dk_acc = zeros[n_acc + n_stat:n_acc + n_stat + n_kv].view(*kv_stat, d)
+            dv_acc = zeros[n_acc + n_stat + n_kv:].view(*kv_stat, d)
         dsink = torch.zeros(spec.heads, dtype=f32, device=dev)
         scratch = torch.empty(n_stat + spec.batch * spec.heads, dtype=f32, device=dev)
         delta, dsink_part = scratch[:n_stat].view(stat), scratch[n_stat:].view(spec.batch, spec.heads, 1)
