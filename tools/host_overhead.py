@@ -112,11 +112,11 @@ def _calls(device: str, b, h, hk, n, d, window, dtype, varlen_seqs: int, seq_q=N
         def attn(q, k, v, s):
             if varlen_seqs:
                 spec = api.validate_varlen(q, k, v, cu, cu, m, m, s, window=window, causal=True, scale=None)
-                api._check_deterministic(False)
+                api._check_flags(False, False)
                 # pad_head_dims: as on CUDA (its default there is q.is_cuda)
                 return kernel_attention_varlen(spec, q, k, v, cu, cu, s, pad_head_dims=True)
             spec = api.validate_attention(q, k, v, s, window=window, causal=True, scale=None, layout="bhsd")
-            api._check_deterministic(False)
+            api._check_flags(False, False)
             return api.kernel_attention(spec, q, k, v, s)
 
     def fwd():
@@ -192,6 +192,9 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--problems", default=",".join(PROBLEMS))
+    p.add_argument("--profile", default=None, metavar="MODE",
+                   help="also run cProfile over --iters calls of MODE (fwd, bwd, fwd+bwd) per problem, the GPU "
+                        "kept busy, and print the 25 functions of most own time (where the host time goes)")
     p.add_argument("--route", choices=("eager", "ops"), default="eager",
                    help="--cpu only: the eager autograd.Function (what CUDA tensors take) or the custom ops")
     args = p.parse_args(argv)
@@ -217,6 +220,30 @@ def main(argv=None):
             if device == "cuda":
                 line += f"   gpu (back to back) {_gpu_us(fn, args.iters, args.repeats):8.1f} us/call"
             print(line, flush=True)
+        if args.profile and args.profile in calls:
+            _profile(calls[args.profile], args.iters, device, f"{name} {args.profile}")
+
+
+def _profile(fn, iters, device, label):
+    import cProfile
+    import io
+    import pstats
+
+    fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(4e9))
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(iters):
+        fn()
+    prof.disable()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
+    print(f"--- cProfile, {label}, {iters} calls (own time; divide by {iters} per call)")
+    print("\n".join(line for line in buf.getvalue().splitlines() if line.strip())[:6000], flush=True)
 
 
 if __name__ == "__main__":
