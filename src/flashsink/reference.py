@@ -11,8 +11,8 @@ Math, per query head h and query row at absolute position i::
     o    = sum_j p_j v_j                        (the sink has no value)
     lse  = log(sum_j exp(s_j) + exp(sink_h))    (natural log, includes the sink)
 
-Visibility: causal keys j <= i; with a window W, keys [i-W+1, i]. Query row r has absolute
-position r + (seq_kv - seq_q) (bottom-right alignment). A row that sees no key gives o = 0 and
+Visibility (``flashsink.visibility``): causal keys j <= i; with a window W, keys [i-W+1, i]. Query
+row r has absolute position r + (seq_kv - seq_q) (bottom-right alignment). A row that sees no key gives o = 0 and
 lse = sink_h (or -inf without sinks), with finite (zero) gradients.
 
 Non-finite inputs follow the formula: a masked key contributes nothing, whatever its k and v hold.
@@ -29,19 +29,20 @@ import torch
 
 from ._validate import AttnSpec, check_flag, validate_attention, validate_varlen
 from ._validate_kvcache import KVCacheSpec, check_cache_values, validate_kvcache
+from .visibility import last_key, position, window_edge
 
 __all__ = ["attention", "attention_kvcache", "attention_varlen", "gather_kvcache", "visible_mask"]
 
 
 def visible_mask(seq_q: int, seq_kv: int, *, window: int | None, causal: bool, device=None) -> torch.Tensor:
     """Bool ``[seq_q, seq_kv]``: True where query row r may see key j (bottom-right aligned)."""
-    rows = torch.arange(seq_q, device=device).unsqueeze(1) + (seq_kv - seq_q)  # absolute positions
-    cols = torch.arange(seq_kv, device=device).unsqueeze(0)
+    pos = position(torch.arange(seq_q, device=device).unsqueeze(1), seq_q, seq_kv)  # [seq_q, 1]
+    keys = torch.arange(seq_kv, device=device).unsqueeze(0)
     visible = torch.ones(seq_q, seq_kv, dtype=torch.bool, device=device)
     if causal:
-        visible = visible & (cols <= rows)
+        visible = visible & (keys <= last_key(pos))
     if window is not None:
-        visible = visible & (cols > rows - window)
+        visible = visible & (keys > window_edge(pos, window))
     return visible
 
 
