@@ -34,7 +34,7 @@ class FakeKernel:
         self.result_idx = []
         self.executable = ("executable", kind, cfg)
 
-    def _get_executable(self):
+    def get_exportable_executable(self):
         return self.executable
 
 

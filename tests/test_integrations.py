@@ -13,9 +13,9 @@ judged against the model's own ``"eager"`` attention with the same weights:
   attention call's output against the float64 reference on its own inputs (the full standard); logits
   and every parameter's gradient against the same bf16 model with an exact (float64, rounded once)
   attention, eager bf16 as lowp (gate 2, and gate 1's share relative to eager's: ``composed``), and greedy ``generate()`` tokens equal to eager's (see the section
-  at the end for why the expected model is built that way). Both precision modes: with "strict" every
-  gradient under that composed standard, with "fast" (the default) under the fast gate against the same
-  expected and lowp models.
+  at the end for why the expected model is built that way). Both precision modes: every model gradient
+  under that composed standard, and each attention call's own gradients (recomputed on its inputs and
+  dO) under the gate of its mode.
 
 ``flashsink.nn.SinkAttention`` is tested in ``tests/test_nn.py`` (no transformers needed).
 
@@ -26,12 +26,13 @@ run in float64, which the reference model needs.
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
 
 import flashsink
-from flashsink.testing import PRECISIONS, PrecisionReport, assert_precision, check_fast, check_precision
+from flashsink.testing import PRECISIONS, PrecisionReport, assert_precision, check_precision, compare_all
 
 transformers = pytest.importorskip("transformers", reason="Hugging Face transformers is not installed (pip install 'flashsink[hf]')")
 from transformers import GptOssConfig, GptOssForCausalLM  # noqa: E402
@@ -330,11 +331,14 @@ def test_attention_function_direct_gqa_and_cache_alignment():
 # against eager bf16's own share, minus a 2% margin, and gate 2 holds as always. The attention's own
 # outputs, captured at each call, get the full standard.
 #
-# In fast mode (single-term products in the kernels' backward) the gradients are judged by the fast gate
-# instead, against the same expected model and the same lowp (eager bf16): that gate is already relative to
-# the lowp system (relative L2 error at most 1.5x eager's, max error at most 4x eager's), so a model's
-# gradients need no "composed" variant of it. The forward, hence the logits and each call's o, is the same
-# in both modes and keeps the standard.
+# Both precision modes judge the model the same way (the composed standard above): the fast gate (relative
+# L2 error at most 1.5x eager bf16's) is a bound for one attention's outputs, not for a model-level sum that
+# cancels to near zero. Measured on the CPU with the attention computed entirely in bf16 (the error class
+# of the fast kernels): k_proj.bias's gradient (a sum over positions that softmax's shift invariance
+# cancels but for the sink) came out at 1.6x eager's relative L2 error, router.bias at 1.8x, while all
+# 37 tensors passed the composed standard. What the mode changes is judged where it happens: each
+# attention call is recomputed on the model's own q, k, v, sinks and dO, and its o, lse, dq, dk, dv and
+# dsink go through the gate of its mode (the precision standard, or the fast gate), as in the kernel tests.
 #
 # The routers get decisive biases (top-2 = experts 0 and 1 by a margin of 2 logits): a top-k choice that
 # flips on a near-tie is a discrete jump that no precision standard can judge. The router weights and
@@ -388,9 +392,12 @@ def test_bf16_logits_and_all_gradients(bf16_model, device, calls, precision):
 
     def capture(q, k, v, sinks=None, **kw):
         out = spied(q, k, v, sinks, **kw)
+        grads = []  # the gradient of this call's output (its dO), when the backward reaches it
+        if out.requires_grad:
+            out.register_hook(lambda g: grads.append(g.detach()))
         attn_calls.append(((q.detach(), k.detach(), v.detach(), None if sinks is None else sinks.detach()),
                            {n: kw[n] for n in ("window", "causal", "scale", "layout") if n in kw}, out.detach(),
-                           kw.get("precision")))
+                           kw.get("precision"), grads))
         return out
 
     model = _on(bf16_model, "flashsink", device)
@@ -401,28 +408,45 @@ def test_bf16_logits_and_all_gradients(bf16_model, device, calls, precision):
     assert [kind for kind, _, _ in calls] == ["attention", "attention"]  # both layers, dense path
     assert [c[3] for c in attn_calls] == [precision, precision]  # the mode reached the kernels
 
-    # The attention itself, at each of its calls in the model: the full standard on the model's own
-    # bf16 q, k, v and sinks (the expected side is the float64 reference on those inputs).
+    # The attention itself, at each of its calls in the model, on the model's own bf16 q, k, v, sinks
+    # and the dO the model's backward gave it: the output the model used under the full standard (the
+    # forward is the same in both modes), and the call recomputed on those inputs (o, lse, dq, dk, dv,
+    # dsink) under the gate of `precision`, as the kernel tests judge them (expected: the float64
+    # reference; lowp: the reference in bf16).
     reports = []
-    for i, (args, kwargs, out, _) in enumerate(attn_calls):
+    for i, (args, kwargs, out, _, grads) in enumerate(attn_calls):
         want = flashsink.reference.attention(*args, **kwargs, compute_dtype=torch.float64)
         low = flashsink.reference.attention(*args, **kwargs, compute_dtype=torch.bfloat16)
         reports.append(check_precision(f"attention call {i}: o", out, want, torch.bfloat16, lowp=low))
+        assert len(grads) == 1, f"attention call {i}: the backward reached it {len(grads)} times"
+        reports += _call_gradients(f"attention call {i}", args, kwargs, grads[0], precision)
     # The model: logits and gradients pass through bf16 layers after the attention, which round
-    # again; gate 1's share is relative to the model's own eager attention ("composed" values).
+    # again; gate 1's share is relative to the model's own eager attention ("composed" values), in
+    # both modes (see the section comment: the fast gate's 1.5x of eager's L2 error is not a bound a
+    # model-level sum such as k_proj.bias's gradient, which cancels to near zero, keeps even with an
+    # attention computed entirely in bf16).
     reports.append(check_precision("logits", act_logits, exp_logits, torch.bfloat16, lowp=low_logits, composed=True))
     names = [n for n, _ in bf16_model.named_parameters()]
     assert sum(".sinks" in n for n in names) == 2
     for name in names:
         assert act_grads[name] is not None, f"{name}: no gradient through flashsink"
         assert act_grads[name].device.type == device and act_grads[name].dtype == torch.bfloat16
-        if precision == "fast":
-            reports.append(check_fast(name, act_grads[name], exp_grads[name], torch.bfloat16, lowp=low_grads[name]))
-        else:
-            reports.append(check_precision(name, act_grads[name], exp_grads[name], torch.bfloat16,
-                                           lowp=low_grads[name], composed=True))
+        reports.append(check_precision(name, act_grads[name], exp_grads[name], torch.bfloat16,
+                                       lowp=low_grads[name], composed=True))
     failed = [r for r in reports if not r.passed]
     assert not failed, f"{precision} gate failed\n" + "\n".join([PrecisionReport.header()] + [r.row() for r in reports])
+
+
+def _call_gradients(label, args, kwargs, do, precision):
+    """One captured attention call's gradients, recomputed by flashsink on the call's inputs and dO,
+    judged by ``compare_all`` under the gate of ``precision``."""
+    q, k, v, sinks = (None if t is None else t.clone().requires_grad_(True) for t in args)
+    o, lse = flashsink.attention(q, k, v, sinks, **kwargs, precision=precision, return_lse=True)
+    o.backward(do)
+    actual = {"o": o.detach(), "lse": lse.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad,
+              "dsink": None if sinks is None else sinks.grad}
+    reports = compare_all(actual, *args, do, **kwargs, precision=precision)
+    return [dataclasses.replace(r, name=f"{label}: {r.name}") for r in reports]
 
 
 @pytest.mark.parametrize("device", DEVICES)

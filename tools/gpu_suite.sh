@@ -54,8 +54,10 @@ if [ "$phase" != precompile ]; then
 kexpr=${1:-}
 # PYTEST_FILES: a subset of the GPU test files (default all; pytest alone took more than one call
 # on 2026-12-03, so split the files over PHASE=test calls)
+# XDIST=N: N pytest workers on the one GPU (pytest-xdist is on the GPU host's image; the tests are
+# small launches and CPU-side checks, so workers overlap); --durations says where the time went
 FLASHSINK_TEST_LOG="$out/precision.log" timeout "$(left)" python -m pytest ${PYTEST_FILES:-tests} -m gpu -q -rfE -p no:cacheprovider \
-  ${kexpr:+-k "$kexpr"} --junitxml="$dest/junit.xml" > "$dest/pytest.log" 2>&1
+  ${XDIST:+-n "$XDIST"} --durations=25 ${kexpr:+-k "$kexpr"} --junitxml="$dest/junit.xml" > "$dest/pytest.log" 2>&1
 pt=$?
 
 timeout "$(left)" python -m flashsink check > "$out/check.log" 2>&1

@@ -1,5 +1,6 @@
-"""argparse ``type=`` functions shared by the command-line tools: a bad value is a usage error
-(argparse prints ``error: argument --x: ...`` and exits 2), never a traceback later."""
+"""argparse helpers shared by the command-line tools: :func:`add_command` for each ``flashsink``
+subcommand, and ``type=`` functions, so a bad value is a usage error (argparse prints
+``error: argument --x: ...`` and exits 2), never a traceback later."""
 
 from __future__ import annotations
 
@@ -27,3 +28,13 @@ def seed(text: str) -> int:
     if not 0 <= n < 1 << 64:
         raise argparse.ArgumentTypeError(f"must be in [0, 2**64), got {n}")
     return n
+
+
+def add_command(sub, name: str, func=None, *, help: str, description: str | None = None) -> argparse.ArgumentParser:
+    """The parser of subcommand ``name`` of ``sub`` (an ``add_subparsers()`` result): ``help`` is its line
+    in the parent's command list, ``description`` heads its own ``--help``, and ``func(args)`` runs it
+    (None for a command that only holds subcommands)."""
+    p = sub.add_parser(name, help=help, description=description)
+    if func is not None:
+        p.set_defaults(func=func)
+    return p

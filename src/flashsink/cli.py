@@ -17,7 +17,7 @@ import argparse
 import sys
 import time
 
-from ._argtypes import positive_int, seed
+from ._argtypes import add_command, positive_int, seed
 
 # The seed's golden problem.
 GOLDEN = dict(batch=1, heads=64, kv_heads=8, seq=4096, head_dim=128, window=128, dtype="fp16")
@@ -266,8 +266,8 @@ def cmd_cache_clear(args) -> int:
 
 
 def _add_cache_parser(sub) -> None:
-    p = sub.add_parser(
-        "cache",
+    p = add_command(
+        sub, "cache",
         help="show or clear the on-disk kernel cache",
         description="flashsink keeps compiled kernels in FLASHSINK_CACHE_DIR (default "
         "$XDG_CACHE_HOME/flashsink, else ~/.cache/flashsink). `info` lists the entries and checks each "
@@ -276,17 +276,16 @@ def _add_cache_parser(sub) -> None:
     )
     csub = p.add_subparsers(dest="cache_command", metavar="{info,clear}")
     csub.required = True
-    info = csub.add_parser("info", help="directory, entries, size, per-entry configuration and state")
+    info = add_command(csub, "info", cmd_cache_info,
+                       help="directory, entries, size, per-entry configuration and state")
     info.add_argument("--dir", help="a cache directory other than this environment's")
     info.add_argument("-v", "--verbose", action="store_true", help="also the entry names and nvcc versions")
-    info.set_defaults(func=cmd_cache_info)
-    clear = csub.add_parser("clear", help="remove every compiled kernel from the cache",
-                            description="Remove every entry. Asks first on a terminal; --yes skips the "
-                            "question (needed when stdin is not a terminal, e.g. in scripts). A kernel "
-                            "being compiled right now is not disturbed.")
+    clear = add_command(csub, "clear", cmd_cache_clear, help="remove every compiled kernel from the cache",
+                        description="Remove every entry. Asks first on a terminal; --yes skips the "
+                        "question (needed when stdin is not a terminal, e.g. in scripts). A kernel "
+                        "being compiled right now is not disturbed.")
     clear.add_argument("--dir", help="a cache directory other than this environment's")
     clear.add_argument("-y", "--yes", action="store_true", help="do not ask")
-    clear.set_defaults(func=cmd_cache_clear)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -295,15 +294,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="command")
     sub.required = True
-    p = sub.add_parser(
-        "check",
+    p = add_command(
+        sub, "check", cmd_check,
         help="golden problem forward+backward vs the fp64 reference",
         description="Run the golden problem (B=1 H=64 H_kv=8 N=4096 D=128 W=128 fp16, causal) forward "
         "and backward through flashsink.attention on the best device and judge o, lse, dq, dk, dv "
         "and dsink under the precision standard. Exit code 1 if any fails.",
     )
     _add_problem_args(p)
-    p.set_defaults(func=cmd_check)
     from .bench import add_parser as add_bench_parser
 
     add_bench_parser(sub)

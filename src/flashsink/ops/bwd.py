@@ -28,7 +28,8 @@ import tilelang.language as T
 
 from .block_range import kv_blocks_for_rows, row_blocks_for_keys
 from .config import ROW_BLOCK, KernelConfig, bwd_dq_bulk, bwd_overlap, bwd_split, bwd_tiles, dq_tiles, pre_tiles
-from .layout import acc_tile, prologue_load, qkv_shapes, sequence, stat_at, stat_shape, stat_tile, store_rows, store_stat, tile
+from .layout import (acc_tile, kernel, optional, prologue_load, qkv_shapes, row_runs, seq_count, seq_tiles, sequence,
+                     stage_stat, staged_stat, stat_at, stat_shape, stat_tile, store_rows, store_stat, tile, varlen_params)
 from .mask import visible
 from .softmax import LOG2E
 from .split import split
@@ -126,39 +127,24 @@ def _build_preprocess_fast(cfg: KernelConfig):
                 _sink_grad(Sinks, lse, delta, contrib, total, head, b, bx, row0, sq, dSinkAcc, dSinkPart,
                            cfg.deterministic)
 
-    if layout == "thd":
-        n_cu = T.dynamic("n_cu")
+    cu, longest, n_cu = varlen_params(layout)
 
-        @T.prim_func
-        def flashsink_bwd_preprocess_fast_varlen(
-            O: T.Tensor(o_shape, dtype),
-            dO: T.Tensor(o_shape, dtype),
-            LSE: T.Tensor(st_shape, accum),
-            dLSE: T.Tensor(st_shape, accum),
-            Sinks: T.Tensor([heads], accum),
-            CuQ: T.Tensor([n_cu], "int32"),
-            CuK: T.Tensor([n_cu], "int32"),
-            max_seqlen_q: T.int32,
-            Delta: T.Tensor(st_shape, accum),
-            dSinkAcc: T.Tensor([heads], accum),
-            dSinkPart: T.Tensor([batch, heads, n_part], accum),
-        ):
-            body(O, dO, LSE, dLSE, Sinks, CuQ, Delta, dSinkAcc, dSinkPart, T.ceildiv(max_seqlen_q, bm), n_cu - 1)
-
-        return flashsink_bwd_preprocess_fast_varlen
-
-    @T.prim_func
+    @kernel("flashsink_bwd_preprocess_fast", layout)
     def flashsink_bwd_preprocess_fast(
         O: T.Tensor(o_shape, dtype),
         dO: T.Tensor(o_shape, dtype),
         LSE: T.Tensor(st_shape, accum),
         dLSE: T.Tensor(st_shape, accum),
         Sinks: T.Tensor([heads], accum),
+        CuQ: cu,
+        CuK: cu,
+        max_seqlen_q: longest,
         Delta: T.Tensor(st_shape, accum),
         dSinkAcc: T.Tensor([heads], accum),
         dSinkPart: T.Tensor([batch, heads, n_part], accum),
     ):
-        body(O, dO, LSE, dLSE, Sinks, None, Delta, dSinkAcc, dSinkPart, T.ceildiv(seq_q, bm), batch)
+        body(O, dO, LSE, dLSE, Sinks, CuQ, Delta, dSinkAcc, dSinkPart, seq_tiles(layout, max_seqlen_q, seq_q, bm),
+             seq_count(layout, n_cu, batch))
 
     return flashsink_bwd_preprocess_fast
 
@@ -226,33 +212,9 @@ def _build_preprocess_strict(cfg: KernelConfig):
                 _sink_grad(Sinks, lse, delta, contrib, total, head, b, bx, row0, sq, dSinkAcc, dSinkPart,
                            cfg.deterministic)
 
-    if layout == "thd":
-        n_cu = T.dynamic("n_cu")
+    cu, longest, n_cu = varlen_params(layout)
 
-        @T.prim_func
-        def flashsink_bwd_preprocess_varlen(
-            Q: T.Tensor(q_shape, dtype),
-            K: T.Tensor(k_shape, dtype),
-            V: T.Tensor(v_shape, dtype),
-            dO: T.Tensor(o_shape, dtype),
-            LSE: T.Tensor(st_shape, accum),
-            dLSE: T.Tensor(st_shape, accum),
-            Sinks: T.Tensor([heads], accum),
-            CuQ: T.Tensor([n_cu], "int32"),
-            CuK: T.Tensor([n_cu], "int32"),
-            max_seqlen_q: T.int32,
-            window: T.int32,
-            scale: T.float32,
-            Delta: T.Tensor(st_shape, accum),
-            dSinkAcc: T.Tensor([heads], accum),
-            dSinkPart: T.Tensor([batch, heads, n_part], accum),
-        ):
-            body(Q, K, V, dO, LSE, dLSE, Sinks, CuQ, CuK, window, scale, Delta, dSinkAcc, dSinkPart,
-                 T.ceildiv(max_seqlen_q, bm), n_cu - 1)
-
-        return flashsink_bwd_preprocess_varlen
-
-    @T.prim_func
+    @kernel("flashsink_bwd_preprocess", layout)
     def flashsink_bwd_preprocess(
         Q: T.Tensor(q_shape, dtype),
         K: T.Tensor(k_shape, dtype),
@@ -261,14 +223,17 @@ def _build_preprocess_strict(cfg: KernelConfig):
         LSE: T.Tensor(st_shape, accum),
         dLSE: T.Tensor(st_shape, accum),
         Sinks: T.Tensor([heads], accum),
+        CuQ: cu,
+        CuK: cu,
+        max_seqlen_q: longest,
         window: T.int32,
         scale: T.float32,
         Delta: T.Tensor(st_shape, accum),
         dSinkAcc: T.Tensor([heads], accum),
         dSinkPart: T.Tensor([batch, heads, n_part], accum),
     ):
-        body(Q, K, V, dO, LSE, dLSE, Sinks, None, None, window, scale, Delta, dSinkAcc, dSinkPart,
-             T.ceildiv(seq_q, bm), batch)
+        body(Q, K, V, dO, LSE, dLSE, Sinks, CuQ, CuK, window, scale, Delta, dSinkAcc, dSinkPart,
+             seq_tiles(layout, max_seqlen_q, seq_q, bm), seq_count(layout, n_cu, batch))
 
     return flashsink_bwd_preprocess
 
@@ -311,10 +276,6 @@ def build_bwd(cfg: KernelConfig, tiles=None, dq_bulk=None, overlap=None, split=N
     dkv_dtype = accum if split > 1 else dtype
     with_dq = not cfg.deterministic
     fast = cfg.precision == "fast"
-    # Packed rows start anywhere, and the bulk tensor copy faults on a row statistic whose
-    # first element is not 16-byte aligned (the row is the innermost dim there), so packed
-    # batches read lse and Delta straight from global memory where they are used.
-    packed = layout == "thd"
 
     @T.macro
     def body(Q, K, V, dO, LSE, Delta, CuQ, CuK, window, scale, dQAcc, dK, dV, n_tiles, n_seqs):
@@ -360,8 +321,7 @@ def build_bwd(cfg: KernelConfig, tiles=None, dq_bulk=None, overlap=None, split=N
                 head = head0 + it // n_rows
                 row0 = (lo_blk + it % n_rows) * bm
                 T.copy(tile(Q, layout, b, head, q_base + row0, bm), q_s)
-                if not packed:
-                    T.copy(stat_tile(LSE, layout, b, head, row0, bm), lse_s)
+                stage_stat(LSE, layout, b, head, row0, bm, lse_s)
                 if overlap:
                     # S^T and dP^T issued back to back; P is computed while dP^T runs
                     T.copy(tile(dO, layout, b, head, q_base + row0, bm), do_s)
@@ -374,7 +334,7 @@ def build_bwd(cfg: KernelConfig, tiles=None, dq_bulk=None, overlap=None, split=N
                 for i, j in T.Parallel(bn, bm):
                     pT[i, j] = T.if_then_else(
                         visible(row0 + j, key0 + i, sq, sk, window, cfg.causal),
-                        T.exp2(pT[i, j] * scale_log2 - (LSE[head, q_base + row0 + j] if packed else lse_s[j]) * LOG2E),
+                        T.exp2(pT[i, j] * scale_log2 - staged_stat(LSE, lse_s, layout, head, q_base + row0 + j, j) * LOG2E),
                         0.0,
                     )
                 if overlap:
@@ -385,14 +345,13 @@ def build_bwd(cfg: KernelConfig, tiles=None, dq_bulk=None, overlap=None, split=N
                     T.gemm(v_s, do_s, dpT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
                 # dV += P^T dO (strict: as hi + lo)
                 product(pT, hi, lo, do_s, dv, bn, bm, fast)
-                if not packed:
-                    T.copy(stat_tile(Delta, layout, b, head, row0, bm), delta_s)
+                stage_stat(Delta, layout, b, head, row0, bm, delta_s)
                 for i, j in T.Parallel(bn, bm):
                     # dS^T; selected, not multiplied, so a masked slot (a row of another
                     # sequence in a packed batch, say) adds an exact 0 to dK and dQ
                     pT[i, j] = T.if_then_else(
                         visible(row0 + j, key0 + i, sq, sk, window, cfg.causal),
-                        pT[i, j] * (dpT[i, j] - (Delta[head, q_base + row0 + j] if packed else delta_s[j])) * scale,
+                        pT[i, j] * (dpT[i, j] - staged_stat(Delta, delta_s, layout, head, q_base + row0 + j, j)) * scale,
                         0.0,
                     )
                 # dK += dS^T Q (strict: as hi + lo)
@@ -418,87 +377,27 @@ def build_bwd(cfg: KernelConfig, tiles=None, dq_bulk=None, overlap=None, split=N
                 store_rows(dK, layout, b, kv_head, k_base, key0, sk, dk_s, bn, dim)
                 store_rows(dV, layout, b, kv_head, k_base, key0, sk, dv_s, bn, dim_v)
 
-    if layout == "thd":
-        n_cu = T.dynamic("n_cu")
-        if with_dq:
+    cu, longest, n_cu = varlen_params(layout)
 
-            @T.prim_func
-            def flashsink_bwd_varlen(
-                Q: T.Tensor(q_shape, dtype),
-                K: T.Tensor(k_shape, dtype),
-                V: T.Tensor(v_shape, dtype),
-                dO: T.Tensor(o_shape, dtype),
-                LSE: T.Tensor(st_shape, accum),
-                Delta: T.Tensor(st_shape, accum),
-                CuQ: T.Tensor([n_cu], "int32"),
-                CuK: T.Tensor([n_cu], "int32"),
-                max_seqlen_k: T.int32,
-                window: T.int32,
-                scale: T.float32,
-                dQAcc: T.Tensor(acc_shape, accum),
-                dK: T.Tensor(dk_shape, dkv_dtype),
-                dV: T.Tensor(dv_shape, dkv_dtype),
-            ):
-                body(Q, K, V, dO, LSE, Delta, CuQ, CuK, window, scale, dQAcc, dK, dV,
-                     T.ceildiv(max_seqlen_k, bn), n_cu - 1)
-
-        else:
-
-            @T.prim_func
-            def flashsink_bwd_varlen(
-                Q: T.Tensor(q_shape, dtype),
-                K: T.Tensor(k_shape, dtype),
-                V: T.Tensor(v_shape, dtype),
-                dO: T.Tensor(o_shape, dtype),
-                LSE: T.Tensor(st_shape, accum),
-                Delta: T.Tensor(st_shape, accum),
-                CuQ: T.Tensor([n_cu], "int32"),
-                CuK: T.Tensor([n_cu], "int32"),
-                max_seqlen_k: T.int32,
-                window: T.int32,
-                scale: T.float32,
-                dK: T.Tensor(dk_shape, dkv_dtype),
-                dV: T.Tensor(dv_shape, dkv_dtype),
-            ):
-                body(Q, K, V, dO, LSE, Delta, CuQ, CuK, window, scale, None, dK, dV,
-                     T.ceildiv(max_seqlen_k, bn), n_cu - 1)
-
-        return flashsink_bwd_varlen
-
-    if with_dq:
-
-        @T.prim_func
-        def flashsink_bwd(
-            Q: T.Tensor(q_shape, dtype),
-            K: T.Tensor(k_shape, dtype),
-            V: T.Tensor(v_shape, dtype),
-            dO: T.Tensor(o_shape, dtype),
-            LSE: T.Tensor(st_shape, accum),
-            Delta: T.Tensor(st_shape, accum),
-            window: T.int32,
-            scale: T.float32,
-            dQAcc: T.Tensor(acc_shape, accum),
-            dK: T.Tensor(dk_shape, dkv_dtype),
-            dV: T.Tensor(dv_shape, dkv_dtype),
-        ):
-            body(Q, K, V, dO, LSE, Delta, None, None, window, scale, dQAcc, dK, dV, T.ceildiv(seq_kv, bn), batch)
-
-    else:
-
-        @T.prim_func
-        def flashsink_bwd(
-            Q: T.Tensor(q_shape, dtype),
-            K: T.Tensor(k_shape, dtype),
-            V: T.Tensor(v_shape, dtype),
-            dO: T.Tensor(o_shape, dtype),
-            LSE: T.Tensor(st_shape, accum),
-            Delta: T.Tensor(st_shape, accum),
-            window: T.int32,
-            scale: T.float32,
-            dK: T.Tensor(dk_shape, dkv_dtype),
-            dV: T.Tensor(dv_shape, dkv_dtype),
-        ):
-            body(Q, K, V, dO, LSE, Delta, None, None, window, scale, None, dK, dV, T.ceildiv(seq_kv, bn), batch)
+    @kernel("flashsink_bwd", layout)
+    def flashsink_bwd(
+        Q: T.Tensor(q_shape, dtype),
+        K: T.Tensor(k_shape, dtype),
+        V: T.Tensor(v_shape, dtype),
+        dO: T.Tensor(o_shape, dtype),
+        LSE: T.Tensor(st_shape, accum),
+        Delta: T.Tensor(st_shape, accum),
+        CuQ: cu,
+        CuK: cu,
+        max_seqlen_k: longest,
+        window: T.int32,
+        scale: T.float32,
+        dQAcc: optional(with_dq, T.Tensor(acc_shape, accum)),
+        dK: T.Tensor(dk_shape, dkv_dtype),
+        dV: T.Tensor(dv_shape, dkv_dtype),
+    ):
+        body(Q, K, V, dO, LSE, Delta, CuQ, CuK, window, scale, dQAcc, dK, dV,
+             seq_tiles(layout, max_seqlen_k, seq_kv, bn), seq_count(layout, n_cu, batch))
 
     return flashsink_bwd
 
@@ -565,29 +464,9 @@ def build_dq(cfg: KernelConfig):
             T.copy(dq, dq_s)
             store_rows(dQ, layout, b, head, q_base, row0, sq, dq_s, bm, dim)
 
-    if layout == "thd":
-        n_cu = T.dynamic("n_cu")
+    cu, longest, n_cu = varlen_params(layout)
 
-        @T.prim_func
-        def flashsink_bwd_dq_varlen(
-            Q: T.Tensor(q_shape, dtype),
-            K: T.Tensor(k_shape, dtype),
-            V: T.Tensor(v_shape, dtype),
-            dO: T.Tensor(o_shape, dtype),
-            LSE: T.Tensor(st_shape, accum),
-            Delta: T.Tensor(st_shape, accum),
-            CuQ: T.Tensor([n_cu], "int32"),
-            CuK: T.Tensor([n_cu], "int32"),
-            max_seqlen_q: T.int32,
-            window: T.int32,
-            scale: T.float32,
-            dQ: T.Tensor(q_shape, dtype),
-        ):
-            body(Q, K, V, dO, LSE, Delta, CuQ, CuK, window, scale, dQ, T.ceildiv(max_seqlen_q, bm), n_cu - 1)
-
-        return flashsink_bwd_dq_varlen
-
-    @T.prim_func
+    @kernel("flashsink_bwd_dq", layout)
     def flashsink_bwd_dq(
         Q: T.Tensor(q_shape, dtype),
         K: T.Tensor(k_shape, dtype),
@@ -595,11 +474,15 @@ def build_dq(cfg: KernelConfig):
         dO: T.Tensor(o_shape, dtype),
         LSE: T.Tensor(st_shape, accum),
         Delta: T.Tensor(st_shape, accum),
+        CuQ: cu,
+        CuK: cu,
+        max_seqlen_q: longest,
         window: T.int32,
         scale: T.float32,
         dQ: T.Tensor(q_shape, dtype),
     ):
-        body(Q, K, V, dO, LSE, Delta, None, None, window, scale, dQ, T.ceildiv(seq_q, bm), batch)
+        body(Q, K, V, dO, LSE, Delta, CuQ, CuK, window, scale, dQ, seq_tiles(layout, max_seqlen_q, seq_q, bm),
+             seq_count(layout, n_cu, batch))
 
     return flashsink_bwd_dq
 
@@ -612,7 +495,7 @@ def build_postprocess(cfg: KernelConfig):
     batch, heads, seq_q, rows_pad = T.dynamic("batch, heads, seq_q, rows_pad")
     q_shape = qkv_shapes(layout, batch, heads, heads, seq_q, seq_q, dim, dim)[0]
     acc_shape = stat_shape(layout, batch, heads, rows_pad) + [dim]
-    n_seqs = 1 if layout == "thd" else batch
+    n_seqs = row_runs(layout, batch)
 
     @T.prim_func
     def flashsink_bwd_postprocess(
@@ -623,10 +506,7 @@ def build_postprocess(cfg: KernelConfig):
             acc = T.alloc_fragment([blk, dim], accum)
             out = T.alloc_shared([blk, dim], dtype)
             row0 = bx * blk
-            if layout == "thd":
-                T.copy(dQAcc[head, row0 : row0 + blk, :], acc)
-            else:
-                T.copy(dQAcc[b, head, row0 : row0 + blk, :], acc)
+            T.copy(acc_tile(dQAcc, layout, b, head, row0, blk), acc)
             T.copy(acc, out)
             store_rows(dQ, layout, b, head, 0, row0, seq_q, out, blk, dim)
 

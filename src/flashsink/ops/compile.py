@@ -264,16 +264,15 @@ _PARAMS = "params.json"
 
 
 def _write_kernel(kernel, d: Path) -> None:
-    """The files TileLang's own tvm_ffi cache writes, with its exporter."""
+    """The files TileLang's own tvm_ffi cache writes, exported as it exports them on Linux: with no
+    extra keywords (its cache adds some only for Windows' and macOS' linkers). tests/test_tilelang_api.py
+    fails if a TileLang upgrade changes that, so this needs none of TileLang's private names."""
     from tilelang.engine.param import dump_kernel_params
-    from tilelang.jit.adapter.kernel_cache import TVMFFIKernelCache
 
     (d / _DEVICE).write_text(kernel.kernel_source or "")
     (d / _HOST).write_text(kernel.adapter.get_host_source() or "")
     (d / _PARAMS).write_text(dump_kernel_params(kernel.params))
-    kernel.adapter.get_exportable_executable().export_library(
-        str(d / _SO), **TVMFFIKernelCache._get_export_kwargs(kernel)
-    )
+    kernel.adapter.get_exportable_executable().export_library(str(d / _SO))
 
 
 def _load_kernel(files: dict, func, cfg, args: _CompileArgs, root: Path):
@@ -422,9 +421,10 @@ def _guarded(k: str, kind: str, cfg: KernelConfig, *, load_only: bool = False):
 
 def _launcher(kernel):
     """What a launch calls: TileLang's tvm_ffi executable itself when the kernel allocates no outputs
-    (ours never do), skipping the adapter's per-call argument stitching (microseconds per launch)."""
+    (ours never do), skipping the adapter's per-call argument stitching (microseconds per launch).
+    ``get_exportable_executable`` is the executable the adapter calls (tests/test_tilelang_api.py)."""
     adapter = getattr(kernel, "adapter", None)
-    get = getattr(adapter, "_get_executable", None)
+    get = getattr(adapter, "get_exportable_executable", None)
     if get is None or getattr(adapter, "result_idx", None):
         return kernel
     try:

@@ -13,7 +13,8 @@ import tilelang.language as T
 from . import softmax
 from .block_range import kv_blocks_for_rows
 from .config import KernelConfig, fwd_tiles
-from .layout import prologue_load, qkv_shapes, sequence, stat_shape, store_rows, store_stat, tile
+from .layout import (kernel, prologue_load, qkv_shapes, seq_count, seq_tiles, sequence, stat_shape, store_rows, store_stat,
+                     tile, varlen_params)
 from .mask import visible
 
 
@@ -78,38 +79,23 @@ def build_fwd(cfg: KernelConfig):
             store_rows(O, layout, b, head, q_base, row0, sq, o_s, bm, dim_v)
             store_stat(LSE, layout, b, head, q_base, row0, sq, lse, bm)
 
-    if layout == "thd":
-        n_cu = T.dynamic("n_cu")
+    cu, longest, n_cu = varlen_params(layout)
 
-        @T.prim_func
-        def flashsink_fwd_varlen(
-            Q: T.Tensor(q_shape, dtype),
-            K: T.Tensor(k_shape, dtype),
-            V: T.Tensor(v_shape, dtype),
-            Sinks: T.Tensor([heads], accum),
-            CuQ: T.Tensor([n_cu], "int32"),
-            CuK: T.Tensor([n_cu], "int32"),
-            max_seqlen_q: T.int32,
-            window: T.int32,
-            scale_log2: T.float32,
-            O: T.Tensor(o_shape, dtype),
-            LSE: T.Tensor(lse_shape, accum),
-        ):
-            body(Q, K, V, Sinks, CuQ, CuK, window, scale_log2, O, LSE, T.ceildiv(max_seqlen_q, bm), n_cu - 1)
-
-        return flashsink_fwd_varlen
-
-    @T.prim_func
+    @kernel("flashsink_fwd", layout)
     def flashsink_fwd(
         Q: T.Tensor(q_shape, dtype),
         K: T.Tensor(k_shape, dtype),
         V: T.Tensor(v_shape, dtype),
         Sinks: T.Tensor([heads], accum),
+        CuQ: cu,
+        CuK: cu,
+        max_seqlen_q: longest,
         window: T.int32,
         scale_log2: T.float32,
         O: T.Tensor(o_shape, dtype),
         LSE: T.Tensor(lse_shape, accum),
     ):
-        body(Q, K, V, Sinks, None, None, window, scale_log2, O, LSE, T.ceildiv(seq_q, bm), batch)
+        body(Q, K, V, Sinks, CuQ, CuK, window, scale_log2, O, LSE, seq_tiles(layout, max_seqlen_q, seq_q, bm),
+             seq_count(layout, n_cu, batch))
 
     return flashsink_fwd

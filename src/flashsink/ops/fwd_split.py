@@ -8,7 +8,7 @@ import tilelang.language as T
 from . import softmax
 from .block_range import kv_blocks_for_rows
 from .config import KernelConfig, split_tiles
-from .layout import qkv_shapes, tile
+from .layout import index, qkv_shapes, tile
 from .mask import visible
 
 
@@ -49,14 +49,9 @@ def build_fwd_split(cfg: KernelConfig):
             # (no Python names for per-element expressions inside T.Parallel: a name becomes a
             # Let binding, which the sm_80 code generator refuses to see bound twice)
             for r, d in T.Parallel(bm, dim):
-                if layout == "bhsd":
-                    q_s[r, d] = T.if_then_else(
-                        r < n_rows, Q[b, kv_head * groups + r // seq_q, r % seq_q, d], T.cast(0, dtype)
-                    )
-                else:
-                    q_s[r, d] = T.if_then_else(
-                        r < n_rows, Q[b, r % seq_q, kv_head * groups + r // seq_q, d], T.cast(0, dtype)
-                    )
+                q_s[r, d] = T.if_then_else(
+                    r < n_rows, Q[index(layout, b, kv_head * groups + r // seq_q, r % seq_q, d)], T.cast(0, dtype)
+                )
             T.fill(acc_o, 0)
             softmax.init_state(m, l, None, 0, bm, False)
             lo, hi = kv_blocks_for_rows(0, bm, bn, seq_q, seq_kv, window, cfg.causal)

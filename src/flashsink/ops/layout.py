@@ -17,6 +17,61 @@ at least one row tile past the last row, so whole-tile reads stay in bounds.
 import tilelang.language as T
 
 
+# -- signatures: one prim_func per kernel for every layout --------------------------------------
+#
+# Packed (thd) kernels take three arguments more than padded ones, ``CuQ, CuK`` and the longest
+# sequence, and are named ``<name>_varlen``; the launch layer passes them positionally
+# (``interface.py``). A kernel is written once with every parameter; one that a configuration
+# does not take is annotated :func:`optional` and is no kernel argument there.
+
+
+def _absent():
+    return None
+
+
+def optional(present: bool, annotation):
+    """``annotation`` for a prim_func parameter the kernel takes only when ``present``. Otherwise
+    the parameter is not in the kernel's signature and is None in its body: TileLang calls a
+    callable annotation for the parameter's value, and a None value is no kernel argument."""
+    return annotation if present else _absent
+
+
+def varlen_params(layout):
+    """``(cu, longest, n_cu)``: the annotations of the packed kernels' ``CuQ``/``CuK`` (a factory,
+    so each parameter gets its own ``[n_cu]`` int32 tensor) and of the longest sequence, optional
+    for padded layouts, and the length of ``cu_seqlens``."""
+    n_cu = T.dynamic("n_cu")
+    packed = layout == "thd"
+    return optional(packed, lambda: T.Tensor([n_cu], "int32")), optional(packed, T.int32), n_cu
+
+
+def kernel(name: str, layout: str):
+    """``T.prim_func`` named ``name``, or ``name + "_varlen"`` for packed (thd) batches."""
+
+    def wrap(func):
+        func.__name__ = f"{name}_varlen" if layout == "thd" else name
+        return T.prim_func(func)
+
+    return wrap
+
+
+def seq_tiles(layout, longest, seq, block):
+    """Tiles of ``block`` rows along the sequences: of the padded length ``seq``, or (thd) of the
+    longest packed sequence (a runtime argument); tiles past a shorter sequence's end do nothing."""
+    return T.ceildiv(longest if layout == "thd" else seq, block)
+
+
+def seq_count(layout, n_cu, batch):
+    """Sequences of the batch: ``batch``, or (thd) ``n_cu - 1``."""
+    return n_cu - 1 if layout == "thd" else batch
+
+
+def row_runs(layout, batch):
+    """Runs of rows a kernel over the statistics' rows loops over (the dQ postprocess): one per
+    sequence, or (thd) one, the packed rows."""
+    return 1 if layout == "thd" else batch
+
+
 def prologue_load(cfg):
     """How a tile loaded once before a program's loop, under a condition (only when the loop
     has work), is lowered: one bulk copy waited on at once on Hopper; the default (synchronous)
@@ -83,6 +138,37 @@ def acc_tile(x, layout, b, h, r0, n):
 def stat_at(x, layout, b, h, r):
     """Row ``r`` of a statistic, for head ``h``."""
     return x[h, r] if layout == "thd" else x[b, h, r]
+
+
+def index(layout, b, h, s, d):
+    """The index of element ``d`` of row ``s`` of head ``h`` in a padded-layout tensor: bhsd, else
+    bshd."""
+    return (b, h, s, d) if layout == "bhsd" else (b, s, h, d)
+
+
+def padded_shape(layout, batch, heads, seq, dim):
+    """The shape of a padded-layout tensor, in :func:`index`'s order."""
+    return list(index(layout, batch, heads, seq, dim))
+
+
+# Packed rows start anywhere, and the bulk tensor copy faults on a row statistic whose first
+# element is not 16-byte aligned (the row is the innermost dim there), so packed (thd) kernels
+# read lse and Delta straight from global memory where they are used instead of staging a tile.
+
+
+def stage_stat(x, layout, b, h, r0, n, dst):
+    """Copy rows ``r0 .. r0+n`` of a statistic of a padded layout into ``dst``; nothing for thd
+    (:func:`staged_stat` reads global memory there). A function, not a macro: a macro would
+    rename the caller's loop-bound variables to its parameter names in the generated code."""
+    if layout != "thd":
+        return T.copy(stat_tile(x, layout, b, h, r0, n), dst)
+    return None
+
+
+def staged_stat(x, staged, layout, h, row, j):
+    """Row ``row`` (= the tile's first row + ``j``, base included) of a statistic: element ``j`` of
+    the tile :func:`stage_stat` staged, or (thd) global memory."""
+    return x[h, row] if layout == "thd" else staged[j]
 
 
 @T.macro

@@ -17,6 +17,7 @@ One program per (query row, head, batch), ``dim_v`` threads wide.
 import tilelang.language as T
 
 from .config import LOG2E, KernelConfig
+from .layout import index, padded_shape
 
 LN2 = 0.6931471805599453
 
@@ -24,7 +25,7 @@ LN2 = 0.6931471805599453
 def build_merge_splits(cfg: KernelConfig):
     dim_v, dtype, accum, layout = cfg.head_dim_v, cfg.dtype, "float32", cfg.layout
     batch, heads, seq_q, n_splits, rows_pad = T.dynamic("batch, heads, seq_q, n_splits, rows_pad")
-    o_shape = [batch, heads, seq_q, dim_v] if layout == "bhsd" else [batch, seq_q, heads, dim_v]
+    o_shape = padded_shape(layout, batch, heads, seq_q, dim_v)
 
     @T.prim_func
     def flashsink_merge_splits(
@@ -57,10 +58,7 @@ def build_merge_splits(cfg: KernelConfig):
                     # a split with no key (lse -inf) holds no value: skip its o (may be NaN)
                     acc[d] += T.if_then_else(x[0] == -T.infinity(accum), 0.0, w[0] * OPart[b, h, r, s, d])
             for d in T.Parallel(dim_v):
-                if layout == "bhsd":
-                    O[b, h, r, d] = T.cast(T.if_then_else(den[0] == 0, 0.0, acc[d] / den[0]), dtype)
-                else:
-                    O[b, r, h, d] = T.cast(T.if_then_else(den[0] == 0, 0.0, acc[d] / den[0]), dtype)
+                O[index(layout, b, h, r, d)] = T.cast(T.if_then_else(den[0] == 0, 0.0, acc[d] / den[0]), dtype)
             # finite top: den >= 1; top +inf: den = inf and lse = +inf; no term: den = 0, lse = -inf
             LSE[b, h, r] = T.if_then_else(den[0] == 0, -T.infinity(accum),
                                           (pivot[0] + T.log2(den[0])) * LN2)

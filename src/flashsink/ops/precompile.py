@@ -180,11 +180,11 @@ def cmd_precompile(args) -> int:
 
 
 def add_parser(sub) -> None:
-    from .._argtypes import positive_int
+    from .._argtypes import add_command, positive_int
     from .config import SUPPORTED_ARCHS
 
-    p = sub.add_parser(
-        "precompile",
+    p = add_command(
+        sub, "precompile", cmd_precompile,
         help="compile kernels ahead of time into the kernel cache (no GPU needed)",
         description="Compile the kernels for every combination of the options below, in parallel "
         "processes, into flashsink's kernel cache (FLASHSINK_CACHE_DIR, default ~/.cache/flashsink; "
@@ -210,4 +210,3 @@ def add_parser(sub) -> None:
     p.add_argument("--kinds", nargs="+", choices=KINDS, help="only these kernels (default: all a configuration needs)")
     p.add_argument("--jobs", type=positive_int, default=None, help="parallel processes, >= 1 (default: CPU count)")
     p.add_argument("--dry-run", action="store_true", help="list what would be compiled and exit")
-    p.set_defaults(func=cmd_precompile)

@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from .testing import check_fast, check_precision
+from ..testing import check_fast, check_precision
 
 # attn_implementation -> the bench system name it answers to in --systems
 IMPLEMENTATIONS = {"flashsink": "flashsink", "flex_attention": "flex", "eager": "eager"}

@@ -1,0 +1,224 @@
+"""The run: gate, then time, every (problem, system, mode), with the header that says where and
+on what it ran."""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+
+import torch
+
+from .gates import GATES, gate, reference
+from .kernel_profile import profile_flashsink
+from .peers import SYSTEMS
+from .problems import (FORWARD_ONLY, VARLEN_SEED, Problem, flops, lengths_summary, make_problem_inputs,
+                       min_bytes)
+from .system import Unavailable, _callables
+from .timing import HOST_MODES, Timer, _peak_mib, _sync, host_us, measure_ceilings
+
+
+def _commit() -> str:
+    env = os.environ.get("FLASHSINK_COMMIT")
+    if env:
+        return env
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        out = subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        if out.returncode == 0:
+            dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
+                                   capture_output=True, text=True, timeout=10).stdout.strip()
+            return out.stdout.strip()[:12] + ("+dirty" if dirty else "")
+    except Exception:  # noqa: BLE001
+        pass
+    return "unknown (no .git; set FLASHSINK_COMMIT)"
+
+
+def _version(pkg: str) -> str:
+    try:
+        return importlib.metadata.version(pkg)
+    except Exception:  # noqa: BLE001
+        mod = sys.modules.get(pkg)
+        return getattr(mod, "__version__", "not installed")
+
+
+def header(device: str) -> dict:
+    gpu = torch.cuda.get_device_name() if device == "cuda" else "CPU (smoke run; not a performance number)"
+    return {
+        "device": gpu,
+        "torch": torch.__version__,
+        "triton": _version("triton"),
+        "tilelang": _version("tilelang"),
+        "fla": _version("fla-core"),
+        "commit": _commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+
+def run_bench(problems: list[Problem], *, systems: list[str], modes: list[str], device: str,
+              timer: Timer | None = None, opts: dict | None = None, profile: bool = False,
+              gate2: bool = True, seed: int = 0, result: dict | None = None,
+              on_problem=None) -> dict:
+    """Gate, then time, every (problem, system, mode). Returns the JSON-ready result; pass
+    ``result`` (a dict, filled in place) to keep the rows done so far if the run is cut short.
+    ``on_problem(result)`` is called after each problem."""
+    opts = dict(opts or {})
+    timer = timer or Timer(device)
+    result = {} if result is None else result
+    result.update({"header": header(device), "timing": timer.method, "rows": [], "profiles": [], "gates": []})
+    _say(f"bench on {result['header']['device']}; measuring the ceilings ...")
+    ceil = measure_ceilings(device, timer)
+    result["ceilings"] = ceil
+    _say(f"  matmul {ceil['matmul_tflops']:.4g} TFLOP/s ({ceil['matmul']}), copy {ceil['copy_gbs']:.4g} GB/s")
+
+    sys_objs = {}
+    for name in systems:
+        obj = SYSTEMS[name]()
+        try:
+            obj.check_available(device)
+            sys_objs[name] = (obj, "")
+        except Unavailable as exc:
+            sys_objs[name] = (obj, f"unavailable: {exc}")
+
+    for prob in problems:
+        tag = f"[{prob.label()}]"
+        if prob.hf_train:  # a model's training step, not one attention call: its own runner
+            from . import hf as bench_hf
+
+            rows, gates = bench_hf.run_problem(prob, systems, device, timer, seed, tiny=prob.seq_q < 1024, say=_say,
+                                               timed="fwd+bwd" in modes)
+            result["rows"].extend(rows)
+            result["gates"].extend(gates)
+            if on_problem is not None:
+                on_problem(result)
+            continue
+        # decode is forward only: no backward in its gate, and its other modes are n/a
+        grads = any(m != "fwd" for m in modes) and not prob.forward_only
+        if prob.seqlens is not None:
+            _say(f"{tag} {len(prob.seqlens)} sequences (seed {VARLEN_SEED}), lengths min/median/max "
+                 f"{lengths_summary(prob.seqlens)}, {prob.tokens_q} tokens")
+        inp = make_problem_inputs(prob, device, seed)
+        refs = {}
+
+        def ref(sinks: bool):
+            if sinks not in refs:
+                what = "with sinks" if sinks else "without sinks (for sdpa)"
+                _say(f"{tag} reference fp64 {what} ...")
+                exp = reference(inp, prob, sinks=sinks, compute_dtype=torch.float64)
+                low = None
+                if gate2 and prob.torch_dtype != torch.float64:
+                    _say(f"{tag} reference {prob.dtype} {what} (gate 2) ...")
+                    low = reference(inp, prob, sinks=sinks, compute_dtype=prob.torch_dtype)
+                refs[sinks] = (exp, low)
+            return refs[sinks]
+
+        prob_rows = []
+        for name in systems:
+            system, unavailable = sys_objs[name]
+            note = system.problem_note(prob)
+            status = unavailable
+            if not status:
+                try:
+                    system.check_problem(prob, device, dict(opts, grads=grads))
+                except Unavailable as exc:
+                    status = str(exc) if str(exc).startswith(("n/a", "skipped")) else f"n/a: {exc}"
+            g = None
+            if not status:
+                exp, low = ref(system.has_sink)
+                _say(f"{tag} {name}: correctness gate (first call compiles) ...")
+                t0 = time.perf_counter()
+                g = gate(system, prob, inp, exp, low, grads=grads)
+                labels = {m: g.label(m) for m in modes if not (prob.forward_only and m != "fwd")}
+                _say(f"{tag} {name}: gate {'raised' if g.error else labels} in {time.perf_counter() - t0:.1f} s")
+
+                def dump(reports):
+                    return [{k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(r).items()}
+                            for r in reports]
+
+                result["gates"].append({
+                    "problem": asdict(prob), "system": name, "error": g.error, "reports": dump(g.reports),
+                    "fast_reports": None if g.fast_reports is None else dump(g.fast_reports),
+                })
+            calls = None
+            for mode in modes:
+                row = {
+                    "preset": prob.preset, "problem": prob.label(), "N": prob.n, "mode": mode, "system": name,
+                    "kind": prob.kind, "window": prob.window,
+                    "note": note, "status": "", "gate": None, "gate_fails": "", "ms": None, "host_us": None, "tflops": None,
+                    "gbs": None, "floor_ms": None, "pct_floor": None, "peak_mib": None, "speedup": None,
+                    "flops": flops(prob, mode), "bytes": min_bytes(prob, mode),
+                }
+                fl_ms = max(row["flops"] / (ceil["matmul_tflops"] * 1e12), row["bytes"] / (ceil["copy_gbs"] * 1e9)) * 1e3
+                row["floor_ms"] = fl_ms
+                row["bound"] = "flops" if row["flops"] / ceil["matmul_tflops"] / 1e3 >= row["bytes"] / ceil["copy_gbs"] else "bytes"
+                if prob.forward_only and mode != "fwd":
+                    row["status"] = FORWARD_ONLY
+                elif status:
+                    row["status"] = status
+                elif g.error:
+                    row["status"] = "FAIL: " + g.error
+                else:
+                    # timed whatever gate it passes: the row says which, so speed and precision stand
+                    # side by side; flashsink must pass its own precision's gate
+                    row["gate"] = g.label(mode)
+                    stronger = GATES[:GATES.index(row["gate"])] if row["gate"] in GATES else GATES
+                    row["gate_fails"] = "; ".join(f"{x}: {', '.join(g.failing(mode, x))}" for x in stronger
+                                                  if g.failing(mode, x))
+                    need = system.required_gate
+                    if need is None or g.passes(mode, need):
+                        verdict = "ok"
+                    elif g.fast_reports is None:  # --no-gate2: no lowp, so no fast gate; judged by gate 1
+                        verdict = f"FAIL ({need} gate not run without gate 2; strict): " + g.reason(mode)
+                    else:
+                        verdict = f"FAIL ({need} gate): " + g.reason(mode, need)
+                    if calls is None:
+                        calls, state = _callables(system, prob, inp)
+                    _say(f"{tag} {name} {mode}: timing ...")
+                    try:
+                        calls[mode]()  # first call of this mode: any compile (flex no-grad graph) stays out
+                        _sync(device)
+                        row["peak_mib"] = _peak_mib(calls[mode], device)
+                        ms = timer(calls[mode])
+                        if mode in HOST_MODES:
+                            host = calls.get("host:" + mode, calls[mode])
+                            host()  # its own first call (the train step's .backward)
+                            row["host_us"] = host_us(host, device)
+                    except Exception as exc:  # noqa: BLE001
+                        row["status"] = f"error while timing: {type(exc).__name__}: {str(exc)[:200]}"
+                    else:
+                        row["status"] = verdict
+                        row["ms"] = ms
+                        row["tflops"] = row["flops"] / (ms * 1e-3) / 1e12
+                        row["gbs"] = row["bytes"] / (ms * 1e-3) / 1e9
+                        row["pct_floor"] = 100.0 * fl_ms / ms
+                prob_rows.append(row)
+            calls = state = None
+            system.release()
+            if profile and name == "flashsink" and device == "cuda" and g is not None and not g.error:
+                _say(f"{tag} flashsink: profiling one fwd+bwd ...")
+                result["profiles"].append({"problem": prob.label(), "kernels": profile_flashsink(prob, inp)})
+        # speedup over the best peer with sinks that passes a gate, per mode
+        for mode in modes:
+            peers = [r["ms"] for r in prob_rows if r["mode"] == mode and r["ms"] is not None
+                     and SYSTEMS[r["system"]].peer and r["gate"] in GATES]
+            best = min(peers) if peers else None
+            for r in prob_rows:
+                if r["mode"] == mode and r["ms"] is not None and best is not None:
+                    r["speedup"] = best / r["ms"]
+            result.setdefault("best_peer_ms", {})[f"{prob.label()} {mode}"] = best
+        result["rows"].extend(prob_rows)
+        if on_problem is not None:
+            on_problem(result)
+        del inp, refs
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return result
