@@ -12,6 +12,7 @@ import torch.distributed as dist
 from .._validate import validate_attention
 from ..api import attention
 from ..combine import combine
+from ..visibility import first_key, first_query, query_end
 from .sharding import _segments
 
 
@@ -38,8 +39,6 @@ def _plan_pair(x: int, y: int, a: int, b: int, causal: bool, window: int | None)
         return []
     if not causal:
         return [(x, y, a, b, _FULL)]
-    from flashsink.visibility import first_key, first_query, query_end  # absolute: survives a move
-
     w = window
     pieces = []
     q0, q1 = max(x, first_query(a)), min(y, first_query(b))  # queries before a see nothing here
