@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from ._validate import AttnSpec, check_flag, validate_attention, validate_varlen
+from ._validate import AttnSpec, check_flag, make_spec, validate_attention, validate_varlen
 from ._validate_kvcache import KVCacheSpec, check_cache_values, validate_kvcache
 from .visibility import last_key, position, window_edge
 
@@ -170,13 +170,8 @@ def _attention_varlen(q, k, v, cu_q: list[int], cu_k: list[int], sinks, spec: At
         qi = q[cu_q[i]:cu_q[i + 1]].unsqueeze(0)  # [1, Sq_i, H, D]
         ki = k[cu_k[i]:cu_k[i + 1]].unsqueeze(0)
         vi = v[cu_k[i]:cu_k[i + 1]].unsqueeze(0)
-        sub = AttnSpec(
-            batch=1, heads=spec.heads, kv_heads=spec.kv_heads,
-            seq_q=qi.shape[1], seq_kv=ki.shape[1], head_dim=spec.head_dim, head_dim_v=spec.head_dim_v,
-            window=spec.window, causal=spec.causal, scale=spec.scale, layout="bshd",
-            dtype=spec.dtype, has_sinks=spec.has_sinks,
-        )
-        o, lse = _attention(qi, ki, vi, sinks, sub, return_lse=True, compute_dtype=cdt)
+        o, lse = _attention(qi, ki, vi, sinks, spec.one_sequence(qi.shape[1], ki.shape[1]), return_lse=True,
+                            compute_dtype=cdt)
         outs.append(o[0])  # [Sq_i, H, Dv]
         lses.append(lse[0])  # [H, Sq_i]
     if outs:
@@ -240,11 +235,9 @@ def _attention_kvcache(q, k_cache, v_cache, lengths, pages, sinks, spec: KVCache
     for b, n in enumerate(lengths):
         k = gather_kvcache(k_cache, n, None if pages is None else pages[b], b).unsqueeze(0)
         v = gather_kvcache(v_cache, n, None if pages is None else pages[b], b).unsqueeze(0)
-        sub = AttnSpec(
-            batch=1, heads=spec.heads, kv_heads=spec.kv_heads, seq_q=spec.seq_q, seq_kv=n,
-            head_dim=spec.head_dim, head_dim_v=spec.head_dim_v, window=spec.window, causal=True,
-            scale=spec.scale, layout="bshd", dtype=spec.dtype, has_sinks=spec.has_sinks,
-        )
+        sub = make_spec(1, spec.heads, spec.kv_heads, spec.seq_q, n, spec.head_dim, spec.head_dim_v,
+                        window=spec.window, causal=True, scale=spec.scale, layout="bshd", dtype=spec.dtype,
+                        has_sinks=spec.has_sinks)
         o, lse = _attention(q[b : b + 1], k, v, sinks, sub, return_lse=True, compute_dtype=cdt)
         outs.append(o)
         lses.append(lse)

@@ -21,6 +21,19 @@ PRECISIONS = ("fast", "strict")
 MAX_HEAD_DIM = 256
 #: Head dims with tiles of their own; other multiples of 16 run zero-padded to the next one.
 NATIVE_HEAD_DIMS = (32, 64, 128, 256)
+#: the head dims :func:`kernel_head_dim` takes, for messages
+HEAD_DIM_RULE = f"multiples of 16 up to {MAX_HEAD_DIM}"
+
+
+def kernel_head_dim(d: int) -> int | None:
+    """The head-dim rule: the kernels take :data:`HEAD_DIM_RULE`, each run with the next native head dim
+    (returned; the inputs zero-padded up to it); None for a head dim no kernel takes."""
+    if d % 16 != 0 or not 16 <= d <= MAX_HEAD_DIM:
+        return None
+    for native in NATIVE_HEAD_DIMS:
+        if d <= native:
+            return native
+
 
 #: log2(e): scores are kept in base 2 (one exp2 each), so the host folds it into the scale
 LOG2E = 1.4426950408889634

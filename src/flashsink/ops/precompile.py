@@ -108,12 +108,11 @@ _DTYPES = {"fp16": "float16", "bf16": "bfloat16"}
 
 def configs_from_args(args) -> list:
     """Every KernelConfig the options ask for (the product of the option lists)."""
-    from .config import MAX_HEAD_DIM
-    from .interface import _kernel_dim
+    from .config import HEAD_DIM_RULE, kernel_head_dim
 
     for d in args.head_dim:
-        if d % 16 != 0 or not 16 <= d <= MAX_HEAD_DIM:
-            raise ValueError(f"--head-dim: {d} is not a multiple of 16 in [16, {MAX_HEAD_DIM}]")
+        if kernel_head_dim(d) is None:
+            raise ValueError(f"--head-dim: {d} is not one of the kernels' head dims ({HEAD_DIM_RULE})")
     for g in args.groups:
         if g < 1:
             raise ValueError(f"--groups: {g} must be >= 1 (query heads per KV head)")
@@ -124,7 +123,7 @@ def configs_from_args(args) -> list:
     out = []
     for arch in args.arch:
         for dtype in args.dtype:
-            for d in dict.fromkeys(_kernel_dim(d) for d in args.head_dim):
+            for d in dict.fromkeys(kernel_head_dim(d) for d in args.head_dim):
                 for g in args.groups:
                     for layout in layouts:
                         for s in sinks:
