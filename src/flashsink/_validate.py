@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .ops.config import padded_rows, varlen_rows  # the lse rows the ops return (a leaf: torch only)
+
 LAYOUTS = ("bhsd", "bshd")
 #: input dtypes of q, k, v and sinks (the reference computes in float32, or float64 for float64;
 #: the CUDA kernels take float16 and bfloat16)
@@ -441,10 +443,8 @@ def _check_grads(do, lse, dlse, o_shape: tuple, lse_shape: tuple, q) -> None:
 
 def check_bwd_op(do, q, k, v, sinks, lse, dlse, window, causal, scale, layout) -> AttnSpec:
     """``flashsink::bwd``: :func:`check_op`, and do / lse / dlse shaped as ``flashsink::fwd`` returns o / lse."""
-    from .ops.interface import _padded_rows
-
     spec = check_op(q, k, v, sinks, window, causal, scale, layout)
-    _check_grads(do, lse, dlse, out_shape(spec, q), (spec.batch, spec.heads, _padded_rows(spec.seq_q)), q)
+    _check_grads(do, lse, dlse, out_shape(spec, q), (spec.batch, spec.heads, padded_rows(spec.seq_q)), q)
     return spec
 
 
@@ -472,9 +472,7 @@ def check_varlen_bwd_op(do, q, k, v, sinks, lse, dlse, cu_seqlens_q, cu_seqlens_
                         window, causal, scale) -> AttnSpec:
     """``flashsink::varlen_bwd``: :func:`check_varlen_op`, and do / lse / dlse shaped as ``varlen_fwd``
     returns o / lse."""
-    from .ops.interface import varlen_rows as _rows
-
     spec = check_varlen_op(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window, causal,
                            scale)
-    _check_grads(do, lse, dlse, out_shape(spec, q), (spec.heads, _rows(q.shape[0])), q)
+    _check_grads(do, lse, dlse, out_shape(spec, q), (spec.heads, varlen_rows(q.shape[0])), q)
     return spec

@@ -18,28 +18,10 @@ import torch
 from . import decode
 from .compile import get_kernel
 from .config import (
-    BWD_SPLIT_MIN_ROWS, HEAD_DIM_RULE, LOG2E, NO_WINDOW, PRECISIONS, SUPPORTED_DTYPES, KernelConfig, arch_of,
-    bwd_split, kernel_head_dim, pre_tiles,
+    BWD_SPLIT_MIN_ROWS, HEAD_DIM_RULE, LOG2E, NO_WINDOW, PRECISIONS, ROW_PAD, SUPPORTED_DTYPES, KernelConfig,
+    arch_of, bwd_split, kernel_head_dim, pre_tiles,
 )
-
-# Row statistics (lse, Delta) and the fp32 dQ accumulator are allocated with this many
-# rows per multiple: every kernel's row tile is then in bounds, and the row stride of
-# an fp32 [.., rows] tensor stays 16-byte aligned as the bulk-copy engine requires.
-ROW_PAD = 128
-
-
-def _padded_rows(seq_q: int) -> int:
-    rows = (seq_q + ROW_PAD - 1) // ROW_PAD * ROW_PAD
-    if isinstance(rows, int):  # eager: plain ints (torch.sym_max costs microseconds per call)
-        return max(ROW_PAD, rows)
-    # a torch.compile trace: symbolic lengths, no guard on seq_q
-    return torch.sym_max(ROW_PAD, rows)
-
-
-def varlen_rows(total: int) -> int:
-    """Rows of a packed batch's statistics (:func:`_stat_shape` for ``thd``): whole row tiles of
-    the last sequence may start at any packed row, so one tile past the end."""
-    return _padded_rows(total + ROW_PAD)
+from .config import padded_rows as _padded_rows, varlen_rows  # noqa: F401  (the ops' and tests' names)
 
 
 def kernel_window(window) -> int:

@@ -6,15 +6,13 @@ counted as cached, not rebuilt. Works without a GPU: the architecture is part of
 :class:`KernelConfig`.
 """
 
-import concurrent.futures as cf
-import multiprocessing as mp
 import os
 import sys
 import time
 
 from . import compile as _compile
 from . import diskcache
-from .compile import KINDS
+from .compile import KINDS, compile_parallel
 from .config import PRECISIONS, KernelConfig, bwd_split
 from .kinds import canonical, kinds_for, precompile_kinds
 
@@ -27,38 +25,6 @@ def supported_kinds(cfg: KernelConfig) -> tuple:
     split main backward only where the configuration has a split (``config.bwd_split``)."""
     kinds = KINDS if cfg.hopper and cfg.layout != "thd" else tuple(k for k in KINDS if k != "fwd_split")
     return tuple(k for k in kinds if k != "bwd_split" or bwd_split(cfg) > 1)
-
-
-def _init_worker():
-    # the parent prints one progress line per kernel; workers only say what goes wrong
-    os.environ.setdefault("FLASHSINK_LOG", "warning")
-
-
-def _compile_one(job):
-    """Returns (kind, cfg, seconds, "compiled" | "cached" | "rebuilt", error text or None)."""
-    kind, cfg = job
-    start = time.perf_counter()
-    before = dict(_compile.counts)
-    try:
-        _compile.compile_kernel(kind, cfg)
-    except Exception as exc:  # reported by the parent, which decides what failed
-        return kind, cfg, time.perf_counter() - start, "failed", f"{type(exc).__name__}: {exc}"
-    done = {k: v - before.get(k, 0) for k, v in _compile.counts.items()}
-    how = "rebuilt" if done.get("rebuilt") else "compiled" if done.get("compiled") else "cached"
-    return kind, cfg, time.perf_counter() - start, how, None
-
-
-def _executor(jobs: int):
-    """Worker processes (spawned: no CUDA state or locks inherited)."""
-    return cf.ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn"), initializer=_init_worker)
-
-
-def compile_parallel(todo, *, jobs=None):
-    """Compile (kind, config) pairs in worker processes into the disk cache; yields
-    ``(kind, cfg, seconds, how, error)`` per pair as each finishes, in ``todo``'s order."""
-    jobs = jobs or max(1, min(len(todo), os.cpu_count() or 1))
-    with _executor(jobs) as pool:
-        yield from pool.map(_compile_one, todo)
 
 
 def precompile(configs, *, kinds=None, jobs=None, out=sys.stderr, pairs=()) -> list:
