@@ -10,7 +10,6 @@ import os
 import sys
 import time
 
-from . import compile as _compile
 from . import diskcache
 from .compile import KINDS, compile_parallel
 from .config import PRECISIONS, KernelConfig, bwd_split
