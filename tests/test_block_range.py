@@ -1,6 +1,8 @@
-"""The kernels' mask and block-range arithmetic (``flashsink.ops.mask`` / ``block_range``), proven
-on the CPU against the reference's mask: the expressions the kernels are built from constant-fold
-to integers when given integers, so no GPU is needed.
+"""The visibility convention (``flashsink.visibility``) proven against the README's definition written
+out pair by pair, then the kernels' mask and block-range arithmetic (``flashsink.ops.mask`` /
+``block_range``, built from its primitives) proven on the CPU against the reference's mask: the
+expressions the kernels are built from constant-fold to integers when given integers, and their
+symbolic (TIR) form evaluates to the same values, so no GPU is needed.
 
 Coverage is what correctness needs (every block holding a visible pair is visited); "no visited
 block is wholly masked" is what makes a windowed layer cost N*W, not N^2.
@@ -11,6 +13,7 @@ import random
 import pytest
 import torch
 
+from flashsink import visibility
 from flashsink.ops.block_range import kv_blocks_for_rows, row_blocks_for_keys
 from flashsink.ops.config import NO_WINDOW
 from flashsink.ops.mask import visible
@@ -30,6 +33,87 @@ def _cases(n):
 
 def _int(x):
     return int(x)
+
+
+def _readme_mask(seq_q, seq_kv, window, causal):
+    """README, "Conventions", pair by pair: row r is at i = r + seq_kv - seq_q; causal keys j <= i,
+    a window W keeps keys j >= i - W + 1."""
+    out = torch.zeros(seq_q, seq_kv, dtype=torch.bool)
+    for r in range(seq_q):
+        i = r + seq_kv - seq_q
+        for j in range(seq_kv):
+            out[r, j] = (not causal or j <= i) and (window is None or j >= i - window + 1)
+    return out
+
+
+_SMALL = [(1, 1), (5, 5), (3, 9), (9, 3), (12, 12), (0, 4), (4, 0)]
+
+
+@pytest.mark.l0
+@pytest.mark.parametrize("seq_q, seq_kv", _SMALL)
+@pytest.mark.parametrize("window, causal", [(None, True), (None, False), (1, True), (3, True), (20, True), (3, False)])
+def test_visibility_is_the_readme_convention(seq_q, seq_kv, window, causal):
+    """The reference's mask, each row's key range, the pair count and the split-KV span."""
+    want = _readme_mask(seq_q, seq_kv, window, causal)
+    assert torch.equal(visible_mask(seq_q, seq_kv, window=window, causal=causal), want)
+    assert visibility.visible_pairs(seq_q, seq_kv, window, causal) == int(want.sum())
+    for r in range(seq_q):
+        lo, hi = visibility.key_range(visibility.position(r, seq_q, seq_kv), seq_kv, window, causal)
+        assert want[r].tolist() == [lo <= j < hi for j in range(seq_kv)], (r, lo, hi)
+    if seq_q and causal:  # the keys the split-KV tile of all rows visits: every visible one, from the first
+        span = visibility.visible_span(seq_q, seq_kv, window)
+        seen = want.any(dim=0).nonzero().flatten().tolist()
+        assert span == (seq_kv - seen[0] if seen else 0)
+
+
+@pytest.mark.l0
+@pytest.mark.parametrize("window", [1, 2, 7, NO_WINDOW])
+def test_primitives_invert_each_other(window):
+    """Rows between first_query(j) and query_end(j, W) are exactly the positions whose keys
+    [first_key, last_key] hold j (what row_blocks_for_keys and ring planning rely on)."""
+    for j in range(-3, 30):
+        for i in range(-3, 40):
+            sees = visibility.first_key(i, window) <= j <= visibility.last_key(i)
+            assert sees == (visibility.first_query(j) <= i < visibility.query_end(j, window)), (i, j)
+            assert sees == (j <= visibility.last_key(i) and j > visibility.window_edge(i, window))
+    for r in range(-2, 9):
+        assert visibility.row_at(visibility.position(r, 5, 11), 5, 11) == r
+
+
+@pytest.mark.l1
+@pytest.mark.parametrize("seq_q, seq_kv, window", [(5, 5, 2), (3, 9, 4), (9, 3, 1), (7, 7, NO_WINDOW)])
+def test_symbolic_mask_and_ranges_match(seq_q, seq_kv, window):
+    """The TIR the kernels hold (mask and block ranges over symbolic row, key, lengths and window)
+    evaluates, value by value, to what the integer path (judged above and below) gives."""
+    import tilelang  # noqa: F401  (sets up its TVM)
+    from tvm import arith
+    from tvm import tirx as tir
+
+    row, key, sq, skv, w, start = (tir.Var(n, "int32") for n in ("row", "key", "sq", "skv", "w", "start"))
+    ana = arith.Analyzer()
+
+    def value(expr):  # the simplifier folds all but the masks' bitwise_and of two bools
+        if isinstance(expr, tir.Call) and expr.op.name.endswith(".bitwise_and"):
+            return value(expr.args[0]) & value(expr.args[1])
+        return int(ana.simplify(expr))
+
+    def at(expr, **vals):
+        return value(tir.stmt_functor.substitute(expr, {v: tir.IntImm("int32", vals[v.name])
+                                                         for v in (row, key, sq, skv, w, start) if v.name in vals}))
+
+    mask = visible(row, key, sq, skv, w, True)
+    for r in range(seq_q + 2):
+        for j in range(seq_kv + 2):
+            want = bool(visible(r, j, seq_q, seq_kv, window, True))
+            assert bool(at(mask, row=r, key=j, sq=seq_q, skv=seq_kv, w=window)) == want, (r, j)
+    kv = kv_blocks_for_rows(start, 4, 2, sq, skv, w, True)
+    for r0 in range(0, seq_q + 5, 4):
+        want = tuple(map(_int, kv_blocks_for_rows(r0, 4, 2, seq_q, seq_kv, window, True)))
+        assert tuple(at(e, start=r0, sq=seq_q, skv=seq_kv, w=window) for e in kv) == want, r0
+    rows = row_blocks_for_keys(start, 2, 4, sq, skv, w, True)
+    for k0 in range(0, seq_kv + 3, 2):
+        want = tuple(map(_int, row_blocks_for_keys(k0, 2, 4, seq_q, seq_kv, window, True)))
+        assert tuple(at(e, start=k0, sq=seq_q, skv=seq_kv, w=window) for e in rows) == want, k0
 
 
 @pytest.mark.l1

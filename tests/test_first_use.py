@@ -3,7 +3,8 @@ is built at once, in parallel workers, then loaded; later launches are one dict 
 
 No kernel is compiled here: the disk cache and the workers are fakes (the workers are threads that
 meet at a barrier, which they pass only if all of them run at the same time), and the real process
-pool is ``precompile``'s, covered by tests/test_precompile_cli.py.
+pool (``compile.compile_parallel``, which ``flashsink precompile`` uses too) is covered by
+tests/test_precompile_cli.py.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pytest
 
 from flashsink.errors import CompileError
 from flashsink.ops import compile as compile_mod
-from flashsink.ops import kinds, precompile
+from flashsink.ops import kinds
 from flashsink.ops.config import KernelConfig
 
 pytestmark = pytest.mark.l0
@@ -72,9 +73,9 @@ def fake_build(monkeypatch):
 
     monkeypatch.setattr(compile_mod, "_cache", {})
     monkeypatch.setattr(compile_mod, "compile_kernel", compile_kernel)
-    monkeypatch.setattr(precompile, "_compile_one", compile_one)
-    monkeypatch.setattr(precompile, "_executor", executor)
-    monkeypatch.setattr(precompile.os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(compile_mod, "_compile_one", compile_one)
+    monkeypatch.setattr(compile_mod, "_executor", executor)
+    monkeypatch.setattr(compile_mod.os, "cpu_count", lambda: 16)
     monkeypatch.delenv("FLASHSINK_RECORD_KERNELS", raising=False)
     return state
 

@@ -4,11 +4,10 @@
 """
 
 from . import reference, testing
+from ._version import __version__
 from .api import attention, attention_kvcache, attention_varlen
 from .combine import combine
 from .errors import CacheDirError, CompileError
-
-__version__ = "0.1.0"
 
 __all__ = ["attention", "attention_kvcache", "attention_varlen", "combine", "reference", "testing", "__version__"]
 __all__ += ["CompileError", "CacheDirError"]

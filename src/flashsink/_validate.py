@@ -9,11 +9,14 @@ re-derive shapes from the tensors.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from dataclasses import dataclass
 
 import torch
+
+from .ops.config import padded_rows, varlen_rows  # the lse rows the ops return (a leaf: torch only)
 
 LAYOUTS = ("bhsd", "bshd")
 #: input dtypes of q, k, v and sinks (the reference computes in float32, or float64 for float64;
@@ -53,6 +56,39 @@ class AttnSpec:
     def groups(self) -> int:
         """Query heads per KV head (the GQA ratio)."""
         return self.heads // self.kv_heads
+
+    def one_sequence(self, seq_q, seq_kv) -> "AttnSpec":
+        """One sequence of a packed (``thd``) batch on its own: batch 1, layout ``bshd``."""
+        return dataclasses.replace(self, batch=1, seq_q=seq_q, seq_kv=seq_kv, layout="bshd")
+
+    @property  # not cached: a spec serves one launch, and functools.cached_property takes a lock (3.11)
+    def kernel_key(self) -> tuple:
+        """The facts of the problem its kernels' configuration depends on, in the order of
+        ``interface._config_of`` (``interface.kernel_config`` adds the device's architecture,
+        ``deterministic`` and ``precision``): never a length, so one configuration serves every length."""
+        return (self.dtype, self.head_dim, self.head_dim_v, self.heads // self.kv_heads, self.causal,
+                self.has_sinks, self.layout)
+
+
+def make_spec(batch, heads, kv_heads, seq_q, seq_kv, head_dim, head_dim_v, *, window, causal, scale, layout, dtype,
+              has_sinks: bool) -> AttnSpec:
+    """The :class:`AttnSpec` of checked arguments (every validator ends here): the default scale
+    ``1/sqrt(head_dim)`` and the window clamped to what the masks' integer arithmetic holds."""
+    return AttnSpec(
+        batch=batch,
+        heads=heads,
+        kv_heads=kv_heads,
+        seq_q=seq_q,
+        seq_kv=seq_kv,
+        head_dim=head_dim,
+        head_dim_v=head_dim_v,
+        window=_spec_window(window),
+        causal=causal,
+        scale=1.0 / math.sqrt(head_dim) if scale is None else float(scale),
+        layout=layout,
+        dtype=dtype,
+        has_sinks=has_sinks,
+    )
 
 
 def _shape(t: torch.Tensor) -> str:
@@ -208,21 +244,8 @@ def validate_attention(q, k, v, sinks, *, window, causal, scale, layout) -> Attn
     _check_heads(h, hk, d, dv, lambda: f"layout={layout!r}, q {_shape(q)}, k {_shape(k)}, v {_shape(v)}")
     _check_sinks(sinks, h, q.device)
 
-    return AttnSpec(
-        batch=b,
-        heads=h,
-        kv_heads=hk,
-        seq_q=sq,
-        seq_kv=skv,
-        head_dim=d,
-        head_dim_v=dv,
-        window=_spec_window(window),
-        causal=causal,
-        scale=1.0 / math.sqrt(d) if scale is None else float(scale),
-        layout=layout,
-        dtype=q.dtype,
-        has_sinks=sinks is not None,
-    )
+    return make_spec(b, h, hk, sq, skv, d, dv, window=window, causal=causal, scale=scale, layout=layout,
+                     dtype=q.dtype, has_sinks=sinks is not None)
 
 
 def _tracing() -> bool:
@@ -359,21 +382,8 @@ def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
         )
     _check_max_seqlen_type("max_seqlen_q", max_seqlen_q)
     _check_max_seqlen_type("max_seqlen_k", max_seqlen_k)
-    return AttnSpec(
-        batch=cu_seqlens_q.shape[0] - 1,
-        heads=h,
-        kv_heads=hk,
-        seq_q=_int(max_seqlen_q),
-        seq_kv=_int(max_seqlen_k),
-        head_dim=d,
-        head_dim_v=dv,
-        window=_spec_window(window),
-        causal=causal,
-        scale=1.0 / math.sqrt(d) if scale is None else float(scale),
-        layout="thd",
-        dtype=q.dtype,
-        has_sinks=sinks is not None,
-    )
+    return make_spec(cu_seqlens_q.shape[0] - 1, h, hk, _int(max_seqlen_q), _int(max_seqlen_k), d, dv, window=window,
+                     causal=causal, scale=scale, layout="thd", dtype=q.dtype, has_sinks=sinks is not None)
 
 
 def validate_varlen(
@@ -409,6 +419,11 @@ def check_op(q, k, v, sinks, window, causal, scale, layout) -> AttnSpec:
     return validate_attention(q, k, v, sinks, window=window, causal=causal, scale=scale, layout=layout)
 
 
+def out_shape(spec: AttnSpec, q) -> tuple:
+    """Shape of o: q's, with v's head dim (every layout: bhsd, bshd, thd)."""
+    return (*q.shape[:-1], spec.head_dim_v)
+
+
 def _check_grad(name: str, t, shape: tuple, dtype: torch.dtype, device: torch.device) -> None:
     _check_tensor(name, t)
     if tuple(t.shape) != tuple(shape) or t.dtype != dtype or t.device != device:
@@ -428,14 +443,8 @@ def _check_grads(do, lse, dlse, o_shape: tuple, lse_shape: tuple, q) -> None:
 
 def check_bwd_op(do, q, k, v, sinks, lse, dlse, window, causal, scale, layout) -> AttnSpec:
     """``flashsink::bwd``: :func:`check_op`, and do / lse / dlse shaped as ``flashsink::fwd`` returns o / lse."""
-    from .ops.interface import _padded_rows
-
     spec = check_op(q, k, v, sinks, window, causal, scale, layout)
-    if layout == "bhsd":
-        o_shape = (spec.batch, spec.heads, spec.seq_q, spec.head_dim_v)
-    else:
-        o_shape = (spec.batch, spec.seq_q, spec.heads, spec.head_dim_v)
-    _check_grads(do, lse, dlse, o_shape, (spec.batch, spec.heads, _padded_rows(spec.seq_q)), q)
+    _check_grads(do, lse, dlse, out_shape(spec, q), (spec.batch, spec.heads, padded_rows(spec.seq_q)), q)
     return spec
 
 
@@ -463,10 +472,7 @@ def check_varlen_bwd_op(do, q, k, v, sinks, lse, dlse, cu_seqlens_q, cu_seqlens_
                         window, causal, scale) -> AttnSpec:
     """``flashsink::varlen_bwd``: :func:`check_varlen_op`, and do / lse / dlse shaped as ``varlen_fwd``
     returns o / lse."""
-    from .ops.interface import varlen_rows as _rows
-
     spec = check_varlen_op(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window, causal,
                            scale)
-    total = q.shape[0]
-    _check_grads(do, lse, dlse, (total, spec.heads, spec.head_dim_v), (spec.heads, _rows(total)), q)
+    _check_grads(do, lse, dlse, out_shape(spec, q), (spec.heads, varlen_rows(q.shape[0])), q)
     return spec

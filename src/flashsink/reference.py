@@ -11,8 +11,8 @@ Math, per query head h and query row at absolute position i::
     o    = sum_j p_j v_j                        (the sink has no value)
     lse  = log(sum_j exp(s_j) + exp(sink_h))    (natural log, includes the sink)
 
-Visibility: causal keys j <= i; with a window W, keys [i-W+1, i]. Query row r has absolute
-position r + (seq_kv - seq_q) (bottom-right alignment). A row that sees no key gives o = 0 and
+Visibility (``flashsink.visibility``): causal keys j <= i; with a window W, keys [i-W+1, i]. Query
+row r has absolute position r + (seq_kv - seq_q) (bottom-right alignment). A row that sees no key gives o = 0 and
 lse = sink_h (or -inf without sinks), with finite (zero) gradients.
 
 Non-finite inputs follow the formula: a masked key contributes nothing, whatever its k and v hold.
@@ -27,21 +27,22 @@ from __future__ import annotations
 
 import torch
 
-from ._validate import AttnSpec, check_flag, validate_attention, validate_varlen
+from ._validate import AttnSpec, check_flag, make_spec, validate_attention, validate_varlen
 from ._validate_kvcache import KVCacheSpec, check_cache_values, validate_kvcache
+from .visibility import last_key, position, window_edge
 
 __all__ = ["attention", "attention_kvcache", "attention_varlen", "gather_kvcache", "visible_mask"]
 
 
 def visible_mask(seq_q: int, seq_kv: int, *, window: int | None, causal: bool, device=None) -> torch.Tensor:
     """Bool ``[seq_q, seq_kv]``: True where query row r may see key j (bottom-right aligned)."""
-    rows = torch.arange(seq_q, device=device).unsqueeze(1) + (seq_kv - seq_q)  # absolute positions
-    cols = torch.arange(seq_kv, device=device).unsqueeze(0)
+    pos = position(torch.arange(seq_q, device=device).unsqueeze(1), seq_q, seq_kv)  # [seq_q, 1]
+    keys = torch.arange(seq_kv, device=device).unsqueeze(0)
     visible = torch.ones(seq_q, seq_kv, dtype=torch.bool, device=device)
     if causal:
-        visible = visible & (cols <= rows)
+        visible = visible & (keys <= last_key(pos))
     if window is not None:
-        visible = visible & (cols > rows - window)
+        visible = visible & (keys > window_edge(pos, window))
     return visible
 
 
@@ -169,13 +170,8 @@ def _attention_varlen(q, k, v, cu_q: list[int], cu_k: list[int], sinks, spec: At
         qi = q[cu_q[i]:cu_q[i + 1]].unsqueeze(0)  # [1, Sq_i, H, D]
         ki = k[cu_k[i]:cu_k[i + 1]].unsqueeze(0)
         vi = v[cu_k[i]:cu_k[i + 1]].unsqueeze(0)
-        sub = AttnSpec(
-            batch=1, heads=spec.heads, kv_heads=spec.kv_heads,
-            seq_q=qi.shape[1], seq_kv=ki.shape[1], head_dim=spec.head_dim, head_dim_v=spec.head_dim_v,
-            window=spec.window, causal=spec.causal, scale=spec.scale, layout="bshd",
-            dtype=spec.dtype, has_sinks=spec.has_sinks,
-        )
-        o, lse = _attention(qi, ki, vi, sinks, sub, return_lse=True, compute_dtype=cdt)
+        o, lse = _attention(qi, ki, vi, sinks, spec.one_sequence(qi.shape[1], ki.shape[1]), return_lse=True,
+                            compute_dtype=cdt)
         outs.append(o[0])  # [Sq_i, H, Dv]
         lses.append(lse[0])  # [H, Sq_i]
     if outs:
@@ -239,11 +235,9 @@ def _attention_kvcache(q, k_cache, v_cache, lengths, pages, sinks, spec: KVCache
     for b, n in enumerate(lengths):
         k = gather_kvcache(k_cache, n, None if pages is None else pages[b], b).unsqueeze(0)
         v = gather_kvcache(v_cache, n, None if pages is None else pages[b], b).unsqueeze(0)
-        sub = AttnSpec(
-            batch=1, heads=spec.heads, kv_heads=spec.kv_heads, seq_q=spec.seq_q, seq_kv=n,
-            head_dim=spec.head_dim, head_dim_v=spec.head_dim_v, window=spec.window, causal=True,
-            scale=spec.scale, layout="bshd", dtype=spec.dtype, has_sinks=spec.has_sinks,
-        )
+        sub = make_spec(1, spec.heads, spec.kv_heads, spec.seq_q, n, spec.head_dim, spec.head_dim_v,
+                        window=spec.window, causal=True, scale=spec.scale, layout="bshd", dtype=spec.dtype,
+                        has_sinks=spec.has_sinks)
         o, lse = _attention(q[b : b + 1], k, v, sinks, sub, return_lse=True, compute_dtype=cdt)
         outs.append(o)
         lses.append(lse)

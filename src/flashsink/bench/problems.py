@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import testing
+from ..visibility import visible_pairs
 
 
 @dataclass(frozen=True)
@@ -176,22 +177,7 @@ def parse_shape(text: str, dtype: str, *, causal: bool = True) -> Problem:
 
 
 # ----------------------------------------------------------------------------------------------
-# Work: pairs, FLOPs, bytes
-
-
-def visible_pairs(seq_q: int, seq_kv: int, window: int | None = None, causal: bool = True) -> int:
-    """Exact number of visible (query, key) pairs of one head, bottom-right aligned: query row r
-    has absolute position ``i = r + seq_kv - seq_q`` and sees keys ``[max(0, i-W+1), min(i, seq_kv-1)]``
-    (causal) or all keys (not causal, no window)."""
-    total = 0
-    off = seq_kv - seq_q
-    for r in range(seq_q):
-        i = r + off
-        hi = min(i, seq_kv - 1) if causal else seq_kv - 1
-        lo = max(0, i - window + 1) if window is not None else 0
-        total += max(0, hi - lo + 1)
-    return total
-
+# Work: pairs (flashsink.visibility), FLOPs, bytes
 
 # FLOPs per visible pair per head-dim element: fwd QK^T + PV = 2 matmuls (4); bwd recomputes
 # QK^T and does dP = dO V^T, dV = P^T dO, dQ = dS K, dK = dS^T Q = 5 matmuls (10).

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from .._validate import validate_attention
 from ..api import attention
 from ..combine import combine
+from ..visibility import first_key, first_query, query_end
 from .sharding import _segments
 
 
@@ -40,21 +41,21 @@ def _plan_pair(x: int, y: int, a: int, b: int, causal: bool, window: int | None)
         return [(x, y, a, b, _FULL)]
     w = window
     pieces = []
-    q0, q1 = max(x, a), min(y, b)  # queries before a see nothing here
+    q0, q1 = max(x, first_query(a)), min(y, first_query(b))  # queries before a see nothing here
     if q0 < q1:
-        k0 = a if w is None else max(a, q0 - w + 1)  # earlier keys are outside every row's window
+        k0 = a if w is None else max(a, first_key(q0, w))  # earlier keys are outside every row's window
         pieces.append((q0, q1, k0, q1, _CAUSAL))
-    q0 = max(x, b)
+    q0 = max(x, first_query(b))
     if q0 < y:
         if w is None:
             pieces.append((q0, y, a, b, _FULL))
         else:
-            q1 = min(y, a + w)  # i - w + 1 <= a: the window covers every key
+            q1 = min(y, query_end(a, w))  # i - w + 1 <= a: the window covers every key
             if q0 < q1:
                 pieces.append((q0, q1, a, b, _FULL))
-            s0, s1 = max(q0, a + w), min(y, b + w - 1)  # a < i - w + 1 < b: keys [i-w+1, b)
+            s0, s1 = max(q0, query_end(a, w)), min(y, query_end(b - 1, w))  # a < i - w + 1 < b: keys [i-w+1, b)
             if s0 < s1:
-                pieces.append((s0, s1, s0 - w + 1, b, _SUFFIX))
+                pieces.append((s0, s1, first_key(s0, w), b, _SUFFIX))
     return pieces
 
 

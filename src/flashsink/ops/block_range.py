@@ -1,4 +1,5 @@
-"""Which blocks a tile must visit: the mask of ``mask.py`` at block granularity.
+"""Which blocks a tile must visit: the mask of ``mask.py`` at block granularity, built from the
+primitives of ``flashsink.visibility``.
 
 Both functions return ``(lo, hi)`` with ``lo <= hi``; blocks outside are wholly masked,
 and a tile that starts past the end of its sequence gets an empty range (varlen grids are
@@ -12,6 +13,8 @@ from __future__ import annotations
 
 import tilelang.language as T
 
+from ..visibility import first_key, first_query, last_key, position, query_end, row_at
+
 
 def kv_blocks_for_rows(row0, block_m, block_n, seq_q, seq_kv, window, causal: bool):
     """KV blocks ``[lo, hi)`` that query rows ``[row0, row0 + block_m)`` can see."""
@@ -19,11 +22,10 @@ def kv_blocks_for_rows(row0, block_m, block_n, seq_q, seq_kv, window, causal: bo
     has_rows = _positive(seq_q - row0)
     if not causal:
         return 0, n_blocks * has_rows
-    shift = seq_kv - seq_q  # bottom-right alignment
-    first_pos = row0 + shift
-    last_pos = T.min(row0 + block_m, seq_q) - 1 + shift
-    lo = T.max(first_pos - window + 1, 0) // block_n
-    hi = T.min(n_blocks, T.ceildiv(T.max(last_pos + 1, 0), block_n))
+    first_pos = position(row0, seq_q, seq_kv)
+    last_pos = position(T.min(row0 + block_m, seq_q) - 1, seq_q, seq_kv)
+    lo = T.max(first_key(first_pos, window), 0) // block_n
+    hi = T.min(n_blocks, T.ceildiv(T.max(last_key(last_pos) + 1, 0), block_n))
     return lo, lo + T.max(hi - lo, 0) * has_rows
 
 
@@ -33,10 +35,9 @@ def row_blocks_for_keys(key0, block_n, block_m, seq_q, seq_kv, window, causal: b
     has_keys = _positive(seq_kv - key0)
     if not causal:
         return 0, m_blocks * has_keys
-    shift = seq_kv - seq_q
-    # Row r sees key j iff j <= r + shift and r + shift - window < j.
-    first_row = T.max(key0 - shift, 0)
-    last_row_plus1 = T.max(key0 + block_n - 1 + window - shift, 0)
+    # the first row that sees the first key, one past the last row that sees the last key
+    first_row = T.max(row_at(first_query(key0), seq_q, seq_kv), 0)
+    last_row_plus1 = T.max(row_at(query_end(key0 + block_n - 1, window), seq_q, seq_kv), 0)
     lo = first_row // block_m
     hi = T.min(m_blocks, T.ceildiv(last_row_plus1, block_m))
     return lo, lo + T.max(hi - lo, 0) * has_keys

@@ -21,11 +21,13 @@ a full disk, no memory) are retried ``COMPILE_RETRIES`` times first.
 from __future__ import annotations
 
 import collections
+import concurrent.futures as cf
 import dataclasses
 import errno
 import functools
 import hashlib
 import logging
+import multiprocessing as mp
 import os
 import platform
 import subprocess
@@ -145,7 +147,7 @@ def versions() -> dict:
     import tilelang
     import tvm_ffi
 
-    from .. import __version__
+    from .._version import __version__
 
     return {
         "flashsink": __version__,
@@ -374,6 +376,43 @@ def _first_use(kind: str, cfg: KernelConfig):
     return _cache[(kind, cfg)]
 
 
+# ----------------------------------------------------------------------------------------------
+# Many kernels at once, in worker processes (TileLang's lowering is Python and holds the GIL): a
+# first use (below) and `flashsink precompile` (precompile.py)
+
+
+def _init_worker():
+    # the parent prints one progress line per kernel; workers only say what goes wrong
+    os.environ.setdefault("FLASHSINK_LOG", "warning")
+
+
+def _compile_one(job):
+    """Returns (kind, cfg, seconds, "compiled" | "cached" | "rebuilt", error text or None)."""
+    kind, cfg = job
+    start = time.perf_counter()
+    before = dict(counts)
+    try:
+        compile_kernel(kind, cfg)
+    except Exception as exc:  # reported by the parent, which decides what failed
+        return kind, cfg, time.perf_counter() - start, "failed", f"{type(exc).__name__}: {exc}"
+    done = {k: v - before.get(k, 0) for k, v in counts.items()}
+    how = "rebuilt" if done.get("rebuilt") else "compiled" if done.get("compiled") else "cached"
+    return kind, cfg, time.perf_counter() - start, how, None
+
+
+def _executor(jobs: int):
+    """Worker processes (spawned: no CUDA state or locks inherited)."""
+    return cf.ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn"), initializer=_init_worker)
+
+
+def compile_parallel(todo, *, jobs=None):
+    """Compile (kind, config) pairs in worker processes into the disk cache; yields
+    ``(kind, cfg, seconds, how, error)`` per pair as each finishes, in ``todo``'s order."""
+    jobs = jobs or max(1, min(len(todo), os.cpu_count() or 1))
+    with _executor(jobs) as pool:
+        yield from pool.map(_compile_one, todo)
+
+
 #: worker processes for a first use's parallel build (None: one per kernel, up to the CPU count)
 FIRST_USE_JOBS = None
 
@@ -392,8 +431,6 @@ def _build_config(kind: str, cfg: KernelConfig) -> None:
         else:
             missing.append(k)
     if len(missing) > 1:
-        from .precompile import compile_parallel
-
         start = time.perf_counter()
         log.info("flashsink: compiling %d kernels (%s) for %s in parallel: first use of this configuration on "
                  "this machine, so this call is slow (~10-20 s); they are then cached in %s",

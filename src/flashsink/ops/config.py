@@ -21,6 +21,22 @@ PRECISIONS = ("fast", "strict")
 MAX_HEAD_DIM = 256
 #: Head dims with tiles of their own; other multiples of 16 run zero-padded to the next one.
 NATIVE_HEAD_DIMS = (32, 64, 128, 256)
+#: the head dims :func:`kernel_head_dim` takes, for messages
+HEAD_DIM_RULE = f"multiples of 16 up to {MAX_HEAD_DIM}"
+#: head dims with attention_kvcache kernels (ops/kvcache.py: the cache is never padded, that would copy it
+#: every call)
+KVCACHE_HEAD_DIMS = (64, 128)
+
+
+def kernel_head_dim(d: int) -> int | None:
+    """The head-dim rule: the kernels take :data:`HEAD_DIM_RULE`, each run with the next native head dim
+    (returned; the inputs zero-padded up to it); None for a head dim no kernel takes."""
+    if d % 16 != 0 or not 16 <= d <= MAX_HEAD_DIM:
+        return None
+    for native in NATIVE_HEAD_DIMS:
+        if d <= native:
+            return native
+
 
 #: log2(e): scores are kept in base 2 (one exp2 each), so the host folds it into the scale
 LOG2E = 1.4426950408889634
@@ -28,6 +44,26 @@ LOG2E = 1.4426950408889634
 # A window larger than any sequence: used when the caller asked for no window, so one
 # kernel serves windowed and full causal attention (the window is a runtime value).
 NO_WINDOW = 1 << 30
+
+# Row statistics (lse, Delta) and the fp32 dQ accumulator are allocated with this many
+# rows per multiple: every kernel's row tile is then in bounds, and the row stride of
+# an fp32 [.., rows] tensor stays 16-byte aligned as the bulk-copy engine requires.
+ROW_PAD = 128
+
+
+def padded_rows(seq_q: int) -> int:
+    """Rows of a padded batch's statistics: whole ROW_PAD tiles, at least one."""
+    rows = (seq_q + ROW_PAD - 1) // ROW_PAD * ROW_PAD
+    if isinstance(rows, int):  # eager: plain ints (torch.sym_max costs microseconds per call)
+        return max(ROW_PAD, rows)
+    # a torch.compile trace: symbolic lengths, no guard on seq_q
+    return torch.sym_max(ROW_PAD, rows)
+
+
+def varlen_rows(total: int) -> int:
+    """Rows of a packed batch's statistics (``interface._stat_shape`` for ``thd``): whole row tiles of
+    the last sequence may start at any packed row, so one tile past the end."""
+    return padded_rows(total + ROW_PAD)
 
 
 @dataclass(frozen=True)

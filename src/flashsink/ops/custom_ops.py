@@ -55,10 +55,6 @@ from .config import NATIVE_HEAD_DIMS
 __all__ = ["fwd", "bwd", "varlen_fwd", "varlen_bwd"]
 
 
-def _spec(q, k, v, sinks, window, causal, scale, layout) -> AttnSpec:
-    return _validate.check_op(q, k, v, sinks, window, causal, scale, layout)  # the ops are public names
-
-
 def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -69,13 +65,14 @@ def _empty(spec: AttnSpec) -> bool:
 
 def _kernel_inputs(spec: AttnSpec, device, deterministic: bool, precision: str, *tensors):
     """The kernels' config and window, and the tensors made contiguous (no-ops from kernel_attention)."""
-    for name, d in (("q/k", spec.head_dim), ("v", spec.head_dim_v)):
-        if d not in NATIVE_HEAD_DIMS:
-            raise ValueError(
-                f"the flashsink kernel ops take head dims {NATIVE_HEAD_DIMS} on CUDA (flashsink.attention and "
-                f"attention_varlen zero-pad the others); the {name} head dim is {d}"
-            )
     cfg = interface.kernel_config(spec, device, deterministic, precision)
+    # the config's head dims are the rule's (config.kernel_head_dim): the ops take them unpadded only
+    if cfg.head_dim != spec.head_dim or cfg.head_dim_v != spec.head_dim_v:
+        name, d = ("q/k", spec.head_dim) if cfg.head_dim != spec.head_dim else ("v", spec.head_dim_v)
+        raise ValueError(
+            f"the flashsink kernel ops take head dims {NATIVE_HEAD_DIMS} on CUDA (flashsink.attention and "
+            f"attention_varlen zero-pad the others); the {name} head dim is {d}"
+        )
     return cfg, interface.kernel_window(spec.window), [t.contiguous() for t in tensors]
 
 
@@ -97,7 +94,7 @@ def _fwd_reference(
 ) -> Tuple[Tensor, Tensor]:
     """Reference implementation (every device but CUDA): o and the row-padded lse (``precision`` changes
     nothing here: the reference is exact in its compute dtype)."""
-    spec = _spec(q, k, v, sinks, window, causal, scale, layout)
+    spec = _validate.check_op(q, k, v, sinks, window, causal, scale, layout)  # the ops are public names
     o, lse = reference._attention(q, k, v, sinks, spec, return_lse=True)
     rows = interface._padded_rows(spec.seq_q)
     return o.contiguous(), torch.nn.functional.pad(lse, (0, rows - spec.seq_q))
@@ -108,7 +105,7 @@ fwd = torch.library.custom_op("flashsink::fwd", _fwd_reference, mutates_args=())
 
 @fwd.register_kernel("cuda")
 def _fwd_cuda(q, k, v, sinks, window, causal, scale, layout, deterministic, precision="fast"):
-    spec = _spec(q, k, v, sinks, window, causal, scale, layout)
+    spec = _validate.check_op(q, k, v, sinks, window, causal, scale, layout)  # the ops are public names
     if _empty(spec):
         return _fwd_reference(q, k, v, sinks, window, causal, scale, layout, deterministic, precision)
     cfg, win, (q, k, v) = _kernel_inputs(spec, q.device, deterministic, precision, q, k, v)
@@ -121,12 +118,8 @@ def _fwd_cuda(q, k, v, sinks, window, causal, scale, layout, deterministic, prec
 
 @fwd.register_fake
 def _fwd_fake(q, k, v, sinks, window, causal, scale, layout, deterministic, precision="fast"):
-    spec = _spec(q, k, v, sinks, window, causal, scale, layout)
-    if layout == "bhsd":
-        o_shape = (spec.batch, spec.heads, spec.seq_q, spec.head_dim_v)
-    else:
-        o_shape = (spec.batch, spec.seq_q, spec.heads, spec.head_dim_v)
-    o = q.new_empty(o_shape)
+    spec = _validate.check_op(q, k, v, sinks, window, causal, scale, layout)  # the ops are public names
+    o = q.new_empty(_validate.out_shape(spec, q))
     lse = q.new_empty((spec.batch, spec.heads, interface._padded_rows(spec.seq_q)), dtype=_lse_dtype(q.dtype))
     return o, lse
 
@@ -355,13 +348,9 @@ def _varlen_bwd_reference(
         a, b, c, e = cu_q[i], cu_q[i + 1], cu_k[i], cu_k[i + 1]
         if a == b:
             continue  # no query rows: no gradient from this sequence
-        sub = AttnSpec(
-            batch=1, heads=spec.heads, kv_heads=spec.kv_heads, seq_q=b - a, seq_kv=e - c, head_dim=spec.head_dim,
-            head_dim_v=spec.head_dim_v, window=window, causal=causal, scale=scale, layout="bshd",
-            dtype=q.dtype, has_sinks=sinks is not None,
-        )
         dl = None if dlse is None else dlse[:, a:b].unsqueeze(0)
-        gq, gk, gv, gs = _reference_backward(do[a:b][None], q[a:b][None], k[c:e][None], v[c:e][None], s_acc, dl, sub)
+        gq, gk, gv, gs = _reference_backward(do[a:b][None], q[a:b][None], k[c:e][None], v[c:e][None], s_acc, dl,
+                                             spec.one_sequence(b - a, e - c))
         dq[a:b], dk[c:e], dv[c:e] = gq[0], gk[0], gv[0]
         dsink += gs
     if sinks is None:

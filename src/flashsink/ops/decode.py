@@ -22,14 +22,13 @@ import math
 import torch
 
 from ..combine import merge_stacked
+from ..visibility import visible_span
 from .config import LOG2E, SPLIT_ROWS, split_tiles
 
 
 def visible_keys(spec) -> int:
-    """Keys the last query row can see (an upper bound for every row's range)."""
-    if spec.causal and spec.window is not None:
-        return min(spec.seq_kv, spec.window + spec.seq_q - 1)
-    return spec.seq_kv
+    """Keys the packed tile of all query rows visits (every row's range lies inside)."""
+    return visible_span(spec.seq_q, spec.seq_kv, spec.window)
 
 
 def use_split(spec, cfg) -> bool:

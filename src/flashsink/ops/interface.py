@@ -18,28 +18,10 @@ import torch
 from . import decode
 from .compile import get_kernel
 from .config import (
-    BWD_SPLIT_MIN_ROWS, LOG2E, MAX_HEAD_DIM, NATIVE_HEAD_DIMS, NO_WINDOW, PRECISIONS, SUPPORTED_DTYPES, KernelConfig,
-    arch_of, bwd_split, pre_tiles,
+    BWD_SPLIT_MIN_ROWS, HEAD_DIM_RULE, LOG2E, NO_WINDOW, PRECISIONS, ROW_PAD, SUPPORTED_DTYPES, KernelConfig,
+    arch_of, bwd_split, kernel_head_dim, pre_tiles,
 )
-
-# Row statistics (lse, Delta) and the fp32 dQ accumulator are allocated with this many
-# rows per multiple: every kernel's row tile is then in bounds, and the row stride of
-# an fp32 [.., rows] tensor stays 16-byte aligned as the bulk-copy engine requires.
-ROW_PAD = 128
-
-
-def _padded_rows(seq_q: int) -> int:
-    rows = (seq_q + ROW_PAD - 1) // ROW_PAD * ROW_PAD
-    if isinstance(rows, int):  # eager: plain ints (torch.sym_max costs microseconds per call)
-        return max(ROW_PAD, rows)
-    # a torch.compile trace: symbolic lengths, no guard on seq_q
-    return torch.sym_max(ROW_PAD, rows)
-
-
-def varlen_rows(total: int) -> int:
-    """Rows of a packed batch's statistics (:func:`_stat_shape` for ``thd``): whole row tiles of
-    the last sequence may start at any packed row, so one tile past the end."""
-    return _padded_rows(total + ROW_PAD)
+from .config import padded_rows as _padded_rows, varlen_rows  # noqa: F401  (the ops' and tests' names)
 
 
 def kernel_window(window) -> int:
@@ -48,13 +30,12 @@ def kernel_window(window) -> int:
 
 
 def _kernel_dim(d: int) -> int:
-    """Head dim the kernels run with: tiles are built for these sizes; other multiples of 16
-    are zero-padded up to the next one (exact: zero columns add nothing to q.k, and the
-    padded columns of o, dq, dk, dv are dropped)."""
-    for native in NATIVE_HEAD_DIMS:
-        if d <= native:
-            return native
-    raise AssertionError(d)  # unreachable after check_supported
+    """Head dim the kernels run with (:func:`config.kernel_head_dim`): zero-padding is exact (zero
+    columns add nothing to q.k, and the padded columns of o, dq, dk, dv are dropped)."""
+    native = kernel_head_dim(d)
+    if native is None:
+        raise AssertionError(d)  # unreachable after check_supported
+    return native
 
 
 def check_supported(spec) -> None:
@@ -64,10 +45,12 @@ def check_supported(spec) -> None:
             f"flashsink kernels support float16 and bfloat16 inputs on CUDA; got {spec.dtype}. "
             "Cast q, k, v to one of those, or use flashsink.reference.attention for other dtypes."
         )
+    if kernel_head_dim(spec.head_dim) is not None and kernel_head_dim(spec.head_dim_v) is not None:
+        return  # every call: no more work than the two rule checks
     for name, d in (("head_dim of q and k", spec.head_dim), ("head_dim of v", spec.head_dim_v)):
-        if d % 16 != 0 or not 16 <= d <= MAX_HEAD_DIM:
+        if kernel_head_dim(d) is None:
             raise NotImplementedError(
-                f"flashsink kernels support head dims that are multiples of 16 up to {MAX_HEAD_DIM} "
+                f"flashsink kernels support head dims that are {HEAD_DIM_RULE} "
                 f"(64 and 128 are the fast ones); the {name} is {d}."
             )
 
@@ -78,28 +61,24 @@ _CONFIGS: dict = {}
 
 def kernel_config(spec, device, deterministic: bool, precision: str = "fast") -> KernelConfig:
     """The static configuration for a validated problem, or NotImplementedError."""
-    arch = arch_of(device)
-    groups = spec.heads // spec.kv_heads
-    key = (arch, spec.dtype, spec.head_dim, spec.head_dim_v, groups, spec.causal, spec.has_sinks, spec.layout,
-           bool(deterministic), precision)
+    key = (arch_of(device), spec.kernel_key, bool(deterministic), precision)
     cfg = _CONFIGS.get(key)
     if cfg is None:
         check_supported(spec)
         if precision not in PRECISIONS:  # the public functions checked it; the ops may be called directly
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-        cfg = _CONFIGS[key] = KernelConfig(
-            arch=arch,
-            dtype=SUPPORTED_DTYPES[spec.dtype],
-            head_dim=_kernel_dim(spec.head_dim),
-            head_dim_v=_kernel_dim(spec.head_dim_v),
-            groups=groups,
-            causal=spec.causal,
-            has_sinks=spec.has_sinks,
-            layout=spec.layout,
-            deterministic=bool(deterministic),
-            precision=precision,
-        )
+        cfg = _CONFIGS[key] = _config_of(*key)
     return cfg
+
+
+def _config_of(arch, kernel_key, deterministic, precision) -> KernelConfig:
+    """The KernelConfig of kernel_config's key: each field from the spec's ``kernel_key``."""
+    dtype, head_dim, head_dim_v, groups, causal, has_sinks, layout = kernel_key
+    return KernelConfig(
+        arch=arch, dtype=SUPPORTED_DTYPES[dtype], head_dim=_kernel_dim(head_dim), head_dim_v=_kernel_dim(head_dim_v),
+        groups=groups, causal=causal, has_sinks=has_sinks, layout=layout, deterministic=deterministic,
+        precision=precision,
+    )
 
 
 @functools.lru_cache(maxsize=None)

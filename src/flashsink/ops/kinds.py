@@ -15,7 +15,9 @@ import dataclasses
 import importlib
 from typing import Callable, Optional
 
-from .config import SPLIT_ROWS, KernelConfig, bwd_split, bwd_tiles, dq_tiles, fwd_tiles, pre_tiles, split_tiles
+from .config import (
+    KVCACHE_HEAD_DIMS, SPLIT_ROWS, KernelConfig, bwd_split, bwd_tiles, dq_tiles, fwd_tiles, pre_tiles, split_tiles,
+)
 
 
 def _always(cfg: KernelConfig) -> bool:
@@ -31,8 +33,6 @@ def _kvcache(cfg: KernelConfig) -> bool:
     """Configurations ``attention_kvcache`` runs with (``ops/kvcache.py``): causal bshd, the kernels'
     head dims, not deterministic. Its kernels are not launched by attention's forward or backward, so
     a first use does not build them; ``flashsink precompile`` does (:func:`precompile_kinds`)."""
-    from .kvcache import KVCACHE_HEAD_DIMS  # at call time: kvcache imports compile, which imports this
-
     return (cfg.layout == "bshd" and cfg.causal and not cfg.deterministic and cfg.head_dim in KVCACHE_HEAD_DIMS
             and cfg.head_dim_v in KVCACHE_HEAD_DIMS)
 

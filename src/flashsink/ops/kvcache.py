@@ -18,10 +18,7 @@ import math
 import torch
 
 from .compile import get_kernel
-from .config import LOG2E, NO_WINDOW, SUPPORTED_DTYPES, KernelConfig, arch_of, split_tiles
-
-#: head dims with kvcache kernels (the cache is never padded: that would copy it every call)
-KVCACHE_HEAD_DIMS = (64, 128)
+from .config import KVCACHE_HEAD_DIMS, LOG2E, NO_WINDOW, SUPPORTED_DTYPES, KernelConfig, arch_of, split_tiles
 
 _PLANS: dict = {}  # static facts -> (cfg, forward kernel, merge kernel, tiles)
 _IDENTITY: dict = {}  # (batch, device) -> int32 [[0], [1], .., [B-1]]

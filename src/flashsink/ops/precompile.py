@@ -6,15 +6,12 @@ counted as cached, not rebuilt. Works without a GPU: the architecture is part of
 :class:`KernelConfig`.
 """
 
-import concurrent.futures as cf
-import multiprocessing as mp
 import os
 import sys
 import time
 
-from . import compile as _compile
 from . import diskcache
-from .compile import KINDS
+from .compile import KINDS, compile_parallel
 from .config import PRECISIONS, KernelConfig, bwd_split
 from .kinds import canonical, kinds_for, precompile_kinds
 
@@ -27,38 +24,6 @@ def supported_kinds(cfg: KernelConfig) -> tuple:
     split main backward only where the configuration has a split (``config.bwd_split``)."""
     kinds = KINDS if cfg.hopper and cfg.layout != "thd" else tuple(k for k in KINDS if k != "fwd_split")
     return tuple(k for k in kinds if k != "bwd_split" or bwd_split(cfg) > 1)
-
-
-def _init_worker():
-    # the parent prints one progress line per kernel; workers only say what goes wrong
-    os.environ.setdefault("FLASHSINK_LOG", "warning")
-
-
-def _compile_one(job):
-    """Returns (kind, cfg, seconds, "compiled" | "cached" | "rebuilt", error text or None)."""
-    kind, cfg = job
-    start = time.perf_counter()
-    before = dict(_compile.counts)
-    try:
-        _compile.compile_kernel(kind, cfg)
-    except Exception as exc:  # reported by the parent, which decides what failed
-        return kind, cfg, time.perf_counter() - start, "failed", f"{type(exc).__name__}: {exc}"
-    done = {k: v - before.get(k, 0) for k, v in _compile.counts.items()}
-    how = "rebuilt" if done.get("rebuilt") else "compiled" if done.get("compiled") else "cached"
-    return kind, cfg, time.perf_counter() - start, how, None
-
-
-def _executor(jobs: int):
-    """Worker processes (spawned: no CUDA state or locks inherited)."""
-    return cf.ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn"), initializer=_init_worker)
-
-
-def compile_parallel(todo, *, jobs=None):
-    """Compile (kind, config) pairs in worker processes into the disk cache; yields
-    ``(kind, cfg, seconds, how, error)`` per pair as each finishes, in ``todo``'s order."""
-    jobs = jobs or max(1, min(len(todo), os.cpu_count() or 1))
-    with _executor(jobs) as pool:
-        yield from pool.map(_compile_one, todo)
 
 
 def precompile(configs, *, kinds=None, jobs=None, out=sys.stderr, pairs=()) -> list:
@@ -108,12 +73,11 @@ _DTYPES = {"fp16": "float16", "bf16": "bfloat16"}
 
 def configs_from_args(args) -> list:
     """Every KernelConfig the options ask for (the product of the option lists)."""
-    from .config import MAX_HEAD_DIM
-    from .interface import _kernel_dim
+    from .config import HEAD_DIM_RULE, kernel_head_dim
 
     for d in args.head_dim:
-        if d % 16 != 0 or not 16 <= d <= MAX_HEAD_DIM:
-            raise ValueError(f"--head-dim: {d} is not a multiple of 16 in [16, {MAX_HEAD_DIM}]")
+        if kernel_head_dim(d) is None:
+            raise ValueError(f"--head-dim: {d} is not one of the kernels' head dims ({HEAD_DIM_RULE})")
     for g in args.groups:
         if g < 1:
             raise ValueError(f"--groups: {g} must be >= 1 (query heads per KV head)")
@@ -124,7 +88,7 @@ def configs_from_args(args) -> list:
     out = []
     for arch in args.arch:
         for dtype in args.dtype:
-            for d in dict.fromkeys(_kernel_dim(d) for d in args.head_dim):
+            for d in dict.fromkeys(kernel_head_dim(d) for d in args.head_dim):
                 for g in args.groups:
                     for layout in layouts:
                         for s in sinks:
