@@ -34,8 +34,8 @@ H, HK = 64, 8
 #: fast against strict differs by one rounding of P and dS to the input dtype: measured 2.7e-3
 #: (bf16), 3.2e-4 (fp16) (docs/perf.md v6); a variant past this is wrong, not imprecise
 MAX_REL_L2 = 1e-2
-#: seconds a child process gets to compile-load and run one variant once
-PROBE_TIMEOUT_S = 120
+#: seconds a child process gets to run one variant once, and to start (load its kernels)
+PROBE_TIMEOUT_S, PROBE_START_S = 60, 240
 
 
 def _variants(d: int, only: str = "") -> list:
@@ -203,16 +203,22 @@ def _probe(name, jobs, budget):
         out = ctx.Queue()
         proc = ctx.Process(target=_probe_worker, args=(name, pending, out))
         proc.start()
-        current, limit = pending[0], 4 * PROBE_TIMEOUT_S  # the first wait includes the child's kernel loads
+        current, limit, waited = pending[0], PROBE_START_S, 0
         while True:
             try:
-                job, msg = out.get(timeout=limit)
+                job, msg = out.get(timeout=5)
             except queue.Empty:
-                status[current] = f"HUNG or too slow: no answer in {limit} s, killed"
-                budget[0] -= 1
-                break
+                waited += 5
+                if not proc.is_alive():  # a fault can kill the child before it reports
+                    status[current] = f"child process died (exit code {proc.exitcode})"
+                    break
+                if waited >= limit:
+                    status[current] = f"HUNG or too slow: no answer in {limit} s, killed"
+                    budget[0] -= 1
+                    break
+                continue
             if msg == "start":
-                current, limit = job, PROBE_TIMEOUT_S
+                current, limit, waited = job, PROBE_TIMEOUT_S, 0
                 continue
             status[job] = msg
             if msg is not None or len(status) == len(jobs):
