@@ -27,6 +27,7 @@ and the sink gets ``dsink[h] = -sum_rows exp(sink[h] - lse) * Delta``.
 import tilelang.language as T
 
 from .block_range import kv_blocks_for_rows, row_blocks_for_keys
+from .bwd_ws import build_bwd_ws
 from .config import ROW_BLOCK, KernelConfig, bwd_dq_bulk, bwd_overlap, bwd_split, bwd_tiles, dq_tiles, pre_tiles
 from .layout import (acc_tile, kernel, optional, prologue_load, qkv_shapes, row_runs, seq_count, seq_tiles, sequence,
                      stage_stat, staged_stat, stat_at, stat_shape, stat_tile, store_rows, store_stat, tile, varlen_params)
@@ -238,7 +239,7 @@ def _build_preprocess_strict(cfg: KernelConfig):
     return flashsink_bwd_preprocess
 
 
-def build_bwd(cfg: KernelConfig, tiles=None, dq_bulk=None, overlap=None, split=None):
+def build_bwd(cfg: KernelConfig, tiles=None, dq_bulk=None, overlap=None, split=None, ws=False):
     """The main backward. The options default to the tile table's choices and exist for
     tools/bwd_variants.py, which times alternatives: ``tiles`` (``bwd_tiles(cfg)``); ``dq_bulk``,
     dQ tiles added by one bulk (TMA) reduce-add from shared memory instead of per-thread atomics
@@ -252,6 +253,10 @@ def build_bwd(cfg: KernelConfig, tiles=None, dq_bulk=None, overlap=None, split=N
     x 8 KV heads is 256 programs on 132 SMs otherwise) each program adds its share of dK/dV into
     fp32 accumulators (``[.., rows_pad_kv, D]``, zeroed by the host) that the postprocess casts,
     as it does for dQ: not bitwise reproducible, so deterministic configurations keep 1.
+
+    ``ws``: the hand warp-specialized Hopper kernel of ``bwd_ws.py`` instead (fast precision; its
+    dQ is always the producer's bulk reduce-add and its S^T/dP^T always overlap, so ``dq_bulk``
+    and ``overlap`` do not apply).
     """
     t = tiles or bwd_tiles(cfg)
     dq_bulk = bwd_dq_bulk(cfg) if dq_bulk is None else dq_bulk
@@ -260,6 +265,8 @@ def build_bwd(cfg: KernelConfig, tiles=None, dq_bulk=None, overlap=None, split=N
     if cfg.groups % split or (split > 1 and (cfg.deterministic or cfg.head_dim != cfg.head_dim_v)):
         raise ValueError(f"split={split} needs a divisor of groups={cfg.groups}, a non-deterministic "
                          "configuration and head_dim == head_dim_v")
+    if ws:
+        return build_bwd_ws(cfg, t, split)
     per_prog = cfg.groups // split  # query heads one program streams
     dq_ann = {"use_tma": 1} if dq_bulk else None
     bm, bn = t.block_m, t.block_n  # bm query rows stream past bn resident keys

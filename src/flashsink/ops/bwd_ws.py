@@ -1,0 +1,222 @@
+"""The fast main backward, warp-specialized by hand for Hopper (FlashAttention-3's layout).
+
+Same gradients, grid and arguments as ``bwd.build_bwd`` (fast precision), different schedule.
+384 threads in three warpgroups:
+
+- the **producer** (warpgroup 2, 24 registers) loads each query tile's Q, dO, lse and Delta by
+  TMA into a ring of ``stages`` slots (one full/empty mbarrier pair per slot) and adds each
+  finished dQ tile into the fp32 accumulator with one bulk reduce-add from shared memory, so
+  the consumers never wait for that add;
+- two **consumers** (warpgroups 0-1, 240 registers; each owns half of the ``bn`` resident keys)
+  issue S^T and dP^T back to back, then dV, dK and dQ as asynchronous wgmma, waiting for
+  a product only where its result is read; dK/dV stay in registers across the loop.
+
+Why not TileLang's own warp specialization (``T.Pipelined``): its consumers wait for every
+product (``T.gemm``) and issue the dQ reduce-add themselves, then wait for it, with four
+barriers between the two consumers per tile (docs/perf.md, v6).
+"""
+
+import tilelang.language as T
+
+from .block_range import row_blocks_for_keys
+from .config import KernelConfig
+from .layout import (acc_tile, kernel, optional, prologue_load, qkv_shapes, seq_count, seq_tiles, sequence, stat_shape,
+                     stat_tile, store_rows, tile, varlen_params)
+from .mask import visible
+from .softmax import LOG2E
+
+#: registers per thread of the producer and of the consumer warpgroups (setmaxnreg), as
+#: TileLang's automatic warp specialization and FlashAttention-3 choose: 24 * 128 + 240 * 256
+#: fits the 64K registers of one SM
+PRODUCER_REGS, CONSUMER_REGS = 24, 240
+CONSUMER_THREADS = 256
+#: the named barrier the consumers meet at (0 is __syncthreads; TileLang's own partial syncs use 3)
+CONSUMER_BARRIER = 1
+
+
+def _stat(x, ring, layout, s, h, row, j):
+    """Row ``row`` (base included; element ``j`` of the tile) of a statistic: from ring slot
+    ``s``, or (thd) from global memory (layout.py: the bulk copy needs 16-byte aligned rows)."""
+    return x[h, row] if layout == "thd" else ring[s, j]
+
+
+def build_bwd_ws(cfg: KernelConfig, t, split: int):
+    """The warp-specialized main backward for ``tiles`` ``t`` (``t.threads`` consumer threads,
+    256; ``t.stages`` ring slots) and ``split`` programs per KV tile (see ``bwd.build_bwd``)."""
+    if not cfg.hopper or cfg.precision != "fast" or t.threads != CONSUMER_THREADS or t.stages < 1:
+        raise NotImplementedError(f"the warp-specialized main backward supports Hopper (sm_90a), precision='fast' "
+                                  f"and {CONSUMER_THREADS} consumer threads; got {cfg.short()}, {t}")
+    per_prog = cfg.groups // split
+    stages = t.stages
+    bm, bn = t.block_m, t.block_n
+    dim, dim_v, groups, layout = cfg.head_dim, cfg.head_dim_v, cfg.groups, cfg.layout
+    dtype, accum = cfg.dtype, "float32"
+    packed = layout == "thd"  # lse/Delta read from global memory (layout.py: unaligned rows)
+    batch, heads, seq_q, seq_kv, rows_pad, rows_pad_kv = T.dynamic("batch, heads, seq_q, seq_kv, rows_pad, rows_pad_kv")
+    heads_kv = heads // groups
+    q_shape, k_shape, v_shape, o_shape = qkv_shapes(layout, batch, heads, heads_kv, seq_q, seq_kv, dim, dim_v)
+    st_shape = stat_shape(layout, batch, heads, rows_pad)
+    acc_shape = st_shape + [dim]
+    dk_shape, dv_shape = k_shape, v_shape
+    if split > 1:
+        dk_shape = dv_shape = stat_shape(layout, batch, heads_kv, rows_pad_kv) + [dim]
+    dkv_dtype = accum if split > 1 else dtype
+    with_dq = not cfg.deterministic
+
+    @T.macro
+    def body(Q, K, V, dO, LSE, Delta, CuQ, CuK, window, scale, dQAcc, dK, dV, n_tiles, n_seqs):
+        with T.Kernel(n_tiles, heads_kv * split, n_seqs, threads=CONSUMER_THREADS + 128) as (bx, hs, b):
+            kv_head = hs // split
+            head0 = kv_head * groups + (hs % split) * per_prog
+            k_s = T.alloc_shared([bn, dim], dtype)
+            v_s = T.alloc_shared([bn, dim_v], dtype)
+            q_r = T.alloc_shared([stages, bm, dim], dtype)  # the ring the producer fills
+            do_r = T.alloc_shared([stages, bm, dim_v], dtype)
+            lse_r = T.alloc_shared([stages, bm], accum)
+            delta_r = T.alloc_shared([stages, bm], accum)
+            pT = T.alloc_fragment([bn, bm], accum)  # P^T, then dS^T
+            dpT = T.alloc_fragment([bn, bm], accum)
+            p_h = T.alloc_fragment([bn, bm], dtype)  # P^T rounded: dV's A operand (registers)
+            ds_h = T.alloc_fragment([bn, bm], dtype)  # dS^T rounded: dK's A operand
+            dk = T.alloc_fragment([bn, dim], accum)
+            dv = T.alloc_fragment([bn, dim_v], accum)
+            full = T.alloc_barrier(arrive_count=[128] * stages)  # slot loaded (producer + TMA bytes)
+            empty = T.alloc_barrier(arrive_count=[CONSUMER_THREADS] * stages)  # slot read by both consumers
+            if with_dq:
+                # dS^T of two consecutive tiles: a consumer writes tile it+1's while the other may
+                # still read tile it's in its dQ product
+                ds_s = T.alloc_shared([2, bn, bm], dtype)
+                dq = T.alloc_fragment([bm, dim], accum)
+                dq_s = T.alloc_shared([bm, dim], accum)
+                dq_full = T.alloc_barrier(arrive_count=CONSUMER_THREADS)  # dq_s written
+                dq_empty = T.alloc_barrier(arrive_count=128)  # dq_s added into dQAcc
+
+            q_base, sq = sequence(layout, CuQ, b, seq_q)
+            k_base, sk = sequence(layout, CuK, b, seq_kv)
+            key0 = bx * bn
+            scale_log2 = scale * LOG2E
+            lo_blk, hi_blk = row_blocks_for_keys(key0, bn, bm, sq, sk, window, cfg.causal)
+            n_rows = hi_blk - lo_blk
+            n_it = per_prog * n_rows
+            if n_rows > 0:  # no bulk copy left in flight by a program no row sees (see fwd.py)
+                T.copy(tile(K, layout, b, kv_head, k_base + key0, bn), k_s, prefer_instruction=prologue_load(cfg))
+                T.copy(tile(V, layout, b, kv_head, k_base + key0, bn), v_s, prefer_instruction=prologue_load(cfg))
+            tx = T.get_thread_binding()
+
+            if tx >= CONSUMER_THREADS:
+                T.set_max_nreg(PRODUCER_REGS, 0)
+                for it in T.serial(n_it):
+                    s = it % stages
+                    head = head0 + it // n_rows
+                    row0 = (lo_blk + it % n_rows) * bm
+                    T.mbarrier_wait_parity(empty[s], ((it // stages) & 1) ^ 1)
+                    T.tma_copy(tile(Q, layout, b, head, q_base + row0, bm), q_r[s, :, :], barrier=full[s])
+                    T.tma_copy(tile(dO, layout, b, head, q_base + row0, bm), do_r[s, :, :], barrier=full[s])
+                    if not packed:
+                        T.tma_copy(stat_tile(LSE, layout, b, head, row0, bm), lse_r[s, :], barrier=full[s])
+                        T.tma_copy(stat_tile(Delta, layout, b, head, row0, bm), delta_r[s, :], barrier=full[s])
+                    T.barrier_arrive(full[s])
+                    if with_dq:
+                        if it > 0:  # the previous tile's dQ, while the consumers work on this one
+                            prev = it - 1
+                            T.mbarrier_wait_parity(dq_full, prev & 1)
+                            T.atomic_add(acc_tile(dQAcc, layout, b, head0 + prev // n_rows, q_base + (lo_blk + prev % n_rows) * bm, bm),
+                                         dq_s, annotations={"use_tma": 1})
+                            T.barrier_arrive(dq_empty)
+                if with_dq:
+                    if n_it > 0:
+                        last = n_it - 1
+                        T.mbarrier_wait_parity(dq_full, last & 1)
+                        T.atomic_add(acc_tile(dQAcc, layout, b, head0 + last // n_rows, q_base + (lo_blk + last % n_rows) * bm, bm),
+                                     dq_s, annotations={"use_tma": 1})
+            else:
+                T.set_max_nreg(CONSUMER_REGS, 1)
+                T.clear(dk)
+                T.clear(dv)
+                for it in T.serial(n_it):
+                    s = it % stages
+                    head = head0 + it // n_rows
+                    row0 = (lo_blk + it % n_rows) * bm
+                    T.mbarrier_wait_parity(full[s], (it // stages) & 1)
+                    # S^T and dP^T back to back; P while dP^T runs
+                    T.wgmma_gemm(k_s, q_r[s, :, :], pT, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                    T.wgmma_gemm(v_s, do_r[s, :, :], dpT, transpose_B=True, clear_accum=True,
+                                 policy=T.GemmWarpPolicy.FullRow)
+                    T.wait_wgmma(1)
+                    for i, j in T.Parallel(bn, bm):
+                        pT[i, j] = T.if_then_else(
+                            visible(row0 + j, key0 + i, sq, sk, window, cfg.causal),
+                            T.exp2(pT[i, j] * scale_log2 - _stat(LSE, lse_r, layout, s, head, q_base + row0 + j, j) * LOG2E),
+                            0.0,
+                        )
+                    T.wait_wgmma(0)
+                    # dV += P^T dO, running while dS^T is computed
+                    T.copy(pT, p_h)
+                    T.wgmma_gemm(p_h, do_r[s, :, :], dv, policy=T.GemmWarpPolicy.FullRow)
+                    for i, j in T.Parallel(bn, bm):
+                        # dS^T, selected (not multiplied): a masked slot adds an exact 0 (bwd.py)
+                        pT[i, j] = T.if_then_else(
+                            visible(row0 + j, key0 + i, sq, sk, window, cfg.causal),
+                            pT[i, j] * (dpT[i, j] - _stat(Delta, delta_r, layout, s, head, q_base + row0 + j, j)) * scale,
+                            0.0,
+                        )
+                    T.copy(pT, ds_h)
+                    if with_dq:
+                        # dS^T to shared memory for dQ = dS K, which needs both consumers' keys
+                        T.copy(ds_h, ds_s[it % 2, :, :])
+                        T.fence_proxy_async()
+                        # the one meeting of the consumers per tile; it also orders this tile's
+                        # write of ds_s[it % 2] after the other's read of it two tiles ago
+                        T.sync_threads(CONSUMER_BARRIER, CONSUMER_THREADS)
+                    # dK += dS^T Q
+                    T.wgmma_gemm(ds_h, q_r[s, :, :], dk, policy=T.GemmWarpPolicy.FullRow)
+                    if with_dq:
+                        T.wgmma_gemm(ds_s[it % 2, :, :], k_s, dq, transpose_A=True, clear_accum=True,
+                                     policy=T.GemmWarpPolicy.FullRow)
+                    T.wait_wgmma(0)
+                    T.barrier_arrive(empty[s])  # Q, dO, lse, Delta of this slot read
+                    if with_dq:
+                        T.mbarrier_wait_parity(dq_empty, (it & 1) ^ 1)  # the previous tile's dQ added
+                        T.copy(dq, dq_s)
+                        T.fence_proxy_async()
+                        T.barrier_arrive(dq_full)
+
+                if split > 1:
+                    # fp32 adds straight from registers (an fp32 staging tile would not fit in
+                    # shared memory); rows past the sequence hold exact zeros (P, dS selected to 0)
+                    T.atomic_add(acc_tile(dK, layout, b, kv_head, k_base + key0, bn), dk)
+                    T.atomic_add(acc_tile(dV, layout, b, kv_head, k_base + key0, bn), dv)
+                else:
+                    # staged through the K and V tiles, once both consumers are done with them
+                    T.sync_threads(CONSUMER_BARRIER, CONSUMER_THREADS)
+                    T.copy(dk, k_s)
+                    T.copy(dv, v_s)
+                    T.sync_threads(CONSUMER_BARRIER, CONSUMER_THREADS)
+                    store_rows(dK, layout, b, kv_head, k_base, key0, sk, k_s, bn, dim)
+                    store_rows(dV, layout, b, kv_head, k_base, key0, sk, v_s, bn, dim_v)
+
+    cu, longest, n_cu = varlen_params(layout)
+
+    @kernel("flashsink_bwd", layout)
+    def flashsink_bwd(
+        Q: T.Tensor(q_shape, dtype),
+        K: T.Tensor(k_shape, dtype),
+        V: T.Tensor(v_shape, dtype),
+        dO: T.Tensor(o_shape, dtype),
+        LSE: T.Tensor(st_shape, accum),
+        Delta: T.Tensor(st_shape, accum),
+        CuQ: cu,
+        CuK: cu,
+        max_seqlen_k: longest,
+        window: T.int32,
+        scale: T.float32,
+        dQAcc: optional(with_dq, T.Tensor(acc_shape, accum)),
+        dK: T.Tensor(dk_shape, dkv_dtype),
+        dV: T.Tensor(dv_shape, dkv_dtype),
+    ):
+        body(Q, K, V, dO, LSE, Delta, CuQ, CuK, window, scale, dQAcc, dK, dV,
+             seq_tiles(layout, max_seqlen_k, seq_kv, bn), seq_count(layout, n_cu, batch))
+
+    # Every shared-memory hand-off here is ordered by hand (mbarriers, the consumers' named
+    # barrier): TileLang's automatic syncs would add three consumer meetings per tile.
+    return flashsink_bwd.with_attr("tilelang_pass_configs", {"tl.disable_thread_storage_sync": True})

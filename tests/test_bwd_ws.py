@@ -1,0 +1,59 @@
+"""The hand warp-specialized main backward (``ops/bwd_ws.py``, ``build_bwd(..., ws=True)``) builds
+to TIR for Hopper in the configurations tools/bwd_variants.py times, with the launch protocol of
+the default kernel; it refuses what it does not support. Lowering only: no nvcc, no GPU (the GPU
+check of its gradients is tools/bwd_variants.py's relative L2 against the strict path)."""
+
+import pytest
+
+pytest.importorskip("tilelang")
+
+from flashsink.ops import bwd  # noqa: E402
+from flashsink.ops.config import KernelConfig, Tiles  # noqa: E402
+
+pytestmark = pytest.mark.l0
+
+
+def _cfg(dtype="bfloat16", d=128, layout="bhsd", deterministic=False, precision="fast", arch="sm_90a"):
+    return KernelConfig(arch, dtype, d, d, 8, True, True, layout, deterministic, precision)
+
+
+def _params(func) -> list:
+    return [p.name.removesuffix("_handle") for p in func.params]
+
+
+def _dtypes(func) -> list:
+    """The element type of each parameter (a tensor's, or a scalar's own)."""
+    return [str(func.buffer_map[p].dtype if p in func.buffer_map else p.dtype) for p in func.params]
+
+
+@pytest.mark.parametrize("dtype,d,layout,deterministic,tiles,split", [
+    ("bfloat16", 128, "bhsd", False, (64, 128, 256, 2), 1),
+    ("bfloat16", 128, "bhsd", False, (64, 128, 256, 3), 8),
+    ("bfloat16", 64, "bhsd", False, (64, 128, 256, 2), 4),
+    ("bfloat16", 64, "bhsd", False, (128, 128, 256, 2), 8),
+    ("float16", 128, "bhsd", False, (64, 128, 256, 2), 1),
+    ("bfloat16", 128, "bshd", True, (64, 128, 256, 2), 1),
+    ("float16", 64, "thd", False, (64, 128, 256, 2), 1),
+])
+def test_ws_builds_with_the_default_signature(dtype, d, layout, deterministic, tiles, split):
+    cfg = _cfg(dtype, d, layout, deterministic)
+    func = bwd.build_bwd(cfg, tiles=Tiles(*tiles), split=split, ws=True)
+    default = bwd.build_bwd(cfg, split=split)
+    assert str(func.attrs["global_symbol"]) == str(default.attrs["global_symbol"])
+    assert _params(func) == _params(default)
+    assert _dtypes(func) == _dtypes(default)
+    # its own syncs replace TileLang's (bwd_ws.py); the register split is set by hand
+    assert bool(func.attrs["tilelang_pass_configs"]["tl.disable_thread_storage_sync"])
+    text = func.script()
+    assert "set_max_nreg" in text and "mbarrier_wait_parity" in text
+    assert ("dQAcc" in text) != deterministic
+
+
+@pytest.mark.parametrize("cfg,tiles", [
+    (_cfg(precision="strict"), None),
+    (_cfg(arch="sm_80"), None),
+    (_cfg(), Tiles(64, 128, 128, 2)),
+])
+def test_ws_refuses_what_it_does_not_support(cfg, tiles):
+    with pytest.raises(NotImplementedError, match="warp-specialized"):
+        bwd.build_bwd(cfg, tiles=tiles, ws=True)
