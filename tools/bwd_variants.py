@@ -68,14 +68,17 @@ def _func(job):
     return build_prim_func(kind, cfg)
 
 
-def _compile(job):
+def _compile(job, build=_func):
+    """``(job, kernel or None, error or None, seconds)``: compiled here; in a pool worker the kernel
+    is left in TileLang's disk cache (None returned), the main process loads it with a second call.
+    ``build(job)`` gives the PrimFunc (tools/fwd_variants.py passes its own)."""
     import tilelang
 
     from flashsink.ops.compile import pass_configs
 
     t0 = time.perf_counter()
     try:
-        k = tilelang.compile(_func(job), target={"kind": "cuda", "arch": "sm_90a"}, execution_backend="tvm_ffi",
+        k = tilelang.compile(build(job), target={"kind": "cuda", "arch": "sm_90a"}, execution_backend="tvm_ffi",
                              pass_configs=pass_configs())
     except Exception as exc:  # reported in the table
         return job, None, f"{type(exc).__name__}: {str(exc)[-300:]}", time.perf_counter() - t0

@@ -77,7 +77,8 @@ def build_fwd(cfg: KernelConfig, tiles: Tiles | None = None, mask: str = "select
             softmax.init_state(m, l, Sinks, head, bm, cfg.has_sinks)
             full = None  # (flo, fhi): the wholly visible KV blocks, for every mask but "select"
             if mask != "select":
-                full = full_kv_blocks_for_rows(lo, hi, row0, bm, bn, sq, sk, window, cfg.causal)
+                flo, fhi = full_kv_blocks_for_rows(lo, hi, row0, bm, bn, sq, sk, window, cfg.causal)
+                full = (flo, fhi)  # bound once per tile, not re-evaluated per element
             # the key loops: (first block, end, masked, K buffer, V buffer)
             loops = [(lo, hi, True, k_s, v_s)]
             if mask == "split":
