@@ -13,6 +13,7 @@ The defaults the library uses are marked ``*``.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import multiprocessing as mp
@@ -85,6 +86,32 @@ def _compile(job, build=_func):
     return job, k if mp.current_process().name == "MainProcess" else None, None, time.perf_counter() - t0
 
 
+def compile_all(jobs, processes: int, build=_func, label=str):
+    """Compile ``jobs`` in ``processes`` spawned processes into TileLang's disk cache, then load them
+    here: ``(kernels, errors)``, dicts by job. Progress (``label(job)`` per kernel) on stderr."""
+    compile_one = functools.partial(_compile, build=build)
+    t0 = time.perf_counter()
+    print(f"compiling {len(jobs)} kernels with {processes} processes ...", file=sys.stderr, flush=True)
+    errors = {}
+    with mp.get_context("spawn").Pool(processes) as pool:
+        for done, (job, _, err, secs) in enumerate(pool.imap_unordered(compile_one, jobs), 1):
+            print(f"  [{done}/{len(jobs)}] {time.perf_counter() - t0:4.0f} s  {label(job)} ({secs:.0f} s) "
+                  + (f"FAILED: {err}" if err else "ok"), file=sys.stderr, flush=True)
+            if err:
+                errors[job] = err
+    print(f"compiled in {time.perf_counter() - t0:.0f} s; loading", file=sys.stderr, flush=True)
+    kernels = {}
+    for job in jobs:
+        if job not in errors:
+            _, k, err, _ = compile_one(job)  # TileLang's disk cache: a load
+            if err:
+                errors[job] = err
+            else:
+                kernels[job] = k
+    print(f"loaded in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    return kernels, errors
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--problems", default=",".join(PROBLEMS))
@@ -104,23 +131,7 @@ def main() -> int:
         for _, tiles, opts in () if args.profile_run else _variants(d):
             jobs.append(("bwd-variant", dtype, d, "fast", tiles, opts))
     jobs = list(dict.fromkeys(jobs))
-    t0 = time.perf_counter()
-    print(f"compiling {len(jobs)} kernels with {args.jobs} processes ...", file=sys.stderr, flush=True)
-    errors = {}
-    with mp.get_context("spawn").Pool(args.jobs) as pool:
-        for job, _, err, secs in pool.imap_unordered(_compile, jobs):
-            if err:
-                errors[job] = err
-                print(f"  FAILED {job}: {err}", file=sys.stderr, flush=True)
-    print(f"compiled in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
-    kernels = {}
-    for job in jobs:
-        if job not in errors:
-            _, k, err, _ = _compile(job)  # TileLang's disk cache: a load
-            if err:
-                errors[job] = err
-            else:
-                kernels[job] = k
+    kernels, errors = compile_all(jobs, args.jobs)
 
     import torch
     from triton.testing import do_bench

@@ -15,15 +15,12 @@ Kernels depend on (dtype, head dim) only, so problems sharing them compile them 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import math
-import multiprocessing as mp
 import os
 import sys
-import time
 
-from bwd_variants import HK, PROBLEMS, H, _cfg, _compile
+from bwd_variants import HK, PROBLEMS, H, _cfg, compile_all
 
 DEFAULT = "default*"
 
@@ -84,28 +81,9 @@ def main() -> int:
         labels[(dtype, d, None, "select", False)] = DEFAULT
         for label, tiles, mask, fold in variants(d):
             labels[(dtype, d, tiles, mask, fold)] = label
-    jobs = list(labels)
-    build = functools.partial(_compile, build=_func)
-    t0 = time.perf_counter()
-    print(f"compiling {len(jobs)} kernels with {args.jobs} processes ...", file=sys.stderr, flush=True)
-    errors = {}
-    with mp.get_context("spawn").Pool(args.jobs) as pool:
-        for done, (job, _, err, secs) in enumerate(pool.imap_unordered(build, jobs), 1):
-            state = f"FAILED: {err}" if err else "ok"
-            print(f"  [{done}/{len(jobs)}] {time.perf_counter() - t0:5.0f} s  {job[0]} D{job[1]} {labels[job]} "
-                  f"({secs:.0f} s) {state}", file=sys.stderr, flush=True)
-            if err:
-                errors[job] = err
-    print(f"compiled in {time.perf_counter() - t0:.0f} s; loading", file=sys.stderr, flush=True)
-    kernels = {}
-    for job in jobs:
-        if job not in errors:
-            _, k, err, _ = build(job)  # TileLang's disk cache: a load
-            if err:
-                errors[job] = err
-            else:
-                kernels[job] = k
-    print(f"loaded in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    # the split kernels (two pipelined loops) take several times as long to lower and compile: start them first
+    jobs = sorted(labels, key=lambda job: job[3] != "split")
+    kernels, errors = compile_all(jobs, args.jobs, _func, lambda job: f"{job[0]} D{job[1]} {labels[job]}")
 
     import torch
     from triton.testing import do_bench

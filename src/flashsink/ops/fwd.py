@@ -25,9 +25,9 @@ FWD_MASKS = ("select", "split", "flag", "branch")
 def build_fwd(cfg: KernelConfig, tiles: Tiles | None = None, mask: str = "select", fold_scale: bool = False):
     """The forward. The options default to today's kernel and exist for tools/fwd_variants.py,
     which times alternatives: ``tiles`` (``fwd_tiles(cfg)``); ``mask``, how the mask is applied:
-    ``"select"`` per element on every KV tile; ``"split"``, the key loop split into three
-    pipelined loops (a window's leading edge, the wholly visible interior, the diagonal), the
-    interior one without a mask; ``"flag"``, one loop whose select ORs a per-tile "wholly
+    ``"select"`` per element on every KV tile; ``"split"``, the key loop split into two
+    pipelined loops, the wholly visible interior without a mask, then the diagonal and a
+    window's leading edge with it; ``"flag"``, one loop whose select ORs a per-tile "wholly
     visible" scalar into the mask (``block_range.full_kv_blocks_for_rows`` says which tiles are);
     ``"branch"``, one loop that branches on that scalar around the select (registers only: the
     backward's per-tile branch failed ThreadSync, docs/perf.md v5, with shared memory inside);
@@ -79,24 +79,24 @@ def build_fwd(cfg: KernelConfig, tiles: Tiles | None = None, mask: str = "select
             if mask != "select":
                 flo, fhi = full_kv_blocks_for_rows(lo, hi, row0, bm, bn, sq, sk, window, cfg.causal)
                 full = (flo, fhi)  # bound once per tile, not re-evaluated per element
-            # the key loops: (first block, end, masked, K buffer, V buffer)
-            loops = [(lo, hi, True, k_s, v_s)]
+            # the key loops: (start, end, masked, K buffer, V buffer, block of the loop index, stages)
+            loops = [(lo, hi, True, k_s, v_s, None, t.stages)]
             if mask == "split":
-                # TileLang pipelines a buffer once, so each loop multi-buffers K/V tiles of its own
-                # (disjoint lifetimes: the shared-memory merge may overlap them). The interior runs
-                # first, then the diagonal, then a window's leading edge: with the edge loop first
-                # TileLang 0.1.15's ThreadSync pass fails ("Cannot match type int32 vs handle");
-                # the order of the blocks does not change the result beyond rounding.
+                # Two loops: the interior, then the masked blocks (the diagonal, then a window's
+                # leading edge; the order changes the result by rounding only). TileLang pipelines
+                # a buffer in one loop only, so the second loop has K/V tiles of its own, one stage
+                # where two would not fit in shared memory. A third loop for the leading edge
+                # (key order) failed TileLang 0.1.15's ThreadSync ("Cannot match type int32 vs
+                # handle") and would not fit at D=128.
                 k_s1 = T.alloc_shared([bn, dim], dtype)
                 v_s1 = T.alloc_shared([bn, dim_v], dtype)
-                k_s2 = T.alloc_shared([bn, dim], dtype)
-                v_s2 = T.alloc_shared([bn, dim_v], dtype)
-                loops = [(full[0], full[1], False, k_s, v_s), (full[1], hi, True, k_s1, v_s1),
-                         (lo, full[0], True, k_s2, v_s2)]
+                n_diag = hi - fhi
+                loops = [(flo, fhi, False, k_s, v_s, None, t.stages),
+                         (0, n_diag + flo - lo, True, k_s1, v_s1, (fhi, n_diag, lo), _edge_stages(t, cfg))]
 
             for r in loops:
-                for kb in T.Pipelined(r[0], r[1], num_stages=t.stages):
-                    key0 = kb * bn
+                for kb in T.Pipelined(r[0], r[1], num_stages=r[6]):
+                    key0 = _block_of(kb, r[5]) * bn
                     T.copy(tile(K, layout, b, kv_head, k_base + key0, bn), r[3])
                     T.clear(acc_s)
                     T.gemm(q_s, r[3], acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
@@ -163,6 +163,26 @@ def scale_logits(acc_s, scale_log2, fold_scale: bool):
     if not fold_scale:
         for i, j in T.Parallel(acc_s.shape[0], acc_s.shape[1]):
             acc_s[i, j] = acc_s[i, j] * scale_log2
+
+
+def _block_of(i, remap):
+    """The KV block of masked-loop index ``i``: ``(fhi, n_diag, lo)`` runs the diagonal blocks
+    ``fhi ..`` first, then the leading edge ``lo ..``; ``None``: ``i`` itself."""
+    if remap is None:
+        return i
+    fhi, n_diag, lo = remap
+    return T.if_then_else(i < n_diag, fhi + i, lo + i - n_diag)
+
+
+#: shared memory the split forward may plan for (the H200 allows 227 KiB per block)
+_SPLIT_SMEM = 224 * 1024
+
+
+def _edge_stages(t: Tiles, cfg: KernelConfig) -> int:
+    """Stages of the split forward's masked loop: as the interior's if both loops' K/V tiles fit
+    next to Q's, else 1 (at most 2-3 blocks per row tile run there)."""
+    kv = t.block_n * (cfg.head_dim + cfg.head_dim_v) * 2
+    return t.stages if t.block_m * cfg.head_dim * 2 + 2 * t.stages * kv <= _SPLIT_SMEM else 1
 
 
 def _keep(row, key, kb, seq_q, seq_kv, window, causal: bool, full):
