@@ -122,9 +122,14 @@ def main() -> int:
             job = (dtype_name, d, tiles, mask, fold)
             kern = kernels.get(job)
             if kern is None:
-                row["variants"][label] = {"error": errors.get(job, "not built")}
+                row["variants"][label] = {"error": "compile failed: " + errors.get(job, "not built")}
                 continue
-            o, lse = run(kern)
+            try:  # a kernel that builds may still fail to launch (e.g. more shared memory than the GPU has)
+                o, lse = run(kern)
+                torch.cuda.synchronize()
+            except Exception as exc:
+                row["variants"][label] = {"error": f"launch failed: {type(exc).__name__}: {str(exc)[-300:]}"}
+                continue
             o_err, lse_err = _errors(o, o_ref), _errors(lse[..., :n], lse_ref[..., :n])
             out_o, out_lse = torch.empty_like(q), torch.empty(1, H, rows, dtype=torch.float32, device="cuda")
             ms = do_bench(lambda: kern(q, k, v, sinks, win, scale_log2, out_o, out_lse), return_mode="median")
@@ -138,7 +143,7 @@ def main() -> int:
               f"{'lse max':>9} {'lse relL2':>9}")
         for label, r in row["variants"].items():
             if "error" in r:
-                print(f"  {label:<24} compile failed: {r['error'][:160]}")
+                print(f"  {label:<24} {r['error'][:200]}")
             else:
                 print(f"  {label:<24} {r['ms']:8.4f} {r['tflops']:8.1f} {r['speedup']:7.3f} {r['o_max']:9.2e} "
                       f"{r['o_rel_l2']:9.2e} {r['lse_max']:9.2e} {r['lse_rel_l2']:9.2e}")
