@@ -84,15 +84,15 @@ def build_fwd(cfg: KernelConfig, tiles: Tiles | None = None, mask: str = "select
             if mask == "split":
                 # Two loops: the interior, then the masked blocks (the diagonal, then a window's
                 # leading edge; the order changes the result by rounding only). TileLang pipelines
-                # a buffer in one loop only, so the second loop has K/V tiles of its own, one stage
-                # where two would not fit in shared memory. A third loop for the leading edge
-                # (key order) failed TileLang 0.1.15's ThreadSync ("Cannot match type int32 vs
-                # handle") and would not fit at D=128.
+                # a buffer in one loop only, so the second loop has K/V tiles of its own, and one
+                # stage: with two, its remapped block index fails TileLang 0.1.15's pipelining
+                # ("Downcast from tirx.Sub to ir.IntImm failed"). A third loop for the leading edge
+                # (key order) failed its ThreadSync ("Cannot match type int32 vs handle").
                 k_s1 = T.alloc_shared([bn, dim], dtype)
                 v_s1 = T.alloc_shared([bn, dim_v], dtype)
                 n_diag = hi - fhi
                 loops = [(flo, fhi, False, k_s, v_s, None, t.stages),
-                         (0, n_diag + flo - lo, True, k_s1, v_s1, (fhi, n_diag, lo), _edge_stages(t, cfg))]
+                         (0, n_diag + flo - lo, True, k_s1, v_s1, (fhi, n_diag, lo), 1)]
 
             for r in loops:
                 for kb in T.Pipelined(r[0], r[1], num_stages=r[6]):
@@ -172,17 +172,6 @@ def _block_of(i, remap):
         return i
     fhi, n_diag, lo = remap
     return T.if_then_else(i < n_diag, fhi + i, lo + i - n_diag)
-
-
-#: shared memory the split forward may plan for (the H200 allows 227 KiB per block)
-_SPLIT_SMEM = 224 * 1024
-
-
-def _edge_stages(t: Tiles, cfg: KernelConfig) -> int:
-    """Stages of the split forward's masked loop: as the interior's if both loops' K/V tiles fit
-    next to Q's, else 1 (at most 2-3 blocks per row tile run there)."""
-    kv = t.block_n * (cfg.head_dim + cfg.head_dim_v) * 2
-    return t.stages if t.block_m * cfg.head_dim * 2 + 2 * t.stages * kv <= _SPLIT_SMEM else 1
 
 
 def _keep(row, key, kb, seq_q, seq_kv, window, causal: bool, full):
