@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from flashsink import visibility
-from flashsink.ops.block_range import kv_blocks_for_rows, row_blocks_for_keys
+from flashsink.ops.block_range import full_kv_blocks_for_rows, kv_blocks_for_rows, row_blocks_for_keys
 from flashsink.ops.config import NO_WINDOW
 from flashsink.ops.mask import visible
 from flashsink.reference import visible_mask
@@ -155,6 +155,29 @@ def test_block_ranges_cover_exactly_the_visible_blocks(seq_q, seq_kv, window, bl
         assert 0 <= lo <= hi <= n_m
         assert all(lo <= i < hi for i in want), (j, lo, hi, want)
         assert all(blocks[i, j] for i in range(lo, hi)), f"KV tile {j} visits a wholly masked query tile"
+
+
+@pytest.mark.l1
+@pytest.mark.parametrize(
+    "seq_q, seq_kv, window, causal",
+    [c + (True,) for c in _cases(25)] + [c[:2] + (None, False) for c in _cases(25) if c[2] is None],
+)
+@pytest.mark.parametrize("block_m, block_n", [(128, 128), (64, 128), (128, 64), (32, 64)])
+def test_full_ranges_are_exactly_the_wholly_visible_blocks(seq_q, seq_kv, window, causal, block_m, block_n):
+    """The forward skips the mask on ``[flo, fhi)``: every pair there must be visible (else a
+    masked key leaks in), and every other visited block must hold a masked pair or a row or key
+    past the end (the split then costs nothing where a tile could go unmasked)."""
+    w = NO_WINDOW if window is None else window
+    vis = visible_mask(seq_q, seq_kv, window=window, causal=causal)
+    n_m, n_n = -(-seq_q // block_m), -(-seq_kv // block_n)
+    for i in range(n_m + 2):  # and tiles past the end
+        lo, hi = map(_int, kv_blocks_for_rows(i * block_m, block_m, block_n, seq_q, seq_kv, w, causal))
+        flo, fhi = map(_int, full_kv_blocks_for_rows(lo, hi, i * block_m, block_m, block_n, seq_q, seq_kv, w, causal))
+        assert lo <= flo <= fhi <= hi, (i, lo, flo, fhi, hi)
+        rows_in = (i + 1) * block_m <= seq_q
+        want = [j for j in range(n_n) if rows_in and (j + 1) * block_n <= seq_kv
+                and vis[i * block_m : (i + 1) * block_m, j * block_n : (j + 1) * block_n].all()]
+        assert want == list(range(flo, fhi)), (i, flo, fhi, want)
 
 
 @pytest.mark.l0

@@ -16,6 +16,7 @@ whole fast and strict backward, fwd+bwd TFLOP/s. The defaults the library uses a
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import multiprocessing as mp
@@ -88,20 +89,23 @@ def _func(job):
     return build_prim_func(kind, cfg)
 
 
-def _load(job):
-    """The compiled kernel of ``job`` (from TileLang's disk cache once compiled)."""
+def _load(job, build=_func):
+    """The compiled kernel of ``job`` (from TileLang's disk cache once compiled); ``build(job)`` gives
+    the PrimFunc (tools/fwd_variants.py passes its own)."""
     import tilelang
 
     from flashsink.ops.compile import pass_configs
 
-    return tilelang.compile(_func(job), target={"kind": "cuda", "arch": "sm_90a"}, execution_backend="tvm_ffi",
+    return tilelang.compile(build(job), target={"kind": "cuda", "arch": "sm_90a"}, execution_backend="tvm_ffi",
                             pass_configs=pass_configs())
 
 
-def _compile(job):
+def _compile(job, build=_func):
+    """``(job, kernel or None, error or None, seconds)``: compiled here; in a pool worker the kernel
+    is left in TileLang's disk cache (None returned), the main process loads it with a second call."""
     t0 = time.perf_counter()
     try:
-        k = _load(job)
+        k = _load(job, build)
     except Exception as exc:  # reported in the table
         return job, None, f"{type(exc).__name__}: {str(exc)[-300:]}", time.perf_counter() - t0
     return job, k if mp.current_process().name == "MainProcess" else None, None, time.perf_counter() - t0
@@ -230,6 +234,32 @@ def _probe(name, jobs, budget):
     return status
 
 
+def compile_all(jobs, processes: int, build=_func, label=str):
+    """Compile ``jobs`` in ``processes`` spawned processes into TileLang's disk cache, then load them
+    here: ``(kernels, errors)``, dicts by job. Progress (``label(job)`` per kernel) on stderr."""
+    compile_one = functools.partial(_compile, build=build)
+    t0 = time.perf_counter()
+    print(f"compiling {len(jobs)} kernels with {processes} processes ...", file=sys.stderr, flush=True)
+    errors = {}
+    with mp.get_context("spawn").Pool(processes) as pool:
+        for done, (job, _, err, secs) in enumerate(pool.imap_unordered(compile_one, jobs), 1):
+            print(f"  [{done}/{len(jobs)}] {time.perf_counter() - t0:4.0f} s  {label(job)} ({secs:.0f} s) "
+                  + (f"FAILED: {err}" if err else "ok"), file=sys.stderr, flush=True)
+            if err:
+                errors[job] = err
+    print(f"compiled in {time.perf_counter() - t0:.0f} s; loading", file=sys.stderr, flush=True)
+    kernels = {}
+    for job in jobs:
+        if job not in errors:
+            _, k, err, _ = compile_one(job)  # TileLang's disk cache: a load
+            if err:
+                errors[job] = err
+            else:
+                kernels[job] = k
+    print(f"loaded in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    return kernels, errors
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--problems", default=",".join(PROBLEMS))
@@ -251,23 +281,7 @@ def main() -> int:
         for _, tiles, opts in () if args.profile_run else _variants(d, args.variants):
             jobs.append(("bwd-variant", dtype, d, "fast", tiles, opts))
     jobs = list(dict.fromkeys(jobs))
-    t0 = time.perf_counter()
-    print(f"compiling {len(jobs)} kernels with {args.jobs} processes ...", file=sys.stderr, flush=True)
-    errors = {}
-    with mp.get_context("spawn").Pool(args.jobs) as pool:
-        for job, _, err, secs in pool.imap_unordered(_compile, jobs):
-            if err:
-                errors[job] = err
-                print(f"  FAILED {job}: {err}", file=sys.stderr, flush=True)
-    print(f"compiled in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
-    kernels = {}
-    for job in jobs:
-        if job not in errors:
-            _, k, err, _ = _compile(job)  # TileLang's disk cache: a load
-            if err:
-                errors[job] = err
-            else:
-                kernels[job] = k
+    kernels, errors = compile_all(jobs, args.jobs)
 
     import torch
     from triton.testing import do_bench

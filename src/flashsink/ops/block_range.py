@@ -29,6 +29,25 @@ def kv_blocks_for_rows(row0, block_m, block_n, seq_q, seq_kv, window, causal: bo
     return lo, lo + T.max(hi - lo, 0) * has_rows
 
 
+def full_kv_blocks_for_rows(lo, hi, row0, block_m, block_n, seq_q, seq_kv, window, causal: bool):
+    """The wholly visible KV blocks ``[flo, fhi)`` of rows ``[row0, row0 + block_m)``, inside the
+    tile's range ``[lo, hi)`` (:func:`kv_blocks_for_rows`): every (row, key) of such a block is
+    visible, so a kernel may skip the per-element mask there. ``lo <= flo <= fhi <= hi``; the
+    blocks ``[lo, flo)`` (a window's leading edge) and ``[fhi, hi)`` (the diagonal, a partial
+    last block) need the mask. A tile hanging over the end of its sequence has none."""
+    rows_in = _positive(seq_q - (row0 + block_m) + 1)  # every row of the tile is inside
+    if not causal:
+        flo, fhi_raw = lo, seq_kv // block_n
+    else:
+        shift = seq_kv - seq_q
+        first_pos = row0 + shift
+        last_pos = row0 + block_m - 1 + shift
+        # block j is full iff j*bn >= last_pos - window + 1, (j+1)*bn - 1 <= first_pos, (j+1)*bn <= seq_kv
+        flo = T.min(T.max(T.ceildiv(T.max(last_pos - window + 1, 0), block_n), lo), hi)
+        fhi_raw = T.min(T.max(first_pos + 1, 0) // block_n, seq_kv // block_n)
+    return flo, flo + T.max(T.min(fhi_raw, hi) - flo, 0) * rows_in
+
+
 def row_blocks_for_keys(key0, block_n, block_m, seq_q, seq_kv, window, causal: bool):
     """Query-row blocks ``[lo, hi)`` that can see keys ``[key0, key0 + block_n)``."""
     m_blocks = T.ceildiv(seq_q, block_m)

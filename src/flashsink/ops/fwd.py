@@ -11,15 +11,33 @@ keys and store nothing).
 import tilelang.language as T
 
 from . import softmax
-from .block_range import kv_blocks_for_rows
-from .config import KernelConfig, fwd_tiles
+from .block_range import full_kv_blocks_for_rows, kv_blocks_for_rows
+from .config import KernelConfig, Tiles, fwd_tiles
 from .layout import (kernel, prologue_load, qkv_shapes, seq_count, seq_tiles, sequence, stat_shape, store_rows, store_stat,
                      tile, varlen_params)
 from .mask import visible
 
 
-def build_fwd(cfg: KernelConfig):
-    t = fwd_tiles(cfg)
+#: ``mask=`` values of :func:`build_fwd`
+FWD_MASKS = ("select", "split", "flag", "branch")
+
+
+def build_fwd(cfg: KernelConfig, tiles: Tiles | None = None, mask: str = "select", fold_scale: bool = False):
+    """The forward. The options default to today's kernel and exist for tools/fwd_variants.py,
+    which times alternatives: ``tiles`` (``fwd_tiles(cfg)``); ``mask``, how the mask is applied:
+    ``"select"`` per element on every KV tile; ``"split"``, the key loop split into two
+    pipelined loops, the wholly visible interior without a mask, then the diagonal and a
+    window's leading edge with it; ``"flag"``, one loop whose select ORs a per-tile "wholly
+    visible" scalar into the mask (``block_range.full_kv_blocks_for_rows`` says which tiles are);
+    ``"branch"``, one loop that branches on that scalar around the select (registers only: the
+    backward's per-tile branch failed ThreadSync, docs/perf.md v5, with shared memory inside);
+    ``fold_scale``, the logits kept unscaled until the exponent, where the scale folds into one
+    FMA as in TileLang's flash-attention examples (``softmax.update``). ``fold_scale`` needs
+    ``scale > 0``: the running maximum is taken over the unscaled logits.
+    """
+    if mask not in FWD_MASKS:
+        raise ValueError(f"mask must be one of {FWD_MASKS}, got {mask!r}")
+    t = tiles or fwd_tiles(cfg)
     bm, bn = t.block_m, t.block_n
     dim, dim_v, groups, layout = cfg.head_dim, cfg.head_dim_v, cfg.groups, cfg.layout
     dtype, accum = cfg.dtype, "float32"
@@ -57,22 +75,46 @@ def build_fwd(cfg: KernelConfig):
                 T.copy(tile(Q, layout, b, head, q_base + row0, bm), q_s, prefer_instruction=prologue_load(cfg))
             T.fill(acc_o, 0)
             softmax.init_state(m, l, Sinks, head, bm, cfg.has_sinks)
+            full = None  # (flo, fhi): the wholly visible KV blocks, for every mask but "select"
+            if mask != "select":
+                flo, fhi = full_kv_blocks_for_rows(lo, hi, row0, bm, bn, sq, sk, window, cfg.causal)
+                full = (flo, fhi)  # bound once per tile, not re-evaluated per element
+            # the key loops: (start, end, masked, K buffer, V buffer, block of the loop index, stages)
+            loops = [(lo, hi, True, k_s, v_s, None, t.stages)]
+            if mask == "split":
+                # Two loops: the interior, then the masked blocks (the diagonal, then a window's
+                # leading edge; the order changes the result by rounding only). TileLang pipelines
+                # a buffer in one loop only, so the second loop has K/V tiles of its own, and one
+                # stage: with two, its remapped block index fails TileLang 0.1.15's pipelining
+                # ("Downcast from tirx.Sub to ir.IntImm failed"). A third loop for the leading edge
+                # (key order) failed its ThreadSync ("Cannot match type int32 vs handle").
+                k_s1 = T.alloc_shared([bn, dim], dtype)
+                v_s1 = T.alloc_shared([bn, dim_v], dtype)
+                n_diag = hi - fhi
+                loops = [(flo, fhi, False, k_s, v_s, None, t.stages),
+                         (0, n_diag + flo - lo, True, k_s1, v_s1, (fhi, n_diag, lo), 1)]
 
-            for kb in T.Pipelined(lo, hi, num_stages=t.stages):
-                key0 = kb * bn
-                T.copy(tile(K, layout, b, kv_head, k_base + key0, bn), k_s)
-                T.clear(acc_s)
-                T.gemm(q_s, k_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-                for i, j in T.Parallel(bm, bn):
-                    acc_s[i, j] = T.if_then_else(
-                        visible(row0 + i, key0 + j, sq, sk, window, cfg.causal),
-                        acc_s[i, j] * scale_log2,
-                        -T.infinity(accum),
-                    )
-                T.copy(tile(V, layout, b, kv_head, k_base + key0, bn), v_s)
-                softmax.update(acc_s, acc_o, m, m_prev, alpha, row_sum, l, bm, bn, dim_v)
-                T.copy(acc_s, p)
-                T.gemm(p, v_s, acc_o, policy=T.GemmWarpPolicy.FullRow)
+            for r in loops:
+                for kb in T.Pipelined(r[0], r[1], num_stages=r[6]):
+                    key0 = _block_of(kb, r[5]) * bn
+                    T.copy(tile(K, layout, b, kv_head, k_base + key0, bn), r[3])
+                    T.clear(acc_s)
+                    T.gemm(q_s, r[3], acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                    if mask == "branch":
+                        if (kb >= full[0]) & (kb < full[1]):
+                            scale_logits(acc_s, scale_log2, fold_scale)
+                        else:
+                            mask_logits(acc_s, row0, key0, sq, sk, window, scale_log2, fold_scale, None, kb, cfg.causal)
+                    elif r[2]:
+                        mask_logits(acc_s, row0, key0, sq, sk, window, scale_log2, fold_scale,
+                                    full if mask == "flag" else None, kb, cfg.causal)
+                    else:
+                        scale_logits(acc_s, scale_log2, fold_scale)
+                    T.copy(tile(V, layout, b, kv_head, k_base + key0, bn), r[4])
+                    softmax.update(acc_s, acc_o, m, m_prev, alpha, row_sum, l, bm, bn, dim_v,
+                                   scale_log2 if fold_scale else None)
+                    T.copy(acc_s, p)
+                    T.gemm(p, r[4], acc_o, policy=T.GemmWarpPolicy.FullRow)
 
             softmax.finalize(acc_o, m, l, lse, bm, dim_v)
             T.copy(acc_o, o_s)
@@ -99,3 +141,42 @@ def build_fwd(cfg: KernelConfig):
              seq_count(layout, n_cu, batch))
 
     return flashsink_fwd
+
+
+
+@T.macro
+def mask_logits(acc_s, row0, key0, sq, sk, window, scale_log2, fold_scale: bool, full, kb, causal: bool):
+    """Masked slots of one tile of logits to -inf; visible ones scaled (unless ``fold_scale``).
+    ``full`` (flo, fhi): KV block ``kb`` in it is wholly visible, ORed into the mask. (``sq``, ``sk``:
+    the sequence lengths, named as the caller's, which TileLang's script then keeps.)"""
+    for i, j in T.Parallel(acc_s.shape[0], acc_s.shape[1]):
+        acc_s[i, j] = T.if_then_else(
+            _keep(row0 + i, key0 + j, kb, sq, sk, window, causal, full),
+            acc_s[i, j] if fold_scale else acc_s[i, j] * scale_log2,
+            -T.infinity("float32"),
+        )
+
+
+@T.macro
+def scale_logits(acc_s, scale_log2, fold_scale: bool):
+    """A wholly visible tile: only the scale (nothing when it is folded into the exponent)."""
+    if not fold_scale:
+        for i, j in T.Parallel(acc_s.shape[0], acc_s.shape[1]):
+            acc_s[i, j] = acc_s[i, j] * scale_log2
+
+
+def _block_of(i, remap):
+    """The KV block of masked-loop index ``i``: ``(fhi, n_diag, lo)`` runs the diagonal blocks
+    ``fhi ..`` first, then the leading edge ``lo ..``; ``None``: ``i`` itself."""
+    if remap is None:
+        return i
+    fhi, n_diag, lo = remap
+    return T.if_then_else(i < n_diag, fhi + i, lo + i - n_diag)
+
+
+def _keep(row, key, kb, seq_q, seq_kv, window, causal: bool, full):
+    """The select's condition: ``visible``, or (``full`` given) KV block ``kb`` wholly visible."""
+    vis = visible(row, key, seq_q, seq_kv, window, causal)
+    if full is None:
+        return vis
+    return ((kb >= full[0]) & (kb < full[1])) | vis

@@ -31,15 +31,26 @@ def init_state(m, l, sinks, head, block_m: int, has_sinks: bool):
 
 
 @T.macro
-def update(acc_s, acc_o, m, m_prev, alpha, row_sum, l, block_m: int, block_n: int, dim_v: int):
+def update(acc_s, acc_o, m, m_prev, alpha, row_sum, l, block_m: int, block_n: int, dim_v: int, scale_log2=None):
     """Fold one tile of masked, pre-scaled logits ``acc_s`` into the state.
 
     On return ``acc_s`` holds the unnormalized probabilities ``exp2(x - m)`` and
     ``acc_o`` has been rescaled to the new maximum; the caller adds ``acc_s @ V``.
+
+    With ``scale_log2`` (> 0) the logits in ``acc_s`` are unscaled (masked slots -inf) and the
+    scale folds into the exponent, ``exp2(s * scale_log2 - m)``, one FMA per element; the state
+    stays in scaled base-2 units (so the sink start and the LSE are unchanged): the tile's
+    maximum is taken unscaled, then scaled, which commutes with max for a positive scale.
+    ``row_sum`` holds that maximum until the sum overwrites it.
     """
     T.copy(m, m_prev)
-    T.reduce_max(acc_s, m, dim=1, clear=False)
+    if scale_log2 is None:
+        T.reduce_max(acc_s, m, dim=1, clear=False)
+    else:
+        T.reduce_max(acc_s, row_sum, dim=1)
     for i in T.Parallel(block_m):
+        if scale_log2 is not None:
+            m[i] = T.max(m[i], row_sum[i] * scale_log2)
         # A row with no visible key so far (no sink) keeps m = -inf: pivot on 0 instead.
         m[i] = T.if_then_else(m[i] == -T.infinity("float32"), 0.0, m[i])
         # an unchanged maximum rescales by exactly 1, also when it is +inf (a +inf sink):
@@ -48,7 +59,7 @@ def update(acc_s, acc_o, m, m_prev, alpha, row_sum, l, block_m: int, block_n: in
     for i, j in T.Parallel(block_m, dim_v):
         acc_o[i, j] *= alpha[i]
     for i, j in T.Parallel(block_m, block_n):
-        acc_s[i, j] = T.exp2(acc_s[i, j] - m[i])
+        acc_s[i, j] = T.exp2(acc_s[i, j] - m[i] if scale_log2 is None else acc_s[i, j] * scale_log2 - m[i])
     T.reduce_sum(acc_s, row_sum, dim=1)
     for i in T.Parallel(block_m):
         l[i] = l[i] * alpha[i] + row_sum[i]

@@ -1,0 +1,113 @@
+"""The forward's measurement options (``fwd.build_fwd``: tiles, ``mask``, ``fold_scale``), timed on
+the GPU by tools/fwd_variants.py: each builds for sm_90a and sm_80, a few lower through TileLang
+and two compile with nvcc; the defaults are exactly the library's kernel. Their numerics are
+checked on the GPU by the tool, against the default kernel."""
+
+import shutil
+
+import pytest
+
+from flashsink.ops.config import KernelConfig, Tiles, fwd_tiles
+
+
+def _cfg(arch, **over):
+    base = dict(arch=arch, dtype="bfloat16", head_dim=64, head_dim_v=64, groups=8, causal=True, has_sinks=True,
+                layout="bhsd")
+    base.update(over)
+    return KernelConfig(**base)
+
+
+def _script(cfg, **opts):
+    from flashsink.ops.fwd import build_fwd
+
+    return build_fwd(cfg, **opts).script()
+
+
+@pytest.mark.l0
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
+def test_default_options_are_the_library_kernel(arch):
+    from flashsink.ops.compile import build_prim_func
+
+    cfg = _cfg(arch)
+    lib = build_prim_func("fwd", cfg).script()
+    assert _script(cfg, tiles=fwd_tiles(cfg), mask="select", fold_scale=False) == lib
+    assert _script(cfg, mask="flag") != lib
+
+
+@pytest.mark.l1
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
+@pytest.mark.parametrize("mask", ["select", "split", "flag", "branch"])
+@pytest.mark.parametrize("fold", [False, True])
+def test_options_build(arch, mask, fold):
+    """Each option builds a PrimFunc with the structure it names: split has two pipelined key
+    loops (the interior one without a select), the others one; folded, the scale multiplies inside the
+    exponent and never before the select."""
+    s = _script(_cfg(arch, layout="bshd" if fold else "bhsd"), mask=mask, fold_scale=fold)
+    assert s.count('"num_stages"') == (2 if mask == "split" else 1)
+    assert s.count("acc_s[i, j] = T.if_then_else(") == 1
+    assert ("acc_s[i, j] * scale_log2 - m[i]" in s) == fold
+    assert ("acc_s[i, j] * scale_log2," in s) == (not fold)  # the select's scaled value
+    assert ("kb >= flo" in s) == (mask in ("flag", "branch"))
+
+
+@pytest.mark.l1
+@pytest.mark.parametrize("tiles", [Tiles(128, 64, 256, 2), Tiles(64, 128, 128, 2), Tiles(192, 128, 384, 2)])
+def test_tiles_option(tiles):
+    s = _script(_cfg("sm_90a", head_dim=128, head_dim_v=128), tiles=tiles)
+    assert f'acc_s = T.sblock_alloc_buffer(({tiles.block_m}, {tiles.block_n}), scope="local.fragment")' in s
+    assert f'"tl.launch_threads": [{tiles.threads}, 1, 1]' in s
+    assert f'"num_stages": {tiles.stages}' in s
+
+
+@pytest.mark.l0
+def test_unknown_mask_is_a_value_error():
+    from flashsink.ops.fwd import build_fwd
+
+    with pytest.raises(ValueError, match="mask must be one of"):
+        build_fwd(_cfg("sm_90a"), mask="bogus")
+
+
+def _lower(arch, **opts):
+    """CUDA source after TileLang's whole lowering (layout inference, pipelining, ThreadSync), no nvcc."""
+    import tilelang
+    import tvm
+
+    from flashsink.ops.compile import pass_configs
+    from flashsink.ops.fwd import build_fwd
+
+    target = {"kind": "cuda", "arch": arch}
+    with tvm.transform.PassContext(opt_level=3, config=pass_configs()), tvm.target.Target(target):
+        return tilelang.lower(build_fwd(_cfg(arch), **opts), target=target).kernel_source
+
+
+@pytest.mark.l1
+@pytest.mark.parametrize("arch, opts", [
+    ("sm_90a", dict(mask="flag")), ("sm_90a", dict(mask="branch", fold_scale=True)), ("sm_90a", dict(fold_scale=True)),
+    ("sm_80", dict(mask="flag", fold_scale=True)), ("sm_80", dict(mask="branch")),
+])
+def test_options_lower(arch, opts):
+    src = _lower(arch, **opts)
+    assert ("wgmma" in src) == (arch == "sm_90a")
+
+
+@pytest.mark.l2
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
+def test_split_mask_lowers(arch):
+    """Two pipelined loops: slow to lower (about a minute on two cores), so l2."""
+    src = _lower(arch, mask="split", fold_scale=True)
+    assert ("wgmma" in src) == (arch == "sm_90a")
+
+
+@pytest.mark.l1
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+@pytest.mark.parametrize("arch, opts", [("sm_90a", dict(mask="flag", fold_scale=True)),
+                                        ("sm_80", dict(mask="branch", tiles=Tiles(64, 64, 128, 2)))])
+def test_options_compile(arch, opts):
+    import tilelang
+
+    from flashsink.ops.compile import pass_configs
+    from flashsink.ops.fwd import build_fwd
+
+    kernel = tilelang.compile(build_fwd(_cfg(arch), **opts), target={"kind": "cuda", "arch": arch},
+                              execution_backend="tvm_ffi", pass_configs=pass_configs())
+    assert "__global__" in kernel.get_kernel_source()

@@ -1,0 +1,158 @@
+"""Time alternatives of the forward kernel on the GPU, in one device call.
+
+    source .gpu/setup.sh && python tools/fwd_variants.py [--problems causal-d128,golden] [--jobs 16] [--json out.json]
+
+For each problem of tools/bwd_variants.py (H=64, H_kv=8, bhsd, B=1, sinks) and each variant of the
+forward (``fwd.build_fwd``'s options: tiles, how the mask is applied, the scale folded into the
+exponent): compile every kernel in parallel processes first (TileLang's own disk cache, then loaded
+here; a kernel that fails to build is a row of the table, not the end of the run), then check each
+variant's o and lse against the library's default forward (which meets the precision standard) and
+time it with ``triton.testing.do_bench`` (median). Prints one table per problem: ms, TFLOP/s
+(``4 * visible pairs * D``), speed-up over the default, max and relative L2 errors of o and lse.
+Kernels depend on (dtype, head dim) only, so problems sharing them compile them once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+from bwd_variants import HK, PROBLEMS, H, _cfg, compile_all
+
+DEFAULT = "default*"
+
+
+def _variants(d: int) -> list:
+    """(label, Tiles fields or None for the tile table's, mask, fold_scale) for head dim ``d``;
+    tiles are those plausible in registers and shared memory on the H200."""
+    tiles = [(128, 64, 256, 2), (64, 128, 128, 2), (192, 128, 384, 2)]
+    if d <= 64:
+        tiles += [(128, 128, 256, 3), (128, 256, 256, 2), (256, 128, 512, 2)]
+    out = [("x".join(map(str, t[:2])) + f"/t{t[2]}/s{t[3]}", t, "select", False) for t in tiles]
+    for fold in (False, True):
+        for mask in ("select", "flag", "branch", "split"):
+            if mask != "select" or fold:
+                out.append(("/".join([f"mask={mask}"] * (mask != "select") + ["fold"] * fold), None, mask, fold))
+    return out
+
+
+def _func(job):
+    from flashsink.ops.compile import build_prim_func
+    from flashsink.ops.config import Tiles
+    from flashsink.ops.fwd import build_fwd
+
+    dtype, d, tiles, mask, fold = job
+    cfg = _cfg(dtype, d, "fast")
+    if tiles is None and mask == "select" and not fold:
+        return build_prim_func("fwd", cfg)  # the library's kernel
+    return build_fwd(cfg, tiles=Tiles(*tiles) if tiles else None, mask=mask, fold_scale=fold)
+
+
+def _errors(got, ref) -> tuple:
+    """(max abs error, relative L2 error) in float64; NaN anywhere gives NaN."""
+    g, r = got.double(), ref.double()
+    return float((g - r).abs().max()), float((g - r).norm() / r.norm())
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--problems", default=",".join(PROBLEMS))
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--variants", default=None,
+                    help=f"comma-separated labels to run (default: all; {DEFAULT!r} always runs, it is the reference)")
+    args = ap.parse_args()
+    wanted = None if args.variants is None else set(args.variants.split(","))
+
+    def variants(d):
+        return [v for v in _variants(d) if wanted is None or v[0] in wanted]
+
+    names = [n for n in args.problems.split(",") if n]
+    unknown = [n for n in names if n not in PROBLEMS]
+    if unknown:
+        ap.error(f"unknown problems {unknown}; known: {list(PROBLEMS)}")
+
+    labels = {}  # job -> label
+    for name in names:
+        dtype, _, d, _ = PROBLEMS[name]
+        labels[(dtype, d, None, "select", False)] = DEFAULT
+        for label, tiles, mask, fold in variants(d):
+            labels[(dtype, d, tiles, mask, fold)] = label
+    # the split kernels (two pipelined loops) take several times as long to lower and compile: start them first
+    jobs = sorted(labels, key=lambda job: job[3] != "split")
+    kernels, errors = compile_all(jobs, args.jobs, _func, lambda job: f"{job[0]} D{job[1]} {labels[job]}")
+
+    import torch
+    from triton.testing import do_bench
+
+    from flashsink.ops.config import LOG2E, NO_WINDOW
+
+    results = []
+    for name in names:
+        dtype_name, n, d, window = PROBLEMS[name]
+        print(f"timing {name} ...", file=sys.stderr, flush=True)
+        dt = getattr(torch, dtype_name)
+        torch.manual_seed(0)
+        q = torch.randn(1, H, n, d, device="cuda", dtype=dt)
+        k = torch.randn(1, HK, n, d, device="cuda", dtype=dt)
+        v = torch.randn(1, HK, n, d, device="cuda", dtype=dt)
+        sinks = torch.randn(H, device="cuda", dtype=torch.float32)
+        scale_log2 = LOG2E / math.sqrt(d)
+        win = NO_WINDOW if window is None else window
+        rows = max(128, -(-n // 128) * 128)
+        flops = 4 * sum(min(i + 1, win) for i in range(n)) * H * d
+
+        def run(kern):
+            o = torch.full_like(q, float("nan"))
+            lse = torch.full((1, H, rows), float("nan"), dtype=torch.float32, device="cuda")
+            kern(q, k, v, sinks, win, scale_log2, o, lse)
+            return o, lse
+
+        ref_kern = kernels.get((dtype_name, d, None, "select", False))
+        if ref_kern is None:
+            print(f"  {name}: the default forward did not build, skipped", file=sys.stderr, flush=True)
+            continue
+        o_ref, lse_ref = run(ref_kern)
+        row = {"problem": name, "dtype": dtype_name, "N": n, "D": d, "W": window, "flops": flops, "variants": {}}
+        base_ms = None
+        for label, tiles, mask, fold in [(DEFAULT, None, "select", False)] + variants(d):
+            job = (dtype_name, d, tiles, mask, fold)
+            kern = kernels.get(job)
+            if kern is None:
+                row["variants"][label] = {"error": "compile failed: " + errors.get(job, "not built")}
+                continue
+            try:  # a kernel that builds may still fail to launch (e.g. more shared memory than the GPU has)
+                o, lse = run(kern)
+                torch.cuda.synchronize()
+            except Exception as exc:
+                row["variants"][label] = {"error": f"launch failed: {type(exc).__name__}: {str(exc)[-300:]}"}
+                continue
+            o_err, lse_err = _errors(o, o_ref), _errors(lse[..., :n], lse_ref[..., :n])
+            out_o, out_lse = torch.empty_like(q), torch.empty(1, H, rows, dtype=torch.float32, device="cuda")
+            ms = do_bench(lambda: kern(q, k, v, sinks, win, scale_log2, out_o, out_lse), return_mode="median")
+            base_ms = ms if label == DEFAULT else base_ms
+            row["variants"][label] = {"ms": ms, "tflops": flops / (ms * 1e-3) / 1e12, "speedup": base_ms / ms,
+                                      "o_max": o_err[0], "o_rel_l2": o_err[1], "lse_max": lse_err[0],
+                                      "lse_rel_l2": lse_err[1]}
+        results.append(row)
+        print(f"\n== {name}: {dtype_name} N={n} D={d} W={window} H={H}/{HK} (fwd {flops / 1e12:.3f} TFLOP)")
+        print(f"  {'variant':<24} {'ms':>8} {'TFLOP/s':>8} {'x dflt':>7} {'o max':>9} {'o relL2':>9} "
+              f"{'lse max':>9} {'lse relL2':>9}")
+        for label, r in row["variants"].items():
+            if "error" in r:
+                print(f"  {label:<24} {r['error'][:200]}")
+            else:
+                print(f"  {label:<24} {r['ms']:8.4f} {r['tflops']:8.1f} {r['speedup']:7.3f} {r['o_max']:9.2e} "
+                      f"{r['o_rel_l2']:9.2e} {r['lse_max']:9.2e} {r['lse_rel_l2']:9.2e}")
+        sys.stdout.flush()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
