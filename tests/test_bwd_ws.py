@@ -38,7 +38,7 @@ def _dtypes(func) -> list:
 def test_ws_builds_with_the_default_signature(dtype, d, layout, deterministic, tiles, split):
     cfg = _cfg(dtype, d, layout, deterministic)
     func = bwd.build_bwd(cfg, tiles=Tiles(*tiles), split=split, ws=True)
-    default = bwd.build_bwd(cfg, split=split)
+    default = bwd.build_bwd(cfg, split=split, ws=False)  # TileLang's pipelined kernel: the same launch
     assert str(func.attrs["global_symbol"]) == str(default.attrs["global_symbol"])
     assert _params(func) == _params(default)
     assert _dtypes(func) == _dtypes(default)
@@ -57,3 +57,23 @@ def test_ws_builds_with_the_default_signature(dtype, d, layout, deterministic, t
 def test_ws_refuses_what_it_does_not_support(cfg, tiles):
     with pytest.raises(NotImplementedError, match="warp-specialized"):
         bwd.build_bwd(cfg, tiles=tiles, ws=True)
+
+
+@pytest.mark.parametrize("cfg,want", [
+    (_cfg(), True),
+    (_cfg("float16", 64, "thd"), True),
+    (_cfg(deterministic=True), True),
+    (_cfg(precision="strict"), False),
+    (_cfg(arch="sm_80"), False),
+    (_cfg(d=256), False),
+])
+def test_library_kernels_are_ws_where_config_says(cfg, want):
+    """config.bwd_ws picks the hand kernel for both main-backward kinds (Hopper, fast, D <= 128):
+    the library's bwd and bwd_split PrimFuncs are then bwd_ws.py's."""
+    from flashsink.ops.compile import build_prim_func
+    from flashsink.ops.config import bwd_split, bwd_ws
+
+    assert bwd_ws(cfg) == want
+    for kind in ("bwd",) + (("bwd_split",) if bwd_split(cfg) > 1 else ()):
+        text = build_prim_func(kind, cfg).script()
+        assert ("set_max_nreg" in text and "mbarrier_wait_parity" in text) == want, kind

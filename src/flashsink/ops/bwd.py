@@ -28,7 +28,8 @@ import tilelang.language as T
 
 from .block_range import kv_blocks_for_rows, row_blocks_for_keys
 from .bwd_ws import build_bwd_ws
-from .config import ROW_BLOCK, KernelConfig, bwd_dq_bulk, bwd_overlap, bwd_split, bwd_tiles, dq_tiles, pre_tiles
+from .config import (ROW_BLOCK, KernelConfig, bwd_dq_bulk, bwd_overlap, bwd_split, bwd_tiles, bwd_ws, dq_tiles,
+                     pre_tiles)
 from .layout import (acc_tile, kernel, optional, prologue_load, qkv_shapes, row_runs, seq_count, seq_tiles, sequence,
                      stage_stat, staged_stat, stat_at, stat_shape, stat_tile, store_rows, store_stat, tile, varlen_params)
 from .mask import visible
@@ -239,7 +240,7 @@ def _build_preprocess_strict(cfg: KernelConfig):
     return flashsink_bwd_preprocess
 
 
-def build_bwd(cfg: KernelConfig, tiles=None, dq_bulk=None, overlap=None, split=None, ws=False):
+def build_bwd(cfg: KernelConfig, tiles=None, dq_bulk=None, overlap=None, split=None, ws=None):
     """The main backward. The options default to the tile table's choices and exist for
     tools/bwd_variants.py, which times alternatives: ``tiles`` (``bwd_tiles(cfg)``); ``dq_bulk``,
     dQ tiles added by one bulk (TMA) reduce-add from shared memory instead of per-thread atomics
@@ -254,11 +255,12 @@ def build_bwd(cfg: KernelConfig, tiles=None, dq_bulk=None, overlap=None, split=N
     fp32 accumulators (``[.., rows_pad_kv, D]``, zeroed by the host) that the postprocess casts,
     as it does for dQ: not bitwise reproducible, so deterministic configurations keep 1.
 
-    ``ws``: the hand warp-specialized Hopper kernel of ``bwd_ws.py`` instead (fast precision; its
+    ``ws`` (``bwd_ws(cfg)``): the hand warp-specialized Hopper kernel of ``bwd_ws.py`` (fast precision; its
     dQ is always the producer's bulk reduce-add and its S^T/dP^T always overlap, so ``dq_bulk``
     and ``overlap`` do not apply).
     """
     t = tiles or bwd_tiles(cfg)
+    ws = bwd_ws(cfg) if ws is None else ws
     dq_bulk = bwd_dq_bulk(cfg) if dq_bulk is None else dq_bulk
     overlap = bwd_overlap(cfg) if overlap is None else overlap
     split = 1 if split is None else split

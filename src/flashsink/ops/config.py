@@ -150,6 +150,26 @@ def bwd_overlap(cfg: KernelConfig) -> bool:
     return cfg.hopper and max(cfg.head_dim, cfg.head_dim_v) <= 128
 
 
+def bwd_ws(cfg: KernelConfig) -> bool:
+    """Whether the main backward (both kinds, ``bwd`` and ``bwd_split``) is ``bwd_ws.py``'s hand
+    warp-specialized kernel: Hopper, precision="fast", head dims up to 128 (its 64x128 tiles). Measured
+    on the H200 (tools/bwd_variants.py, docs/perf.md v7) against TileLang's pipelined kernel with
+    bulk dQ and async S/dP: 10-15% off the unsplit main kernel (golden 0.237 -> 0.213 ms, gpt-oss SWA
+    0.183 -> 0.155), 7-14% off the split one (causal D128 N4096 1.95 -> 1.81 ms, D64 N8192 5.52 ->
+    4.77). Strict keeps TileLang's kernel (two-term products the hand kernel does not have)."""
+    return cfg.hopper and cfg.precision == "fast" and max(cfg.head_dim, cfg.head_dim_v) <= 128
+
+
+def fwd_mask(cfg: KernelConfig) -> str:
+    """How the forward masks its logits (``fwd.build_fwd``'s ``mask``): on Hopper ``"branch"``,
+    which skips the per-element select on wholly visible KV tiles, measured on the H200
+    (tools/fwd_variants.py, docs/perf.md v7) 1.17x on causal D128 N4096 and 1.37x on causal D64
+    N8192, 3-4% slower with a 128-token window (the branch costs more than the select it saves
+    when every tile touches the window's edge); bitwise the same o and lse. The window is a runtime
+    value, so one kernel serves both. ``"select"`` elsewhere (not measured off Hopper)."""
+    return "branch" if cfg.hopper else "select"
+
+
 #: query heads of a GQA group per program in the split main backward: at most this many programs
 #: share one (KV tile, KV head)
 MAX_BWD_SPLIT = 8

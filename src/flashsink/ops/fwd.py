@@ -12,7 +12,7 @@ import tilelang.language as T
 
 from . import softmax
 from .block_range import full_kv_blocks_for_rows, kv_blocks_for_rows
-from .config import KernelConfig, Tiles, fwd_tiles
+from .config import KernelConfig, Tiles, fwd_mask, fwd_tiles
 from .layout import (kernel, prologue_load, qkv_shapes, seq_count, seq_tiles, sequence, stat_shape, store_rows, store_stat,
                      tile, varlen_params)
 from .mask import visible
@@ -22,9 +22,9 @@ from .mask import visible
 FWD_MASKS = ("select", "split", "flag", "branch")
 
 
-def build_fwd(cfg: KernelConfig, tiles: Tiles | None = None, mask: str = "select", fold_scale: bool = False):
-    """The forward. The options default to today's kernel and exist for tools/fwd_variants.py,
-    which times alternatives: ``tiles`` (``fwd_tiles(cfg)``); ``mask``, how the mask is applied:
+def build_fwd(cfg: KernelConfig, tiles: Tiles | None = None, mask: str | None = None, fold_scale: bool = False):
+    """The forward. The options default to the library's kernel and exist for tools/fwd_variants.py,
+    which times alternatives: ``tiles`` (``fwd_tiles(cfg)``); ``mask`` (``fwd_mask(cfg)``), how the mask is applied:
     ``"select"`` per element on every KV tile; ``"split"``, the key loop split into two
     pipelined loops, the wholly visible interior without a mask, then the diagonal and a
     window's leading edge with it; ``"flag"``, one loop whose select ORs a per-tile "wholly
@@ -35,6 +35,7 @@ def build_fwd(cfg: KernelConfig, tiles: Tiles | None = None, mask: str = "select
     FMA as in TileLang's flash-attention examples (``softmax.update``). ``fold_scale`` needs
     ``scale > 0``: the running maximum is taken over the unscaled logits.
     """
+    mask = fwd_mask(cfg) if mask is None else mask
     if mask not in FWD_MASKS:
         raise ValueError(f"mask must be one of {FWD_MASKS}, got {mask!r}")
     t = tiles or fwd_tiles(cfg)
