@@ -102,9 +102,6 @@ def test_split_mask_lowers(arch):
 
 @pytest.mark.l1
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
-@pytest.mark.skip(reason="after the h8/h11 merge, tilelang.compile of a bare build_fwd PrimFunc fails on the CPU "
-                  "(body() missing m_tiles, n_seqs); the library's forward with mask=branch compiled and passed the "
-                  "GPU suite at c638fb5. Open: see the 2026-12-03 closing note")
 @pytest.mark.parametrize("arch, opts", [("sm_90a", dict(mask="flag", fold_scale=True)),
                                         ("sm_80", dict(mask="branch", tiles=Tiles(64, 64, 128, 2)))])
 def test_options_compile(arch, opts):

@@ -172,6 +172,7 @@ def _gpu_us(fn, iters, repeats):
 
 PROBLEMS = {
     # name: B, H, H_kv, N, D, W (kvcache: page size), dtype, varlen sequences (0: dense) or the kind
+    "golden": (1, 64, 8, 4096, 128, 128, torch.float16, 0),
     "gptoss-swa": (1, 64, 8, 4096, 64, 128, torch.bfloat16, 0),
     "varlen": (1, 64, 8, 4096, 64, 128, torch.bfloat16, 16),
     # decode (attention, 1 query against N keys) and paged decode (attention_kvcache, pages of 16)
@@ -179,6 +180,7 @@ PROBLEMS = {
     "kvcache": (8, 64, 8, 4096, 64, 16, torch.bfloat16, "kvcache"),
 }
 CPU_PROBLEMS = {  # tiny: CPU fills (synchronous here, queued on CUDA) stay negligible; the Python is the same
+    "golden": (1, 2, 1, 128, 128, 128, torch.float16, 0),
     "gptoss-swa": (1, 2, 1, 128, 64, 128, torch.bfloat16, 0),
     "varlen": (1, 2, 1, 128, 64, 128, torch.bfloat16, 4),
     "decode": (2, 8, 1, 1024, 64, None, torch.bfloat16, "decode"),  # >= 512 keys: the split-KV path
@@ -195,6 +197,9 @@ def main(argv=None):
     p.add_argument("--profile", default=None, metavar="MODE",
                    help="also run cProfile over --iters calls of MODE (fwd, bwd, fwd+bwd) per problem, the GPU "
                         "kept busy, and print the 25 functions of most own time (where the host time goes)")
+    p.add_argument("--torch-profile", default=None, metavar="MODE",
+                   help="also run torch.profiler over --iters calls of MODE, the GPU kept busy, and print the "
+                        "operators and CUDA runtime calls of most self CPU time")
     p.add_argument("--route", choices=("eager", "ops"), default="eager",
                    help="--cpu only: the eager autograd.Function (what CUDA tensors take) or the custom ops")
     args = p.parse_args(argv)
@@ -222,6 +227,27 @@ def main(argv=None):
             print(line, flush=True)
         if args.profile and args.profile in calls:
             _profile(calls[args.profile], args.iters, device, f"{name} {args.profile}")
+        if args.torch_profile and args.torch_profile in calls:
+            _torch_profile(calls[args.torch_profile], args.iters, device, f"{name} {args.torch_profile}")
+
+
+def _torch_profile(fn, iters, device, label):
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    activities = [ProfilerActivity.CPU]
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(4e9))
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        for _ in range(iters):
+            fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+    print(f"--- torch.profiler, {label}, {iters} calls (self CPU time; divide by {iters} per call)")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60),
+          flush=True)
 
 
 def _profile(fn, iters, device, label):
