@@ -27,10 +27,11 @@ and the sink gets ``dsink[h] = -sum_rows exp(sink[h] - lse) * Delta``.
 import tilelang.language as T
 
 from .block_range import kv_blocks_for_rows, row_blocks_for_keys
+from .bwd_entry import main_bwd_entry, main_bwd_shapes
 from .bwd_ws import build_bwd_ws
 from .config import (ROW_BLOCK, KernelConfig, bwd_dq_bulk, bwd_overlap, bwd_split, bwd_tiles, bwd_ws, dq_tiles,
                      pre_tiles)
-from .layout import (acc_tile, kernel, optional, prologue_load, qkv_shapes, row_runs, seq_count, seq_tiles, sequence,
+from .layout import (acc_tile, kernel, prologue_load, qkv_shapes, row_runs, seq_count, seq_tiles, sequence,
                      stage_stat, staged_stat, stat_at, stat_shape, stat_tile, store_rows, store_stat, tile, varlen_params)
 from .mask import visible
 from .softmax import LOG2E
@@ -274,16 +275,9 @@ def build_bwd(cfg: KernelConfig, tiles=None, dq_bulk=None, overlap=None, split=N
     bm, bn = t.block_m, t.block_n  # bm query rows stream past bn resident keys
     dim, dim_v, groups, layout = cfg.head_dim, cfg.head_dim_v, cfg.groups, cfg.layout
     dtype, accum = cfg.dtype, "float32"
-    batch, heads, seq_q, seq_kv, rows_pad, rows_pad_kv = T.dynamic("batch, heads, seq_q, seq_kv, rows_pad, rows_pad_kv")
-    heads_kv = heads // groups
-    q_shape, k_shape, v_shape, o_shape = qkv_shapes(layout, batch, heads, heads_kv, seq_q, seq_kv, dim, dim_v)
-    st_shape = stat_shape(layout, batch, heads, rows_pad)
-    acc_shape = st_shape + [dim]
-    dk_shape, dv_shape = k_shape, v_shape
-    if split > 1:  # dK, dV are fp32 accumulators with padded rows
-        dk_shape = dv_shape = stat_shape(layout, batch, heads_kv, rows_pad_kv) + [dim]
-    dkv_dtype = accum if split > 1 else dtype
-    with_dq = not cfg.deterministic
+    shapes = main_bwd_shapes(cfg, split)
+    heads_kv, seq_q, seq_kv = shapes.heads_kv, shapes.seq_q, shapes.seq_kv
+    dkv_dtype, with_dq = shapes.dkv_dtype, shapes.with_dq
     fast = cfg.precision == "fast"
 
     @T.macro
@@ -386,27 +380,7 @@ def build_bwd(cfg: KernelConfig, tiles=None, dq_bulk=None, overlap=None, split=N
                 store_rows(dK, layout, b, kv_head, k_base, key0, sk, dk_s, bn, dim)
                 store_rows(dV, layout, b, kv_head, k_base, key0, sk, dv_s, bn, dim_v)
 
-    cu, longest, n_cu = varlen_params(layout)
-
-    @kernel("flashsink_bwd", layout)
-    def flashsink_bwd(
-        Q: T.Tensor(q_shape, dtype),
-        K: T.Tensor(k_shape, dtype),
-        V: T.Tensor(v_shape, dtype),
-        dO: T.Tensor(o_shape, dtype),
-        LSE: T.Tensor(st_shape, accum),
-        Delta: T.Tensor(st_shape, accum),
-        CuQ: cu,
-        CuK: cu,
-        max_seqlen_k: longest,
-        window: T.int32,
-        scale: T.float32,
-        dQAcc: optional(with_dq, T.Tensor(acc_shape, accum)),
-        dK: T.Tensor(dk_shape, dkv_dtype),
-        dV: T.Tensor(dv_shape, dkv_dtype),
-    ):
-        body(Q, K, V, dO, LSE, Delta, CuQ, CuK, window, scale, dQAcc, dK, dV,
-             seq_tiles(layout, max_seqlen_k, seq_kv, bn), seq_count(layout, n_cu, batch))
+    flashsink_bwd = main_bwd_entry(cfg, shapes, body, bn)
 
     return flashsink_bwd
 

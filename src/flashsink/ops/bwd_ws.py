@@ -20,8 +20,8 @@ import tilelang.language as T
 
 from .block_range import row_blocks_for_keys
 from .config import KernelConfig
-from .layout import (acc_tile, kernel, optional, prologue_load, qkv_shapes, seq_count, seq_tiles, sequence, stat_shape,
-                     stat_tile, store_rows, tile, varlen_params)
+from .bwd_entry import main_bwd_entry, main_bwd_shapes
+from .layout import acc_tile, prologue_load, sequence, stat_tile, store_rows, tile
 from .mask import visible
 from .softmax import LOG2E
 
@@ -52,16 +52,8 @@ def build_bwd_ws(cfg: KernelConfig, t, split: int):
     dim, dim_v, groups, layout = cfg.head_dim, cfg.head_dim_v, cfg.groups, cfg.layout
     dtype, accum = cfg.dtype, "float32"
     packed = layout == "thd"  # lse/Delta read from global memory (layout.py: unaligned rows)
-    batch, heads, seq_q, seq_kv, rows_pad, rows_pad_kv = T.dynamic("batch, heads, seq_q, seq_kv, rows_pad, rows_pad_kv")
-    heads_kv = heads // groups
-    q_shape, k_shape, v_shape, o_shape = qkv_shapes(layout, batch, heads, heads_kv, seq_q, seq_kv, dim, dim_v)
-    st_shape = stat_shape(layout, batch, heads, rows_pad)
-    acc_shape = st_shape + [dim]
-    dk_shape, dv_shape = k_shape, v_shape
-    if split > 1:
-        dk_shape = dv_shape = stat_shape(layout, batch, heads_kv, rows_pad_kv) + [dim]
-    dkv_dtype = accum if split > 1 else dtype
-    with_dq = not cfg.deterministic
+    shapes = main_bwd_shapes(cfg, split)
+    heads_kv, seq_q, seq_kv, with_dq = shapes.heads_kv, shapes.seq_q, shapes.seq_kv, shapes.with_dq
 
     @T.macro
     def body(Q, K, V, dO, LSE, Delta, CuQ, CuK, window, scale, dQAcc, dK, dV, n_tiles, n_seqs):
@@ -195,27 +187,7 @@ def build_bwd_ws(cfg: KernelConfig, t, split: int):
                     store_rows(dK, layout, b, kv_head, k_base, key0, sk, k_s, bn, dim)
                     store_rows(dV, layout, b, kv_head, k_base, key0, sk, v_s, bn, dim_v)
 
-    cu, longest, n_cu = varlen_params(layout)
-
-    @kernel("flashsink_bwd", layout)
-    def flashsink_bwd(
-        Q: T.Tensor(q_shape, dtype),
-        K: T.Tensor(k_shape, dtype),
-        V: T.Tensor(v_shape, dtype),
-        dO: T.Tensor(o_shape, dtype),
-        LSE: T.Tensor(st_shape, accum),
-        Delta: T.Tensor(st_shape, accum),
-        CuQ: cu,
-        CuK: cu,
-        max_seqlen_k: longest,
-        window: T.int32,
-        scale: T.float32,
-        dQAcc: optional(with_dq, T.Tensor(acc_shape, accum)),
-        dK: T.Tensor(dk_shape, dkv_dtype),
-        dV: T.Tensor(dv_shape, dkv_dtype),
-    ):
-        body(Q, K, V, dO, LSE, Delta, CuQ, CuK, window, scale, dQAcc, dK, dV,
-             seq_tiles(layout, max_seqlen_k, seq_kv, bn), seq_count(layout, n_cu, batch))
+    flashsink_bwd = main_bwd_entry(cfg, shapes, body, bn)
 
     # Every shared-memory hand-off here is ordered by hand (mbarriers, the consumers' named
     # barrier): TileLang's automatic syncs would add three consumer meetings per tile.

@@ -1,0 +1,120 @@
+"""What each piece of the eager host path costs on this machine (CUDA only): the GPU kept busy by
+``torch.cuda._sleep`` so every call only queues, each piece timed alone over ``--iters`` calls.
+
+    python tools/host_parts.py [--problem golden|gptoss-swa] [--iters 200]
+
+Pieces: torch allocations and fills, a view, each launcher of the problem's kernels with its real
+arguments (the tvm_ffi call: argument conversion, TileLang's host checks, TMA descriptors, the
+launch), an autograd.Function that launches nothing (the engine's own cost per fwd+bwd), the
+library's forward and fwd+bwd. Prints the minimum over ``--repeats`` of the mean, in us.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+
+def timed(fn, iters, repeats):
+    fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(repeats):
+        torch.cuda._sleep(int(5e8))
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / iters * 1e6)
+        torch.cuda.synchronize()
+    return best
+
+
+class _Nothing(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, s):
+        ctx.save_for_backward(q, k, v, s)
+        return q.view_as(q)
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, s = ctx.saved_tensors
+        return do, None, None, None
+
+
+def main(argv=None):
+    import flashsink
+    from flashsink import api, testing
+    from flashsink.ops import compile as compile_mod
+    from flashsink.ops import interface
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--problem", default="golden")
+    p.add_argument("--iters", type=int, default=200)
+    p.add_argument("--repeats", type=int, default=5)
+    a = p.parse_args(argv)
+    d, dt = (128, torch.float16) if a.problem == "golden" else (64, torch.bfloat16)
+    inp = testing.make_inputs(1, 64, 8, 4096, 4096, d, dt, "cuda", seed=0)
+    leaves = [inp[x].detach().clone().requires_grad_(True) for x in ("q", "k", "v", "sinks")]
+    q, k, v, s = (x.detach() for x in leaves)  # the launch layer's own calls take no autograd leaves
+    do = inp["do"]
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, problem {a.problem}; "
+          f"torch.Tensor.__dlpack_c_exchange_api__: {hasattr(torch.Tensor, '__dlpack_c_exchange_api__')}")
+    rows = []
+
+    def row(name, fn):
+        rows.append((name, timed(fn, a.iters, a.repeats)))
+        print(f"{name:<44} {rows[-1][1]:8.2f} us", flush=True)
+
+    row("torch.empty 4 MB", lambda: torch.empty(1 << 20, device="cuda"))
+    row("torch.zeros 4 MB", lambda: torch.zeros(1 << 20, device="cuda"))
+    row("torch.empty_like(q)", lambda: torch.empty_like(q))
+    buf = torch.empty(1 << 20, device="cuda")
+    row("view", lambda: buf[:1000].view(10, 100))
+    row("torch.cuda.current_stream()", torch.cuda.current_stream)
+
+    spec = api.validate_attention(q, k, v, s, window=128, causal=True, scale=None, layout="bhsd")
+    row("validate_attention", lambda: api.validate_attention(q, k, v, s, window=128, causal=True, scale=None,
+                                                              layout="bhsd"))
+    cfg = interface.kernel_config(spec, q.device, False, "fast")
+    window = interface.kernel_window(128)
+    s32 = interface._sinks_f32(s, 64, q.device)
+    with torch.no_grad():
+        o, lse = interface._forward(q, k, v, s32, cfg, spec, window)
+    fwd = compile_mod.get_kernel("fwd", cfg)
+    row(f"launcher fwd ({type(fwd).__name__})",
+        lambda: fwd(q, k, v, s32, window, float(spec.scale) * 1.4426950408889634, o, lse))
+    main_fn = getattr(fwd, "main", None)
+    if main_fn is not None:
+        row("launcher fwd .main", lambda: main_fn(q, k, v, s32, window, float(spec.scale) * 1.4426950408889634,
+                                                  o, lse))
+    row("get_kernel lookup", lambda: compile_mod.get_kernel("fwd", cfg))
+    row("interface._forward", lambda: interface._forward(q, k, v, s32, cfg, spec, window))
+    row("interface._backward", lambda: interface._backward(do, q, k, v, o, lse, None, s32, cfg, spec, window))
+
+    def nothing():
+        out = _Nothing.apply(*leaves)
+        torch.autograd.grad(out, leaves[:1], do)
+
+    row("autograd.Function, no launches, fwd+bwd", nothing)
+
+    def nothing_backward():
+        out = _Nothing.apply(*leaves)
+        out.backward(do)
+
+    row("  same, .backward() into .grad", nothing_backward)
+    row("flashsink.attention fwd (no grad)", lambda: flashsink.attention(q, k, v, s, window=128))
+
+    def fb():
+        out = flashsink.attention(*leaves, window=128)
+        torch.autograd.grad(out, leaves, do)
+
+    row("flashsink.attention fwd+bwd (autograd.grad)", fb)
+    print("\nsummary (us per call, GPU kept busy)")
+    for name, us in rows:
+        print(f"  {name:<44} {us:8.2f}")
+
+
+if __name__ == "__main__":
+    main()
