@@ -53,6 +53,8 @@ def main(argv=None):
     p.add_argument("--problem", default="golden")
     p.add_argument("--iters", type=int, default=100)  # x 7 launches: under the ~1024 a queue holds
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--profile-unheld", action="store_true",
+                   help="torch.profiler over 20 train steps with the GPU free (the benchmark's host row)")
     a = p.parse_args(argv)
     d, dt = (128, torch.float16) if a.problem == "golden" else (64, torch.bfloat16)
     inp = testing.make_inputs(1, 64, 8, 4096, 4096, d, dt, "cuda", seed=0)
@@ -125,6 +127,18 @@ def main(argv=None):
     rows.append(("  same, the bench's way (20 calls, GPU not held)", (time.perf_counter() - t0) / 20 * 1e6))
     torch.cuda.synchronize()
     print(f"{rows[-1][0]:<44} {rows[-1][1]:8.2f} us", flush=True)
+
+    if a.profile_unheld:  # what the host waits on when the GPU runs the calls meanwhile
+        from torch.profiler import ProfilerActivity, profile
+
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(20):
+                train_step()
+        torch.cuda.synchronize()
+        print("--- torch.profiler, 20 train steps, GPU not held (self CPU time)")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=50),
+              flush=True)
 
     def chain(n):  # n layers, one backward: what a model's step pays per attention layer
         def step():

@@ -29,7 +29,9 @@ def _eager(q) -> bool:
 class _Attention(torch.autograd.Function):
     """The eager route: forward and backward launches on kernel-ready tensors (contiguous, head dims
     the kernels' own). ``cu_seqlens`` is None (padded layouts) or int32 ``(cu_q, cu_k)`` (thd).
-    Returns o and lse over the real rows (a view of the row-padded lse the backward reads)."""
+    Returns o and the row-padded lse the backward reads (its padding rows unwritten: callers that
+    return lse slice it to the real rows; a slice per call costs microseconds,
+    so the common call that returns only o takes none)."""
 
     @staticmethod
     def forward(ctx, q, k, v, sinks, spec, cfg, cu_seqlens):
@@ -40,9 +42,7 @@ class _Attention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, None if cfg.precision == "strict" else o, lse, sinks32)
         ctx.problem = (spec, cfg, window, cu_seqlens, None if sinks is None else sinks.dtype)
         ctx.set_materialize_grads(False)
-        # rows past the sequences are padding: never read by the caller, masked by the kernels
-        rows = q.shape[0] if cu_seqlens is not None else spec.seq_q
-        return o, lse[..., :rows]
+        return o, lse
 
     @staticmethod
     def backward(ctx, do, dlse):
@@ -61,13 +61,12 @@ class _Attention(torch.autograd.Function):
 
 
 def _launch(q, k, v, sinks, spec, cfg, cu_seqlens):
-    """The eager route; without gradients, no autograd node at all."""
+    """The eager route; without gradients, no autograd node at all. o and the row-padded lse."""
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks)):
         return _Attention.apply(q, k, v, sinks, spec, cfg, cu_seqlens)
     window = interface.kernel_window(spec.window)
     sinks32 = interface._sinks_f32(sinks, spec.heads, q.device)
-    o, lse = interface._forward(q, k, v, sinks32, cfg, spec, window, cu_seqlens)
-    return o, lse[..., : q.shape[0] if cu_seqlens is not None else spec.seq_q]
+    return interface._forward(q, k, v, sinks32, cfg, spec, window, cu_seqlens)
 
 
 def _pad_head_dims(spec, q, k, v):
@@ -92,6 +91,8 @@ def kernel_attention(spec, q, k, v, sinks, *, return_lse=False, deterministic=Fa
     q, k, v = _pad_head_dims(spec, q, k, v)
     if _eager(q):
         o, lse = _launch(q, k, v, sinks, spec, interface.kernel_config(spec, q.device, deterministic, precision), None)
+        if return_lse:  # the real rows of the row-padded lse (autograd pads dlse back)
+            lse = lse[:, :, : spec.seq_q]
     else:
         # lse comes back with _padded_rows(seq_q) rows (the layout the backward kernels read).
         o, lse = torch.ops.flashsink.fwd(
@@ -121,6 +122,8 @@ def kernel_attention_varlen(spec, q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, *,
     if _eager(q) and spec.batch > 0 and q.shape[0] > 0 and k.shape[0] > 0:
         cfg = interface.kernel_config(spec, q.device, deterministic, precision)
         o, lse = _launch(q, k, v, sinks, spec, cfg, (cu_q.contiguous(), cu_k.contiguous()))
+        if return_lse:
+            lse = lse[:, : q.shape[0]]
     else:
         o, lse = torch.ops.flashsink.varlen_fwd(
             q, k, v, sinks, cu_q, cu_k, spec.seq_q, spec.seq_kv, spec.window, spec.causal, spec.scale,

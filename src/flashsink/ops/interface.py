@@ -155,34 +155,39 @@ def _backward(do, q, k, v, o, lse, dlse, sinks32, cfg, spec, window, cu_seqlens=
     split = _use_split(cfg, spec, window)
     # The sink gradient: atomically accumulated in dsink, or (deterministic) one partial per
     # program in dsink_part, summed below in a fixed order. The other buffer is not touched.
-    # Buffers that must start zeroed share one fill, the others one allocation; every part starts
-    # a multiple of n_stat floats in (512-byte aligned: rows is a multiple of ROW_PAD). dsink is
-    # its own tensor: it becomes the sinks' gradient and must not keep a large buffer alive.
+    # Each torch call here costs 5-15 us of host time on the H200's host (a slice or a view as much
+    # as an allocation: tools/host_parts.py), so every buffer is one call: no slices of one fill,
+    # and the buffers no kernel writes (a zero dlse, the unused dsink_part) one view of a buffer
+    # kept from call to call (_shared). dsink is its own tensor: it becomes the sinks' gradient.
+    if dlse is not None:
+        if dlse.shape != stat or dlse.dtype != f32 or not dlse.is_contiguous():
+            padded = torch.zeros(stat, dtype=f32, device=dev)
+            padded[..., : dlse.shape[-1]] = dlse[..., : stat[-1]]
+            dlse = padded
     if cfg.deterministic:
-        n_part = spec.batch * spec.heads * -(-spec.seq_q // pre_tiles(cfg).block_m)
-        zeros = torch.zeros(n_stat + n_part, dtype=f32, device=dev)
-        dlse_padded, dsink_part = zeros[:n_stat].view(stat), zeros[n_stat:].view(spec.batch, spec.heads, -1)
-        scratch = torch.empty(n_stat + spec.heads, dtype=f32, device=dev)
-        delta, dsink = scratch[:n_stat].view(stat), scratch[n_stat:]
+        n_part = -(-spec.seq_q // pre_tiles(cfg).block_m)
+        dsink_part = torch.zeros((spec.batch, spec.heads, n_part), dtype=f32, device=dev)
+        dsink = _unwritten((spec.heads,), dev)
         dq_acc = None
     else:
         # with a split main backward (a GQA group over several programs per KV tile) the fp32
-        # dK/dV accumulators share the fill too
+        # dK/dV accumulators share dQ's fill
         # (head dims: the kernels' own, cfg's; q, k, v, do arrive zero-padded to them)
         d = cfg.head_dim
-        n_acc = n_stat * d
-        kv_stat = _stat_shape_kv(spec, k, cu_seqlens) if split else ()
-        n_kv = _numel(kv_stat) * d if split else 0
-        zeros = torch.zeros(n_acc + n_stat + 2 * n_kv, dtype=f32, device=dev)
-        dq_acc, dlse_padded = zeros[:n_acc].view(*stat, d), zeros[n_acc:n_acc + n_stat].view(stat)
         if split:
-            dk_acc = zeros[n_acc + n_stat:n_acc + n_stat + n_kv].view(*kv_stat, d)
-            dv_acc = zeros[n_acc + n_stat + n_kv:].view(*kv_stat, d)
-        dsink = torch.zeros(spec.heads, dtype=f32, device=dev)
-        scratch = torch.empty(n_stat + spec.batch * spec.heads, dtype=f32, device=dev)
-        delta, dsink_part = scratch[:n_stat].view(stat), scratch[n_stat:].view(spec.batch, spec.heads, 1)
-    if dlse is not None:
-        dlse_padded[..., : dlse.shape[-1]] = dlse
+            n_acc = n_stat * d
+            kv_stat = _stat_shape_kv(spec, k, cu_seqlens)
+            n_kv = _numel(kv_stat) * d
+            zeros = torch.zeros(n_acc + 2 * n_kv, dtype=f32, device=dev)
+            dq_acc = zeros[:n_acc].view(*stat, d)
+            dk_acc = zeros[n_acc:n_acc + n_kv].view(*kv_stat, d)
+            dv_acc = zeros[n_acc + n_kv:].view(*kv_stat, d)
+        else:
+            dq_acc = torch.zeros((*stat, d), dtype=f32, device=dev)
+        dsink = torch.zeros(spec.heads, dtype=f32, device=dev) if cfg.has_sinks else _unwritten((spec.heads,), dev)
+        dsink_part = _unwritten((spec.batch, spec.heads, 1), dev)
+    dlse_padded = _zero_stat(stat, dev) if dlse is None else dlse
+    delta = torch.empty(stat, dtype=f32, device=dev)
     seq_q, seq_kv = _seq_args(cu_seqlens, spec.seq_q), _seq_args(cu_seqlens, spec.seq_kv)
     if cfg.precision == "strict":
         get_kernel("preprocess", cfg)(
@@ -213,6 +218,41 @@ def _backward(do, q, k, v, o, lse, dlse, sinks32, cfg, spec, window, cu_seqlens=
     return dq, dk, dv, (dsink if cfg.has_sinks else None)
 
 
+#: per (kind, device), float32 buffers that no kernel writes, grown (doubling) as needed and
+#: handed out as shaped views: "zero", all zeros, the dlse of an unused lse; "unused", what a
+#: kernel takes as an argument and neither reads nor writes (the dsink partials outside
+#: deterministic mode, dsink in it or without sinks). A buffer outgrown is kept, not freed: a
+#: kernel on another stream may still read it (at most the sum of the halvings, under 2x the last).
+_SHARED: dict = {}
+_OUTGROWN: list = []
+
+
+def _shared(kind: str, shape, device):
+    n = _numel(shape)
+    buf = _SHARED.get((kind, device))
+    if buf is None or buf.numel() < n:
+        size = max(n, 2 * buf.numel()) if buf is not None else n
+        if buf is not None:
+            _OUTGROWN.append(buf)
+        make = torch.zeros if kind == "zero" else torch.empty
+        buf = _SHARED[(kind, device)] = make(size, dtype=torch.float32, device=device)
+    strides, step = [], 1
+    for x in reversed(shape):
+        strides.append(step)
+        step *= x
+    return buf.as_strided(tuple(shape), tuple(reversed(strides)))
+
+
+def _zero_stat(stat, device):
+    """A float32 zero tensor of shape ``stat``, read-only: the dlse of an unused lse."""
+    return _shared("zero", stat, device)
+
+
+def _unwritten(shape, device):
+    """A float32 tensor of ``shape`` that the kernels take as an argument and neither read nor write."""
+    return _shared("unused", shape, device)
+
+
 #: the sinks argument of kernels built without sinks, by (device, heads): read by none (their
 #: code has no sink term), so never filled, and allocated once
 _NO_SINKS: dict = {}
@@ -225,7 +265,7 @@ def _sinks_f32(sinks, heads, device):
             placeholder = _NO_SINKS[(device, heads)] = torch.empty((heads,), dtype=torch.float32, device=device)
         return placeholder
     if sinks.dtype == torch.float32 and sinks.is_contiguous():
-        return sinks.detach()
+        return sinks  # the launchers take autograd leaves as they are (no detach: one call less)
     return sinks.detach().to(torch.float32).contiguous()
 
 
