@@ -560,3 +560,23 @@ def test_dense_end_to_end_through_autograd(monkeypatch, launches, precision, wit
     else:
         assert len(pre.args) == 12 and all(same(a, b) for a, b in zip(pre.args[:3], fw.args[:3]))
         assert same(pre.args[4], fw.args[7])
+
+
+@pytest.mark.l0
+def test_shared_buffers_grow_and_keep_what_they_outgrow(monkeypatch):
+    """interface._shared: the kept zero / unwritten buffers the backward hands its kernels. A view
+    of the requested shape (contiguous), zeros for "zero"; a larger request grows the buffer and
+    the outgrown one stays referenced (a kernel on another stream may still read it)."""
+    monkeypatch.setattr(interface, "_SHARED", {})
+    monkeypatch.setattr(interface, "_OUTGROWN", [])
+    dev = torch.device("cpu")
+    a = interface._zero_stat((2, 3, 128), dev)
+    assert a.shape == (2, 3, 128) and a.is_contiguous() and a.dtype == torch.float32
+    assert torch.equal(a, torch.zeros(2, 3, 128))
+    b = interface._zero_stat((4, 128), dev)  # fits: the same storage
+    assert b.data_ptr() == a.data_ptr() and not interface._OUTGROWN
+    c = interface._zero_stat((4, 3, 128), dev)  # 2x: grows, the old one is kept
+    assert c.shape == (4, 3, 128) and torch.equal(c, torch.zeros(4, 3, 128))
+    assert len(interface._OUTGROWN) == 1 and interface._OUTGROWN[0].data_ptr() == a.data_ptr()
+    u = interface._unwritten((2, 3, 1), dev)
+    assert u.shape == (2, 3, 1) and u.data_ptr() != c.data_ptr()  # its own buffer, never the zeros
