@@ -161,7 +161,6 @@ def _bwd_cuda(do, q, k, v, sinks, lse, dlse, window, causal, scale, layout, dete
     cfg, win, (do, q, k, v, lse) = _kernel_inputs(spec, q.device, deterministic, precision, do, q, k, v, lse)
     o = _saved_output(o, cfg)
     sinks32 = interface._sinks_f32(sinks, spec.heads, q.device)
-    dlse = None if dlse is None else dlse[:, :, : spec.seq_q]
     dq, dk, dv, dsink = interface._backward(do, q, k, v, o, lse, dlse, sinks32, cfg, spec, win)
     if dsink is None:
         return dq, dk, dv, sinks32.new_zeros(spec.heads)
@@ -373,7 +372,6 @@ def _varlen_bwd_cuda(do, q, k, v, sinks, lse, dlse, cu_seqlens_q, cu_seqlens_k, 
                                                               lse, cu_seqlens_q, cu_seqlens_k)
     o = _saved_output(o, cfg)
     sinks32 = interface._sinks_f32(sinks, spec.heads, q.device)
-    dlse = None if dlse is None else dlse[:, : q.shape[0]]
     dq, dk, dv, dsink = interface._backward(do, q, k, v, o, lse, dlse, sinks32, cfg, spec, win, cu_seqlens=(cu_q, cu_k))
     if dsink is None:
         return dq, dk, dv, sinks32.new_zeros(spec.heads)

@@ -220,8 +220,8 @@ def _backward(do, q, k, v, o, lse, dlse, sinks32, cfg, spec, window, cu_seqlens=
 
 #: per (kind, device), float32 buffers that no kernel writes, grown (doubling) as needed and
 #: handed out as shaped views: "zero", all zeros, the dlse of an unused lse; "unused", what a
-#: kernel takes as an argument and neither reads nor writes (the dsink partials outside
-#: deterministic mode, dsink in it or without sinks). A buffer outgrown is kept, not freed: a
+#: kernel takes as an argument and neither reads nor writes (the sinks of kernels built without
+#: them, the dsink partials outside deterministic mode, dsink in it or without sinks). A buffer outgrown is kept, not freed: a
 #: kernel on another stream may still read it (at most the sum of the halvings, under 2x the last).
 _SHARED: dict = {}
 _OUTGROWN: list = []
@@ -253,17 +253,9 @@ def _unwritten(shape, device):
     return _shared("unused", shape, device)
 
 
-#: the sinks argument of kernels built without sinks, by (device, heads): read by none (their
-#: code has no sink term), so never filled, and allocated once
-_NO_SINKS: dict = {}
-
-
 def _sinks_f32(sinks, heads, device):
-    if sinks is None:
-        placeholder = _NO_SINKS.get((device, heads))
-        if placeholder is None:
-            placeholder = _NO_SINKS[(device, heads)] = torch.empty((heads,), dtype=torch.float32, device=device)
-        return placeholder
+    if sinks is None:  # kernels built without sinks have no sink term: their sinks argument is unread
+        return _unwritten((heads,), device)
     if sinks.dtype == torch.float32 and sinks.is_contiguous():
         return sinks  # the launchers take autograd leaves as they are (no detach: one call less)
     return sinks.detach().to(torch.float32).contiguous()
