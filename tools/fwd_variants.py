@@ -4,8 +4,10 @@
 
 For each problem of tools/bwd_variants.py (H=64, H_kv=8, bhsd, B=1, sinks) and each variant of the
 forward (``fwd.build_fwd``'s options: tiles, how the mask is applied, the scale folded into the
-exponent): compile every kernel in parallel processes first (TileLang's own disk cache, then loaded
-here; a kernel that fails to build is a row of the table, not the end of the run), then check each
+exponent, the hand warp-specialized kernel ``ws`` of fwd_ws.py): compile every kernel in parallel
+processes first (TileLang's own disk cache, then loaded here; a kernel that fails to build is a row
+of the table, not the end of the run); the hand-synchronized ``ws`` variants run once in a child
+process with a time limit first (a fault or a deadlocked mbarrier is a row, not the end); then check each
 variant's o and lse against the library's default forward (which meets the precision standard) and
 time it with ``triton.testing.do_bench`` (median). Prints one table per problem: ms, TFLOP/s
 (``4 * visible pairs * D``), speed-up over the default, max and relative L2 errors of o and lse.
@@ -20,22 +22,26 @@ import math
 import os
 import sys
 
-from bwd_variants import HK, PROBLEMS, H, _cfg, compile_all
+from bwd_variants import HK, PROBLEMS, H, _cfg, _load, compile_all
 
 DEFAULT = "default*"
 
 
 def _variants(d: int) -> list:
-    """(label, Tiles fields or None for the tile table's, mask, fold_scale) for head dim ``d``;
-    tiles are those plausible in registers and shared memory on the H200."""
+    """(label, Tiles fields or None for the tile table's, mask, fold_scale, ws) for head dim ``d``;
+    tiles are those plausible in registers and shared memory on the H200. ``ws``: fwd_ws.py's
+    kernel (mask "branch"; ``block_m / 64`` consumer warpgroups, ``stages`` K/V ring slots)."""
     tiles = [(128, 64, 256, 2), (64, 128, 128, 2), (192, 128, 384, 2)]
     if d <= 64:
         tiles += [(128, 128, 256, 3), (128, 256, 256, 2), (256, 128, 512, 2)]
-    out = [("x".join(map(str, t[:2])) + f"/t{t[2]}/s{t[3]}", t, "select", False) for t in tiles]
+    out = [("x".join(map(str, t[:2])) + f"/t{t[2]}/s{t[3]}", t, "select", False, False) for t in tiles]
     for fold in (False, True):
         for mask in ("select", "flag", "branch", "split"):
             if mask != "select" or fold:
-                out.append(("/".join([f"mask={mask}"] * (mask != "select") + ["fold"] * fold), None, mask, fold))
+                out.append(("/".join([f"mask={mask}"] * (mask != "select") + ["fold"] * fold), None, mask, fold, False))
+    ws = [(128, 128, 256, 2), (128, 64, 256, 2)] if d > 64 else [(128, 128, 256, 2), (128, 128, 256, 3),
+                                                                 (192, 128, 384, 2), (128, 176, 256, 2)]
+    out += [("ws " + "x".join(map(str, t[:2])) + f"/s{t[3]}", t, "branch", False, True) for t in ws]
     return out
 
 
@@ -44,11 +50,60 @@ def _func(job):
     from flashsink.ops.config import Tiles
     from flashsink.ops.fwd import build_fwd
 
-    dtype, d, tiles, mask, fold = job
+    dtype, d, tiles, mask, fold, ws = job
     cfg = _cfg(dtype, d, "fast")
-    if tiles is None and mask == "select" and not fold:
+    if tiles is None and mask == "select" and not fold and not ws:
         return build_prim_func("fwd", cfg)  # the library's kernel
-    return build_fwd(cfg, tiles=Tiles(*tiles) if tiles else None, mask=mask, fold_scale=fold)
+    return build_fwd(cfg, tiles=Tiles(*tiles) if tiles else None, mask=None if ws else mask, fold_scale=fold, ws=ws)
+
+
+#: seconds a child gets to load a hand-synchronized variant (from the disk cache) and run it once
+PROBE_TIMEOUT_S = 120
+
+
+def _probe_child(job, n, out):
+    """Child process: load ``job``'s kernel and run it once on an ``n``-row problem; ``None`` or the error on ``out``."""
+    try:
+        import torch
+
+        from flashsink.ops.config import LOG2E, NO_WINDOW
+
+        kern = _load(job, _func)
+        dt, d = getattr(torch, job[0]), job[1]
+        q = torch.randn(1, H, n, d, device="cuda", dtype=dt)
+        k, v = (torch.randn(1, HK, n, d, device="cuda", dtype=dt) for _ in range(2))
+        sinks = torch.randn(H, device="cuda", dtype=torch.float32)
+        for win in (NO_WINDOW, 128):
+            kern(q, k, v, sinks, win, LOG2E / math.sqrt(d), torch.empty_like(q),
+                 torch.empty(1, H, max(128, -(-n // 128) * 128), dtype=torch.float32, device="cuda"))
+        torch.cuda.synchronize()
+        out.put(None)
+    except Exception as exc:
+        out.put(f"{type(exc).__name__}: {str(exc)[-300:]}")
+
+
+def _probe(jobs, n: int) -> dict:
+    """``{job: None | error}``: each job run once in a child process with a time limit, so a variant
+    that faults or hangs is reported, not fatal."""
+    import multiprocessing as mp
+    import queue
+
+    status = {}
+    ctx = mp.get_context("spawn")
+    for job in jobs:
+        out = ctx.Queue()
+        proc = ctx.Process(target=_probe_child, args=(job, n, out))
+        proc.start()
+        try:
+            status[job] = out.get(timeout=PROBE_TIMEOUT_S)
+        except queue.Empty:
+            status[job] = (f"child process died (exit code {proc.exitcode})" if not proc.is_alive()
+                           else f"HUNG or too slow: no answer in {PROBE_TIMEOUT_S} s, killed")
+        if proc.is_alive():
+            proc.kill()
+        proc.join()
+        print(f"  probe {job}: {status[job] or 'ok'}", file=sys.stderr, flush=True)
+    return status
 
 
 def _errors(got, ref) -> tuple:
@@ -78,12 +133,17 @@ def main() -> int:
     labels = {}  # job -> label
     for name in names:
         dtype, _, d, _ = PROBLEMS[name]
-        labels[(dtype, d, None, "select", False)] = DEFAULT
-        for label, tiles, mask, fold in variants(d):
-            labels[(dtype, d, tiles, mask, fold)] = label
+        labels[(dtype, d, None, "select", False, False)] = DEFAULT
+        for label, tiles, mask, fold, ws in variants(d):
+            labels[(dtype, d, tiles, mask, fold, ws)] = label
     # the split kernels (two pipelined loops) take several times as long to lower and compile: start them first
     jobs = sorted(labels, key=lambda job: job[3] != "split")
     kernels, errors = compile_all(jobs, args.jobs, _func, lambda job: f"{job[0]} D{job[1]} {labels[job]}")
+    hand = [job for job in kernels if job[5]]
+    for job, err in _probe(hand, 1000).items():
+        if err is not None:
+            kernels.pop(job)
+            errors[job] = "probe: " + err
 
     import torch
     from triton.testing import do_bench
@@ -111,15 +171,15 @@ def main() -> int:
             kern(q, k, v, sinks, win, scale_log2, o, lse)
             return o, lse
 
-        ref_kern = kernels.get((dtype_name, d, None, "select", False))
+        ref_kern = kernels.get((dtype_name, d, None, "select", False, False))
         if ref_kern is None:
             print(f"  {name}: the default forward did not build, skipped", file=sys.stderr, flush=True)
             continue
         o_ref, lse_ref = run(ref_kern)
         row = {"problem": name, "dtype": dtype_name, "N": n, "D": d, "W": window, "flops": flops, "variants": {}}
         base_ms = None
-        for label, tiles, mask, fold in [(DEFAULT, None, "select", False)] + variants(d):
-            job = (dtype_name, d, tiles, mask, fold)
+        for label, tiles, mask, fold, ws in [(DEFAULT, None, "select", False, False)] + variants(d):
+            job = (dtype_name, d, tiles, mask, fold, ws)
             kern = kernels.get(job)
             if kern is None:
                 row["variants"][label] = {"error": "compile failed: " + errors.get(job, "not built")}

@@ -170,6 +170,13 @@ def fwd_mask(cfg: KernelConfig) -> str:
     return "branch" if cfg.hopper else "select"
 
 
+def fwd_ws(cfg: KernelConfig) -> bool:
+    """Whether the forward is ``fwd_ws.py``'s hand warp-specialized kernel (FlashAttention-3's
+    intra-warpgroup overlap of the softmax with the GEMMs). Not yet the default anywhere: built and
+    checked on the CPU, to be measured on the H200 (tools/fwd_variants.py, variants ``ws*``)."""
+    return False
+
+
 #: query heads of a GQA group per program in the split main backward: at most this many programs
 #: share one (KV tile, KV head)
 MAX_BWD_SPLIT = 8

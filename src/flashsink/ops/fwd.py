@@ -12,17 +12,19 @@ import tilelang.language as T
 
 from . import softmax
 from .block_range import full_kv_blocks_for_rows, kv_blocks_for_rows
-from .config import KernelConfig, Tiles, fwd_mask, fwd_tiles
-from .layout import (kernel, prologue_load, qkv_shapes, seq_count, seq_tiles, sequence, stat_shape, store_rows, store_stat,
-                     tile, varlen_params)
-from .mask import visible
+from .config import KernelConfig, Tiles, fwd_mask, fwd_tiles, fwd_ws
+from .fwd_entry import fwd_entry, fwd_shapes
+from .fwd_ws import build_fwd_ws
+from .layout import prologue_load, sequence, store_rows, store_stat, tile
+from .mask import mask_logits, scale_logits
 
 
 #: ``mask=`` values of :func:`build_fwd`
 FWD_MASKS = ("select", "split", "flag", "branch")
 
 
-def build_fwd(cfg: KernelConfig, tiles: Tiles | None = None, mask: str | None = None, fold_scale: bool = False):
+def build_fwd(cfg: KernelConfig, tiles: Tiles | None = None, mask: str | None = None, fold_scale: bool = False,
+              ws: bool | None = None):
     """The forward. The options default to the library's kernel and exist for tools/fwd_variants.py,
     which times alternatives: ``tiles`` (``fwd_tiles(cfg)``); ``mask`` (``fwd_mask(cfg)``), how the mask is applied:
     ``"select"`` per element on every KV tile; ``"split"``, the key loop split into two
@@ -34,7 +36,16 @@ def build_fwd(cfg: KernelConfig, tiles: Tiles | None = None, mask: str | None = 
     ``fold_scale``, the logits kept unscaled until the exponent, where the scale folds into one
     FMA as in TileLang's flash-attention examples (``softmax.update``). ``fold_scale`` needs
     ``scale > 0``: the running maximum is taken over the unscaled logits.
+
+    ``ws`` (``config.fwd_ws(cfg)``): ``fwd_ws.py``'s hand warp-specialized Hopper kernel (its mask is
+    always ``"branch"``, its scale never folded).
     """
+    ws = fwd_ws(cfg) if ws is None else ws
+    if ws:
+        if mask not in (None, "branch") or fold_scale:
+            raise ValueError(f"the warp-specialized forward masks with 'branch' and does not fold the scale; "
+                             f"got mask={mask!r}, fold_scale={fold_scale}")
+        return build_fwd_ws(cfg, tiles or fwd_tiles(cfg))
     mask = fwd_mask(cfg) if mask is None else mask
     if mask not in FWD_MASKS:
         raise ValueError(f"mask must be one of {FWD_MASKS}, got {mask!r}")
@@ -42,10 +53,8 @@ def build_fwd(cfg: KernelConfig, tiles: Tiles | None = None, mask: str | None = 
     bm, bn = t.block_m, t.block_n
     dim, dim_v, groups, layout = cfg.head_dim, cfg.head_dim_v, cfg.groups, cfg.layout
     dtype, accum = cfg.dtype, "float32"
-    batch, heads, seq_q, seq_kv, rows_pad = T.dynamic("batch, heads, seq_q, seq_kv, rows_pad")
-    heads_kv = heads // groups
-    q_shape, k_shape, v_shape, o_shape = qkv_shapes(layout, batch, heads, heads_kv, seq_q, seq_kv, dim, dim_v)
-    lse_shape = stat_shape(layout, batch, heads, rows_pad)
+    shapes = fwd_shapes(cfg)
+    heads, seq_q, seq_kv = shapes.heads, shapes.seq_q, shapes.seq_kv
 
     @T.macro
     def body(Q, K, V, Sinks, CuQ, CuK, window, scale_log2, O, LSE, m_tiles, n_seqs):
@@ -122,48 +131,8 @@ def build_fwd(cfg: KernelConfig, tiles: Tiles | None = None, mask: str | None = 
             store_rows(O, layout, b, head, q_base, row0, sq, o_s, bm, dim_v)
             store_stat(LSE, layout, b, head, q_base, row0, sq, lse, bm)
 
-    cu, longest, n_cu = varlen_params(layout)
+    return fwd_entry(cfg, shapes, body, bm)
 
-    @kernel("flashsink_fwd", layout)
-    def flashsink_fwd(
-        Q: T.Tensor(q_shape, dtype),
-        K: T.Tensor(k_shape, dtype),
-        V: T.Tensor(v_shape, dtype),
-        Sinks: T.Tensor([heads], accum),
-        CuQ: cu,
-        CuK: cu,
-        max_seqlen_q: longest,
-        window: T.int32,
-        scale_log2: T.float32,
-        O: T.Tensor(o_shape, dtype),
-        LSE: T.Tensor(lse_shape, accum),
-    ):
-        body(Q, K, V, Sinks, CuQ, CuK, window, scale_log2, O, LSE, seq_tiles(layout, max_seqlen_q, seq_q, bm),
-             seq_count(layout, n_cu, batch))
-
-    return flashsink_fwd
-
-
-
-@T.macro
-def mask_logits(acc_s, row0, key0, sq, sk, window, scale_log2, fold_scale: bool, full, kb, causal: bool):
-    """Masked slots of one tile of logits to -inf; visible ones scaled (unless ``fold_scale``).
-    ``full`` (flo, fhi): KV block ``kb`` in it is wholly visible, ORed into the mask. (``sq``, ``sk``:
-    the sequence lengths, named as the caller's, which TileLang's script then keeps.)"""
-    for i, j in T.Parallel(acc_s.shape[0], acc_s.shape[1]):
-        acc_s[i, j] = T.if_then_else(
-            _keep(row0 + i, key0 + j, kb, sq, sk, window, causal, full),
-            acc_s[i, j] if fold_scale else acc_s[i, j] * scale_log2,
-            -T.infinity("float32"),
-        )
-
-
-@T.macro
-def scale_logits(acc_s, scale_log2, fold_scale: bool):
-    """A wholly visible tile: only the scale (nothing when it is folded into the exponent)."""
-    if not fold_scale:
-        for i, j in T.Parallel(acc_s.shape[0], acc_s.shape[1]):
-            acc_s[i, j] = acc_s[i, j] * scale_log2
 
 
 def _block_of(i, remap):
@@ -173,11 +142,3 @@ def _block_of(i, remap):
         return i
     fhi, n_diag, lo = remap
     return T.if_then_else(i < n_diag, fhi + i, lo + i - n_diag)
-
-
-def _keep(row, key, kb, seq_q, seq_kv, window, causal: bool, full):
-    """The select's condition: ``visible``, or (``full`` given) KV block ``kb`` wholly visible."""
-    vis = visible(row, key, seq_q, seq_kv, window, causal)
-    if full is None:
-        return vis
-    return ((kb >= full[0]) & (kb < full[1])) | vis

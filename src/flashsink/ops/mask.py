@@ -8,6 +8,8 @@ into a result.
 
 from __future__ import annotations
 
+import tilelang.language as T
+
 from ..visibility import last_key, position, window_edge
 
 
@@ -18,3 +20,32 @@ def visible(row, key, seq_q, seq_kv, window, causal: bool):
         return in_bounds
     pos = position(row, seq_q, seq_kv)
     return in_bounds & (key <= last_key(pos)) & (key > window_edge(pos, window))
+
+
+@T.macro
+def mask_logits(acc_s, row0, key0, sq, sk, window, scale_log2, fold_scale: bool, full, kb, causal: bool):
+    """Masked slots of one tile of logits to -inf; visible ones scaled (unless ``fold_scale``).
+    ``full`` (flo, fhi): KV block ``kb`` in it is wholly visible, ORed into the mask. (``sq``, ``sk``:
+    the sequence lengths, named as the caller's, which TileLang's script then keeps.)"""
+    for i, j in T.Parallel(acc_s.shape[0], acc_s.shape[1]):
+        acc_s[i, j] = T.if_then_else(
+            _keep(row0 + i, key0 + j, kb, sq, sk, window, causal, full),
+            acc_s[i, j] if fold_scale else acc_s[i, j] * scale_log2,
+            -T.infinity("float32"),
+        )
+
+
+@T.macro
+def scale_logits(acc_s, scale_log2, fold_scale: bool):
+    """A wholly visible tile: only the scale (nothing when it is folded into the exponent)."""
+    if not fold_scale:
+        for i, j in T.Parallel(acc_s.shape[0], acc_s.shape[1]):
+            acc_s[i, j] = acc_s[i, j] * scale_log2
+
+
+def _keep(row, key, kb, seq_q, seq_kv, window, causal: bool, full):
+    """The select's condition: ``visible``, or (``full`` given) KV block ``kb`` wholly visible."""
+    vis = visible(row, key, seq_q, seq_kv, window, causal)
+    if full is None:
+        return vis
+    return ((kb >= full[0]) & (kb < full[1])) | vis

@@ -43,6 +43,15 @@ def update(acc_s, acc_o, m, m_prev, alpha, row_sum, l, block_m: int, block_n: in
     maximum is taken unscaled, then scaled, which commutes with max for a positive scale.
     ``row_sum`` holds that maximum until the sum overwrites it.
     """
+    new_max(acc_s, m, m_prev, alpha, row_sum, block_m, scale_log2)
+    rescale(acc_o, alpha, block_m, dim_v)
+    exp_sum(acc_s, m, alpha, row_sum, l, block_m, block_n, scale_log2)
+
+
+@T.macro
+def new_max(acc_s, m, m_prev, alpha, row_sum, block_m: int, scale_log2=None):
+    """The first half of :func:`update`: the running maximum ``m`` over one more tile (the old one
+    kept in ``m_prev``) and ``alpha``, the factor that rescales what was summed under the old one."""
     T.copy(m, m_prev)
     if scale_log2 is None:
         T.reduce_max(acc_s, m, dim=1, clear=False)
@@ -56,8 +65,18 @@ def update(acc_s, acc_o, m, m_prev, alpha, row_sum, l, block_m: int, block_n: in
         # an unchanged maximum rescales by exactly 1, also when it is +inf (a +inf sink):
         # exp2(inf - inf) would turn the whole row into NaN where the reference gives o = 0
         alpha[i] = T.if_then_else(m_prev[i] == m[i], 1.0, T.exp2(m_prev[i] - m[i]))
+
+
+@T.macro
+def rescale(acc_o, alpha, block_m: int, dim_v: int):
+    """The output accumulated so far, to the new maximum (``alpha`` of :func:`new_max`)."""
     for i, j in T.Parallel(block_m, dim_v):
         acc_o[i, j] *= alpha[i]
+
+
+@T.macro
+def exp_sum(acc_s, m, alpha, row_sum, l, block_m: int, block_n: int, scale_log2=None):
+    """The second half of :func:`update`: ``acc_s`` to ``exp2(x - m)`` and the normalizer ``l``."""
     for i, j in T.Parallel(block_m, block_n):
         acc_s[i, j] = T.exp2(acc_s[i, j] - m[i] if scale_log2 is None else acc_s[i, j] * scale_log2 - m[i])
     T.reduce_sum(acc_s, row_sum, dim=1)

@@ -1,0 +1,167 @@
+"""The forward, warp-specialized by hand for Hopper (FlashAttention-3's schedule).
+
+Same outputs, grid and arguments as ``fwd.build_fwd``, a different schedule. ``block_m / 64``
+consumer warpgroups (each owns 64 query rows of the tile) and one producer warpgroup:
+
+- the **producer** (24 registers) loads the tile's Q once and each K and V tile by TMA into a
+  ring of ``stages`` slots, K and V with barriers of their own, so a consumer starts QK^T as soon
+  as K has landed;
+- each **consumer** overlaps the softmax of one KV tile with the tensor cores' work on its
+  neighbours (FlashAttention-3's intra-warpgroup overlap): it issues S_j = Q K_j^T and
+  O += P_{j-1} V_{j-1} back to back as asynchronous wgmma, waits for S_j only, computes the
+  softmax of S_j while P_{j-1} V_{j-1} runs, then waits for that, rescales O and keeps P_j in
+  registers (the A operand of the next PV product).
+
+TileLang's automatic warp specialization (``T.Pipelined`` in ``fwd.py``) waits for every product
+(``T.gemm``), so the softmax and the two GEMMs of one warpgroup never overlap.
+
+Masking as ``fwd.py``'s ``"branch"``: only the KV tiles that are not wholly visible
+(``block_range.full_kv_blocks_for_rows``) evaluate the per-element mask.
+"""
+
+import tilelang.language as T
+
+from . import softmax
+from .block_range import full_kv_blocks_for_rows, kv_blocks_for_rows
+from .config import KernelConfig, Tiles
+from .fwd_entry import fwd_entry, fwd_shapes
+from .layout import sequence, store_rows, store_stat, tile
+from .mask import mask_logits, scale_logits
+
+#: registers per thread of the producer warpgroup (setmaxnreg); the consumers share the rest of
+#: the SM's 64K (240 each for two consumer warpgroups, as FlashAttention-3 and TileLang choose)
+PRODUCER_REGS = 24
+#: rows of the query tile per consumer warpgroup (one wgmma's M)
+ROWS_PER_CONSUMER = 64
+#: the named barrier the consumers meet at before the epilogue (0 is __syncthreads)
+CONSUMER_BARRIER = 1
+
+
+def consumer_regs(n_consumers: int) -> int:
+    """setmaxnreg of each consumer warpgroup: what the producer leaves, rounded down to a multiple
+    of 8 and at most 240 (the register file is 64K 32-bit registers per SM)."""
+    left = (65536 - 128 * PRODUCER_REGS) // (128 * n_consumers)
+    return min(240, left // 8 * 8)
+
+
+def build_fwd_ws(cfg: KernelConfig, t: Tiles):
+    """The warp-specialized forward for tiles ``t``: ``t.block_m`` a multiple of 64 (one consumer
+    warpgroup per 64 rows; ``t.threads`` is ignored, the kernel runs ``block_m * 2 + 128``
+    threads), ``t.stages`` ring slots for K and V."""
+    if not cfg.hopper or t.block_m % ROWS_PER_CONSUMER or t.stages < 1:
+        raise NotImplementedError(f"the warp-specialized forward supports Hopper (sm_90a) and query tiles of a "
+                                  f"multiple of {ROWS_PER_CONSUMER} rows; got {cfg.short()}, {t}")
+    bm, bn, stages = t.block_m, t.block_n, t.stages
+    n_consumers = bm // ROWS_PER_CONSUMER
+    consumers = 128 * n_consumers
+    regs = consumer_regs(n_consumers)
+    dim, dim_v, groups, layout = cfg.head_dim, cfg.head_dim_v, cfg.groups, cfg.layout
+    dtype, accum = cfg.dtype, "float32"
+    shapes = fwd_shapes(cfg)
+    heads, seq_q, seq_kv = shapes.heads, shapes.seq_q, shapes.seq_kv
+
+    @T.macro
+    def body(Q, K, V, Sinks, CuQ, CuK, window, scale_log2, O, LSE, m_tiles, n_seqs):
+        with T.Kernel(m_tiles, heads, n_seqs, threads=consumers + 128) as (bx, head, b):
+            q_s = T.alloc_shared([bm, dim], dtype)
+            k_r = T.alloc_shared([stages, bn, dim], dtype)  # the rings the producer fills
+            v_r = T.alloc_shared([stages, bn, dim_v], dtype)
+            o_s = T.alloc_shared([bm, dim_v], dtype)
+            acc_s = T.alloc_fragment([bm, bn], accum)  # logits, then probabilities
+            p = T.alloc_fragment([bm, bn], dtype)  # the previous tile's probabilities: PV's A operand
+            acc_o = T.alloc_fragment([bm, dim_v], accum)
+            m = T.alloc_fragment([bm], accum)
+            m_prev = T.alloc_fragment([bm], accum)
+            alpha = T.alloc_fragment([bm], accum)
+            row_sum = T.alloc_fragment([bm], accum)
+            l = T.alloc_fragment([bm], accum)
+            lse = T.alloc_fragment([bm], accum)
+            q_full = T.alloc_barrier(arrive_count=128)  # Q landed (producer + TMA bytes)
+            k_full = T.alloc_barrier(arrive_count=[128] * stages)
+            v_full = T.alloc_barrier(arrive_count=[128] * stages)
+            k_empty = T.alloc_barrier(arrive_count=[consumers] * stages)  # slot read by every consumer
+            v_empty = T.alloc_barrier(arrive_count=[consumers] * stages)
+
+            q_base, sq = sequence(layout, CuQ, b, seq_q)
+            k_base, sk = sequence(layout, CuK, b, seq_kv)
+            row0 = bx * bm
+            kv_head = head // groups
+            lo, hi = kv_blocks_for_rows(row0, bm, bn, sq, sk, window, cfg.causal)
+            flo, fhi = full_kv_blocks_for_rows(lo, hi, row0, bm, bn, sq, sk, window, cfg.causal)
+            n = hi - lo
+            tx = T.get_thread_binding()
+
+            if tx >= consumers:
+                T.set_max_nreg(PRODUCER_REGS, 0)
+                # nothing is loaded by a tile that visits no keys: a bulk copy left in flight by
+                # a program that exits lands in shared memory the next program uses (fwd.py)
+                if n > 0:
+                    T.tma_copy(tile(Q, layout, b, head, q_base + row0, bm), q_s, barrier=q_full)
+                    T.barrier_arrive(q_full)
+                for it in T.serial(n):
+                    s = it % stages
+                    key0 = (lo + it) * bn
+                    phase = ((it // stages) & 1) ^ 1
+                    T.mbarrier_wait_parity(k_empty[s], phase)
+                    T.tma_copy(tile(K, layout, b, kv_head, k_base + key0, bn), k_r[s, :, :], barrier=k_full[s])
+                    T.barrier_arrive(k_full[s])
+                    T.mbarrier_wait_parity(v_empty[s], phase)
+                    T.tma_copy(tile(V, layout, b, kv_head, k_base + key0, bn), v_r[s, :, :], barrier=v_full[s])
+                    T.barrier_arrive(v_full[s])
+            else:
+                T.set_max_nreg(regs, 1)
+                T.fill(acc_o, 0)
+                softmax.init_state(m, l, Sinks, head, bm, cfg.has_sinks)
+                if n > 0:
+                    T.mbarrier_wait_parity(q_full, 0)
+                    # the first KV tile: S_0, its softmax, P_0 kept for the next step's PV product
+                    T.mbarrier_wait_parity(k_full[0], 0)
+                    T.wgmma_gemm(q_s, k_r[0, :, :], acc_s, transpose_B=True, clear_accum=True,
+                                 policy=T.GemmWarpPolicy.FullRow)
+                    T.wait_wgmma(0)
+                    T.barrier_arrive(k_empty[0])
+                    _logits(acc_s, lo, flo, fhi, row0, bn, sq, sk, window, scale_log2, cfg.causal)
+                    softmax.new_max(acc_s, m, m_prev, alpha, row_sum, bm)
+                    softmax.exp_sum(acc_s, m, alpha, row_sum, l, bm, bn)
+                    T.copy(acc_s, p)
+                for it in T.serial(1, T.max(n, 1)):
+                    s = it % stages
+                    sp = (it - 1) % stages
+                    T.mbarrier_wait_parity(k_full[s], (it // stages) & 1)
+                    T.wgmma_gemm(q_s, k_r[s, :, :], acc_s, transpose_B=True, clear_accum=True,
+                                 policy=T.GemmWarpPolicy.FullRow)
+                    T.mbarrier_wait_parity(v_full[sp], ((it - 1) // stages) & 1)
+                    T.wgmma_gemm(p, v_r[sp, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)
+                    T.wait_wgmma(1)  # S_it; P_{it-1} V_{it-1} still runs
+                    T.barrier_arrive(k_empty[s])
+                    _logits(acc_s, lo + it, flo, fhi, row0, bn, sq, sk, window, scale_log2, cfg.causal)
+                    softmax.new_max(acc_s, m, m_prev, alpha, row_sum, bm)
+                    softmax.exp_sum(acc_s, m, alpha, row_sum, l, bm, bn)
+                    T.wait_wgmma(0)
+                    T.barrier_arrive(v_empty[sp])
+                    softmax.rescale(acc_o, alpha, bm, dim_v)
+                    T.copy(acc_s, p)
+                if n > 0:
+                    last = (n - 1) % stages
+                    T.mbarrier_wait_parity(v_full[last], ((n - 1) // stages) & 1)
+                    T.wgmma_gemm(p, v_r[last, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)
+                    T.wait_wgmma(0)
+                    T.barrier_arrive(v_empty[last])
+                softmax.finalize(acc_o, m, l, lse, bm, dim_v)
+                T.copy(acc_o, o_s)
+                T.sync_threads(CONSUMER_BARRIER, consumers)  # o_s whole before the rows are stored
+                store_rows(O, layout, b, head, q_base, row0, sq, o_s, bm, dim_v)
+                store_stat(LSE, layout, b, head, q_base, row0, sq, lse, bm)
+
+    flashsink_fwd = fwd_entry(cfg, shapes, body, bm)
+    # Every shared-memory hand-off is ordered by hand (mbarriers, the consumers' named barrier).
+    return flashsink_fwd.with_attr("tilelang_pass_configs", {"tl.disable_thread_storage_sync": True})
+
+
+@T.macro
+def _logits(acc_s, kb, flo, fhi, row0, bn: int, sq, sk, window, scale_log2, causal: bool):
+    """KV block ``kb``'s logits scaled to base 2, masked unless the block is wholly visible."""
+    if (kb >= flo) & (kb < fhi):
+        scale_logits(acc_s, scale_log2, False)
+    else:
+        mask_logits(acc_s, row0, kb * bn, sq, sk, window, scale_log2, False, None, kb, causal)

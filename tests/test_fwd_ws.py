@@ -1,0 +1,92 @@
+"""The hand warp-specialized forward (``ops/fwd_ws.py``, ``build_fwd(..., ws=True)``) builds to TIR for
+Hopper in the configurations tools/fwd_variants.py times, with the launch protocol of the pipelined
+forward; it refuses what it does not support. Lowering only, plus one nvcc compile (the GPU check of
+its o and lse is tools/fwd_variants.py's, against the pipelined kernel, and the GPU suite's wherever
+``config.fwd_ws`` makes it the library's forward)."""
+
+import shutil
+
+import pytest
+
+pytest.importorskip("tilelang")
+
+from flashsink.ops import fwd  # noqa: E402
+from flashsink.ops.config import KernelConfig, Tiles  # noqa: E402
+from flashsink.ops.fwd_ws import consumer_regs  # noqa: E402
+
+pytestmark = pytest.mark.l0
+
+
+def _cfg(dtype="bfloat16", d=128, layout="bhsd", causal=True, sinks=True, arch="sm_90a", groups=8):
+    return KernelConfig(arch, dtype, d, d, groups, causal, sinks, layout)
+
+
+def _params(func) -> list:
+    return [p.name.removesuffix("_handle") for p in func.params]
+
+
+def _dtypes(func) -> list:
+    return [str(func.buffer_map[p].dtype if p in func.buffer_map else p.dtype) for p in func.params]
+
+
+@pytest.mark.parametrize("cfg,tiles", [
+    (_cfg(), Tiles(128, 128, 256, 2)),
+    (_cfg("float16", 128, causal=False), Tiles(128, 64, 256, 2)),
+    (_cfg(d=64), Tiles(128, 128, 256, 3)),
+    (_cfg(d=64, sinks=False), Tiles(192, 128, 384, 2)),
+    (_cfg("float16", 64, "bshd"), Tiles(128, 128, 256, 2)),
+    (_cfg(d=64, layout="thd", groups=1), Tiles(128, 128, 256, 2)),
+])
+def test_ws_builds_with_the_default_signature(cfg, tiles):
+    func = fwd.build_fwd(cfg, tiles=tiles, ws=True)
+    default = fwd.build_fwd(cfg, ws=False)  # TileLang's pipelined kernel: the same launch
+    assert str(func.attrs["global_symbol"]) == str(default.attrs["global_symbol"])
+    assert _params(func) == _params(default)
+    assert _dtypes(func) == _dtypes(default)
+    assert bool(func.attrs["tilelang_pass_configs"]["tl.disable_thread_storage_sync"])
+    text = func.script()
+    assert "set_max_nreg" in text and "mbarrier_wait_parity" in text and "wait_wgmma" in text
+    # one producer warpgroup beside one consumer warpgroup per 64 query rows
+    assert f'"tl.launch_threads": [{tiles.block_m * 2 + 128}, 1, 1]' in text
+    # S for the first tile and in the loop, PV in the loop and for the last tile; only PV's wait lags
+    assert text.count("T.wgmma_gemm(") == 4 and text.count("T.wait_wgmma(1)") == 1
+    assert ("kb >= flo" in text) == cfg.causal  # the per-element mask skipped on wholly visible tiles
+
+
+@pytest.mark.parametrize("cfg,tiles,opts", [
+    (_cfg(arch="sm_80"), None, {}),
+    (_cfg(), Tiles(96, 128, 256, 2), {}),
+    (_cfg(), Tiles(128, 128, 256, 0), {}),
+])
+def test_ws_refuses_what_it_does_not_support(cfg, tiles, opts):
+    with pytest.raises(NotImplementedError, match="warp-specialized"):
+        fwd.build_fwd(cfg, tiles=tiles, ws=True, **opts)
+
+
+@pytest.mark.parametrize("opts", [{"mask": "select"}, {"fold_scale": True}])
+def test_ws_refuses_options_it_has_not(opts):
+    with pytest.raises(ValueError, match="warp-specialized forward"):
+        fwd.build_fwd(_cfg(), ws=True, **opts)
+
+
+def test_consumer_registers_fit_the_register_file():
+    for n in (1, 2, 3, 4):
+        regs = consumer_regs(n)
+        assert regs % 8 == 0 and regs <= 240
+        assert 128 * n * regs + 128 * 24 <= 65536
+    assert consumer_regs(2) == 240 and consumer_regs(3) == 160
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (compiles for sm_90a without a GPU)")
+def test_ws_compiles_for_hopper():
+    """nvcc accepts the generated CUDA (wgmma, setmaxnreg, mbarriers): the D64 causal configuration of
+    gpt-oss's full layers."""
+    import tilelang
+
+    from flashsink.ops.compile import pass_configs
+
+    func = fwd.build_fwd(_cfg(d=64), tiles=Tiles(128, 128, 256, 2), ws=True)
+    kern = tilelang.compile(func, target={"kind": "cuda", "arch": "sm_90a"}, execution_backend="tvm_ffi",
+                            pass_configs=pass_configs())
+    src = kern.get_kernel_source()
+    assert "wgmma_rs" in src and "wgmma_ss" in src and "wait_wgmma<1>" in src
