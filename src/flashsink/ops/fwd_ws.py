@@ -33,8 +33,14 @@ from .mask import mask_logits, scale_logits
 PRODUCER_REGS = 24
 #: rows of the query tile per consumer warpgroup (one wgmma's M)
 ROWS_PER_CONSUMER = 64
-#: the named barrier the consumers meet at before the epilogue (0 is __syncthreads)
+#: the named barrier the consumers meet at around the epilogue (0 is __syncthreads)
 CONSUMER_BARRIER = 1
+#: programs of the persistent grid: one per SM of an H100/H200 SXM (132 SMs; each program needs
+#: most of an SM's shared memory and registers). A Hopper part with fewer SMs (the H100 PCIe's 114)
+#: runs the rest in a second round; more SMs stay idle.
+PERSISTENT_CTAS = 132
+#: the first of the consumers' scheduler barriers (one per consumer warpgroup; ids up to 15)
+PINGPONG_BARRIER = 4
 
 
 def consumer_regs(n_consumers: int) -> int:
@@ -44,10 +50,18 @@ def consumer_regs(n_consumers: int) -> int:
     return min(240, left // 8 * 8)
 
 
-def build_fwd_ws(cfg: KernelConfig, t: Tiles):
+def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS, pingpong: bool = True):
     """The warp-specialized forward for tiles ``t``: ``t.block_m`` a multiple of 64 (one consumer
     warpgroup per 64 rows; ``t.threads`` is ignored, the kernel runs ``block_m * 2 + 128``
-    threads), ``t.stages`` ring slots for K and V."""
+    threads), ``t.stages`` ring slots for K and V.
+
+    ``ctas``: a persistent grid of at most that many programs, each looping over the tiles
+    ``cta, cta + ctas, ..`` of the (row tile, head, sequence) space, the causal row tiles longest
+    first, so the producer loads a tile's Q, K and V while the consumers finish the previous one
+    and no program pays a launch and an empty pipeline per tile; None: one program per tile.
+
+    ``pingpong``: the consumer warpgroups take turns to issue their products (FlashAttention-3's
+    scheduler barriers), so one's softmax runs while the other's GEMMs have the tensor cores."""
     if not cfg.hopper or t.block_m % ROWS_PER_CONSUMER or t.stages < 1:
         raise NotImplementedError(f"the warp-specialized forward supports Hopper (sm_90a) and query tiles of a "
                                   f"multiple of {ROWS_PER_CONSUMER} rows; got {cfg.short()}, {t}")
@@ -62,7 +76,9 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles):
 
     @T.macro
     def body(Q, K, V, Sinks, CuQ, CuK, window, scale_log2, O, LSE, m_tiles, n_seqs):
-        with T.Kernel(m_tiles, heads, n_seqs, threads=consumers + 128) as (bx, head, b):
+        total = m_tiles * heads * n_seqs
+        n_ctas = total if ctas is None else T.min(total, ctas)
+        with T.Kernel(n_ctas, threads=consumers + 128) as cta:
             q_s = T.alloc_shared([bm, dim], dtype)
             k_r = T.alloc_shared([stages, bn, dim], dtype)  # the rings the producer fills
             v_r = T.alloc_shared([stages, bn, dim_v], dtype)
@@ -77,85 +93,151 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles):
             l = T.alloc_fragment([bm], accum)
             lse = T.alloc_fragment([bm], accum)
             q_full = T.alloc_barrier(arrive_count=128)  # Q landed (producer + TMA bytes)
+            q_empty = T.alloc_barrier(arrive_count=consumers)  # Q read by every consumer
             k_full = T.alloc_barrier(arrive_count=[128] * stages)
             v_full = T.alloc_barrier(arrive_count=[128] * stages)
             k_empty = T.alloc_barrier(arrive_count=[consumers] * stages)  # slot read by every consumer
             v_empty = T.alloc_barrier(arrive_count=[consumers] * stages)
-
-            q_base, sq = sequence(layout, CuQ, b, seq_q)
-            k_base, sk = sequence(layout, CuK, b, seq_kv)
-            row0 = bx * bm
-            kv_head = head // groups
-            lo, hi = kv_blocks_for_rows(row0, bm, bn, sq, sk, window, cfg.causal)
-            flo, fhi = full_kv_blocks_for_rows(lo, hi, row0, bm, bn, sq, sk, window, cfg.causal)
-            n = hi - lo
+            # the K/V tiles and the Q tiles this program has gone through: ring slots and barrier
+            # phases continue from one row tile to the next
+            kv_done = T.alloc_var("int32", init=0)
+            q_done = T.alloc_var("int32", init=0)
+            # the current tile's coordinates and key-block range, computed once per tile (as
+            # expressions they would be re-derived, divisions included, wherever they are used)
+            bx = T.alloc_var("int32")
+            head = T.alloc_var("int32")
+            b = T.alloc_var("int32")
+            q_base = T.alloc_var("int32")
+            sq = T.alloc_var("int32")
+            k_base = T.alloc_var("int32")
+            sk = T.alloc_var("int32")
+            lo = T.alloc_var("int32")
+            hi = T.alloc_var("int32")
             tx = T.get_thread_binding()
+            wg = tx // 128  # the consumer warpgroup
+
 
             if tx >= consumers:
                 T.set_max_nreg(PRODUCER_REGS, 0)
-                # nothing is loaded by a tile that visits no keys: a bulk copy left in flight by
-                # a program that exits lands in shared memory the next program uses (fwd.py)
-                if n > 0:
-                    T.tma_copy(tile(Q, layout, b, head, q_base + row0, bm), q_s, barrier=q_full)
-                    T.barrier_arrive(q_full)
-                for it in T.serial(n):
-                    s = it % stages
-                    key0 = (lo + it) * bn
-                    phase = ((it // stages) & 1) ^ 1
-                    T.mbarrier_wait_parity(k_empty[s], phase)
-                    T.tma_copy(tile(K, layout, b, kv_head, k_base + key0, bn), k_r[s, :, :], barrier=k_full[s])
-                    T.barrier_arrive(k_full[s])
-                    T.mbarrier_wait_parity(v_empty[s], phase)
-                    T.tma_copy(tile(V, layout, b, kv_head, k_base + key0, bn), v_r[s, :, :], barrier=v_full[s])
-                    T.barrier_arrive(v_full[s])
+                for step in T.serial(T.ceildiv(total - cta, n_ctas)):
+                    bx, head, b, q_base, sq, k_base, sk, lo, hi = _locate(
+                        cta + step * n_ctas, m_tiles, heads, n_seqs, CuQ, CuK, seq_q, seq_kv, window, bm, bn, layout,
+                        cfg.causal)
+                    kv_head = head // groups
+                    # a tile that visits no keys loads nothing (its consumers wait for nothing)
+                    if hi > lo:
+                        T.mbarrier_wait_parity(q_empty, (q_done & 1) ^ 1)
+                        T.tma_copy(tile(Q, layout, b, head, q_base + bx * bm, bm), q_s, barrier=q_full)
+                        T.barrier_arrive(q_full)
+                        q_done = q_done + 1
+                    for it in T.serial(hi - lo):
+                        c = kv_done + it
+                        s = c % stages
+                        phase = ((c // stages) & 1) ^ 1
+                        key0 = (lo + it) * bn
+                        T.mbarrier_wait_parity(k_empty[s], phase)
+                        T.tma_copy(tile(K, layout, b, kv_head, k_base + key0, bn), k_r[s, :, :], barrier=k_full[s])
+                        T.barrier_arrive(k_full[s])
+                        T.mbarrier_wait_parity(v_empty[s], phase)
+                        T.tma_copy(tile(V, layout, b, kv_head, k_base + key0, bn), v_r[s, :, :], barrier=v_full[s])
+                        T.barrier_arrive(v_full[s])
+                    kv_done = kv_done + (hi - lo)
             else:
                 T.set_max_nreg(regs, 1)
-                T.fill(acc_o, 0)
-                softmax.init_state(m, l, Sinks, head, bm, cfg.has_sinks)
-                if n > 0:
-                    T.mbarrier_wait_parity(q_full, 0)
-                    # the first KV tile: S_0, its softmax, P_0 kept for the next step's PV product
-                    T.mbarrier_wait_parity(k_full[0], 0)
-                    T.wgmma_gemm(q_s, k_r[0, :, :], acc_s, transpose_B=True, clear_accum=True,
-                                 policy=T.GemmWarpPolicy.FullRow)
-                    T.wait_wgmma(0)
-                    T.barrier_arrive(k_empty[0])
-                    _logits(acc_s, lo, flo, fhi, row0, bn, sq, sk, window, scale_log2, cfg.causal)
-                    softmax.new_max(acc_s, m, m_prev, alpha, row_sum, bm)
-                    softmax.exp_sum(acc_s, m, alpha, row_sum, l, bm, bn)
-                    T.copy(acc_s, p)
-                for it in T.serial(1, T.max(n, 1)):
-                    s = it % stages
-                    sp = (it - 1) % stages
-                    T.mbarrier_wait_parity(k_full[s], (it // stages) & 1)
-                    T.wgmma_gemm(q_s, k_r[s, :, :], acc_s, transpose_B=True, clear_accum=True,
-                                 policy=T.GemmWarpPolicy.FullRow)
-                    T.mbarrier_wait_parity(v_full[sp], ((it - 1) // stages) & 1)
-                    T.wgmma_gemm(p, v_r[sp, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)
-                    T.wait_wgmma(1)  # S_it; P_{it-1} V_{it-1} still runs
-                    T.barrier_arrive(k_empty[s])
-                    _logits(acc_s, lo + it, flo, fhi, row0, bn, sq, sk, window, scale_log2, cfg.causal)
-                    softmax.new_max(acc_s, m, m_prev, alpha, row_sum, bm)
-                    softmax.exp_sum(acc_s, m, alpha, row_sum, l, bm, bn)
-                    T.wait_wgmma(0)
-                    T.barrier_arrive(v_empty[sp])
-                    softmax.rescale(acc_o, alpha, bm, dim_v)
-                    T.copy(acc_s, p)
-                if n > 0:
-                    last = (n - 1) % stages
-                    T.mbarrier_wait_parity(v_full[last], ((n - 1) // stages) & 1)
-                    T.wgmma_gemm(p, v_r[last, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)
-                    T.wait_wgmma(0)
-                    T.barrier_arrive(v_empty[last])
-                softmax.finalize(acc_o, m, l, lse, bm, dim_v)
-                T.copy(acc_o, o_s)
-                T.sync_threads(CONSUMER_BARRIER, consumers)  # o_s whole before the rows are stored
-                store_rows(O, layout, b, head, q_base, row0, sq, o_s, bm, dim_v)
-                store_stat(LSE, layout, b, head, q_base, row0, sq, lse, bm)
+                if pingpong:
+                    _pingpong_start(wg)
+                for step in T.serial(T.ceildiv(total - cta, n_ctas)):
+                    bx, head, b, q_base, sq, k_base, sk, lo, hi = _locate(
+                        cta + step * n_ctas, m_tiles, heads, n_seqs, CuQ, CuK, seq_q, seq_kv, window, bm, bn, layout,
+                        cfg.causal)
+                    row0 = bx * bm
+                    flo, fhi = full_kv_blocks_for_rows(lo, hi, row0, bm, bn, sq, sk, window, cfg.causal)
+                    n = hi - lo
+                    T.fill(acc_o, 0)
+                    softmax.init_state(m, l, Sinks, head, bm, cfg.has_sinks)
+                    if n > 0:
+                        T.mbarrier_wait_parity(q_full, q_done & 1)
+                        # the first KV tile: S_0, its softmax, P_0 kept for the next step's PV product
+                        s0 = kv_done % stages
+                        T.mbarrier_wait_parity(k_full[s0], (kv_done // stages) & 1)
+                        if pingpong:
+                            T.sync_threads(PINGPONG_BARRIER + wg, 256)  # this warpgroup's turn
+                        T.wgmma_gemm(q_s, k_r[s0, :, :], acc_s, transpose_B=True, clear_accum=True,
+                                     policy=T.GemmWarpPolicy.FullRow)
+                        if pingpong:
+                            T.named_barrier_arrive(PINGPONG_BARRIER + (wg + 1) % n_consumers, 256)  # the next's
+                        T.wait_wgmma(0)
+                        T.barrier_arrive(k_empty[s0])
+                        _logits(acc_s, lo, flo, fhi, row0, bn, sq, sk, window, scale_log2, cfg.causal)
+                        softmax.new_max(acc_s, m, m_prev, alpha, row_sum, bm)
+                        softmax.exp_sum(acc_s, m, alpha, row_sum, l, bm, bn)
+                        T.copy(acc_s, p)
+                    for it in T.serial(1, T.max(n, 1)):
+                        c = kv_done + it
+                        s = c % stages
+                        sp = (c - 1) % stages
+                        T.mbarrier_wait_parity(k_full[s], (c // stages) & 1)
+                        T.mbarrier_wait_parity(v_full[sp], ((c - 1) // stages) & 1)
+                        if pingpong:
+                            T.sync_threads(PINGPONG_BARRIER + wg, 256)
+                        T.wgmma_gemm(q_s, k_r[s, :, :], acc_s, transpose_B=True, clear_accum=True,
+                                     policy=T.GemmWarpPolicy.FullRow)
+                        T.wgmma_gemm(p, v_r[sp, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)
+                        if pingpong:
+                            T.named_barrier_arrive(PINGPONG_BARRIER + (wg + 1) % n_consumers, 256)
+                        T.wait_wgmma(1)  # S_it; P_{it-1} V_{it-1} still runs
+                        T.barrier_arrive(k_empty[s])
+                        _logits(acc_s, lo + it, flo, fhi, row0, bn, sq, sk, window, scale_log2, cfg.causal)
+                        softmax.new_max(acc_s, m, m_prev, alpha, row_sum, bm)
+                        softmax.exp_sum(acc_s, m, alpha, row_sum, l, bm, bn)
+                        T.wait_wgmma(0)
+                        T.barrier_arrive(v_empty[sp])
+                        softmax.rescale(acc_o, alpha, bm, dim_v)
+                        T.copy(acc_s, p)
+                    if n > 0:
+                        T.barrier_arrive(q_empty)  # every S product read Q: the next tile's may land
+                        q_done = q_done + 1
+                        last = (kv_done + n - 1) % stages
+                        T.mbarrier_wait_parity(v_full[last], ((kv_done + n - 1) // stages) & 1)
+                        T.wgmma_gemm(p, v_r[last, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)
+                        T.wait_wgmma(0)
+                        T.barrier_arrive(v_empty[last])
+                    kv_done = kv_done + n
+                    softmax.finalize(acc_o, m, l, lse, bm, dim_v)
+                    T.copy(acc_o, o_s)
+                    T.sync_threads(CONSUMER_BARRIER, consumers)  # o_s whole before the rows are stored
+                    store_rows(O, layout, b, head, q_base, row0, sq, o_s, bm, dim_v)
+                    store_stat(LSE, layout, b, head, q_base, row0, sq, lse, bm)
+                    T.sync_threads(CONSUMER_BARRIER, consumers)  # o_s read before the next tile writes it
 
     flashsink_fwd = fwd_entry(cfg, shapes, body, bm)
     # Every shared-memory hand-off is ordered by hand (mbarriers, the consumers' named barrier).
     return flashsink_fwd.with_attr("tilelang_pass_configs", {"tl.disable_thread_storage_sync": True})
+
+
+def _locate(i, m_tiles, heads, n_seqs, CuQ, CuK, seq_q, seq_kv, window, bm: int, bn: int, layout: str, causal: bool):
+    """Tile ``i``'s ``(row tile, head, sequence)``, its sequence's base rows and lengths
+    ``(q_base, sq, k_base, sk)``, and the KV blocks ``(lo, hi)`` its rows see. The heads of one row
+    tile are consecutive (a GQA group's programs read the same K/V tiles at about the same time);
+    causal row tiles run from the last (the most keys) to the first, so the short ones fill in at
+    the end."""
+    per_row_tile = heads * n_seqs
+    bx = (m_tiles - 1 - i // per_row_tile) if causal else i // per_row_tile
+    head = i % per_row_tile % heads
+    b = i % per_row_tile // heads
+    q_base, sq = sequence(layout, CuQ, b, seq_q)
+    k_base, sk = sequence(layout, CuK, b, seq_kv)
+    lo, hi = kv_blocks_for_rows(bx * bm, bm, bn, sq, sk, window, causal)
+    return bx, head, b, q_base, sq, k_base, sk, lo, hi
+
+
+@T.macro
+def _pingpong_start(wg):
+    """The first warpgroup's turn is given before the loop (FlashAttention-3's scheduler barriers:
+    warpgroup ``w`` syncs on barrier ``PINGPONG_BARRIER + w`` and, once its products are issued,
+    arrives on the next one's)."""
+    if wg == 0:
+        T.named_barrier_arrive(PINGPONG_BARRIER, 256)
 
 
 @T.macro
