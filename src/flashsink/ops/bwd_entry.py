@@ -6,7 +6,8 @@ from types import SimpleNamespace
 
 import tilelang.language as T
 
-from .layout import kernel, optional, qkv_shapes, seq_count, seq_tiles, stat_shape, varlen_params
+from .layout import kernel, optional, qkv_shapes, stat_shape, varlen_params
+from .schedule import grid
 
 
 def main_bwd_shapes(cfg, split: int) -> SimpleNamespace:
@@ -56,7 +57,6 @@ def main_bwd_entry(cfg, s: SimpleNamespace, body, block_n: int):
         dK: T.Tensor(dk_shape, dkv_dtype),
         dV: T.Tensor(dv_shape, dkv_dtype),
     ):
-        body(Q, K, V, dO, LSE, Delta, CuQ, CuK, window, scale, dQAcc, dK, dV,
-             seq_tiles(layout, max_seqlen_k, seq_kv, block_n), seq_count(layout, n_cu, batch))
+        body(Q, K, V, dO, LSE, Delta, CuQ, CuK, window, scale, dQAcc, dK, dV, *grid(layout, seq_kv, n_cu, batch, block_n))
 
     return flashsink_bwd

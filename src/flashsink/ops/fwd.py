@@ -2,9 +2,8 @@
 
 One program per (query tile, query head, sequence). K/V tiles are read per KV head
 (``head // groups``), never expanded. Batch, sequence lengths, window and scale are
-runtime values; for packed varlen batches (layout ``thd``) so are ``cu_seqlens`` and the
-longest sequence, which sizes the grid (tiles past the end of a shorter sequence visit no
-keys and store nothing).
+runtime values; for packed varlen batches (layout ``thd``) so is ``cu_seqlens``, and the
+programs are the query tiles that exist (``schedule.py``).
 """
 
 
@@ -13,8 +12,8 @@ import tilelang.language as T
 from . import softmax
 from .block_range import full_kv_blocks_for_rows, kv_blocks_for_rows
 from .config import KernelConfig, Tiles, fwd_mask, fwd_tiles
-from .layout import (kernel, prologue_load, qkv_shapes, seq_count, seq_tiles, sequence, stat_shape, store_rows, store_stat,
-                     tile, varlen_params)
+from .layout import kernel, prologue_load, qkv_shapes, sequence, stat_shape, store_rows, store_stat, tile, varlen_params
+from .schedule import grid, locate
 from .mask import visible
 
 
@@ -64,6 +63,7 @@ def build_fwd(cfg: KernelConfig, tiles: Tiles | None = None, mask: str | None = 
             l = T.alloc_fragment([bm], accum)
             lse = T.alloc_fragment([bm], accum)
 
+            b, bx = locate(layout, CuQ, bx, b, bm)
             q_base, sq = sequence(layout, CuQ, b, seq_q)
             k_base, sk = sequence(layout, CuK, b, seq_kv)
             row0 = bx * bm
@@ -138,8 +138,7 @@ def build_fwd(cfg: KernelConfig, tiles: Tiles | None = None, mask: str | None = 
         O: T.Tensor(o_shape, dtype),
         LSE: T.Tensor(lse_shape, accum),
     ):
-        body(Q, K, V, Sinks, CuQ, CuK, window, scale_log2, O, LSE, seq_tiles(layout, max_seqlen_q, seq_q, bm),
-             seq_count(layout, n_cu, batch))
+        body(Q, K, V, Sinks, CuQ, CuK, window, scale_log2, O, LSE, *grid(layout, seq_q, n_cu, batch, bm))
 
     return flashsink_fwd
 
