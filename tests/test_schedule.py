@@ -1,11 +1,13 @@
 """The packed (thd) tile schedule of ``ops/schedule.py``: which (sequence, tile) each program runs.
 
-The slot arithmetic in plain Python against a brute-force list of tiles (random lengths with 0 and
-1 among them, up to thousands of sequences); then the kernels' own TIR of the search, compiled for
-the CPU (TileLang's C target) and run over every program index; then that every packed kernel
-launches the schedule's grid and searches, and no padded kernel does. No GPU.
+The slots (``schedule.slot``, searched with Python's ``bisect``) against a brute-force list of
+tiles (random lengths with 0 and 1 among them, up to thousands of sequences); then the kernels' own
+TIR of the search, compiled for the CPU (TileLang's C target), against that for every program
+index; then that every packed kernel launches the schedule's grid and searches, and no padded
+kernel does. No GPU.
 """
 
+import bisect
 import math
 import random
 import re
@@ -40,9 +42,18 @@ def _lengths():
     return cases
 
 
+def _grid(cu, block):
+    """The thd grid's program slots (``schedule.grid``): ``total // block + n_seqs``."""
+    return cu[-1] // block + len(cu) - 1
+
+
 def _programs(cu, block):
-    """Every program slot of the grid, as the kernels see it: ``(b, tile)``."""
-    return [schedule.locate_host(cu, p, block) for p in range(schedule.grid_host(cu[-1], len(cu) - 1, block))]
+    """``(b, tile)`` of every program of the grid: the last sequence whose first slot
+    (``schedule.slot``) is at most the program's index, found by ``bisect`` (the kernels search by
+    hand)."""
+    slots = [schedule.slot(cu, b, block) for b in range(len(cu) - 1)]
+    found = [bisect.bisect_right(slots, p) - 1 for p in range(_grid(cu, block))]
+    return [(b, p - slots[b]) for p, b in enumerate(found)]
 
 
 @pytest.mark.parametrize("block", [64, 128])
@@ -68,7 +79,7 @@ def test_grid_is_the_bound_of_the_brief():
         lens = [rng.randint(0, 500) for _ in range(rng.randint(1, 50))]
         block = rng.choice([32, 64, 128])
         real = sum(math.ceil(n / block) for n in lens)
-        grid = schedule.grid_host(sum(lens), len(lens), block)
+        grid = _grid(_cu(lens), block)
         assert real <= grid <= real + len(lens)
 
 
@@ -102,7 +113,7 @@ def search_kernel():
 def test_kernel_search_is_the_host_arithmetic(search_kernel, block):
     for name, lens in _lengths():
         cu = _cu(lens)
-        n = schedule.grid_host(cu[-1], len(lens), block)
+        n = _grid(cu, block)
         out = torch.full((n, 2), -7, dtype=torch.int32)
         search_kernel[block](torch.tensor(cu, dtype=torch.int32), out)
         assert out.tolist() == [list(x) for x in _programs(cu, block)], name

@@ -28,8 +28,8 @@ calls per launch (5-15 us each on the H200's host, docs/perf.md), a tensor more 
 kernel's signature, and its grid is the same upper bound (the host cannot know the exact count
 without a sync), so it leaves as many programs idle.
 
-:func:`locate_host` is the same arithmetic in plain Python (tests check it against a brute-force
-list of tiles).
+tests/test_schedule.py checks the slots against a brute-force list of tiles, and this module's
+search, compiled for the CPU, against Python's ``bisect`` over the slots.
 """
 
 import tilelang.language as T
@@ -69,20 +69,3 @@ def _search(cu, p, block: int):
         else:
             hi = mid
     return lo, p - slot(cu, lo, block)
-
-
-def locate_host(cu: list, p: int, block: int):
-    """:func:`locate` for thd in plain Python: ``(b, tile)`` of program slot ``p``."""
-    lo, hi = 0, len(cu) - 1
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if slot(cu, mid, block) <= p:
-            lo = mid
-        else:
-            hi = mid
-    return lo, p - slot(cu, lo, block)
-
-
-def grid_host(total: int, n_seqs: int, block: int) -> int:
-    """The thd grid's program slots (:func:`grid`)."""
-    return total // block + n_seqs
