@@ -128,7 +128,8 @@ KINDS = [("fwd", {}), ("preprocess", {}), ("preprocess", {"precision": "strict"}
          ("fwd", {"arch": "sm_80"}), ("bwd", {"arch": "sm_80"})]
 
 
-@pytest.mark.parametrize("kind,over", KINDS, ids=[f"{k}-{'-'.join(map(str, o.values())) or 'default'}" for k, o in KINDS])
+@pytest.mark.parametrize("kind,over", KINDS, ids=[f"{k}-{'-'.join(map(str, o.values())) or 'default'}"
+                                                  for k, o in KINDS])
 def test_packed_kernels_launch_the_schedule(kind, over):
     """thd: the grid's first dim is the program slots (``rows // block + n_seqs``), its last is 1,
     and the program searches ``cu_seqlens``; bhsd: tiles x batch as before, no search."""

@@ -4,7 +4,8 @@ precision standard, ``precision="fast"`` under the fast gate (as tests/test_kern
 
 Lengths are random, with 0 and 1 among them; there are cases with a 16k sequence, with 2000
 sequences, with fewer and more queries than keys per sequence (bottom-right per sequence), decode
-rows, lengths at the tile edges of the packed schedule (ops/schedule.py) and a loose max_seqlen. Outputs are poisoned with NaN by conftest, so a row a kernel never writes fails.
+rows, lengths at the tile edges of the packed schedule (ops/schedule.py) and a loose max_seqlen.
+Outputs are poisoned with NaN by conftest, so a row a kernel never writes fails.
 """
 
 import pytest

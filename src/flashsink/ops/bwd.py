@@ -315,7 +315,8 @@ def build_bwd(cfg: KernelConfig, tiles=None, dq_bulk=None, overlap=None, split=N
                 dq = T.alloc_fragment([bm, dim], accum)
                 dq_s = T.alloc_shared([bm, dim], accum)
 
-            b, bx = locate(layout, CuK, bx, b, bn)  # KV tiles along the keys' cu_seqlens
+            if layout == "thd":  # KV tiles along the keys' cu_seqlens (padded: as launched, TIR as before)
+                b, bx = locate(layout, CuK, bx, b, bn)
             q_base, sq = sequence(layout, CuQ, b, seq_q)
             k_base, sk = sequence(layout, CuK, b, seq_kv)
             key0 = bx * bn
