@@ -171,8 +171,12 @@ def _lens(seed: int, n: int, lo: int, hi: int, extra=()) -> tuple:
 
 def varlen_cases() -> list:
     """Random lengths with 0 and 1 among them, a 16k sequence, thousands of sequences, fewer
-    and more queries than keys per sequence, decode rows, odd head dims."""
+    and more queries than keys per sequence, decode rows, odd head dims; lengths at and around
+    multiples of the 64- and 128-row tiles (where the packed schedule, ops/schedule.py, leaves a
+    sequence an idle program or none)."""
     mixed = _lens(1, 18, 2, 600, extra=(0, 1))
+    edges = (128, 1, 127, 129, 0, 64, 63, 65, 256, 192, 255, 257, 128)
+    edges_k = (200, 64, 128, 1, 5, 129, 0, 300, 256, 1, 255, 128, 384)
     return [
         VarlenCase(8, 2, 64, BF16, mixed, name="gqa4-causal"),
         VarlenCase(12, 4, 128, F16, mixed, window=100, name="gqa3-window100"),
@@ -191,6 +195,9 @@ def varlen_cases() -> list:
         VarlenCase(4, 2, 96, BF16, mixed, name="d96"),
         VarlenCase(4, 2, 256, BF16, mixed, window=100, name="d256"),
         VarlenCase(8, 2, 64, BF16, mixed, window=100, deterministic=True, name="deterministic"),
+        VarlenCase(8, 2, 64, BF16, edges, name="tile-edges"),
+        VarlenCase(8, 2, 64, BF16, edges, edges_k, window=100, name="tile-edges-keys"),
+        VarlenCase(8, 2, 64, BF16, edges, edges_k, window=100, deterministic=True, name="tile-edges-deterministic"),
     ]
 
 

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from flashsink.ops.config import KernelConfig, Tiles, fwd_mask, fwd_tiles
+from flashsink.ops.config import KernelConfig, Tiles, fwd_mask, fwd_tiles, fwd_ws
 
 
 def _cfg(arch, **over):
@@ -18,8 +18,11 @@ def _cfg(arch, **over):
 
 
 def _script(cfg, **opts):
+    """The pipelined kernel's script (the options are its own; fwd_ws.py's kernel has tests of its own,
+    tests/test_fwd_ws.py), unless ``ws`` is given."""
     from flashsink.ops.fwd import build_fwd
 
+    opts.setdefault("ws", False)
     return build_fwd(cfg, **opts).script()
 
 
@@ -32,7 +35,7 @@ def test_default_options_are_the_library_kernel(arch):
     lib = build_prim_func("fwd", cfg).script()
     default_mask = "branch" if arch == "sm_90a" else "select"  # config.fwd_mask: measured on the H200
     assert fwd_mask(cfg) == default_mask
-    assert _script(cfg, tiles=fwd_tiles(cfg), mask=default_mask, fold_scale=False) == lib
+    assert _script(cfg, tiles=fwd_tiles(cfg), mask=default_mask, fold_scale=False, ws=fwd_ws(cfg)) == lib
     assert _script(cfg, mask="flag") != lib
 
 

@@ -337,7 +337,7 @@ def test_split_backward_launches(monkeypatch, launches, case):
     ``bwd_split`` kernel gets zeroed fp32 dK/dV accumulators of [B, H_kv, rows_kv, D] and the
     postprocess casts dQ, dK and dV, in that order, into the returned gradients."""
     _arch(monkeypatch, "sm_90a")
-    monkeypatch.setattr(interface, "_use_split", lambda cfg, spec, window: True)
+    monkeypatch.setattr(interface, "_use_split", lambda cfg, spec, window, total_q=None: True)
     q, k, v, do, sinks, spec = _dense_inputs(case)
     cfg = interface.kernel_config(spec, torch.device("cuda", 0), False, "fast")
     sinks32 = interface._sinks_f32(sinks, spec.heads, q.device)
@@ -370,6 +370,30 @@ def test_split_backward_is_chosen_for_long_rows(monkeypatch):
         q, k, v, do, sinks, spec = _dense_inputs((1, 8, hk, n, n, 64, window, "bhsd", True))
         cfg = interface.kernel_config(spec, torch.device("cuda", 0), det, "fast")
         assert interface._use_split(cfg, spec, interface.kernel_window(spec.window)) is want, (n, window, det, hk)
+
+
+def test_split_backward_for_packed_batches(monkeypatch, launches):
+    """Packed batches decide from max_seqlen_q capped by the packed rows: one sequence of
+    BWD_SPLIT_MIN_ROWS among short ones splits (its KV tiles are the kernel's tail); short sequences
+    with a loose max_seqlen_q above every row of the batch do not; a window keeps the unsplit kernel.
+    A loose max_seqlen_q below the packed rows still splits (the host knows no real length without
+    a sync; same gradients, only slower). The launch is the one interface._backward makes."""
+    from flashsink.ops.config import BWD_SPLIT_MIN_ROWS as n
+
+    _arch(monkeypatch, "sm_90a")
+    for lens, max_q, window, want in (((5, n, 3, 0), n, None, True), ((5, n, 3, 0), n, 128, False),
+                                      ((100,) * 6, 100, None, False), ((100,) * 6, 4 * n, None, False),
+                                      ((300,) * 4, n, None, True)):
+        q, k, v, do, sinks, cu_q, cu_k, spec = _varlen_inputs((lens, lens, 4, 2, 64, window, True))
+        spec = validate_varlen(q, k, v, cu_q, cu_k, max_q, max_q, sinks, window=window, causal=True, scale=None)
+        cfg = interface.kernel_config(spec, torch.device("cuda", 0), False, "fast")
+        win = interface.kernel_window(spec.window)
+        assert interface._use_split(cfg, spec, win, q.shape[0]) is want, (lens, max_q, window)
+        launches.clear()
+        lse = torch.randn(spec.heads, _varlen_rows(q.shape[0]))
+        interface._backward(do, q, k, v, _fake_o(q, spec), lse, None, interface._sinks_f32(sinks, 4, q.device), cfg,
+                            spec, win, (cu_q, cu_k))
+        assert launches[1].kind == ("bwd_split" if want else "bwd"), (lens, max_q, window)
 
 
 # ----------------------------------------------------------------------------------------------

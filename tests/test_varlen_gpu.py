@@ -3,8 +3,9 @@ against the float64 varlen reference, in both precision modes: ``precision="stri
 precision standard, ``precision="fast"`` under the fast gate (as tests/test_kernels_gpu.py).
 
 Lengths are random, with 0 and 1 among them; there are cases with a 16k sequence, with 2000
-sequences, with fewer and more queries than keys per sequence (bottom-right per sequence) and
-decode rows. Outputs are poisoned with NaN by conftest, so a row a kernel never writes fails.
+sequences, with fewer and more queries than keys per sequence (bottom-right per sequence), decode
+rows, lengths at the tile edges of the packed schedule (ops/schedule.py) and a loose max_seqlen.
+Outputs are poisoned with NaN by conftest, so a row a kernel never writes fails.
 """
 
 import pytest
@@ -14,7 +15,7 @@ import flashsink
 from flashsink import reference
 from flashsink.testing import PRECISIONS, judge_all
 
-from gpu_cases import varlen_cases
+from gpu_cases import VarlenCase, varlen_cases
 
 pytestmark = pytest.mark.gpu
 
@@ -125,6 +126,21 @@ def test_varlen_matches_padded_kernels():
     cu = torch.tensor([0, 257], dtype=torch.int32, device="cuda")
     packed = flashsink.attention_varlen(q[0], k[0], v[0], cu, cu, 257, 257, s, window=100)
     assert torch.equal(dense[0], packed)
+
+
+@pytest.mark.l1
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_varlen_loose_max_seqlen(precision):
+    """max_seqlen_q/k far above every sequence (allowed: a bound): the kernels' grids come from the
+    shapes (ops/schedule.py), so o and lse are bitwise those of the tight bound; the backward may
+    pick its split main kernel from the loose bound (fast, GQA: here it does) and must still pass."""
+    c = VarlenCase(8, 2, 64, torch.bfloat16, tuple(range(1, 700, 37)) + (0, 128, 64), name="loose-max")
+    inp = make_varlen(c, seed=5)
+    tight = run(c, inp, precision=precision)
+    loose = run(c, dict(inp, max_q=8 * inp["max_q"] + 3, max_k=8 * inp["max_k"] + 3), precision=precision)
+    assert torch.equal(tight["o"], loose["o"]) and torch.equal(tight["lse"], loose["lse"])
+    check_varlen(c, loose, inp, precision)
+    check_varlen(c, tight, inp, precision)
 
 
 @pytest.mark.l2

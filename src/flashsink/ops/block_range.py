@@ -2,8 +2,8 @@
 primitives of ``flashsink.visibility``.
 
 Both functions return ``(lo, hi)`` with ``lo <= hi``; blocks outside are wholly masked,
-and a tile that starts past the end of its sequence gets an empty range (varlen grids are
-sized for the longest sequence, so shorter ones have such tiles),
+and a tile that starts past the end of its sequence gets an empty range (the idle programs of
+the packed schedule, ``schedule.py``, have such tiles),
 so the cost of a windowed layer grows with ``N * W``, not ``N**2``. Any window size
 works: the range is rounded outwards to whole blocks and ``mask.visible`` trims the
 edges.

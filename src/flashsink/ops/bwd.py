@@ -31,8 +31,9 @@ from .bwd_entry import main_bwd_entry, main_bwd_shapes
 from .bwd_ws import build_bwd_ws
 from .config import (ROW_BLOCK, KernelConfig, bwd_dq_bulk, bwd_overlap, bwd_split, bwd_tiles, bwd_ws, dq_tiles,
                      pre_tiles)
-from .layout import (acc_tile, kernel, prologue_load, qkv_shapes, row_runs, seq_count, seq_tiles, sequence,
-                     stage_stat, staged_stat, stat_at, stat_shape, stat_tile, store_rows, store_stat, tile, varlen_params)
+from .layout import (acc_tile, kernel, prologue_load, qkv_shapes, row_runs, sequence, stage_stat, staged_stat, stat_at,
+                     stat_shape, stat_tile, store_rows, store_stat, tile, varlen_params)
+from .schedule import grid, locate
 from .mask import visible
 from .softmax import LOG2E
 from .split import split
@@ -75,16 +76,23 @@ def build_preprocess(cfg: KernelConfig):
 
 
 @T.macro
-def _sink_grad(Sinks, lse, delta, contrib, total, head, b, bx, row0, sq, dSinkAcc, dSinkPart, deterministic: bool):
+def _sink_grad(Sinks, lse, delta, contrib, total, head, b, bx, row0, sq, dSinkAcc, dSinkPart, deterministic: bool,
+               packed: bool):
     """dsink[head] += -sum_rows exp(sink - lse) * Delta over this program's rows (< sq): one
-    atomic, or (deterministic) the program's partial, summed on the host in a fixed order."""
+    atomic, or (deterministic) the program's partial, summed on the host in a fixed order. Packed
+    (thd): an idle program of the schedule (``schedule.py``: its tile starts at or past its
+    sequence's end, possibly past the partials' last column) writes no partial (they start at 0)."""
     for i in T.Parallel(contrib.shape[0]):
         contrib[i] = T.if_then_else(row0 + i < sq, -T.exp2((Sinks[head] - lse[i]) * LOG2E) * delta[i], 0.0)
     T.reduce_sum(contrib, total, dim=0)
     tx = T.get_thread_binding(0)
     if tx == 0:
         if deterministic:
-            dSinkPart[b, head, bx] = total[0]
+            if packed:
+                if row0 < sq:
+                    dSinkPart[b, head, bx] = total[0]
+            else:
+                dSinkPart[b, head, bx] = total[0]
         else:
             T.atomic_add(dSinkAcc[head], total[0])
 
@@ -114,6 +122,7 @@ def _build_preprocess_fast(cfg: KernelConfig):
             contrib = T.alloc_fragment([bm], accum)
             total = T.alloc_fragment([1], accum)
 
+            b, bx = locate(layout, CuQ, bx, b, bm)
             q_base, sq = sequence(layout, CuQ, b, seq_q)
             row0 = bx * bm
             T.copy(tile(O, layout, b, head, q_base + row0, bm), o)
@@ -128,7 +137,7 @@ def _build_preprocess_fast(cfg: KernelConfig):
             if cfg.has_sinks:
                 T.copy(stat_tile(LSE, layout, b, head, q_base + row0, bm), lse)
                 _sink_grad(Sinks, lse, delta, contrib, total, head, b, bx, row0, sq, dSinkAcc, dSinkPart,
-                           cfg.deterministic)
+                           cfg.deterministic, layout == "thd")
 
     cu, longest, n_cu = varlen_params(layout)
 
@@ -146,8 +155,7 @@ def _build_preprocess_fast(cfg: KernelConfig):
         dSinkAcc: T.Tensor([heads], accum),
         dSinkPart: T.Tensor([batch, heads, n_part], accum),
     ):
-        body(O, dO, LSE, dLSE, Sinks, CuQ, Delta, dSinkAcc, dSinkPart, seq_tiles(layout, max_seqlen_q, seq_q, bm),
-             seq_count(layout, n_cu, batch))
+        body(O, dO, LSE, dLSE, Sinks, CuQ, Delta, dSinkAcc, dSinkPart, *grid(layout, seq_q, n_cu, batch, bm))
 
     return flashsink_bwd_preprocess_fast
 
@@ -186,6 +194,7 @@ def _build_preprocess_strict(cfg: KernelConfig):
             contrib = T.alloc_fragment([bm], accum)
             total = T.alloc_fragment([1], accum)
 
+            b, bx = locate(layout, CuQ, bx, b, bm)
             q_base, sq = sequence(layout, CuQ, b, seq_q)
             k_base, sk = sequence(layout, CuK, b, seq_kv)
             row0 = bx * bm
@@ -213,7 +222,7 @@ def _build_preprocess_strict(cfg: KernelConfig):
             store_stat(Delta, layout, b, head, q_base, row0, sq, delta, bm)
             if cfg.has_sinks:
                 _sink_grad(Sinks, lse, delta, contrib, total, head, b, bx, row0, sq, dSinkAcc, dSinkPart,
-                           cfg.deterministic)
+                           cfg.deterministic, layout == "thd")
 
     cu, longest, n_cu = varlen_params(layout)
 
@@ -236,7 +245,7 @@ def _build_preprocess_strict(cfg: KernelConfig):
         dSinkPart: T.Tensor([batch, heads, n_part], accum),
     ):
         body(Q, K, V, dO, LSE, dLSE, Sinks, CuQ, CuK, window, scale, Delta, dSinkAcc, dSinkPart,
-             seq_tiles(layout, max_seqlen_q, seq_q, bm), seq_count(layout, n_cu, batch))
+             *grid(layout, seq_q, n_cu, batch, bm))
 
     return flashsink_bwd_preprocess
 
@@ -306,6 +315,8 @@ def build_bwd(cfg: KernelConfig, tiles=None, dq_bulk=None, overlap=None, split=N
                 dq = T.alloc_fragment([bm, dim], accum)
                 dq_s = T.alloc_shared([bm, dim], accum)
 
+            if layout == "thd":  # KV tiles along the keys' cu_seqlens (padded: as launched, TIR as before)
+                b, bx = locate(layout, CuK, bx, b, bn)
             q_base, sq = sequence(layout, CuQ, b, seq_q)
             k_base, sk = sequence(layout, CuK, b, seq_kv)
             key0 = bx * bn
@@ -420,6 +431,7 @@ def build_dq(cfg: KernelConfig):
             dq = T.alloc_fragment([bm, dim], accum)
             dq_s = T.alloc_shared([bm, dim], dtype)
 
+            b, bx = locate(layout, CuQ, bx, b, bm)
             q_base, sq = sequence(layout, CuQ, b, seq_q)
             k_base, sk = sequence(layout, CuK, b, seq_kv)
             row0 = bx * bm
@@ -464,8 +476,7 @@ def build_dq(cfg: KernelConfig):
         scale: T.float32,
         dQ: T.Tensor(q_shape, dtype),
     ):
-        body(Q, K, V, dO, LSE, Delta, CuQ, CuK, window, scale, dQ, seq_tiles(layout, max_seqlen_q, seq_q, bm),
-             seq_count(layout, n_cu, batch))
+        body(Q, K, V, dO, LSE, Delta, CuQ, CuK, window, scale, dQ, *grid(layout, seq_q, n_cu, batch, bm))
 
     return flashsink_bwd_dq
 

@@ -6,7 +6,8 @@ from types import SimpleNamespace
 
 import tilelang.language as T
 
-from .layout import kernel, optional, qkv_shapes, seq_count, seq_tiles, stat_shape, varlen_params
+from .layout import kernel, optional, qkv_shapes, stat_shape, varlen_params
+from .schedule import grid
 
 
 def main_bwd_shapes(cfg, split: int) -> SimpleNamespace:
@@ -32,7 +33,7 @@ def main_bwd_shapes(cfg, split: int) -> SimpleNamespace:
 def main_bwd_entry(cfg, s: SimpleNamespace, body, block_n: int):
     """The kernel ``flashsink_bwd`` (``flashsink_bwd_varlen`` for thd) over the tensors of
     ``s`` (:func:`main_bwd_shapes`): ``body`` runs over the KV tiles of ``block_n`` rows and the
-    sequences (its last two arguments)."""
+    sequences (its last two arguments, ``schedule.grid``'s)."""
     layout, dtype, accum = cfg.layout, cfg.dtype, "float32"
     q_shape, k_shape, v_shape, o_shape, st_shape = s.q_shape, s.k_shape, s.v_shape, s.o_shape, s.st_shape
     acc_shape, dk_shape, dv_shape, dkv_dtype, with_dq = s.acc_shape, s.dk_shape, s.dv_shape, s.dkv_dtype, s.with_dq
@@ -57,6 +58,6 @@ def main_bwd_entry(cfg, s: SimpleNamespace, body, block_n: int):
         dV: T.Tensor(dv_shape, dkv_dtype),
     ):
         body(Q, K, V, dO, LSE, Delta, CuQ, CuK, window, scale, dQAcc, dK, dV,
-             seq_tiles(layout, max_seqlen_k, seq_kv, block_n), seq_count(layout, n_cu, batch))
+             *grid(layout, seq_kv, n_cu, batch, block_n))
 
     return flashsink_bwd

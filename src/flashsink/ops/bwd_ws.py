@@ -22,6 +22,7 @@ from .block_range import row_blocks_for_keys
 from .config import KernelConfig
 from .bwd_entry import main_bwd_entry, main_bwd_shapes
 from .layout import acc_tile, prologue_load, sequence, stat_tile, store_rows, tile
+from .schedule import locate
 from .mask import visible
 from .softmax import LOG2E
 
@@ -83,6 +84,8 @@ def build_bwd_ws(cfg: KernelConfig, t, split: int):
                 dq_full = T.alloc_barrier(arrive_count=CONSUMER_THREADS)  # dq_s written
                 dq_empty = T.alloc_barrier(arrive_count=128)  # dq_s added into dQAcc
 
+            if packed:  # KV tiles along the keys' cu_seqlens (padded: as launched, TIR as before)
+                b, bx = locate(layout, CuK, bx, b, bn)
             q_base, sq = sequence(layout, CuQ, b, seq_q)
             k_base, sk = sequence(layout, CuK, b, seq_kv)
             key0 = bx * bn

@@ -113,7 +113,9 @@ def fwd_tiles(cfg: KernelConfig) -> Tiles:
     d = max(cfg.head_dim, cfg.head_dim_v)
     if cfg.hopper:
         if d <= 64:
-            return Tiles(128, 128, 256, 2)
+            # the warp-specialized kernel (fwd_ws): three consumer warpgroups of 64 rows, measured
+            # 1.11x over two on causal D64 N8192 (docs/perf.md v9); ``threads`` is its consumers'
+            return Tiles(192, 128, 384, 2) if fwd_ws(cfg) else Tiles(128, 128, 256, 2)
         if d <= 128:
             return Tiles(128, 128, 256, 2)
         return Tiles(128, 64, 256, 1)
@@ -172,9 +174,13 @@ def fwd_mask(cfg: KernelConfig) -> str:
 
 def fwd_ws(cfg: KernelConfig) -> bool:
     """Whether the forward is ``fwd_ws.py``'s hand warp-specialized kernel (FlashAttention-3's
-    intra-warpgroup overlap of the softmax with the GEMMs). Not yet the default anywhere: built and
-    checked on the CPU, to be measured on the H200 (tools/fwd_variants.py, variants ``ws*``)."""
-    return False
+    intra-warpgroup overlap and scheduler barriers, a persistent grid): Hopper, head dims 64 and 128
+    (the kernels' own; 80 and 96 run padded to 128). Measured on the H200 (tools/fwd_variants.py,
+    docs/perf.md v9) against the pipelined kernel with mask="branch": causal D128 N4096 0.583 ->
+    0.538 ms, causal D64 N8192 1.500 -> 1.347 (192-row tiles), golden 0.158 -> 0.130, gpt-oss SWA
+    0.116 -> 0.108 (128-row tiles; 0.121 with the 192-row tiles D64 uses); o and lse bitwise equal."""
+    dims = (cfg.head_dim, cfg.head_dim_v)
+    return cfg.hopper and all(d in (64, 128) for d in dims)
 
 
 #: query heads of a GQA group per program in the split main backward: at most this many programs

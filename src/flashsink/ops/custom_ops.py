@@ -255,7 +255,8 @@ fwd.register_autograd(_backward, setup_context=_setup_context)
 #
 # The same pattern for packed batches. cu_seqlens_q/k are int32 tensors that only the
 # implementations read (the kernels on the device, the reference on the host), so no value of
-# them reaches the graph; max_seqlen_q/k are ints (SymInts when traced) that size the kernels' grids.
+# them reaches the graph; max_seqlen_q/k are ints (SymInts when traced) that the host reads (the
+# kernels' grids come from shapes, ops/schedule.py).
 # Output shapes depend on total tokens, heads and head dims only: o [total_q, H, D_v],
 # lse [H, interface.varlen_rows(total_q)] (row-padded as the backward kernels read it; padding rows 0).
 

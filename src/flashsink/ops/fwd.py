@@ -2,9 +2,8 @@
 
 One program per (query tile, query head, sequence). K/V tiles are read per KV head
 (``head // groups``), never expanded. Batch, sequence lengths, window and scale are
-runtime values; for packed varlen batches (layout ``thd``) so are ``cu_seqlens`` and the
-longest sequence, which sizes the grid (tiles past the end of a shorter sequence visit no
-keys and store nothing).
+runtime values; for packed varlen batches (layout ``thd``) so is ``cu_seqlens``, and the
+programs are the query tiles that exist (``schedule.py``).
 """
 
 
@@ -17,6 +16,7 @@ from .fwd_entry import fwd_entry, fwd_shapes
 from .fwd_ws import build_fwd_ws
 from .layout import prologue_load, sequence, store_rows, store_stat, tile
 from .mask import mask_logits, scale_logits
+from .schedule import locate
 
 
 #: ``mask=`` values of :func:`build_fwd`
@@ -37,10 +37,12 @@ def build_fwd(cfg: KernelConfig, tiles: Tiles | None = None, mask: str | None = 
     FMA as in TileLang's flash-attention examples (``softmax.update``). ``fold_scale`` needs
     ``scale > 0``: the running maximum is taken over the unscaled logits.
 
-    ``ws`` (``config.fwd_ws(cfg)``): ``fwd_ws.py``'s hand warp-specialized Hopper kernel (its mask is
-    always ``"branch"``, its scale never folded).
+    ``ws`` (default ``config.fwd_ws(cfg)``, unless a ``mask`` other than ``"branch"`` or
+    ``fold_scale`` asks for the pipelined kernel's options): ``fwd_ws.py``'s hand warp-specialized
+    Hopper kernel (its mask is always ``"branch"``, its scale never folded).
     """
-    ws = fwd_ws(cfg) if ws is None else ws
+    if ws is None:
+        ws = fwd_ws(cfg) and mask in (None, "branch") and not fold_scale
     if ws:
         if mask not in (None, "branch") or fold_scale:
             raise ValueError(f"the warp-specialized forward masks with 'branch' and does not fold the scale; "
@@ -73,6 +75,7 @@ def build_fwd(cfg: KernelConfig, tiles: Tiles | None = None, mask: str | None = 
             l = T.alloc_fragment([bm], accum)
             lse = T.alloc_fragment([bm], accum)
 
+            b, bx = locate(layout, CuQ, bx, b, bm)
             q_base, sq = sequence(layout, CuQ, b, seq_q)
             k_base, sk = sequence(layout, CuK, b, seq_kv)
             row0 = bx * bm

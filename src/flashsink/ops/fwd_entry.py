@@ -7,7 +7,8 @@ from types import SimpleNamespace
 import tilelang.language as T
 
 from .config import KernelConfig
-from .layout import kernel, qkv_shapes, seq_count, seq_tiles, stat_shape, varlen_params
+from .layout import kernel, qkv_shapes, stat_shape, varlen_params
+from .schedule import grid
 
 
 def fwd_shapes(cfg: KernelConfig) -> SimpleNamespace:
@@ -23,7 +24,7 @@ def fwd_shapes(cfg: KernelConfig) -> SimpleNamespace:
 def fwd_entry(cfg: KernelConfig, s: SimpleNamespace, body, block_m: int):
     """The kernel ``flashsink_fwd`` (``flashsink_fwd_varlen`` for thd) over the tensors of ``s``
     (:func:`fwd_shapes`): ``body`` runs over the row tiles of ``block_m`` rows and the sequences (its
-    last two arguments)."""
+    last two arguments, ``schedule.grid``'s)."""
     layout, dtype, accum = cfg.layout, cfg.dtype, "float32"
     q_shape, k_shape, v_shape, o_shape, lse_shape = s.q_shape, s.k_shape, s.v_shape, s.o_shape, s.lse_shape
     heads, seq_q, batch = s.heads, s.seq_q, s.batch
@@ -43,7 +44,6 @@ def fwd_entry(cfg: KernelConfig, s: SimpleNamespace, body, block_m: int):
         O: T.Tensor(o_shape, dtype),
         LSE: T.Tensor(lse_shape, accum),
     ):
-        body(Q, K, V, Sinks, CuQ, CuK, window, scale_log2, O, LSE, seq_tiles(layout, max_seqlen_q, seq_q, block_m),
-             seq_count(layout, n_cu, batch))
+        body(Q, K, V, Sinks, CuQ, CuK, window, scale_log2, O, LSE, *grid(layout, seq_q, n_cu, batch, block_m))
 
     return flashsink_fwd

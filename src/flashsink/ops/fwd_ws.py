@@ -27,6 +27,7 @@ from .config import KernelConfig, Tiles
 from .fwd_entry import fwd_entry, fwd_shapes
 from .layout import sequence, store_rows, store_stat, tile
 from .mask import mask_logits, scale_logits
+from .schedule import locate
 
 #: registers per thread of the producer warpgroup (setmaxnreg); the consumers share the rest of
 #: the SM's 64K (240 each for two consumer warpgroups, as FlashAttention-3 and TileLang choose)
@@ -52,8 +53,8 @@ def consumer_regs(n_consumers: int) -> int:
 
 def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS, pingpong: bool = True):
     """The warp-specialized forward for tiles ``t``: ``t.block_m`` a multiple of 64 (one consumer
-    warpgroup per 64 rows; ``t.threads`` is ignored, the kernel runs ``block_m * 2 + 128``
-    threads), ``t.stages`` ring slots for K and V.
+    warpgroup per 64 rows, ``t.threads`` their threads, ``block_m * 2``; the kernel runs 128 more,
+    the producer's), ``t.stages`` ring slots for K and V.
 
     ``ctas``: a persistent grid of at most that many programs, each looping over the tiles
     ``cta, cta + ctas, ..`` of the (row tile, head, sequence) space, the causal row tiles longest
@@ -216,15 +217,16 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
 
 
 def _locate(i, m_tiles, heads, n_seqs, CuQ, CuK, seq_q, seq_kv, window, bm: int, bn: int, layout: str, causal: bool):
-    """Tile ``i``'s ``(row tile, head, sequence)``, its sequence's base rows and lengths
+    """Tile ``i`` of the ``m_tiles x heads x n_seqs`` space of ``schedule.grid`` (thd: program slots x
+    heads x 1): its ``(row tile, head, sequence)``, its sequence's base rows and lengths
     ``(q_base, sq, k_base, sk)``, and the KV blocks ``(lo, hi)`` its rows see. The heads of one row
     tile are consecutive (a GQA group's programs read the same K/V tiles at about the same time);
     causal row tiles run from the last (the most keys) to the first, so the short ones fill in at
     the end."""
     per_row_tile = heads * n_seqs
-    bx = (m_tiles - 1 - i // per_row_tile) if causal else i // per_row_tile
+    slot = (m_tiles - 1 - i // per_row_tile) if causal else i // per_row_tile
     head = i % per_row_tile % heads
-    b = i % per_row_tile // heads
+    b, bx = locate(layout, CuQ, slot, i % per_row_tile // heads, bm)
     q_base, sq = sequence(layout, CuQ, b, seq_q)
     k_base, sk = sequence(layout, CuK, b, seq_kv)
     lo, hi = kv_blocks_for_rows(bx * bm, bm, bn, sq, sk, window, causal)

@@ -89,8 +89,10 @@ def _sm_count(index: int) -> int:
 # The launches. Padded layouts (bhsd, bshd) and packed varlen batches (thd) run the same kernels;
 # they differ only in the row statistics (lse, Delta, the fp32 dQ accumulator: [B, H, rows] or,
 # over the packed rows, [H, rows]) and in the varlen kernels' extra arguments ahead of ``window``:
-# ``cu_seqlens_q, cu_seqlens_k`` and the longest sequence, which sizes the grid. ``cu_seqlens``
-# is None for the padded layouts, else ``(cu_q, cu_k)``, int32 on q's device.
+# ``cu_seqlens_q, cu_seqlens_k`` and the longest sequence (unread by the kernels, whose grids come
+# from shapes, ``schedule.py``; the host reads it in :func:`_use_split` and for the deterministic
+# dsink partials). ``cu_seqlens`` is None for the padded layouts, else ``(cu_q, cu_k)``, int32 on
+# q's device.
 
 
 def _seq_args(cu_seqlens, longest: int) -> tuple:
@@ -103,13 +105,22 @@ def _stat_shape(spec, q, cu_seqlens) -> tuple:
     return (spec.heads, varlen_rows(q.shape[0]))
 
 
-def _use_split(cfg, spec, window) -> bool:
+def _use_split(cfg, spec, window, total_q=None) -> bool:
     """Whether the backward runs the ``bwd_split`` main kernel (a GQA group's query heads over
     several programs per KV tile): where the configuration has one and a KV tile sees at least
-    BWD_SPLIT_MIN_ROWS rows (long causal or full problems; windowed ones stay unsplit)."""
+    BWD_SPLIT_MIN_ROWS rows (long causal or full problems; windowed ones stay unsplit).
+
+    Packed batches (``total_q``: their query rows) decide from their longest sequence,
+    ``max_seqlen_q`` (the host knows no other length without a sync), capped by the rows
+    themselves (max_seqlen_q may be any bound above the longest). One long sequence among short
+    ones splits: its KV tiles' programs are the longest-running, and splitting them shortens the
+    kernel's tail; the short sequences' tiles pay the fp32 dK/dV adds (both kernels give the same
+    gradients, up to the order of fp32 sums). A max_seqlen_q far above the real longest sequence
+    can pick the split kernel where no KV tile sees that many rows: slower, not wrong."""
     if bwd_split(cfg) == 1:
         return False
-    rows = spec.seq_q if not spec.causal else min(spec.seq_q, window)
+    longest = spec.seq_q if total_q is None else min(spec.seq_q, total_q)
+    rows = longest if not spec.causal else min(longest, window)
     return rows >= BWD_SPLIT_MIN_ROWS
 
 
@@ -152,7 +163,7 @@ def _backward(do, q, k, v, o, lse, dlse, sinks32, cfg, spec, window, cu_seqlens=
     scale = float(spec.scale)
     n_stat = lse.numel()
     f32 = torch.float32
-    split = _use_split(cfg, spec, window)
+    split = _use_split(cfg, spec, window, None if cu_seqlens is None else q.shape[0])
     # The sink gradient: atomically accumulated in dsink, or (deterministic) one partial per
     # program in dsink_part, summed below in a fixed order. The other buffer is not touched.
     # Each torch call here costs 5-15 us of host time on the H200's host (a slice or a view as much

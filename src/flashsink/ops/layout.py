@@ -20,7 +20,8 @@ import tilelang.language as T
 # -- signatures: one prim_func per kernel for every layout --------------------------------------
 #
 # Packed (thd) kernels take three arguments more than padded ones, ``CuQ, CuK`` and the longest
-# sequence, and are named ``<name>_varlen``; the launch layer passes them positionally
+# sequence (``max_seqlen``: no kernel reads it since the grid is ``schedule.grid``'s, which needs only
+# shapes; kept in the launch protocol), and are named ``<name>_varlen``; the launch layer passes them positionally
 # (``interface.py``). A kernel is written once with every parameter; one that a configuration
 # does not take is annotated :func:`optional` and is no kernel argument there.
 
@@ -38,8 +39,8 @@ def optional(present: bool, annotation):
 
 def varlen_params(layout):
     """``(cu, longest, n_cu)``: the annotations of the packed kernels' ``CuQ``/``CuK`` (a factory,
-    so each parameter gets its own ``[n_cu]`` int32 tensor) and of the longest sequence, optional
-    for padded layouts, and the length of ``cu_seqlens``."""
+    so each parameter gets its own ``[n_cu]`` int32 tensor) and of the longest sequence (unread,
+    see above), optional for padded layouts, and the length of ``cu_seqlens``."""
     n_cu = T.dynamic("n_cu")
     packed = layout == "thd"
     return optional(packed, lambda: T.Tensor([n_cu], "int32")), optional(packed, T.int32), n_cu
@@ -53,17 +54,6 @@ def kernel(name: str, layout: str):
         return T.prim_func(func)
 
     return wrap
-
-
-def seq_tiles(layout, longest, seq, block):
-    """Tiles of ``block`` rows along the sequences: of the padded length ``seq``, or (thd) of the
-    longest packed sequence (a runtime argument); tiles past a shorter sequence's end do nothing."""
-    return T.ceildiv(longest if layout == "thd" else seq, block)
-
-
-def seq_count(layout, n_cu, batch):
-    """Sequences of the batch: ``batch``, or (thd) ``n_cu - 1``."""
-    return n_cu - 1 if layout == "thd" else batch
 
 
 def row_runs(layout, batch):

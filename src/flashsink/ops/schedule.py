@@ -1,0 +1,71 @@
+"""The tile schedule: which (sequence, tile) a program works on, for every layout.
+
+A kernel over row tiles (query tiles in the forward, the preprocess and the deterministic dQ; KV
+tiles in the main backward) launches ``grid(...)`` programs along its first and last grid dims and
+asks :func:`locate` which sequence and which tile of it a program has.
+
+- Padded layouts (bhsd, bshd): ``ceil(seq / block)`` tiles x ``batch`` sequences; program
+  ``(bx, .., bz)`` is tile ``bx`` of sequence ``bz``.
+- Packed (thd): one program per tile that exists, plus at most one per sequence that does nothing,
+  with no host sync and no tensor beyond ``cu_seqlens``. Sequence ``b`` owns the program slots
+  ``[slot(b), slot(b + 1))`` with
+
+      slot(b) = cu[b] // block + b
+
+  and runs its ``ceil(len_b / block)`` tiles in the first of them. That many fit: with
+  ``cu[b] = a * block + r`` (``r < block``), ``slot(b + 1) - slot(b) = (r + len_b) // block + 1``,
+  which is ``ceil(len_b / block)`` or one more, so the slots are disjoint, every tile has one and a
+  sequence leaves at most one slot idle. The grid is ``slot(n_seqs) = total // block + n_seqs``
+  (total tokens and the number of sequences: shapes the host knows). A program finds its sequence
+  by binary search over ``slot`` (strictly increasing in ``b``): ``ceil(log2(n_seqs))`` loads of
+  ``cu_seqlens``, which every program reads anyway. Its tile index is ``p - slot(b)``; the idle
+  slot's tile starts at or past the end of its sequence, which every kernel already treats as a
+  tile with no rows (an empty key range, nothing stored).
+
+Why not a prefix sum of tiles per sequence computed by the host with torch ops (FlashAttention's
+way, ``cumsum(ceil(len / block))``) and searched the same way: it costs as many loads, a few torch
+calls per launch (5-15 us each on the H200's host, docs/perf.md), a tensor more in every packed
+kernel's signature, and its grid is the same upper bound (the host cannot know the exact count
+without a sync), so it leaves as many programs idle.
+
+tests/test_schedule.py checks the slots against a brute-force list of tiles, and this module's
+search, compiled for the CPU, against Python's ``bisect`` over the slots.
+"""
+
+import tilelang.language as T
+
+
+def grid(layout: str, seq, n_cu, batch, block: int):
+    """``(tiles, runs)``: the grid's first dim (tiles along the sequences; thd: the program slots)
+    and its last (sequences; thd: 1). ``seq``: the padded length, or (thd) the packed rows."""
+    if layout == "thd":
+        return seq // block + (n_cu - 1), 1
+    return T.ceildiv(seq, block), batch
+
+
+def locate(layout: str, cu, bx, bz, block: int):
+    """``(b, tile)``: the sequence and the tile index within it of program ``(bx, .., bz)`` of a
+    :func:`grid` of ``block``-row tiles; ``cu``: the cu_seqlens of the rows tiled (thd)."""
+    if layout == "thd":
+        return _search(cu, bx, block)
+    return bz, bx
+
+
+def slot(cu, b, block):
+    """The first program slot of packed sequence ``b`` (module docstring)."""
+    return cu[b] // block + b
+
+
+@T.macro
+def _search(cu, p, block: int):
+    """The last sequence ``b`` with ``slot(b) <= p``, and ``p - slot(b)``: ``lo`` and ``hi`` bracket
+    it (``slot(lo) <= p < slot(hi)``, ``slot(n_seqs)`` being the grid)."""
+    lo = T.alloc_var("int32", init=0)
+    hi = T.alloc_var("int32", init=cu.shape[0] - 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if slot(cu, mid, block) <= p:
+            lo = mid
+        else:
+            hi = mid
+    return lo, p - slot(cu, lo, block)

@@ -1,0 +1,141 @@
+"""The packed (thd) tile schedule of ``ops/schedule.py``: which (sequence, tile) each program runs.
+
+The slots (``schedule.slot``, searched with Python's ``bisect``) against a brute-force list of
+tiles (random lengths with 0 and 1 among them, up to thousands of sequences); then the kernels' own
+TIR of the search, compiled for the CPU (TileLang's C target), against that for every program
+index; then that every packed kernel launches the schedule's grid and searches, and no padded
+kernel does. No GPU.
+"""
+
+import bisect
+import math
+import random
+import re
+
+import pytest
+
+pytest.importorskip("tilelang")
+
+import torch  # noqa: E402
+
+from flashsink.ops import schedule  # noqa: E402
+from flashsink.ops.compile import build_prim_func  # noqa: E402
+from flashsink.ops.config import KernelConfig  # noqa: E402
+
+pytestmark = pytest.mark.l0
+
+
+def _cu(lens):
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    return cu
+
+
+def _lengths():
+    """(name, lengths): edge cases and random batches with empty and one-token sequences."""
+    rng = random.Random(11)
+    cases = [("one", [1]), ("empty", [0]), ("zeros", [0, 0, 0]), ("exact", [128, 256, 64]),
+             ("boundaries", [127, 1, 128, 129, 0, 255, 257]), ("long", [0, 1, 16384, 5, 700])]
+    for n, hi in ((7, 300), (64, 1000), (300, 40), (3000, 200), (3000, 3)):
+        cases.append((f"random-{n}x{hi}", [rng.choice([0, 1, rng.randint(0, hi)]) for _ in range(n)]))
+    return cases
+
+
+def _grid(cu, block):
+    """The thd grid's program slots (``schedule.grid``): ``total // block + n_seqs``."""
+    return cu[-1] // block + len(cu) - 1
+
+
+def _programs(cu, block):
+    """``(b, tile)`` of every program of the grid: the last sequence whose first slot
+    (``schedule.slot``) is at most the program's index, found by ``bisect`` (the kernels search by
+    hand)."""
+    slots = [schedule.slot(cu, b, block) for b in range(len(cu) - 1)]
+    found = [bisect.bisect_right(slots, p) - 1 for p in range(_grid(cu, block))]
+    return [(b, p - slots[b]) for p, b in enumerate(found)]
+
+
+@pytest.mark.parametrize("block", [64, 128])
+@pytest.mark.parametrize("name,lens", _lengths(), ids=[c[0] for c in _lengths()])
+def test_every_tile_runs_once_and_few_programs_idle(name, lens, block):
+    cu = _cu(lens)
+    tiles = [(b, j) for b, n in enumerate(lens) for j in range(math.ceil(n / block))]
+    progs = _programs(cu, block)
+    real = [(b, j) for b, j in progs if j * block < lens[b]]
+    idle = [(b, j) for b, j in progs if j * block >= lens[b]]
+    assert real == tiles  # each tile exactly once, in packed order
+    assert len(idle) <= len(lens)
+    assert len({b for b, _ in idle}) == len(idle)  # at most one idle program per sequence
+    # an idle program's tile is the first past its sequence's end: an empty tile to every kernel
+    assert all(j == math.ceil(lens[b] / block) for b, j in idle)
+    assert all(0 <= b < len(lens) for b, _ in progs)
+
+
+def test_grid_is_the_bound_of_the_brief():
+    """The grid is ``total // block + n_seqs``: at most the real tiles plus one per sequence."""
+    rng = random.Random(3)
+    for _ in range(200):
+        lens = [rng.randint(0, 500) for _ in range(rng.randint(1, 50))]
+        block = rng.choice([32, 64, 128])
+        real = sum(math.ceil(n / block) for n in lens)
+        grid = _grid(_cu(lens), block)
+        assert real <= grid <= real + len(lens)
+
+
+@pytest.fixture(scope="module")
+def search_kernel():
+    """``schedule.locate`` for thd inside a kernel compiled for the CPU: writes ``(b, tile)`` of
+    every program. The same macro the CUDA kernels inline."""
+    import tilelang
+    import tilelang.language as T
+    from tilelang.language.kernel import Kernel
+
+    n_cu, n_prog = T.dynamic("n_cu, n_prog")
+
+    def build(block):
+        @T.prim_func
+        def search(Cu: T.Tensor([n_cu], "int32"), Out: T.Tensor([n_prog, 2], "int32")):
+            with Kernel(n_prog) as p:
+                b, j = schedule.locate("thd", Cu, p, 0, block)
+                Out[p, 0] = b
+                Out[p, 1] = j
+
+        try:
+            return tilelang.compile(search, target="c")
+        except Exception as exc:  # no host C compiler: the Python twin above still runs
+            pytest.skip(f"TileLang's C target does not build here: {type(exc).__name__}: {exc}")
+
+    return {block: build(block) for block in (64, 128)}
+
+
+@pytest.mark.parametrize("block", [64, 128])
+def test_kernel_search_is_the_host_arithmetic(search_kernel, block):
+    for name, lens in _lengths():
+        cu = _cu(lens)
+        n = _grid(cu, block)
+        out = torch.full((n, 2), -7, dtype=torch.int32)
+        search_kernel[block](torch.tensor(cu, dtype=torch.int32), out)
+        assert out.tolist() == [list(x) for x in _programs(cu, block)], name
+
+
+def _cfg(layout, precision="fast", deterministic=False, arch="sm_90a", groups=8):
+    return KernelConfig(arch, "bfloat16", 64, 64, groups, True, True, layout, deterministic, precision)
+
+
+KINDS = [("fwd", {}), ("preprocess", {}), ("preprocess", {"precision": "strict"}), ("bwd", {}),
+         ("bwd", {"precision": "strict"}), ("bwd_split", {}), ("dq", {"deterministic": True}),
+         ("fwd", {"arch": "sm_80"}), ("bwd", {"arch": "sm_80"})]
+
+
+@pytest.mark.parametrize("kind,over", KINDS, ids=[f"{k}-{'-'.join(map(str, o.values())) or 'default'}"
+                                                  for k, o in KINDS])
+def test_packed_kernels_launch_the_schedule(kind, over):
+    """thd: the grid's first dim is the program slots (``rows // block + n_seqs``), its last is 1,
+    and the program searches ``cu_seqlens``; bhsd: tiles x batch as before, no search."""
+    text = build_prim_func(kind, _cfg("thd", **over)).script()
+    assert "while " in text and 'thread="blockIdx.z"' in text
+    assert "T.thread_binding(1, thread=\"blockIdx.z\")" in text
+    assert re.search(r"\b(seq_q|seq_kv) // (64|128) \+ \(n_cu - 1\)", text)  # the grid's program slots
+    padded = build_prim_func(kind, _cfg("bhsd", **over)).script()
+    assert "while " not in padded and "T.thread_binding(1, thread=\"blockIdx.z\")" not in padded
