@@ -20,7 +20,7 @@ import torch  # noqa: E402
 
 from flashsink.ops import schedule  # noqa: E402
 from flashsink.ops.compile import build_prim_func  # noqa: E402
-from flashsink.ops.config import KernelConfig  # noqa: E402
+from flashsink.ops.config import KernelConfig, fwd_ws  # noqa: E402
 
 pytestmark = pytest.mark.l0
 
@@ -132,10 +132,17 @@ KINDS = [("fwd", {}), ("preprocess", {}), ("preprocess", {"precision": "strict"}
                                                   for k, o in KINDS])
 def test_packed_kernels_launch_the_schedule(kind, over):
     """thd: the grid's first dim is the program slots (``rows // block + n_seqs``), its last is 1,
-    and the program searches ``cu_seqlens``; bhsd: tiles x batch as before, no search."""
-    text = build_prim_func(kind, _cfg("thd", **over)).script()
-    assert "while " in text and 'thread="blockIdx.z"' in text
-    assert "T.thread_binding(1, thread=\"blockIdx.z\")" in text
-    assert re.search(r"\b(seq_q|seq_kv) // (64|128) \+ \(n_cu - 1\)", text)  # the grid's program slots
+    and the program searches ``cu_seqlens``; bhsd: tiles x batch as before, no search. The Hopper
+    forward (``fwd_ws.py``'s persistent kernel) loops over the same slots (x heads) from a grid of
+    its own, and searches for each."""
+    cfg = _cfg("thd", **over)
+    text = build_prim_func(kind, cfg).script()
+    assert "while " in text
+    if kind == "fwd" and fwd_ws(cfg):
+        assert re.search(r"m_tiles: T.int32 = seq_q // (128|192) \+ \(n_cu - 1\)", text)  # the slots it loops over
+    else:
+        assert 'thread="blockIdx.z"' in text
+        assert "T.thread_binding(1, thread=\"blockIdx.z\")" in text
+        assert re.search(r"\b(seq_q|seq_kv) // (64|128) \+ \(n_cu - 1\)", text)  # the grid's program slots
     padded = build_prim_func(kind, _cfg("bhsd", **over)).script()
     assert "while " not in padded and "T.thread_binding(1, thread=\"blockIdx.z\")" not in padded
