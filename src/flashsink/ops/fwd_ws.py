@@ -1,7 +1,9 @@
 """The forward, warp-specialized by hand for Hopper (FlashAttention-3's schedule).
 
-Same outputs, grid and arguments as ``fwd.build_fwd``, a different schedule. ``block_m / 64``
-consumer warpgroups (each owns 64 query rows of the tile) and one producer warpgroup:
+Same outputs and arguments as ``fwd.build_fwd`` (o and lse bitwise equal, docs/perf.md v9), a
+different schedule: a persistent grid of programs looping over the (row tile, head, sequence) tiles,
+each with ``block_m / 64`` consumer warpgroups (each owns 64 query rows of the tile) and one producer
+warpgroup:
 
 - the **producer** (24 registers) loads the tile's Q once and each K and V tile by TMA into a
   ring of ``stages`` slots, K and V with barriers of their own, so a consumer starts QK^T as soon
