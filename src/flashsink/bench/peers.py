@@ -157,6 +157,14 @@ class Flex(System):
         for knob in ("recompile_limit", "cache_size_limit"):
             if hasattr(dynamo.config, knob):
                 setattr(dynamo.config, knob, max(256, getattr(dynamo.config, knob)))
+        # The bwd-only rows replay one forward's graph (retain_graph=True, System.callables), which a
+        # backward compiled with donated buffers refuses ("requires create_graph=False and
+        # retain_graph=False"): every flex bwd row errored so. The flag is read when AOTAutograd
+        # compiles (first call), so it is set here, for the bench's process.
+        import torch._functorch.config as functorch_config
+
+        if hasattr(functorch_config, "donated_buffer"):
+            functorch_config.donated_buffer = False
         return torch.compile(flex_sink, dynamic=False)
 
     def prepare(self, inp, prob):
