@@ -90,3 +90,26 @@ def test_ws_compiles_for_hopper():
                             pass_configs=pass_configs())
     src = kern.get_kernel_source()
     assert "wgmma_rs" in src and "wgmma_ss" in src and "wait_wgmma<1>" in src
+
+
+@pytest.mark.parametrize("cfg,want", [
+    (_cfg(), True),
+    (_cfg("float16", 64, "thd"), True),
+    (_cfg(d=64, causal=False, sinks=False, groups=1), True),
+    (KernelConfig("sm_90a", "bfloat16", 128, 64, 8, True, True, "bhsd"), False),  # v's own head dim: not measured
+    (_cfg(d=32), False),
+    (_cfg(d=256), False),
+    (_cfg(arch="sm_80"), False),
+])
+def test_library_forward_is_ws_where_config_says(cfg, want):
+    """config.fwd_ws picks the hand kernel for the library's forward (Hopper, equal head dims 64 or
+    128), with 192-row tiles at D64; elsewhere the pipelined kernel."""
+    from flashsink.ops.compile import build_prim_func
+    from flashsink.ops.config import fwd_tiles, fwd_ws
+
+    assert fwd_ws(cfg) == want
+    text = build_prim_func("fwd", cfg).script()
+    assert ("set_max_nreg" in text and "wait_wgmma" in text) == want
+    if want:
+        assert f'"tl.launch_threads": [{fwd_tiles(cfg).block_m * 2 + 128}, 1, 1]' in text
+        assert fwd_tiles(cfg).block_m == (192 if cfg.head_dim == 64 else 128)
