@@ -15,7 +15,7 @@ from .config import KernelConfig, Tiles, fwd_mask, fwd_tiles, fwd_ws
 from .fwd_entry import fwd_entry, fwd_shapes
 from .fwd_ws import build_fwd_ws
 from .layout import prologue_load, sequence, store_rows, store_stat, tile
-from .mask import mask_logits, scale_logits
+from .mask import branch_logits, mask_logits, scale_logits
 from .schedule import locate
 
 
@@ -114,10 +114,7 @@ def build_fwd(cfg: KernelConfig, tiles: Tiles | None = None, mask: str | None = 
                     T.clear(acc_s)
                     T.gemm(q_s, r[3], acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
                     if mask == "branch":
-                        if (kb >= full[0]) & (kb < full[1]):
-                            scale_logits(acc_s, scale_log2, fold_scale)
-                        else:
-                            mask_logits(acc_s, row0, key0, sq, sk, window, scale_log2, fold_scale, None, kb, cfg.causal)
+                        branch_logits(acc_s, row0, key0, sq, sk, window, scale_log2, fold_scale, full, kb, cfg.causal)
                     elif r[2]:
                         mask_logits(acc_s, row0, key0, sq, sk, window, scale_log2, fold_scale,
                                     full if mask == "flag" else None, kb, cfg.causal)

@@ -28,7 +28,7 @@ from .block_range import full_kv_blocks_for_rows, kv_blocks_for_rows
 from .config import KernelConfig, Tiles
 from .fwd_entry import fwd_entry, fwd_shapes
 from .layout import sequence, store_rows, store_stat, tile
-from .mask import mask_logits, scale_logits
+from .mask import branch_logits
 from .schedule import locate
 
 #: registers per thread of the producer warpgroup (setmaxnreg); the consumers share the rest of
@@ -171,7 +171,8 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
                             T.named_barrier_arrive(PINGPONG_BARRIER + (wg + 1) % n_consumers, 256)  # the next's
                         T.wait_wgmma(0)
                         T.barrier_arrive(k_empty[s0])
-                        _logits(acc_s, lo, flo, fhi, row0, bn, sq, sk, window, scale_log2, cfg.causal)
+                        branch_logits(acc_s, row0, lo * bn, sq, sk, window, scale_log2, False, (flo, fhi), lo,
+                                      cfg.causal)
                         softmax.new_max(acc_s, m, m_prev, alpha, row_sum, bm)
                         softmax.exp_sum(acc_s, m, alpha, row_sum, l, bm, bn)
                         T.copy(acc_s, p)
@@ -190,7 +191,9 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
                             T.named_barrier_arrive(PINGPONG_BARRIER + (wg + 1) % n_consumers, 256)
                         T.wait_wgmma(1)  # S_it; P_{it-1} V_{it-1} still runs
                         T.barrier_arrive(k_empty[s])
-                        _logits(acc_s, lo + it, flo, fhi, row0, bn, sq, sk, window, scale_log2, cfg.causal)
+                        kb = lo + it
+                        branch_logits(acc_s, row0, kb * bn, sq, sk, window, scale_log2, False, (flo, fhi), kb,
+                                      cfg.causal)
                         softmax.new_max(acc_s, m, m_prev, alpha, row_sum, bm)
                         softmax.exp_sum(acc_s, m, alpha, row_sum, l, bm, bn)
                         T.wait_wgmma(0)
@@ -242,12 +245,3 @@ def _pingpong_start(wg):
     arrives on the next one's)."""
     if wg == 0:
         T.named_barrier_arrive(PINGPONG_BARRIER, 256)
-
-
-@T.macro
-def _logits(acc_s, kb, flo, fhi, row0, bn: int, sq, sk, window, scale_log2, causal: bool):
-    """KV block ``kb``'s logits scaled to base 2, masked unless the block is wholly visible."""
-    if (kb >= flo) & (kb < fhi):
-        scale_logits(acc_s, scale_log2, False)
-    else:
-        mask_logits(acc_s, row0, kb * bn, sq, sk, window, scale_log2, False, None, kb, causal)

@@ -43,6 +43,17 @@ def scale_logits(acc_s, scale_log2, fold_scale: bool):
             acc_s[i, j] = acc_s[i, j] * scale_log2
 
 
+@T.macro
+def branch_logits(acc_s, row0, key0, sq, sk, window, scale_log2, fold_scale: bool, full, kb, causal: bool):
+    """:func:`mask_logits` where KV block ``kb`` is not wholly visible, else only the scale
+    (:func:`scale_logits`): ``full`` (flo, fhi) is the tile's wholly visible blocks
+    (``block_range.full_kv_blocks_for_rows``), bound once per tile; the branch is per tile."""
+    if (kb >= full[0]) & (kb < full[1]):
+        scale_logits(acc_s, scale_log2, fold_scale)
+    else:
+        mask_logits(acc_s, row0, key0, sq, sk, window, scale_log2, fold_scale, None, kb, causal)
+
+
 def _keep(row, key, kb, seq_q, seq_kv, window, causal: bool, full):
     """The select's condition: ``visible``, or (``full`` given) KV block ``kb`` wholly visible."""
     vis = visible(row, key, seq_q, seq_kv, window, causal)
