@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from flashsink import visibility
-from flashsink.ops.block_range import full_kv_blocks_for_rows, kv_blocks_for_rows, row_blocks_for_keys
+from flashsink.ops.block_range import (full_kv_blocks_for_rows, full_row_blocks_for_keys, kv_blocks_for_rows,
+                                       row_blocks_for_keys)
 from flashsink.ops.config import NO_WINDOW
 from flashsink.ops.mask import visible
 from flashsink.reference import visible_mask
@@ -164,7 +165,7 @@ def test_block_ranges_cover_exactly_the_visible_blocks(seq_q, seq_kv, window, bl
 )
 @pytest.mark.parametrize("block_m, block_n", [(128, 128), (64, 128), (128, 64), (32, 64)])
 def test_full_ranges_are_exactly_the_wholly_visible_blocks(seq_q, seq_kv, window, causal, block_m, block_n):
-    """The forward skips the mask on ``[flo, fhi)``: every pair there must be visible (else a
+    """The forward (and the main backward, over row blocks) skips the mask on ``[flo, fhi)``: every pair there must be visible (else a
     masked key leaks in), and every other visited block must hold a masked pair or a row or key
     past the end (the split then costs nothing where a tile could go unmasked)."""
     w = NO_WINDOW if window is None else window
@@ -178,6 +179,14 @@ def test_full_ranges_are_exactly_the_wholly_visible_blocks(seq_q, seq_kv, window
         want = [j for j in range(n_n) if rows_in and (j + 1) * block_n <= seq_kv
                 and vis[i * block_m : (i + 1) * block_m, j * block_n : (j + 1) * block_n].all()]
         assert want == list(range(flo, fhi)), (i, flo, fhi, want)
+    for j in range(n_n + 2):  # the main backward's: query-row blocks of KV tile j (and tiles past the end)
+        lo, hi = map(_int, row_blocks_for_keys(j * block_n, block_n, block_m, seq_q, seq_kv, w, causal))
+        flo, fhi = map(_int, full_row_blocks_for_keys(lo, hi, j * block_n, block_n, block_m, seq_q, seq_kv, w, causal))
+        assert lo <= flo <= fhi <= hi, (j, lo, flo, fhi, hi)
+        keys_in = (j + 1) * block_n <= seq_kv
+        want = [i for i in range(n_m) if keys_in and (i + 1) * block_m <= seq_q
+                and vis[i * block_m : (i + 1) * block_m, j * block_n : (j + 1) * block_n].all()]
+        assert want == list(range(flo, fhi)), (j, flo, fhi, want)
 
 
 @pytest.mark.l0

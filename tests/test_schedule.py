@@ -123,6 +123,10 @@ def _cfg(layout, precision="fast", deterministic=False, arch="sm_90a", groups=8)
     return KernelConfig(arch, "bfloat16", 64, 64, groups, True, True, layout, deterministic, precision)
 
 
+#: the kinds whose programs take their tiles longest first (``schedule.by_work``; the strict
+#: preprocess too): the grid is (tiles x heads, sequences)
+BY_WORK = ("fwd", "bwd", "bwd_split")
+
 KINDS = [("fwd", {}), ("preprocess", {}), ("preprocess", {"precision": "strict"}), ("bwd", {}),
          ("bwd", {"precision": "strict"}), ("bwd_split", {}), ("dq", {"deterministic": True}),
          ("fwd", {"arch": "sm_80"}), ("bwd", {"arch": "sm_80"})]
@@ -131,18 +135,23 @@ KINDS = [("fwd", {}), ("preprocess", {}), ("preprocess", {"precision": "strict"}
 @pytest.mark.parametrize("kind,over", KINDS, ids=[f"{k}-{'-'.join(map(str, o.values())) or 'default'}"
                                                   for k, o in KINDS])
 def test_packed_kernels_launch_the_schedule(kind, over):
-    """thd: the grid's first dim is the program slots (``rows // block + n_seqs``), its last is 1,
-    and the program searches ``cu_seqlens``; bhsd: tiles x batch as before, no search. The Hopper
-    forward (``fwd_ws.py``'s persistent kernel) loops over the same slots (x heads) from a grid of
-    its own, and searches for each."""
+    """thd: the grid's first dim is the program slots (``rows // block + n_seqs``; times the heads in
+    the kernels that issue their tiles longest first, ``schedule.by_work``), its last is 1, and the
+    program searches ``cu_seqlens``; bhsd: tiles (x heads) x batch, no search. The Hopper forward
+    (``fwd_ws.py``'s persistent kernel) loops over the same slots (x heads) from a grid of its own,
+    and searches for each."""
     cfg = _cfg("thd", **over)
     text = build_prim_func(kind, cfg).script()
     assert "while " in text
     if kind == "fwd" and fwd_ws(cfg):
         assert re.search(r"m_tiles: T.int32 = seq_q // (128|192) \+ \(n_cu - 1\)", text)  # the slots it loops over
-    else:
-        assert 'thread="blockIdx.z"' in text
-        assert "T.thread_binding(1, thread=\"blockIdx.z\")" in text
-        assert re.search(r"\b(seq_q|seq_kv) // (64|128) \+ \(n_cu - 1\)", text)  # the grid's program slots
+        return
+    by_work = kind in BY_WORK or (kind == "preprocess" and cfg.precision == "strict")
+    last = "blockIdx.y" if by_work else "blockIdx.z"
+    assert f"T.thread_binding(1, thread=\"{last}\")" in text
+    assert re.search(r"\b(seq_q|seq_kv) // (64|128) \+ \(n_cu - 1\)", text)  # the grid's program slots
+    if by_work:  # slots x heads along x, heads fastest
+        assert re.search(r'T.thread_binding\((m_tiles|n_tiles) \* .*thread="blockIdx.x"\)', text)
+        assert 'thread="blockIdx.z"' not in text
     padded = build_prim_func(kind, _cfg("bhsd", **over)).script()
-    assert "while " not in padded and "T.thread_binding(1, thread=\"blockIdx.z\")" not in padded
+    assert "while " not in padded and f"T.thread_binding(1, thread=\"{last}\")" not in padded

@@ -40,32 +40,45 @@ PROBE_TIMEOUT_S, PROBE_START_S = 60, 240
 
 
 def _variants(d: int, only: str = "") -> list:
-    """(label, Tiles fields, (dq_bulk, overlap, split, ws)) of the fast main backward for head dim
-    ``d``. ``ws``: bwd_ws.py's hand warp-specialized kernel (``t.stages`` is its ring's depth)."""
+    """(label, Tiles fields, (dq_bulk, overlap, split, ws, lpt, precision, branch)) of the main backward
+    for head dim ``d``. ``ws``: bwd_ws.py's hand warp-specialized kernel (``t.stages`` is its ring's
+    depth); ``lpt``: KV tiles issued longest first (schedule.by_work; ``/launch`` in a label: the old
+    order); ``branch``: ws's mask skipped on wholly visible tiles (``/nobranch``: masked everywhere)."""
     t = (64, 128, 256, 2)
     t3 = (64, 128, 256, 3)
-    out = [("64x128/s2", t, (False, False, 1, False)),
-           ("64x128/s2/bulk", t, (True, False, 1, False)),
-           ("64x128/s2/overlap", t, (False, True, 1, False)),
-           ("64x128/s2/split2", t, (False, False, 2, False)),
-           ("64x128/s2/split4", t, (False, False, 4, False)),
-           ("64x128/s2/split8", t, (False, False, 8, False)),
-           ("64x128/s2/split4/bulk+overlap", t, (True, True, 4, False)),
-           ("64x128/s2/split8/bulk+overlap", t, (True, True, 8, False)),
-           ("64x128/s1/split4", (64, 128, 256, 1), (False, False, 4, False)),
-           ("32x128/s2/split4", (32, 128, 256, 2), (False, False, 4, False)),
-           ("64x128/s3/bulk+overlap", t3, (True, True, 1, False)),
-           ("64x128/s3/split8/bulk+overlap", t3, (True, True, 8, False)),
-           ("ws 64x128/s2", t, (None, None, 1, True)),
-           ("ws 64x128/s2/split4", t, (None, None, 4, True)),
-           ("ws 64x128/s2/split8", t, (None, None, 8, True)),
-           ("ws 64x128/s3", t3, (None, None, 1, True)),
-           ("ws 64x128/s3/split8", t3, (None, None, 8, True))]
+    fast = [("64x128/s2", t, (False, False, 1, False)),
+            ("64x128/s2/bulk", t, (True, False, 1, False)),
+            ("64x128/s2/overlap", t, (False, True, 1, False)),
+            ("64x128/s2/split2", t, (False, False, 2, False)),
+            ("64x128/s2/split4", t, (False, False, 4, False)),
+            ("64x128/s2/split8", t, (False, False, 8, False)),
+            ("64x128/s2/split4/bulk+overlap", t, (True, True, 4, False)),
+            ("64x128/s2/split8/bulk+overlap", t, (True, True, 8, False)),
+            ("64x128/s1/split4", (64, 128, 256, 1), (False, False, 4, False)),
+            ("32x128/s2/split4", (32, 128, 256, 2), (False, False, 4, False)),
+            ("64x128/s3/bulk+overlap", t3, (True, True, 1, False)),
+            ("64x128/s3/split8/bulk+overlap", t3, (True, True, 8, False)),
+            ("ws 64x128/s2", t, (None, None, 1, True)),
+            ("ws 64x128/s2/split4", t, (None, None, 4, True)),
+            ("ws 64x128/s2/split8", t, (None, None, 8, True)),
+            ("ws 64x128/s3", t3, (None, None, 1, True)),
+            ("ws 64x128/s3/split8", t3, (None, None, 8, True))]
     if d <= 64:
-        out += [("128x128/s2/split4", (128, 128, 256, 2), (False, False, 4, False)),
-                ("128x128/s2/split8/bulk+overlap", (128, 128, 256, 2), (True, True, 8, False)),
-                ("ws 128x128/s2", (128, 128, 256, 2), (None, None, 1, True)),
-                ("ws 128x128/s2/split8", (128, 128, 256, 2), (None, None, 8, True))]
+        fast += [("128x128/s2/split4", (128, 128, 256, 2), (False, False, 4, False)),
+                 ("128x128/s2/split8/bulk+overlap", (128, 128, 256, 2), (True, True, 8, False)),
+                 ("ws 128x128/s2", (128, 128, 256, 2), (None, None, 1, True)),
+                 ("ws 128x128/s2/split8", (128, 128, 256, 2), (None, None, 8, True))]
+    out = [(label, tiles, opts + (True, "fast", True)) for label, tiles, opts in fast]
+    # v10's two changes apart and together against the kernel before them ("/launch/nobranch"):
+    # the launch order (tiles longest first, or "/launch": each head's tiles in a row) and the
+    # ws kernel's per-element mask only off wholly visible tiles (or "/nobranch": everywhere)
+    for split in (1, 8):
+        name = "ws 64x128/s2" + (f"/split{split}" if split > 1 else "")
+        out += [(name + "/launch", t, (None, None, split, True, False, "fast", True)),
+                (name + "/nobranch", t, (None, None, split, True, True, "fast", False)),
+                (name + "/launch/nobranch", t, (None, None, split, True, False, "fast", False))]
+    out += [("strict 64x128/s2", t, (None, None, 1, False, True, "strict", True)),
+            ("strict 64x128/s2/launch", t, (None, None, 1, False, False, "strict", True))]
     keys = [k for k in only.split(",") if k]
     return [v for v in out if not keys or any(k in v[0] for k in keys)]
 
@@ -85,7 +98,9 @@ def _func(job):
     kind, dtype, d, precision, tiles, opts = job
     cfg = _cfg(dtype, d, precision)
     if kind == "bwd-variant":
-        return bwd.build_bwd(cfg, tiles=Tiles(*tiles), dq_bulk=opts[0], overlap=opts[1], split=opts[2], ws=opts[3])
+        cfg = _cfg(dtype, d, opts[5])
+        return bwd.build_bwd(cfg, tiles=Tiles(*tiles), dq_bulk=opts[0], overlap=opts[1], split=opts[2], ws=opts[3],
+                             lpt=opts[4], branch=opts[6])
     return build_prim_func(kind, cfg)
 
 
@@ -184,7 +199,7 @@ def _probe_worker(name, jobs, out):
         out.put((job, "start"))
         try:
             main = kern(job[0], job[3], job[4], job[5])
-            prob.backward("fast", main, job[5][2])
+            prob.backward(job[5][5], main, job[5][2])
             torch.cuda.synchronize()
         except Exception as exc:
             out.put((job, f"{type(exc).__name__}: {str(exc)[-300:]}"))
@@ -329,29 +344,38 @@ def main() -> int:
         row["kernels"]["zero fill"] = do_bench(lambda: acc.zero_(), return_mode="median")
         row["kernels"]["main (strict)"] = do_bench(lambda: kern("bwd", "strict")(q, k, v, do, lse, delta, win, scale, acc, dk, dv), return_mode="median")
         dkv = torch.zeros(2, 1, HK, rows, d, dtype=torch.float32, device="cuda")
-        for label, tiles, opts in [("default*", None, (None, None, 1, False))] + _variants(d, args.variants):
+        unsplit = {}
+        for label, tiles, opts in [("default*", None, (None, None, 1, False, True, "fast", True))] + _variants(d, args.variants):
             main = kern("bwd", "fast") if tiles is None else kern("bwd-variant", "fast", tiles, opts)
             if main is None:
-                row["kernels"][f"main fast {label}"] = "compile failed"
+                row["kernels"][f"main {label}"] = "compile failed"
                 continue
             fault = probed.get(("bwd-variant", dtype_name, d, "fast", tiles, opts))
             if fault:
-                row["kernels"][f"main fast {label}"] = f"RUN FAILED ({fault})"
+                row["kernels"][f"main {label}"] = f"RUN FAILED ({fault})"
                 continue
-            split = opts[2]
-            got = backward("fast", main, split)
+            split, prec = opts[2], opts[5]
+            got = backward(prec, main, split)
             errs = [float((g.double() - r.double()).norm() / r.double().norm()) for g, r in zip(got, ref)]
             if not all(e <= MAX_REL_L2 for e in errs):  # NaN fails too
-                row["kernels"][f"main fast {label}"] = ("WRONG: relL2 vs strict dq/dk/dv/dsink "
+                row["kernels"][f"main {label}"] = ("WRONG: relL2 vs strict dq/dk/dv/dsink "
                                                         + " ".join(f"{e:.1e}" for e in errs))
                 continue
             outs = (acc, dkv[0], dkv[1]) if split > 1 else (acc, dk, dv)
             ms = do_bench(lambda: main(q, k, v, do, lse, delta, win, scale, *outs), return_mode="median")
-            total = do_bench(lambda: backward("fast", main, split), return_mode="median")
-            row["kernels"][f"main fast {label}"] = ms
+            total = do_bench(lambda: backward(prec, main, split), return_mode="median")
+            row["kernels"][f"main {label}"] = ms
             row["kernels"][f"  bwd total {label}"] = total
             row["kernels"][f"  fwd+bwd TFLOP/s {label}"] = flops_fb / ((fwd_ms + total) * 1e-3) / 1e12
             row["kernels"][f"  relL2 vs strict dq/dk/dv/dsink {label}"] = " ".join(f"{e:.1e}" for e in errs)
+            if opts[3] and split == 1:  # unsplit ws: dK/dV written once per program, reproducible
+                unsplit[label] = (got[1].clone(), got[2].clone())
+        # v10's launch order and mask branch change no value: dK/dV bitwise equal to the old kernel's
+        old = unsplit.get("ws 64x128/s2/launch/nobranch")
+        for label, (gk, gv) in unsplit.items():
+            if old is not None and label != "ws 64x128/s2/launch/nobranch":
+                row["kernels"][f"  dK, dV bitwise equal to /launch/nobranch: {label}"] = str(
+                    torch.equal(gk, old[0]) and torch.equal(gv, old[1]))
         results.append(row)
         print(f"\n== {name}: {dtype_name} N={n} D={d} W={window} H={H}/{HK} (fwd+bwd {flops_fb / 1e12:.2f} TFLOP)")
         for key, val in row["kernels"].items():

@@ -62,6 +62,26 @@ def row_blocks_for_keys(key0, block_n, block_m, seq_q, seq_kv, window, causal: b
     return lo, lo + T.max(hi - lo, 0) * has_keys
 
 
+def full_row_blocks_for_keys(lo, hi, key0, block_n, block_m, seq_q, seq_kv, window, causal: bool):
+    """The wholly visible query-row blocks ``[flo, fhi)`` of keys ``[key0, key0 + block_n)``, inside
+    the tile's range ``[lo, hi)`` (:func:`row_blocks_for_keys`): the main backward's mirror of
+    :func:`full_kv_blocks_for_rows`. The blocks ``[lo, flo)`` (the diagonal) and ``[fhi, hi)`` (a
+    window's trailing edge, a partial last row block) need the mask. A KV tile hanging over the end
+    of its sequence has none."""
+    keys_in = _positive(seq_kv - (key0 + block_n) + 1)  # every key of the tile is inside
+    if not causal:
+        flo, fhi_raw = lo, seq_q // block_m
+    else:
+        # row block i is full iff its first row sees the tile's last key (causal), the row one past
+        # its last still sees the tile's first key (window), and it ends inside the sequence; the
+        # window is capped so that key0 + window cannot overflow int32 (a cap past every row)
+        first_row = T.max(row_at(first_query(key0 + block_n - 1), seq_q, seq_kv), 0)
+        end_row = T.max(row_at(query_end(key0, T.min(window, seq_q + seq_kv + block_m)), seq_q, seq_kv), 0)
+        flo = T.min(T.max(T.ceildiv(first_row, block_m), lo), hi)
+        fhi_raw = T.min(end_row // block_m, seq_q // block_m)
+    return flo, flo + T.max(T.min(fhi_raw, hi) - flo, 0) * keys_in
+
+
 def _positive(x):
     """1 where ``x > 0`` else 0, as integer arithmetic (folds to an int for int inputs)."""
     return T.min(T.max(x, 0), 1)

@@ -33,7 +33,7 @@ from .config import (ROW_BLOCK, KernelConfig, bwd_dq_bulk, bwd_overlap, bwd_spli
                      pre_tiles)
 from .layout import (acc_tile, kernel, prologue_load, qkv_shapes, row_runs, sequence, stage_stat, staged_stat, stat_at,
                      stat_shape, stat_tile, store_rows, store_stat, tile, varlen_params)
-from .schedule import grid, locate
+from .schedule import by_work, grid, locate
 from .mask import visible
 from .softmax import LOG2E
 from .split import split
@@ -181,7 +181,8 @@ def _build_preprocess_strict(cfg: KernelConfig):
 
     @T.macro
     def body(Q, K, V, dO, LSE, dLSE, Sinks, CuQ, CuK, window, scale, Delta, dSinkAcc, dSinkPart, m_tiles, n_seqs):
-        with T.Kernel(m_tiles, heads, n_seqs, threads=t.threads) as (bx, head, b):
+        with T.Kernel(m_tiles * heads, n_seqs, threads=t.threads) as (p, b):
+            bx, head = by_work(p, m_tiles, heads, longest_last=True)
             q_s = T.alloc_shared([bm, dim], dtype)
             do_s = T.alloc_shared([bm, dim_v], dtype)
             k_s = T.alloc_shared([bn, dim], dtype)
@@ -250,7 +251,8 @@ def _build_preprocess_strict(cfg: KernelConfig):
     return flashsink_bwd_preprocess
 
 
-def build_bwd(cfg: KernelConfig, tiles=None, dq_bulk=None, overlap=None, split=None, ws=None):
+def build_bwd(cfg: KernelConfig, tiles=None, dq_bulk=None, overlap=None, split=None, ws=None, lpt=True,
+              branch=True):
     """The main backward. The options default to the tile table's choices and exist for
     tools/bwd_variants.py, which times alternatives: ``tiles`` (``bwd_tiles(cfg)``); ``dq_bulk``,
     dQ tiles added by one bulk (TMA) reduce-add from shared memory instead of per-thread atomics
@@ -268,6 +270,9 @@ def build_bwd(cfg: KernelConfig, tiles=None, dq_bulk=None, overlap=None, split=N
     ``ws`` (``bwd_ws(cfg)``): the hand warp-specialized Hopper kernel of ``bwd_ws.py`` (fast precision; its
     dQ is always the producer's bulk reduce-add and its S^T/dP^T always overlap, so ``dq_bulk``
     and ``overlap`` do not apply).
+
+    ``lpt``: KV tiles issued longest first (``schedule.by_work``); False, the old launch order.
+    ``branch`` (ws only): the per-element mask only on row blocks not wholly visible.
     """
     t = tiles or bwd_tiles(cfg)
     ws = bwd_ws(cfg) if ws is None else ws
@@ -278,7 +283,7 @@ def build_bwd(cfg: KernelConfig, tiles=None, dq_bulk=None, overlap=None, split=N
         raise ValueError(f"split={split} needs a divisor of groups={cfg.groups}, a non-deterministic "
                          "configuration and head_dim == head_dim_v")
     if ws:
-        return build_bwd_ws(cfg, t, split)
+        return build_bwd_ws(cfg, t, split, lpt, branch)
     per_prog = cfg.groups // split  # query heads one program streams
     dq_ann = {"use_tma": 1} if dq_bulk else None
     bm, bn = t.block_m, t.block_n  # bm query rows stream past bn resident keys
@@ -291,7 +296,8 @@ def build_bwd(cfg: KernelConfig, tiles=None, dq_bulk=None, overlap=None, split=N
 
     @T.macro
     def body(Q, K, V, dO, LSE, Delta, CuQ, CuK, window, scale, dQAcc, dK, dV, n_tiles, n_seqs):
-        with T.Kernel(n_tiles, heads_kv * split, n_seqs, threads=t.threads) as (bx, hs, b):
+        with T.Kernel(n_tiles * heads_kv * split, n_seqs, threads=t.threads) as (p, b):
+            bx, hs = by_work(p, n_tiles, heads_kv * split, longest_last=False, lpt=lpt)
             kv_head = hs // split
             head0 = kv_head * groups + (hs % split) * per_prog  # first query head of this program
             k_s = T.alloc_shared([bn, dim], dtype)
@@ -417,6 +423,8 @@ def build_dq(cfg: KernelConfig):
 
     @T.macro
     def body(Q, K, V, dO, LSE, Delta, CuQ, CuK, window, scale, dQ, m_tiles, n_seqs):
+        # launch order (not schedule.by_work's): that index arithmetic makes TileLang 0.1.15 put a
+        # shared-memory sync in a 28-thread branch at D64 fast (compile error, 2026-12-04)
         with T.Kernel(m_tiles, heads, n_seqs, threads=t.threads) as (bx, head, b):
             q_s = T.alloc_shared([bm, dim], dtype)
             do_s = T.alloc_shared([bm, dim_v], dtype)

@@ -18,11 +18,11 @@ barriers between the two consumers per tile (docs/perf.md, v6).
 
 import tilelang.language as T
 
-from .block_range import row_blocks_for_keys
+from .block_range import full_row_blocks_for_keys, row_blocks_for_keys
 from .config import KernelConfig
 from .bwd_entry import main_bwd_entry, main_bwd_shapes
 from .layout import acc_tile, prologue_load, sequence, stat_tile, store_rows, tile
-from .schedule import locate
+from .schedule import by_work, locate
 from .mask import visible
 from .softmax import LOG2E
 
@@ -41,9 +41,22 @@ def _stat(x, ring, layout, s, h, row, j):
     return x[h, row] if layout == "thd" else ring[s, j]
 
 
-def build_bwd_ws(cfg: KernelConfig, t, split: int):
+def _probs(x, lse, scale_log2):
+    """An element of P^T from its logit ``x`` and its row's lse (natural log, with the sink)."""
+    return T.exp2(x * scale_log2 - lse * LOG2E)
+
+
+def _dscores(p, dp, delta, scale):
+    """An element of dS^T from P^T's and dP^T's and its row's Delta."""
+    return p * (dp - delta) * scale
+
+
+def build_bwd_ws(cfg: KernelConfig, t, split: int, lpt: bool = True, branch: bool = True):
     """The warp-specialized main backward for ``tiles`` ``t`` (``t.threads`` consumer threads,
-    256; ``t.stages`` ring slots) and ``split`` programs per KV tile (see ``bwd.build_bwd``)."""
+    256; ``t.stages`` ring slots) and ``split`` programs per KV tile (see ``bwd.build_bwd``), issued
+    longest first unless ``lpt`` is False (``schedule.by_work``). ``branch``: the per-element mask only
+    on the row blocks that are not wholly visible (``block_range.full_row_blocks_for_keys``), as the
+    forward's ``"branch"``; False, on every tile (tools/bwd_variants.py times both)."""
     if not cfg.hopper or cfg.precision != "fast" or t.threads != CONSUMER_THREADS or t.stages < 1:
         raise NotImplementedError(f"the warp-specialized main backward supports Hopper (sm_90a), precision='fast' "
                                   f"and {CONSUMER_THREADS} consumer threads; got {cfg.short()}, {t}")
@@ -58,7 +71,8 @@ def build_bwd_ws(cfg: KernelConfig, t, split: int):
 
     @T.macro
     def body(Q, K, V, dO, LSE, Delta, CuQ, CuK, window, scale, dQAcc, dK, dV, n_tiles, n_seqs):
-        with T.Kernel(n_tiles, heads_kv * split, n_seqs, threads=CONSUMER_THREADS + 128) as (bx, hs, b):
+        with T.Kernel(n_tiles * heads_kv * split, n_seqs, threads=CONSUMER_THREADS + 128) as (p, b):
+            bx, hs = by_work(p, n_tiles, heads_kv * split, longest_last=False, lpt=lpt)
             kv_head = hs // split
             head0 = kv_head * groups + (hs % split) * per_prog
             k_s = T.alloc_shared([bn, dim], dtype)
@@ -91,6 +105,8 @@ def build_bwd_ws(cfg: KernelConfig, t, split: int):
             key0 = bx * bn
             scale_log2 = scale * LOG2E
             lo_blk, hi_blk = row_blocks_for_keys(key0, bn, bm, sq, sk, window, cfg.causal)
+            full_lo, full_hi = (full_row_blocks_for_keys(lo_blk, hi_blk, key0, bn, bm, sq, sk, window, cfg.causal)
+                                if branch else (0, 0))
             n_rows = hi_blk - lo_blk
             n_it = per_prog * n_rows
             if n_rows > 0:  # no bulk copy left in flight by a program no row sees (see fwd.py)
@@ -138,23 +154,36 @@ def build_bwd_ws(cfg: KernelConfig, t, split: int):
                     T.wgmma_gemm(v_s, do_r[s, :, :], dpT, transpose_B=True, clear_accum=True,
                                  policy=T.GemmWarpPolicy.FullRow)
                     T.wait_wgmma(1)
-                    for i, j in T.Parallel(bn, bm):
-                        pT[i, j] = T.if_then_else(
-                            visible(row0 + j, key0 + i, sq, sk, window, cfg.causal),
-                            T.exp2(pT[i, j] * scale_log2 - _stat(LSE, lse_r, layout, s, head, q_base + row0 + j, j) * LOG2E),
-                            0.0,
-                        )
+                    # the per-element mask only where this row block is not wholly visible
+                    rb = lo_blk + it % n_rows
+                    if (rb >= full_lo) & (rb < full_hi):
+                        for i, j in T.Parallel(bn, bm):
+                            pT[i, j] = _probs(pT[i, j], _stat(LSE, lse_r, layout, s, head, q_base + row0 + j, j),
+                                              scale_log2)
+                    else:
+                        for i, j in T.Parallel(bn, bm):
+                            pT[i, j] = T.if_then_else(
+                                visible(row0 + j, key0 + i, sq, sk, window, cfg.causal),
+                                _probs(pT[i, j], _stat(LSE, lse_r, layout, s, head, q_base + row0 + j, j), scale_log2),
+                                0.0,
+                            )
                     T.wait_wgmma(0)
                     # dV += P^T dO, running while dS^T is computed
                     T.copy(pT, p_h)
                     T.wgmma_gemm(p_h, do_r[s, :, :], dv, policy=T.GemmWarpPolicy.FullRow)
-                    for i, j in T.Parallel(bn, bm):
-                        # dS^T, selected (not multiplied): a masked slot adds an exact 0 (bwd.py)
-                        pT[i, j] = T.if_then_else(
-                            visible(row0 + j, key0 + i, sq, sk, window, cfg.causal),
-                            pT[i, j] * (dpT[i, j] - _stat(Delta, delta_r, layout, s, head, q_base + row0 + j, j)) * scale,
-                            0.0,
-                        )
+                    # dS^T, selected (not multiplied): a masked slot adds an exact 0 (bwd.py)
+                    if (rb >= full_lo) & (rb < full_hi):
+                        for i, j in T.Parallel(bn, bm):
+                            pT[i, j] = _dscores(pT[i, j], dpT[i, j],
+                                                _stat(Delta, delta_r, layout, s, head, q_base + row0 + j, j), scale)
+                    else:
+                        for i, j in T.Parallel(bn, bm):
+                            pT[i, j] = T.if_then_else(
+                                visible(row0 + j, key0 + i, sq, sk, window, cfg.causal),
+                                _dscores(pT[i, j], dpT[i, j], _stat(Delta, delta_r, layout, s, head, q_base + row0 + j, j),
+                                         scale),
+                                0.0,
+                            )
                     T.copy(pT, ds_h)
                     if with_dq:
                         # dS^T to shared memory for dQ = dS K, which needs both consumers' keys
