@@ -68,7 +68,7 @@ def _variants(d: int, only: str = "") -> list:
                  ("128x128/s2/split8/bulk+overlap", (128, 128, 256, 2), (True, True, 8, False)),
                  ("ws 128x128/s2", (128, 128, 256, 2), (None, None, 1, True)),
                  ("ws 128x128/s2/split8", (128, 128, 256, 2), (None, None, 8, True))]
-    out = [(label, tiles, opts + (True, "fast", True)) for label, tiles, opts in fast]
+    out = [(label, tiles, opts + (True, "fast", None)) for label, tiles, opts in fast]
     # v10's two changes apart and together against the kernel before them ("/launch/nobranch"):
     # the launch order (tiles longest first, or "/launch": each head's tiles in a row) and the
     # ws kernel's per-element mask only off wholly visible tiles (or "/nobranch": everywhere)
@@ -77,10 +77,11 @@ def _variants(d: int, only: str = "") -> list:
         out += [(name + "/launch", t, (None, None, split, True, False, "fast", True)),
                 (name + "/nobranch", t, (None, None, split, True, True, "fast", False)),
                 (name + "/launch/nobranch", t, (None, None, split, True, False, "fast", False))]
-    out += [("strict 64x128/s2", t, (None, None, 1, False, True, "strict", True)),
-            ("strict 64x128/s2/launch", t, (None, None, 1, False, False, "strict", True))]
+    out += [("strict 64x128/s2", t, (None, None, 1, False, True, "strict", None)),
+            ("strict 64x128/s2/launch", t, (None, None, 1, False, False, "strict", None)),
+            ("strict 64x128/s2/branch", t, (None, None, 1, False, True, "strict", True))]
     keys = [k for k in only.split(",") if k]
-    return [v for v in out if not keys or any(k in v[0] for k in keys)]
+    return [v for v in out if not keys or any(v[0] == k[1:] if k.startswith("=") else k in v[0] for k in keys)]
 
 
 def _cfg(dtype: str, d: int, precision: str):
@@ -281,7 +282,8 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--json", default=None)
     ap.add_argument("--variants", default="",
-                    help="comma-separated substrings: only the variants whose label contains one (e.g. ws,s3)")
+                    help="comma-separated substrings: only the variants whose label contains one (e.g. ws,s3); "
+                         "'=label': that label exactly")
     ap.add_argument("--profile-run", action="store_true",
                     help="for ncu: compile and launch only the library's fast kernels, once each, no timing")
     args = ap.parse_args()
@@ -345,7 +347,7 @@ def main() -> int:
         row["kernels"]["main (strict)"] = do_bench(lambda: kern("bwd", "strict")(q, k, v, do, lse, delta, win, scale, acc, dk, dv), return_mode="median")
         dkv = torch.zeros(2, 1, HK, rows, d, dtype=torch.float32, device="cuda")
         unsplit = {}
-        for label, tiles, opts in [("default*", None, (None, None, 1, False, True, "fast", True))] + _variants(d, args.variants):
+        for label, tiles, opts in [("default*", None, (None, None, 1, False, True, "fast", None))] + _variants(d, args.variants):
             main = kern("bwd", "fast") if tiles is None else kern("bwd-variant", "fast", tiles, opts)
             if main is None:
                 row["kernels"][f"main {label}"] = "compile failed"

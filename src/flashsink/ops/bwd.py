@@ -26,15 +26,15 @@ and the sink gets ``dsink[h] = -sum_rows exp(sink[h] - lse) * Delta``.
 
 import tilelang.language as T
 
-from .block_range import kv_blocks_for_rows, row_blocks_for_keys
+from .block_range import full_row_blocks_for_keys, kv_blocks_for_rows, row_blocks_for_keys
 from .bwd_entry import main_bwd_entry, main_bwd_shapes
 from .bwd_ws import build_bwd_ws
-from .config import (ROW_BLOCK, KernelConfig, bwd_dq_bulk, bwd_overlap, bwd_split, bwd_tiles, bwd_ws, dq_tiles,
-                     pre_tiles)
+from .config import (ROW_BLOCK, KernelConfig, bwd_branch, bwd_dq_bulk, bwd_overlap, bwd_split, bwd_tiles, bwd_ws,
+                     dq_tiles, pre_tiles)
 from .layout import (acc_tile, kernel, prologue_load, qkv_shapes, row_runs, sequence, stage_stat, staged_stat, stat_at,
                      stat_shape, stat_tile, store_rows, store_stat, tile, varlen_params)
 from .schedule import by_work, grid, locate
-from .mask import visible
+from .mask import select_visible, visible
 from .softmax import LOG2E
 from .split import split
 
@@ -252,7 +252,7 @@ def _build_preprocess_strict(cfg: KernelConfig):
 
 
 def build_bwd(cfg: KernelConfig, tiles=None, dq_bulk=None, overlap=None, split=None, ws=None, lpt=True,
-              branch=True):
+              branch=None):
     """The main backward. The options default to the tile table's choices and exist for
     tools/bwd_variants.py, which times alternatives: ``tiles`` (``bwd_tiles(cfg)``); ``dq_bulk``,
     dQ tiles added by one bulk (TMA) reduce-add from shared memory instead of per-thread atomics
@@ -272,10 +272,12 @@ def build_bwd(cfg: KernelConfig, tiles=None, dq_bulk=None, overlap=None, split=N
     and ``overlap`` do not apply).
 
     ``lpt``: KV tiles issued longest first (``schedule.by_work``); False, the old launch order.
-    ``branch`` (ws only): the per-element mask only on row blocks not wholly visible.
+    ``branch`` (``config.bwd_branch(cfg)``): the per-element mask only on the row blocks that are
+    not wholly visible (``block_range.full_row_blocks_for_keys``), as the forward's ``"branch"``.
     """
     t = tiles or bwd_tiles(cfg)
     ws = bwd_ws(cfg) if ws is None else ws
+    branch = bwd_branch(cfg, ws) if branch is None else branch
     dq_bulk = bwd_dq_bulk(cfg) if dq_bulk is None else dq_bulk
     overlap = bwd_overlap(cfg) if overlap is None else overlap
     split = 1 if split is None else split
@@ -293,6 +295,22 @@ def build_bwd(cfg: KernelConfig, tiles=None, dq_bulk=None, overlap=None, split=N
     heads_kv, seq_q, seq_kv = shapes.heads_kv, shapes.seq_q, shapes.seq_kv
     dkv_dtype, with_dq = shapes.dkv_dtype, shapes.with_dq
     fast = cfg.precision == "fast"
+
+    @T.macro
+    def probs_t(pT, LSE, lse_s, head, q_base, row0, key0, sq, sk, window, scale_log2, masked: bool):
+        """P^T of one tile from its logits and the rows' lse (``masked``: selected to the visible pairs)."""
+        for i, j in T.Parallel(bn, bm):
+            pT[i, j] = select_visible(
+                T.exp2(pT[i, j] * scale_log2 - staged_stat(LSE, lse_s, layout, head, q_base + row0 + j, j) * LOG2E),
+                row0 + j, key0 + i, sq, sk, window, cfg.causal, masked)
+
+    @T.macro
+    def dscores_t(pT, dpT, Delta, delta_s, head, q_base, row0, key0, sq, sk, window, scale, masked: bool):
+        """dS^T of one tile from P^T, dP^T and the rows' Delta, in place of P^T."""
+        for i, j in T.Parallel(bn, bm):
+            pT[i, j] = select_visible(
+                pT[i, j] * (dpT[i, j] - staged_stat(Delta, delta_s, layout, head, q_base + row0 + j, j)) * scale,
+                row0 + j, key0 + i, sq, sk, window, cfg.causal, masked)
 
     @T.macro
     def body(Q, K, V, dO, LSE, Delta, CuQ, CuK, window, scale, dQAcc, dK, dV, n_tiles, n_seqs):
@@ -328,6 +346,8 @@ def build_bwd(cfg: KernelConfig, tiles=None, dq_bulk=None, overlap=None, split=N
             key0 = bx * bn
             scale_log2 = scale * LOG2E
             lo_blk, hi_blk = row_blocks_for_keys(key0, bn, bm, sq, sk, window, cfg.causal)
+            if branch:
+                full_lo, full_hi = full_row_blocks_for_keys(lo_blk, hi_blk, key0, bn, bm, sq, sk, window, cfg.causal)
             n_rows = hi_blk - lo_blk
             if n_rows > 0:  # no bulk copy left in flight by a program no row sees (see fwd.py)
                 T.copy(tile(K, layout, b, kv_head, k_base + key0, bn), k_s, prefer_instruction=prologue_load(cfg))
@@ -351,12 +371,14 @@ def build_bwd(cfg: KernelConfig, tiles=None, dq_bulk=None, overlap=None, split=N
                 else:
                     T.clear(pT)
                     T.gemm(k_s, q_s, pT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-                for i, j in T.Parallel(bn, bm):
-                    pT[i, j] = T.if_then_else(
-                        visible(row0 + j, key0 + i, sq, sk, window, cfg.causal),
-                        T.exp2(pT[i, j] * scale_log2 - staged_stat(LSE, lse_s, layout, head, q_base + row0 + j, j) * LOG2E),
-                        0.0,
-                    )
+                # the per-element mask only where this row block is not wholly visible (branch)
+                if branch:
+                    if (lo_blk + it % n_rows >= full_lo) & (lo_blk + it % n_rows < full_hi):
+                        probs_t(pT, LSE, lse_s, head, q_base, row0, key0, sq, sk, window, scale_log2, False)
+                    else:
+                        probs_t(pT, LSE, lse_s, head, q_base, row0, key0, sq, sk, window, scale_log2, True)
+                else:
+                    probs_t(pT, LSE, lse_s, head, q_base, row0, key0, sq, sk, window, scale_log2, True)
                 if overlap:
                     T.wait_wgmma(0)
                 else:
@@ -366,14 +388,15 @@ def build_bwd(cfg: KernelConfig, tiles=None, dq_bulk=None, overlap=None, split=N
                 # dV += P^T dO (strict: as hi + lo)
                 product(pT, hi, lo, do_s, dv, bn, bm, fast)
                 stage_stat(Delta, layout, b, head, row0, bm, delta_s)
-                for i, j in T.Parallel(bn, bm):
-                    # dS^T; selected, not multiplied, so a masked slot (a row of another
-                    # sequence in a packed batch, say) adds an exact 0 to dK and dQ
-                    pT[i, j] = T.if_then_else(
-                        visible(row0 + j, key0 + i, sq, sk, window, cfg.causal),
-                        pT[i, j] * (dpT[i, j] - staged_stat(Delta, delta_s, layout, head, q_base + row0 + j, j)) * scale,
-                        0.0,
-                    )
+                # dS^T; selected, not multiplied, so a masked slot (a row of another sequence in a
+                # packed batch, say) adds an exact 0 to dK and dQ
+                if branch:
+                    if (lo_blk + it % n_rows >= full_lo) & (lo_blk + it % n_rows < full_hi):
+                        dscores_t(pT, dpT, Delta, delta_s, head, q_base, row0, key0, sq, sk, window, scale, False)
+                    else:
+                        dscores_t(pT, dpT, Delta, delta_s, head, q_base, row0, key0, sq, sk, window, scale, True)
+                else:
+                    dscores_t(pT, dpT, Delta, delta_s, head, q_base, row0, key0, sq, sk, window, scale, True)
                 # dK += dS^T Q (strict: as hi + lo)
                 product(pT, hi, lo, q_s, dk, bn, bm, fast)
                 if with_dq:

@@ -23,7 +23,7 @@ from .config import KernelConfig
 from .bwd_entry import main_bwd_entry, main_bwd_shapes
 from .layout import acc_tile, prologue_load, sequence, stat_tile, store_rows, tile
 from .schedule import by_work, locate
-from .mask import visible
+from .mask import select_visible
 from .softmax import LOG2E
 
 #: registers per thread of the producer and of the consumer warpgroups (setmaxnreg), as
@@ -39,16 +39,6 @@ def _stat(x, ring, layout, s, h, row, j):
     """Row ``row`` (base included; element ``j`` of the tile) of a statistic: from ring slot
     ``s``, or (thd) from global memory (layout.py: the bulk copy needs 16-byte aligned rows)."""
     return x[h, row] if layout == "thd" else ring[s, j]
-
-
-def _probs(x, lse, scale_log2):
-    """An element of P^T from its logit ``x`` and its row's lse (natural log, with the sink)."""
-    return T.exp2(x * scale_log2 - lse * LOG2E)
-
-
-def _dscores(p, dp, delta, scale):
-    """An element of dS^T from P^T's and dP^T's and its row's Delta."""
-    return p * (dp - delta) * scale
 
 
 def build_bwd_ws(cfg: KernelConfig, t, split: int, lpt: bool = True, branch: bool = True):
@@ -68,6 +58,22 @@ def build_bwd_ws(cfg: KernelConfig, t, split: int, lpt: bool = True, branch: boo
     packed = layout == "thd"  # lse/Delta read from global memory (layout.py: unaligned rows)
     shapes = main_bwd_shapes(cfg, split)
     heads_kv, seq_q, seq_kv, with_dq = shapes.heads_kv, shapes.seq_q, shapes.seq_kv, shapes.with_dq
+
+    @T.macro
+    def probs_t(pT, LSE, lse_r, s, head, q_base, row0, key0, sq, sk, window, scale_log2, masked: bool):
+        """P^T of one tile from its logits and the rows' lse (``masked``: selected to the visible pairs)."""
+        for i, j in T.Parallel(bn, bm):
+            pT[i, j] = select_visible(
+                T.exp2(pT[i, j] * scale_log2 - _stat(LSE, lse_r, layout, s, head, q_base + row0 + j, j) * LOG2E),
+                row0 + j, key0 + i, sq, sk, window, cfg.causal, masked)
+
+    @T.macro
+    def dscores_t(pT, dpT, Delta, delta_r, s, head, q_base, row0, key0, sq, sk, window, scale, masked: bool):
+        """dS^T of one tile from P^T, dP^T and the rows' Delta, in place of P^T."""
+        for i, j in T.Parallel(bn, bm):
+            pT[i, j] = select_visible(
+                pT[i, j] * (dpT[i, j] - _stat(Delta, delta_r, layout, s, head, q_base + row0 + j, j)) * scale,
+                row0 + j, key0 + i, sq, sk, window, cfg.causal, masked)
 
     @T.macro
     def body(Q, K, V, dO, LSE, Delta, CuQ, CuK, window, scale, dQAcc, dK, dV, n_tiles, n_seqs):
@@ -105,8 +111,8 @@ def build_bwd_ws(cfg: KernelConfig, t, split: int, lpt: bool = True, branch: boo
             key0 = bx * bn
             scale_log2 = scale * LOG2E
             lo_blk, hi_blk = row_blocks_for_keys(key0, bn, bm, sq, sk, window, cfg.causal)
-            full_lo, full_hi = (full_row_blocks_for_keys(lo_blk, hi_blk, key0, bn, bm, sq, sk, window, cfg.causal)
-                                if branch else (0, 0))
+            if branch:
+                full_lo, full_hi = full_row_blocks_for_keys(lo_blk, hi_blk, key0, bn, bm, sq, sk, window, cfg.causal)
             n_rows = hi_blk - lo_blk
             n_it = per_prog * n_rows
             if n_rows > 0:  # no bulk copy left in flight by a program no row sees (see fwd.py)
@@ -154,36 +160,26 @@ def build_bwd_ws(cfg: KernelConfig, t, split: int, lpt: bool = True, branch: boo
                     T.wgmma_gemm(v_s, do_r[s, :, :], dpT, transpose_B=True, clear_accum=True,
                                  policy=T.GemmWarpPolicy.FullRow)
                     T.wait_wgmma(1)
-                    # the per-element mask only where this row block is not wholly visible
-                    rb = lo_blk + it % n_rows
-                    if (rb >= full_lo) & (rb < full_hi):
-                        for i, j in T.Parallel(bn, bm):
-                            pT[i, j] = _probs(pT[i, j], _stat(LSE, lse_r, layout, s, head, q_base + row0 + j, j),
-                                              scale_log2)
+                    # the per-element mask only where this row block is not wholly visible (branch)
+                    if branch:
+                        if (lo_blk + it % n_rows >= full_lo) & (lo_blk + it % n_rows < full_hi):
+                            probs_t(pT, LSE, lse_r, s, head, q_base, row0, key0, sq, sk, window, scale_log2, False)
+                        else:
+                            probs_t(pT, LSE, lse_r, s, head, q_base, row0, key0, sq, sk, window, scale_log2, True)
                     else:
-                        for i, j in T.Parallel(bn, bm):
-                            pT[i, j] = T.if_then_else(
-                                visible(row0 + j, key0 + i, sq, sk, window, cfg.causal),
-                                _probs(pT[i, j], _stat(LSE, lse_r, layout, s, head, q_base + row0 + j, j), scale_log2),
-                                0.0,
-                            )
+                        probs_t(pT, LSE, lse_r, s, head, q_base, row0, key0, sq, sk, window, scale_log2, True)
                     T.wait_wgmma(0)
                     # dV += P^T dO, running while dS^T is computed
                     T.copy(pT, p_h)
                     T.wgmma_gemm(p_h, do_r[s, :, :], dv, policy=T.GemmWarpPolicy.FullRow)
                     # dS^T, selected (not multiplied): a masked slot adds an exact 0 (bwd.py)
-                    if (rb >= full_lo) & (rb < full_hi):
-                        for i, j in T.Parallel(bn, bm):
-                            pT[i, j] = _dscores(pT[i, j], dpT[i, j],
-                                                _stat(Delta, delta_r, layout, s, head, q_base + row0 + j, j), scale)
+                    if branch:
+                        if (lo_blk + it % n_rows >= full_lo) & (lo_blk + it % n_rows < full_hi):
+                            dscores_t(pT, dpT, Delta, delta_r, s, head, q_base, row0, key0, sq, sk, window, scale, False)
+                        else:
+                            dscores_t(pT, dpT, Delta, delta_r, s, head, q_base, row0, key0, sq, sk, window, scale, True)
                     else:
-                        for i, j in T.Parallel(bn, bm):
-                            pT[i, j] = T.if_then_else(
-                                visible(row0 + j, key0 + i, sq, sk, window, cfg.causal),
-                                _dscores(pT[i, j], dpT[i, j], _stat(Delta, delta_r, layout, s, head, q_base + row0 + j, j),
-                                         scale),
-                                0.0,
-                            )
+                        dscores_t(pT, dpT, Delta, delta_r, s, head, q_base, row0, key0, sq, sk, window, scale, True)
                     T.copy(pT, ds_h)
                     if with_dq:
                         # dS^T to shared memory for dQ = dS K, which needs both consumers' keys

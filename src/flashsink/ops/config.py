@@ -162,6 +162,15 @@ def bwd_ws(cfg: KernelConfig) -> bool:
     return cfg.hopper and cfg.precision == "fast" and max(cfg.head_dim, cfg.head_dim_v) <= 128
 
 
+def bwd_branch(cfg: KernelConfig, ws: bool) -> bool:
+    """Whether the main backward skips its per-element mask (two selects per element, P and dS)
+    on wholly visible row blocks, as the forward's ``"branch"`` does: the hand warp-specialized
+    kernel (``ws``), where the causal problems' tiles are mostly wholly visible. TileLang's
+    pipelined kernel (strict, D256, sm_80) keeps the mask everywhere until measured
+    (tools/bwd_variants.py times both, docs/perf.md v10)."""
+    return ws
+
+
 def fwd_mask(cfg: KernelConfig) -> str:
     """How the forward masks its logits (``fwd.build_fwd``'s ``mask``): on Hopper ``"branch"``,
     which skips the per-element select on wholly visible KV tiles, measured on the H200

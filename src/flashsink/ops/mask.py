@@ -54,6 +54,14 @@ def branch_logits(acc_s, row0, key0, sq, sk, window, scale_log2, fold_scale: boo
         mask_logits(acc_s, row0, key0, sq, sk, window, scale_log2, fold_scale, None, kb, causal)
 
 
+def select_visible(value, row, key, seq_q, seq_kv, window, causal: bool, masked: bool):
+    """``value`` where ``(row, key)`` is visible, else an exact 0 (selected, not multiplied); with
+    ``masked`` False (a wholly visible tile: the main backward's branch), ``value`` as it is."""
+    if not masked:
+        return value
+    return T.if_then_else(visible(row, key, seq_q, seq_kv, window, causal), value, 0.0)
+
+
 def _keep(row, key, kb, seq_q, seq_kv, window, causal: bool, full):
     """The select's condition: ``visible``, or (``full`` given) KV block ``kb`` wholly visible."""
     vis = visible(row, key, seq_q, seq_kv, window, causal)
