@@ -42,9 +42,10 @@ def _variants(d: int) -> list:
     ws = [(128, 128, 256, 2), (128, 64, 256, 2)] if d > 64 else [(128, 128, 256, 2), (128, 128, 256, 3),
                                                                  (192, 128, 384, 2), (128, 176, 256, 2)]
     out += [("ws " + "x".join(map(str, t[:2])) + f"/s{t[3]}", t, "branch", False, True) for t in ws]
-    # one program per tile instead of the persistent grid; the consumers without turns
+    # one program per tile instead of the persistent grid; the consumers without turns; the scale
+    # folded into the exponent's FMA
     out += [(f"ws/{o} " + "x".join(map(str, t[:2])) + f"/s{t[3]}", t, "branch", False, o) for t in ws[:1]
-            for o in ("np", "nopp")]
+            for o in ("np", "nopp", "fold")]
     return out
 
 
@@ -57,10 +58,11 @@ def _func(job):
     cfg = _cfg(dtype, d, "fast")
     if tiles is None and mask == "select" and not fold and not ws:
         return build_prim_func("fwd", cfg)  # the library's kernel
-    if ws in ("np", "nopp"):
+    if ws in ("np", "nopp", "fold"):
         from flashsink.ops.fwd_ws import PERSISTENT_CTAS, build_fwd_ws
 
-        return build_fwd_ws(cfg, Tiles(*tiles), ctas=None if ws == "np" else PERSISTENT_CTAS, pingpong=ws != "nopp")
+        return build_fwd_ws(cfg, Tiles(*tiles), ctas=None if ws == "np" else PERSISTENT_CTAS, pingpong=ws != "nopp",
+                            fold=ws == "fold")
     return build_fwd(cfg, tiles=Tiles(*tiles) if tiles else None, mask=None if ws else mask, fold_scale=fold, ws=ws)
 
 

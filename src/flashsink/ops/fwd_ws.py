@@ -53,7 +53,8 @@ def consumer_regs(n_consumers: int) -> int:
     return min(240, left // 8 * 8)
 
 
-def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS, pingpong: bool = True):
+def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS, pingpong: bool = True,
+                 fold: bool = False):
     """The warp-specialized forward for tiles ``t``: ``t.block_m`` a multiple of 64 (one consumer
     warpgroup per 64 rows, ``t.threads`` their threads, ``block_m * 2``; the kernel runs 128 more,
     the producer's), ``t.stages`` ring slots for K and V.
@@ -64,7 +65,10 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
     and no program pays a launch and an empty pipeline per tile; None: one program per tile.
 
     ``pingpong``: the consumer warpgroups take turns to issue their products (FlashAttention-3's
-    scheduler barriers), so one's softmax runs while the other's GEMMs have the tensor cores."""
+    scheduler barriers), so one's softmax runs while the other's GEMMs have the tensor cores.
+
+    ``fold``: the scale folded into the exponent's FMA (``softmax.update``'s ``scale_log2``; needs a
+    positive scale, so not a default: tools/fwd_variants.py times it)."""
     if not cfg.hopper or t.block_m % ROWS_PER_CONSUMER or t.stages < 1:
         raise NotImplementedError(f"the warp-specialized forward supports Hopper (sm_90a) and query tiles of a "
                                   f"multiple of {ROWS_PER_CONSUMER} rows; got {cfg.short()}, {t}")
@@ -171,10 +175,10 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
                             T.named_barrier_arrive(PINGPONG_BARRIER + (wg + 1) % n_consumers, 256)  # the next's
                         T.wait_wgmma(0)
                         T.barrier_arrive(k_empty[s0])
-                        branch_logits(acc_s, row0, lo * bn, sq, sk, window, scale_log2, False, (flo, fhi), lo,
+                        branch_logits(acc_s, row0, lo * bn, sq, sk, window, scale_log2, fold, (flo, fhi), lo,
                                       cfg.causal)
-                        softmax.new_max(acc_s, m, m_prev, alpha, row_sum, bm)
-                        softmax.exp_sum(acc_s, m, alpha, row_sum, l, bm, bn)
+                        softmax.new_max(acc_s, m, m_prev, alpha, row_sum, bm, scale_log2 if fold else None)
+                        softmax.exp_sum(acc_s, m, alpha, row_sum, l, bm, bn, scale_log2 if fold else None)
                         T.copy(acc_s, p)
                     for it in T.serial(1, T.max(n, 1)):
                         c = kv_done + it
@@ -192,10 +196,10 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
                         T.wait_wgmma(1)  # S_it; P_{it-1} V_{it-1} still runs
                         T.barrier_arrive(k_empty[s])
                         kb = lo + it
-                        branch_logits(acc_s, row0, kb * bn, sq, sk, window, scale_log2, False, (flo, fhi), kb,
+                        branch_logits(acc_s, row0, kb * bn, sq, sk, window, scale_log2, fold, (flo, fhi), kb,
                                       cfg.causal)
-                        softmax.new_max(acc_s, m, m_prev, alpha, row_sum, bm)
-                        softmax.exp_sum(acc_s, m, alpha, row_sum, l, bm, bn)
+                        softmax.new_max(acc_s, m, m_prev, alpha, row_sum, bm, scale_log2 if fold else None)
+                        softmax.exp_sum(acc_s, m, alpha, row_sum, l, bm, bn, scale_log2 if fold else None)
                         T.wait_wgmma(0)
                         T.barrier_arrive(v_empty[sp])
                         softmax.rescale(acc_o, alpha, bm, dim_v)
