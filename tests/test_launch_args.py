@@ -364,12 +364,14 @@ def test_split_backward_is_chosen_for_long_rows(monkeypatch):
 
     _arch(monkeypatch, "sm_90a")
     long_n = BWD_SPLIT_MIN_ROWS + 1
-    for n, window, det, hk, want in ((long_n, None, False, 2, True), (long_n, 128, False, 2, False),
-                                     (long_n - 2, None, False, 2, False), (long_n, None, True, 2, False),
-                                     (long_n, None, False, 8, False)):
-        q, k, v, do, sinks, spec = _dense_inputs((1, 8, hk, n, n, 64, window, "bhsd", True))
+    for n, window, det, hk, d, want in ((long_n, None, False, 2, 256, True), (long_n, 128, False, 2, 256, False),
+                                        (long_n - 2, None, False, 2, 256, False), (long_n, None, True, 2, 256, False),
+                                        (long_n, None, False, 8, 256, False),
+                                        # the ws kernel's head dims run unsplit (config.bwd_split)
+                                        (long_n, None, False, 2, 64, False), (long_n, None, False, 2, 128, False)):
+        q, k, v, do, sinks, spec = _dense_inputs((1, 8, hk, n, n, d, window, "bhsd", True))
         cfg = interface.kernel_config(spec, torch.device("cuda", 0), det, "fast")
-        assert interface._use_split(cfg, spec, interface.kernel_window(spec.window)) is want, (n, window, det, hk)
+        assert interface._use_split(cfg, spec, interface.kernel_window(spec.window)) is want, (n, window, det, hk, d)
 
 
 def test_split_backward_for_packed_batches(monkeypatch, launches):
@@ -377,14 +379,15 @@ def test_split_backward_for_packed_batches(monkeypatch, launches):
     BWD_SPLIT_MIN_ROWS among short ones splits (its KV tiles are the kernel's tail); short sequences
     with a loose max_seqlen_q above every row of the batch do not; a window keeps the unsplit kernel.
     A loose max_seqlen_q below the packed rows still splits (the host knows no real length without
-    a sync; same gradients, only slower). The launch is the one interface._backward makes."""
+    a sync; same gradients, only slower). The launch is the one interface._backward makes. (D256: the head
+    dims of the ws kernel run unsplit.)"""
     from flashsink.ops.config import BWD_SPLIT_MIN_ROWS as n
 
     _arch(monkeypatch, "sm_90a")
     for lens, max_q, window, want in (((5, n, 3, 0), n, None, True), ((5, n, 3, 0), n, 128, False),
                                       ((100,) * 6, 100, None, False), ((100,) * 6, 4 * n, None, False),
                                       ((300,) * 4, n, None, True)):
-        q, k, v, do, sinks, cu_q, cu_k, spec = _varlen_inputs((lens, lens, 4, 2, 64, window, True))
+        q, k, v, do, sinks, cu_q, cu_k, spec = _varlen_inputs((lens, lens, 4, 2, 256, window, True))
         spec = validate_varlen(q, k, v, cu_q, cu_k, max_q, max_q, sinks, window=window, causal=True, scale=None)
         cfg = interface.kernel_config(spec, torch.device("cuda", 0), False, "fast")
         win = interface.kernel_window(spec.window)

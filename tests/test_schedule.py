@@ -20,7 +20,7 @@ import torch  # noqa: E402
 
 from flashsink.ops import schedule  # noqa: E402
 from flashsink.ops.compile import build_prim_func  # noqa: E402
-from flashsink.ops.config import KernelConfig, fwd_ws  # noqa: E402
+from flashsink.ops.config import KernelConfig, bwd_ws, fwd_ws  # noqa: E402
 
 pytestmark = pytest.mark.l0
 
@@ -123,9 +123,9 @@ def _cfg(layout, precision="fast", deterministic=False, arch="sm_90a", groups=8)
     return KernelConfig(arch, "bfloat16", 64, 64, groups, True, True, layout, deterministic, precision)
 
 
-#: the kinds whose programs take their tiles longest first (``schedule.by_work``; the strict
-#: preprocess too): the grid is (tiles x heads, sequences)
-BY_WORK = ("fwd", "bwd", "bwd_split")
+#: the kinds whose programs take their tiles longest first (``schedule.by_work``): the ws main
+#: backward (fast, Hopper); the grid is (tiles x heads, sequences)
+BY_WORK = ("bwd", "bwd_split")
 
 KINDS = [("fwd", {}), ("preprocess", {}), ("preprocess", {"precision": "strict"}), ("bwd", {}),
          ("bwd", {"precision": "strict"}), ("bwd_split", {}), ("dq", {"deterministic": True}),
@@ -146,7 +146,7 @@ def test_packed_kernels_launch_the_schedule(kind, over):
     if kind == "fwd" and fwd_ws(cfg):
         assert re.search(r"m_tiles: T.int32 = seq_q // (128|192) \+ \(n_cu - 1\)", text)  # the slots it loops over
         return
-    by_work = kind in BY_WORK or (kind == "preprocess" and cfg.precision == "strict")
+    by_work = kind in BY_WORK and bwd_ws(cfg)
     last = "blockIdx.y" if by_work else "blockIdx.z"
     assert f"T.thread_binding(1, thread=\"{last}\")" in text
     assert re.search(r"\b(seq_q|seq_kv) // (64|128) \+ \(n_cu - 1\)", text)  # the grid's program slots

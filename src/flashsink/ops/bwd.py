@@ -33,7 +33,7 @@ from .config import (ROW_BLOCK, KernelConfig, bwd_branch, bwd_dq_bulk, bwd_overl
                      dq_tiles, pre_tiles)
 from .layout import (acc_tile, kernel, prologue_load, qkv_shapes, row_runs, sequence, stage_stat, staged_stat, stat_at,
                      stat_shape, stat_tile, store_rows, store_stat, tile, varlen_params)
-from .schedule import by_work, grid, locate
+from .schedule import grid, locate
 from .mask import select_visible, visible
 from .softmax import LOG2E
 from .split import split
@@ -181,8 +181,7 @@ def _build_preprocess_strict(cfg: KernelConfig):
 
     @T.macro
     def body(Q, K, V, dO, LSE, dLSE, Sinks, CuQ, CuK, window, scale, Delta, dSinkAcc, dSinkPart, m_tiles, n_seqs):
-        with T.Kernel(m_tiles * heads, n_seqs, threads=t.threads) as (p, b):
-            bx, head = by_work(p, m_tiles, heads, longest_last=True)
+        with T.Kernel(m_tiles, heads, n_seqs, threads=t.threads) as (bx, head, b):
             q_s = T.alloc_shared([bm, dim], dtype)
             do_s = T.alloc_shared([bm, dim_v], dtype)
             k_s = T.alloc_shared([bn, dim], dtype)
@@ -271,7 +270,7 @@ def build_bwd(cfg: KernelConfig, tiles=None, dq_bulk=None, overlap=None, split=N
     dQ is always the producer's bulk reduce-add and its S^T/dP^T always overlap, so ``dq_bulk``
     and ``overlap`` do not apply).
 
-    ``lpt``: KV tiles issued longest first (``schedule.by_work``); False, the old launch order.
+    ``lpt`` (ws only): KV tiles issued longest first (``schedule.by_work``); False, the launch order.
     ``branch`` (``config.bwd_branch(cfg)``): the per-element mask only on the row blocks that are
     not wholly visible (``block_range.full_row_blocks_for_keys``), as the forward's ``"branch"``.
     """
@@ -286,6 +285,9 @@ def build_bwd(cfg: KernelConfig, tiles=None, dq_bulk=None, overlap=None, split=N
                          "configuration and head_dim == head_dim_v")
     if ws:
         return build_bwd_ws(cfg, t, split, lpt, branch)
+    if not lpt:
+        raise ValueError("lpt=False applies to the warp-specialized kernel (ws) only: TileLang's pipelined kernel "
+                         "always runs in launch order")
     per_prog = cfg.groups // split  # query heads one program streams
     dq_ann = {"use_tma": 1} if dq_bulk else None
     bm, bn = t.block_m, t.block_n  # bm query rows stream past bn resident keys
@@ -314,8 +316,11 @@ def build_bwd(cfg: KernelConfig, tiles=None, dq_bulk=None, overlap=None, split=N
 
     @T.macro
     def body(Q, K, V, dO, LSE, Delta, CuQ, CuK, window, scale, dQAcc, dK, dV, n_tiles, n_seqs):
-        with T.Kernel(n_tiles * heads_kv * split, n_seqs, threads=t.threads) as (p, b):
-            bx, hs = by_work(p, n_tiles, heads_kv * split, longest_last=False, lpt=lpt)
+        # the launch order: TileLang's pipelined kernels keep it (schedule.by_work's index arithmetic
+        # confuses TileLang 0.1.15's shared-memory sync placement here: at D64 the longest-first
+        # strict kernel gave wrong gradients on the H200 and the launch-order variant of the flat
+        # grid did not compile, 2026-12-04, docs/perf.md v10)
+        with T.Kernel(n_tiles, heads_kv * split, n_seqs, threads=t.threads) as (bx, hs, b):
             kv_head = hs // split
             head0 = kv_head * groups + (hs % split) * per_prog  # first query head of this program
             k_s = T.alloc_shared([bn, dim], dtype)
@@ -447,7 +452,7 @@ def build_dq(cfg: KernelConfig):
     @T.macro
     def body(Q, K, V, dO, LSE, Delta, CuQ, CuK, window, scale, dQ, m_tiles, n_seqs):
         # launch order (not schedule.by_work's): that index arithmetic makes TileLang 0.1.15 put a
-        # shared-memory sync in a 28-thread branch at D64 fast (compile error, 2026-12-04)
+        # shared-memory sync in a 28-thread branch at D64 fast (compile error, 2026-12-04; see build_bwd)
         with T.Kernel(m_tiles, heads, n_seqs, threads=t.threads) as (bx, head, b):
             q_s = T.alloc_shared([bm, dim], dtype)
             do_s = T.alloc_shared([bm, dim_v], dtype)

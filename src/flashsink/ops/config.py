@@ -203,9 +203,15 @@ def bwd_split(cfg: KernelConfig) -> int:
     streaming ``groups / split`` query heads: the largest divisor of the group up to
     MAX_BWD_SPLIT. 1 (no split kernel) for groups of one head, strict and deterministic
     configurations (its dK/dV are fp32 atomics, so not bitwise reproducible; strict keeps dK/dV
-    reproducible as before), head_dim != head_dim_v (one cast kernel) and off Hopper (measured there
-    only)."""
+    reproducible as before), head_dim != head_dim_v (one cast kernel), off Hopper (measured there
+    only), and where the main backward is the hand warp-specialized kernel (``bwd_ws``): with its
+    KV tiles issued longest first and the mask branch, the unsplit kernel is as fast as the split
+    one and saves the fp32 dK/dV zeroing and casts (H200, causal bf16 D128 N4096 H64/8, main kernel
+    1.62 ms unsplit against 1.61-1.77 split 8 ways, whole backward 1.72 against 1.77;
+    tools/bwd_variants.py, docs/perf.md v10). The split kernel stays for D256 (TileLang's kernel)."""
     if cfg.deterministic or cfg.precision != "fast" or cfg.head_dim != cfg.head_dim_v or not cfg.hopper:
+        return 1
+    if bwd_ws(cfg):
         return 1
     return max(d for d in range(1, MAX_BWD_SPLIT + 1) if cfg.groups % d == 0)
 

@@ -16,7 +16,7 @@ from .fwd_entry import fwd_entry, fwd_shapes
 from .fwd_ws import build_fwd_ws
 from .layout import prologue_load, sequence, store_rows, store_stat, tile
 from .mask import branch_logits, mask_logits, scale_logits
-from .schedule import by_work, locate
+from .schedule import locate
 
 
 #: ``mask=`` values of :func:`build_fwd`
@@ -60,8 +60,7 @@ def build_fwd(cfg: KernelConfig, tiles: Tiles | None = None, mask: str | None = 
 
     @T.macro
     def body(Q, K, V, Sinks, CuQ, CuK, window, scale_log2, O, LSE, m_tiles, n_seqs):
-        with T.Kernel(m_tiles * heads, n_seqs, threads=t.threads) as (p, b):
-            bx, head = by_work(p, m_tiles, heads, longest_last=True)
+        with T.Kernel(m_tiles, heads, n_seqs, threads=t.threads) as (bx, head, b):
             q_s = T.alloc_shared([bm, dim], dtype)
             k_s = T.alloc_shared([bn, dim], dtype)
             v_s = T.alloc_shared([bn, dim_v], dtype)
