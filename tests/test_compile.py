@@ -95,3 +95,25 @@ def test_main_backward_compiles_other_group_sizes(groups):
     shared-memory sync inside a divergent region), so the group sizes users run are built here."""
     src = compile_kernel("bwd", _cfg("sm_90a", "bwd", groups=groups)).get_kernel_source()
     assert "wgmma" in src
+
+
+@pytest.mark.l1
+def test_swapped_grid_main_backward_compiles():
+    """``build_bwd(swap=True)``: TileLang's main backward with its KV tiles longest first from the grid's
+    own dims (KV heads along x, tiles along y), strict D64 on sm_90a, where the index-arithmetic order
+    did not compile (docs/perf.md v10); the same TIR as the default but for the grid's bindings."""
+    import tilelang
+
+    from flashsink.ops.bwd import build_bwd
+    from flashsink.ops.compile import pass_configs
+
+    cfg = _cfg("sm_90a", "bwd", precision="strict")
+    func = build_bwd(cfg, swap=True)
+    text = func.script()
+    assert 'T.thread_binding(heads // 8, thread="blockIdx.x")' in text
+    assert 'T.thread_binding(n_tiles, thread="blockIdx.y")' in text
+    kernel = tilelang.compile(func, target={"kind": "cuda", "arch": "sm_90a"}, execution_backend="tvm_ffi",
+                              pass_configs=pass_configs())
+    assert "__global__" in kernel.get_kernel_source()
+    with pytest.raises(ValueError, match="padded layout"):
+        build_bwd(_cfg("sm_90a", "bwd", precision="strict", layout="thd"), swap=True)

@@ -155,3 +155,20 @@ def test_packed_kernels_launch_the_schedule(kind, over):
         assert 'thread="blockIdx.z"' not in text
     padded = build_prim_func(kind, _cfg("bhsd", **over)).script()
     assert "while " not in padded and f"T.thread_binding(1, thread=\"{last}\")" not in padded
+
+
+@pytest.mark.parametrize("n_tiles, heads", [(1, 1), (5, 3), (32, 8), (7, 64)])
+@pytest.mark.parametrize("longest_last", [False, True])
+def test_by_work_issues_every_tile_once_longest_first(n_tiles, heads, longest_last):
+    """``by_work`` (the ws main backward's launch order) maps the flat grid onto every (tile, head)
+    exactly once, the heads of a tile consecutive and the tiles in the order of their work: ascending
+    (KV tiles: the first has the most rows) or, ``longest_last``, descending (query tiles); with
+    ``lpt=False`` the launch order of the 3D grid it replaced (each head's tiles in a row)."""
+    order = [tuple(map(int, schedule.by_work(p, n_tiles, heads, longest_last))) for p in range(n_tiles * heads)]
+    assert sorted(order) == [(t, h) for t in range(n_tiles) for h in range(heads)]
+    tiles = [t for t, _ in order]
+    assert tiles == sorted(tiles, reverse=longest_last)
+    assert [h for _, h in order[:heads]] == list(range(heads))
+    launch = [tuple(map(int, schedule.by_work(p, n_tiles, heads, longest_last, lpt=False)))
+              for p in range(n_tiles * heads)]
+    assert launch == [(t, h) for h in range(heads) for t in range(n_tiles)]

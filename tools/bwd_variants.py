@@ -40,8 +40,8 @@ PROBE_TIMEOUT_S, PROBE_START_S = 60, 240
 
 
 def _variants(d: int, only: str = "") -> list:
-    """(label, Tiles fields, (dq_bulk, overlap, split, ws, lpt, precision, branch)) of the main backward
-    for head dim ``d``. ``ws``: bwd_ws.py's hand warp-specialized kernel (``t.stages`` is its ring's
+    """(label, Tiles fields, (dq_bulk, overlap, split, ws, lpt, precision, branch[, swap])) of the main
+    backward for head dim ``d``; ``swap``: TileLang's kernel longest first from its grid's dims. ``ws``: bwd_ws.py's hand warp-specialized kernel (``t.stages`` is its ring's
     depth); ``lpt``: KV tiles issued longest first (schedule.by_work; ``/launch`` in a label: the old
     order); ``branch``: ws's mask skipped on wholly visible tiles (``/nobranch``: masked everywhere)."""
     t = (64, 128, 256, 2)
@@ -78,8 +78,10 @@ def _variants(d: int, only: str = "") -> list:
                 (name + "/nobranch", t, (None, None, split, True, True, "fast", False)),
                 (name + "/launch/nobranch", t, (None, None, split, True, False, "fast", False))]
     out += [("strict 64x128/s2", t, (None, None, 1, False, True, "strict", None)),
-            ("strict 64x128/s2/launch", t, (None, None, 1, False, False, "strict", None)),
-            ("strict 64x128/s2/branch", t, (None, None, 1, False, True, "strict", True))]
+            ("strict 64x128/s2/branch", t, (None, None, 1, False, True, "strict", True)),
+            # longest first from the grid's dims (KV heads along x): no index arithmetic
+            ("strict 64x128/s2/swap", t, (None, None, 1, False, True, "strict", False, True)),
+            ("strict 64x128/s2/swap+branch", t, (None, None, 1, False, True, "strict", True, True))]
     keys = [k for k in only.split(",") if k]
     return [v for v in out if not keys or any(v[0] == k[1:] if k.startswith("=") else k in v[0] for k in keys)]
 
@@ -101,7 +103,7 @@ def _func(job):
     if kind == "bwd-variant":
         cfg = _cfg(dtype, d, opts[5])
         return bwd.build_bwd(cfg, tiles=Tiles(*tiles), dq_bulk=opts[0], overlap=opts[1], split=opts[2], ws=opts[3],
-                             lpt=opts[4], branch=opts[6])
+                             lpt=opts[4], branch=opts[6], swap=len(opts) > 7 and opts[7])
     return build_prim_func(kind, cfg)
 
 

@@ -251,7 +251,7 @@ def _build_preprocess_strict(cfg: KernelConfig):
 
 
 def build_bwd(cfg: KernelConfig, tiles=None, dq_bulk=None, overlap=None, split=None, ws=None, lpt=True,
-              branch=None):
+              branch=None, swap=False):
     """The main backward. The options default to the tile table's choices and exist for
     tools/bwd_variants.py, which times alternatives: ``tiles`` (``bwd_tiles(cfg)``); ``dq_bulk``,
     dQ tiles added by one bulk (TMA) reduce-add from shared memory instead of per-thread atomics
@@ -271,6 +271,10 @@ def build_bwd(cfg: KernelConfig, tiles=None, dq_bulk=None, overlap=None, split=N
     and ``overlap`` do not apply).
 
     ``lpt`` (ws only): KV tiles issued longest first (``schedule.by_work``); False, the launch order.
+    ``swap`` (TileLang's kernel, padded layouts): the same order from the grid itself, KV heads along
+    its x and KV tiles along y (no index arithmetic, which misleads TileLang's sync placement, see the
+    kernel); an option for tools/bwd_variants.py until measured and checked on the GPU (the y extent,
+    65535 tiles, is why packed layouts keep the launch order).
     ``branch`` (``config.bwd_branch(cfg)``): the per-element mask only on the row blocks that are
     not wholly visible (``block_range.full_row_blocks_for_keys``), as the forward's ``"branch"``.
     """
@@ -287,7 +291,10 @@ def build_bwd(cfg: KernelConfig, tiles=None, dq_bulk=None, overlap=None, split=N
         return build_bwd_ws(cfg, t, split, lpt, branch)
     if not lpt:
         raise ValueError("lpt=False applies to the warp-specialized kernel (ws) only: TileLang's pipelined kernel "
-                         "always runs in launch order")
+                         "runs in launch order (or, swap=True, longest first from its grid)")
+    if swap and cfg.layout == "thd":
+        raise ValueError("swap=True needs a padded layout (bhsd or bshd): packed KV tiles may exceed the grid's "
+                         f"y extent; got layout={cfg.layout!r}")
     per_prog = cfg.groups // split  # query heads one program streams
     dq_ann = {"use_tma": 1} if dq_bulk else None
     bm, bn = t.block_m, t.block_n  # bm query rows stream past bn resident keys
@@ -319,8 +326,11 @@ def build_bwd(cfg: KernelConfig, tiles=None, dq_bulk=None, overlap=None, split=N
         # the launch order: TileLang's pipelined kernels keep it (schedule.by_work's index arithmetic
         # confuses TileLang 0.1.15's shared-memory sync placement here: at D64 the longest-first
         # strict kernel gave wrong gradients on the H200 and the launch-order variant of the flat
-        # grid did not compile, 2026-12-04, docs/perf.md v10)
-        with T.Kernel(n_tiles, heads_kv * split, n_seqs, threads=t.threads) as (bx, hs, b):
+        # grid did not compile, 2026-12-04, docs/perf.md v10); ``swap`` gets the longest-first order
+        # from the grid's own dims instead (KV heads along x, tiles along y), the same TIR otherwise
+        with T.Kernel(heads_kv * split if swap else n_tiles, n_tiles if swap else heads_kv * split, n_seqs,
+                      threads=t.threads) as (g0, g1, b):
+            bx, hs = (g1, g0) if swap else (g0, g1)
             kv_head = hs // split
             head0 = kv_head * groups + (hs % split) * per_prog  # first query head of this program
             k_s = T.alloc_shared([bn, dim], dtype)
