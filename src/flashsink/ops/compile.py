@@ -418,11 +418,12 @@ FIRST_USE_JOBS = None
 
 
 def _build_config(kind: str, cfg: KernelConfig) -> None:
-    """``kind`` and every other kernel ``cfg``'s forward and backward launch (``kinds.kinds_for``):
-    the ones in the disk cache are loaded, the others compiled at once in worker processes (TileLang's
-    lowering is Python and holds the GIL) into the disk cache, then loaded. A kernel other than
-    ``kind`` that fails to build is left out here; its own first launch raises the error."""
-    wanted = [k for k in dict.fromkeys((kind, *kinds.kinds_for(cfg))) if (k, cfg) not in _cache]
+    """``kind`` and the other kernels of its route that ``cfg`` launches (``kinds.first_use_kinds``: the
+    forward and backward kernels, or the decode ones): the ones in the disk cache are loaded, the
+    others compiled at once in worker processes (TileLang's lowering is Python and holds the GIL) into
+    the disk cache, then loaded. A kernel other than ``kind`` that fails to build is left out here;
+    its own first launch raises the error."""
+    wanted = [k for k in kinds.first_use_kinds(kind, cfg) if (k, cfg) not in _cache]
     missing = []
     for k in wanted:
         kernel = _guarded(k, kind, cfg, load_only=True)

@@ -2,9 +2,9 @@
 
 A kind is its builder (``KernelConfig -> PrimFunc``, in a module that imports tilelang, so named here
 as ``"module.function"`` and imported when a kernel is built), its tile function (``config.py``; part
-of the disk-cache key), the configurations that need it (first use of a configuration builds exactly
-those, in parallel: ``compile.get_kernel``; ``flashsink precompile`` builds the same set), and the
-configuration fields its code never reads (one build then serves every value of them).
+of the disk-cache key), the configurations that need it and its route (the first launch of a kernel
+builds those of its route, in parallel: ``compile.get_kernel``; ``flashsink precompile`` builds every
+route), and the configuration fields its code never reads (one build then serves every value of them).
 
 A new kind is one entry here, its builder, and its launch in ``interface.py``.
 """
@@ -47,6 +47,10 @@ class Kind:
     tiles: Optional[Callable]  # the config.py tile function, or None (fixed blocks)
     needed: Callable[[KernelConfig], bool]  # does a configuration's forward + backward launch it?
     ignores: tuple = ()  # KernelConfig fields the kernel's code does not read
+    #: which calls launch it: "dense" (attention's forward over its rows and the backward) or
+    #: "decode" (few query rows against a long cache: the split-KV forward, attention_kvcache); a first
+    #: use builds the kernels of its own route only (:func:`first_use_kinds`)
+    route: str = "dense"
 
     def build(self, cfg: KernelConfig):
         module, function = self.builder.rsplit(".", 1)
@@ -62,10 +66,13 @@ KINDS: dict = {
     "dq": Kind("bwd.build_dq", dq_tiles, lambda cfg: cfg.deterministic),
     "postprocess": Kind("bwd.build_postprocess", None, lambda cfg: not cfg.deterministic,
                         ignores=("deterministic", "precision")),
-    "fwd_split": Kind("fwd_split.build_fwd_split", split_tiles, _split_kv, ignores=("deterministic", "precision")),
-    "fwd_kvcache": Kind("fwd_kvcache.build_fwd_kvcache", split_tiles, _never, ignores=("deterministic", "precision")),
+    "fwd_split": Kind("fwd_split.build_fwd_split", split_tiles, _split_kv, ignores=("deterministic", "precision"),
+                      route="decode"),
+    "fwd_kvcache": Kind("fwd_kvcache.build_fwd_kvcache", split_tiles, _never, ignores=("deterministic", "precision"),
+                        route="decode"),
     # merges the split-KV partials (decode through attention, and attention_kvcache)
-    "merge_splits": Kind("merge_splits.build_merge_splits", None, _split_kv, ignores=("deterministic", "precision")),
+    "merge_splits": Kind("merge_splits.build_merge_splits", None, _split_kv, ignores=("deterministic", "precision"),
+                         route="decode"),
 }
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(KernelConfig) if f.default is not dataclasses.MISSING}
@@ -74,6 +81,16 @@ _DEFAULTS = {f.name: f.default for f in dataclasses.fields(KernelConfig) if f.de
 def kinds_for(cfg: KernelConfig) -> tuple:
     """The kernels one configuration's forward and backward launch."""
     return tuple(name for name, kind in KINDS.items() if kind.needed(cfg))
+
+
+def first_use_kinds(name: str, cfg: KernelConfig) -> tuple:
+    """What the first launch of kernel ``name`` for ``cfg`` builds, in parallel: ``name`` and the other
+    kernels of :func:`kinds_for` on its route. A training step's first call builds the forward and
+    backward kernels, not the split-KV decode pair, which compiles the slowest of all (~23 s on the
+    H200's host, docs/perf.md v9) and which a training step never launches; the first decode call
+    builds that pair. (``flashsink precompile`` builds every route at once.)"""
+    route = KINDS[name].route
+    return tuple(dict.fromkeys((name, *(k for k in kinds_for(cfg) if KINDS[k].route == route))))
 
 
 def precompile_kinds(cfg: KernelConfig) -> tuple:
