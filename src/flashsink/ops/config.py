@@ -153,12 +153,13 @@ def bwd_overlap(cfg: KernelConfig) -> bool:
 
 
 def bwd_ws(cfg: KernelConfig) -> bool:
-    """Whether the main backward (both kinds, ``bwd`` and ``bwd_split``) is ``bwd_ws.py``'s hand
-    warp-specialized kernel: Hopper, precision="fast", head dims up to 128 (its 64x128 tiles). Measured
-    on the H200 (tools/bwd_variants.py, docs/perf.md v7) against TileLang's pipelined kernel with
-    bulk dQ and async S/dP: 10-15% off the unsplit main kernel (golden 0.237 -> 0.213 ms, gpt-oss SWA
-    0.183 -> 0.155), 7-14% off the split one (causal D128 N4096 1.95 -> 1.81 ms, D64 N8192 5.52 ->
-    4.77). Strict keeps TileLang's kernel (two-term products the hand kernel does not have)."""
+    """Whether the main backward is ``bwd_ws.py``'s hand warp-specialized kernel: Hopper,
+    precision="fast", head dims up to 128 (its 64x128 tiles). Measured on the H200
+    (tools/bwd_variants.py, docs/perf.md v7) against TileLang's pipelined kernel with bulk dQ and async
+    S/dP: 10-15% off the unsplit main kernel (golden 0.237 -> 0.213 ms, gpt-oss SWA 0.183 -> 0.155),
+    7-14% off the split one (causal D128 N4096 1.95 -> 1.81 ms, D64 N8192 5.52 -> 4.77); since v10 it
+    runs unsplit with its tiles longest first (causal D128 N4096: 1.62 ms, :func:`bwd_split`). Strict
+    keeps TileLang's kernel (two-term products the hand kernel does not have)."""
     return cfg.hopper and cfg.precision == "fast" and max(cfg.head_dim, cfg.head_dim_v) <= 128
 
 
@@ -216,9 +217,10 @@ def bwd_split(cfg: KernelConfig) -> int:
     return max(d for d in range(1, MAX_BWD_SPLIT + 1) if cfg.groups % d == 0)
 
 
-#: the split main backward runs when the rows one KV tile can see reach this many: measured on
-#: the H200 (docs/perf.md v6), full causal N=4096/8192 ran 1.5-1.6x faster split 8 ways, while
-#: window 128 ran 6-10% slower (few rows per program: the fp32 dK/dV adds and casts dominate)
+#: the split main backward (head dim 256 since v10, :func:`bwd_split`) runs when the rows one KV
+#: tile can see reach this many: measured on the H200 (docs/perf.md v6, TileLang's kernel at D64/D128),
+#: full causal N=4096/8192 ran 1.5-1.6x faster split 8 ways, while window 128 ran 6-10% slower (few
+#: rows per program: the fp32 dK/dV adds and casts dominate); not re-measured at D256
 BWD_SPLIT_MIN_ROWS = 1024
 
 
