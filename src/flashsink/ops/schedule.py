@@ -76,16 +76,20 @@ def by_work(p, n_tiles, heads, longest_last: bool, lpt: bool = True):
     issued longest first: the GPU hands programs out in launch order as SMs free up (greedy list
     scheduling), so the programs with the most work go first and the short ones fill the tail.
 
-    Causal work grows with the query tile (``longest_last``: forward, strict preprocess,
-    deterministic dQ, each query tile seeing the keys up to its rows) and shrinks with the KV tile
-    (the main backward, each KV tile seen by the rows from its own on); windowed and non-causal
-    tiles cost the same, so the order only matters for causal problems. The heads of one tile are
-    consecutive: the programs running at once share its K/V (forward) or its rows of Q and dO.
+    Causal work shrinks with the KV tile (the main backward: each KV tile is seen by the rows from its
+    own on) and grows with the query tile (``longest_last``: a query tile sees the keys up to its
+    rows); windowed and non-causal tiles cost the same, so the order only matters for causal problems.
+    The heads of one tile are consecutive.
 
     Order ``(tile, head)`` instead of the launch's natural ``(head, tile)`` (each head's tiles in a
     row, a sawtooth of long and short): for the causal main backward at N=4096, 32 KV tiles x 8 KV
     heads = 256 programs on 132 SMs, a greedy simulation gives a makespan 1.59x the ideal in the old
-    order and 1.00x in this one; 2048 programs (split 8) 1.07x -> 1.01x (docs/perf.md v10).
+    order and 1.00x in this one, and the H200 measured 1.56x with the mask branch (docs/perf.md v10).
+
+    Used by the hand warp-specialized main backward (``bwd_ws.py``), which places its syncs by hand.
+    TileLang's pipelined kernels keep the launch order: this index arithmetic misleads TileLang
+    0.1.15's automatic sync placement (wrong gradients or a compile error, docs/perf.md v10); there
+    ``bwd.build_bwd(swap=True)`` takes the same order from the grid's own dims instead.
 
     ``lpt=False`` gives the old order, each head's tiles in a row (tools/bwd_variants.py times both).
     """
