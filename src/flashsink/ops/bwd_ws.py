@@ -78,6 +78,11 @@ def build_bwd_ws(cfg: KernelConfig, t, split: int, lpt: bool = True, branch: boo
     @T.macro
     def body(Q, K, V, dO, LSE, Delta, CuQ, CuK, window, scale, dQAcc, dK, dV, n_tiles, n_seqs):
         with T.Kernel(n_tiles * heads_kv * split, n_seqs, threads=CONSUMER_THREADS + 128) as (p, b):
+            # the program's coordinates and row-block ranges are computed once, into local variables:
+            # as expressions TileLang inlines them (divisions included) wherever they are used, and
+            # lowering those took 37 s of the kernel's compile against 6 s bound (this machine's CPU)
+            bx = T.alloc_var("int32")
+            hs = T.alloc_var("int32")
             bx, hs = by_work(p, n_tiles, heads_kv * split, longest_last=False, lpt=lpt)
             kv_head = hs // split
             head0 = kv_head * groups + (hs % split) * per_prog
@@ -110,8 +115,12 @@ def build_bwd_ws(cfg: KernelConfig, t, split: int, lpt: bool = True, branch: boo
             k_base, sk = sequence(layout, CuK, b, seq_kv)
             key0 = bx * bn
             scale_log2 = scale * LOG2E
+            lo_blk = T.alloc_var("int32")
+            hi_blk = T.alloc_var("int32")
             lo_blk, hi_blk = row_blocks_for_keys(key0, bn, bm, sq, sk, window, cfg.causal)
             if branch:
+                full_lo = T.alloc_var("int32")
+                full_hi = T.alloc_var("int32")
                 full_lo, full_hi = full_row_blocks_for_keys(lo_blk, hi_blk, key0, bn, bm, sq, sk, window, cfg.causal)
             n_rows = hi_blk - lo_blk
             n_it = per_prog * n_rows
