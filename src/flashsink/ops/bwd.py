@@ -34,7 +34,7 @@ from .config import (ROW_BLOCK, KernelConfig, bwd_branch, bwd_dq_bulk, bwd_overl
 from .layout import (acc_tile, kernel, prologue_load, qkv_shapes, row_runs, sequence, stage_stat, staged_stat, stat_at,
                      stat_shape, stat_tile, store_rows, store_stat, tile, varlen_params)
 from .schedule import grid, locate
-from .mask import select_visible, visible
+from .mask import branch_tile, in_blocks, select_visible, visible
 from .softmax import LOG2E
 from .split import split
 
@@ -387,13 +387,8 @@ def build_bwd(cfg: KernelConfig, tiles=None, dq_bulk=None, overlap=None, split=N
                     T.clear(pT)
                     T.gemm(k_s, q_s, pT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
                 # the per-element mask only where this row block is not wholly visible (branch)
-                if branch:
-                    if (lo_blk + it % n_rows >= full_lo) & (lo_blk + it % n_rows < full_hi):
-                        probs_t(pT, LSE, lse_s, head, q_base, row0, key0, sq, sk, window, scale_log2, False)
-                    else:
-                        probs_t(pT, LSE, lse_s, head, q_base, row0, key0, sq, sk, window, scale_log2, True)
-                else:
-                    probs_t(pT, LSE, lse_s, head, q_base, row0, key0, sq, sk, window, scale_log2, True)
+                branch_tile(probs_t, in_blocks(lo_blk + it % n_rows, (full_lo, full_hi)) if branch else None,
+                            pT, LSE, lse_s, head, q_base, row0, key0, sq, sk, window, scale_log2)
                 if overlap:
                     T.wait_wgmma(0)
                 else:
@@ -405,13 +400,8 @@ def build_bwd(cfg: KernelConfig, tiles=None, dq_bulk=None, overlap=None, split=N
                 stage_stat(Delta, layout, b, head, row0, bm, delta_s)
                 # dS^T; selected, not multiplied, so a masked slot (a row of another sequence in a
                 # packed batch, say) adds an exact 0 to dK and dQ
-                if branch:
-                    if (lo_blk + it % n_rows >= full_lo) & (lo_blk + it % n_rows < full_hi):
-                        dscores_t(pT, dpT, Delta, delta_s, head, q_base, row0, key0, sq, sk, window, scale, False)
-                    else:
-                        dscores_t(pT, dpT, Delta, delta_s, head, q_base, row0, key0, sq, sk, window, scale, True)
-                else:
-                    dscores_t(pT, dpT, Delta, delta_s, head, q_base, row0, key0, sq, sk, window, scale, True)
+                branch_tile(dscores_t, in_blocks(lo_blk + it % n_rows, (full_lo, full_hi)) if branch else None,
+                            pT, dpT, Delta, delta_s, head, q_base, row0, key0, sq, sk, window, scale)
                 # dK += dS^T Q (strict: as hi + lo)
                 product(pT, hi, lo, q_s, dk, bn, bm, fast)
                 if with_dq:

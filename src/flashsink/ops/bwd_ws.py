@@ -23,7 +23,7 @@ from .config import KernelConfig
 from .bwd_entry import main_bwd_entry, main_bwd_shapes
 from .layout import acc_tile, prologue_load, sequence, stat_tile, store_rows, tile
 from .schedule import by_work, locate
-from .mask import select_visible
+from .mask import branch_tile, in_blocks, select_visible
 from .softmax import LOG2E
 
 #: registers per thread of the producer and of the consumer warpgroups (setmaxnreg), as
@@ -170,25 +170,15 @@ def build_bwd_ws(cfg: KernelConfig, t, split: int, lpt: bool = True, branch: boo
                                  policy=T.GemmWarpPolicy.FullRow)
                     T.wait_wgmma(1)
                     # the per-element mask only where this row block is not wholly visible (branch)
-                    if branch:
-                        if (lo_blk + it % n_rows >= full_lo) & (lo_blk + it % n_rows < full_hi):
-                            probs_t(pT, LSE, lse_r, s, head, q_base, row0, key0, sq, sk, window, scale_log2, False)
-                        else:
-                            probs_t(pT, LSE, lse_r, s, head, q_base, row0, key0, sq, sk, window, scale_log2, True)
-                    else:
-                        probs_t(pT, LSE, lse_r, s, head, q_base, row0, key0, sq, sk, window, scale_log2, True)
+                    branch_tile(probs_t, in_blocks(lo_blk + it % n_rows, (full_lo, full_hi)) if branch else None,
+                                pT, LSE, lse_r, s, head, q_base, row0, key0, sq, sk, window, scale_log2)
                     T.wait_wgmma(0)
                     # dV += P^T dO, running while dS^T is computed
                     T.copy(pT, p_h)
                     T.wgmma_gemm(p_h, do_r[s, :, :], dv, policy=T.GemmWarpPolicy.FullRow)
                     # dS^T, selected (not multiplied): a masked slot adds an exact 0 (bwd.py)
-                    if branch:
-                        if (lo_blk + it % n_rows >= full_lo) & (lo_blk + it % n_rows < full_hi):
-                            dscores_t(pT, dpT, Delta, delta_r, s, head, q_base, row0, key0, sq, sk, window, scale, False)
-                        else:
-                            dscores_t(pT, dpT, Delta, delta_r, s, head, q_base, row0, key0, sq, sk, window, scale, True)
-                    else:
-                        dscores_t(pT, dpT, Delta, delta_r, s, head, q_base, row0, key0, sq, sk, window, scale, True)
+                    branch_tile(dscores_t, in_blocks(lo_blk + it % n_rows, (full_lo, full_hi)) if branch else None,
+                                pT, dpT, Delta, delta_r, s, head, q_base, row0, key0, sq, sk, window, scale)
                     T.copy(pT, ds_h)
                     if with_dq:
                         # dS^T to shared memory for dQ = dS K, which needs both consumers' keys

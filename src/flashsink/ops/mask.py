@@ -48,10 +48,29 @@ def branch_logits(acc_s, row0, key0, sq, sk, window, scale_log2, fold_scale: boo
     """:func:`mask_logits` where KV block ``kb`` is not wholly visible, else only the scale
     (:func:`scale_logits`): ``full`` (flo, fhi) is the tile's wholly visible blocks
     (``block_range.full_kv_blocks_for_rows``), bound once per tile; the branch is per tile."""
-    if (kb >= full[0]) & (kb < full[1]):
+    if in_blocks(kb, full):
         scale_logits(acc_s, scale_log2, fold_scale)
     else:
         mask_logits(acc_s, row0, key0, sq, sk, window, scale_log2, fold_scale, None, kb, causal)
+
+
+@T.macro
+def branch_tile(tile_fn, full, *args):
+    """The main backward's per-tile branch: ``tile_fn(*args, masked)`` without the per-element mask
+    where the tile is wholly visible (``full``, a condition such as :func:`in_blocks`), with it
+    elsewhere; ``full`` None (no branch): with the mask on every tile."""
+    if full is None:
+        tile_fn(*args, True)
+    else:
+        if full:
+            tile_fn(*args, False)
+        else:
+            tile_fn(*args, True)
+
+
+def in_blocks(i, blocks):
+    """Block ``i`` lies in ``blocks`` = ``(lo, hi)`` (a tile's wholly visible blocks)."""
+    return (i >= blocks[0]) & (i < blocks[1])
 
 
 def select_visible(value, row, key, seq_q, seq_kv, window, causal: bool, masked: bool):
@@ -67,4 +86,4 @@ def _keep(row, key, kb, seq_q, seq_kv, window, causal: bool, full):
     vis = visible(row, key, seq_q, seq_kv, window, causal)
     if full is None:
         return vis
-    return ((kb >= full[0]) & (kb < full[1])) | vis
+    return in_blocks(kb, full) | vis
