@@ -40,10 +40,12 @@ PROBE_TIMEOUT_S, PROBE_START_S = 60, 240
 
 
 def _variants(d: int, only: str = "") -> list:
-    """(label, Tiles fields, (dq_bulk, overlap, split, ws, lpt, precision, branch[, swap])) of the main
-    backward for head dim ``d``; ``swap``: TileLang's kernel longest first from its grid's dims. ``ws``: bwd_ws.py's hand warp-specialized kernel (``t.stages`` is its ring's
-    depth); ``lpt``: KV tiles issued longest first (schedule.by_work; ``/launch`` in a label: the old
-    order); ``branch``: ws's mask skipped on wholly visible tiles (``/nobranch``: masked everywhere)."""
+    """(label, Tiles fields, (dq_bulk, overlap, split, ws, lpt, precision, branch, swap)) of the main
+    backward for head dim ``d`` (``bwd.build_bwd``'s options). ``ws``: bwd_ws.py's hand warp-specialized
+    kernel (``t.stages`` is its ring's depth); ``lpt``: its KV tiles issued longest first
+    (schedule.by_work; ``/launch`` in a label: the old order); ``branch``: the mask skipped on wholly
+    visible tiles (``/nobranch``: masked everywhere); ``swap``: TileLang's kernel longest first from
+    its grid's dims."""
     t = (64, 128, 256, 2)
     t3 = (64, 128, 256, 3)
     fast = [("64x128/s2", t, (False, False, 1, False)),
@@ -68,17 +70,17 @@ def _variants(d: int, only: str = "") -> list:
                  ("128x128/s2/split8/bulk+overlap", (128, 128, 256, 2), (True, True, 8, False)),
                  ("ws 128x128/s2", (128, 128, 256, 2), (None, None, 1, True)),
                  ("ws 128x128/s2/split8", (128, 128, 256, 2), (None, None, 8, True))]
-    out = [(label, tiles, opts + (True, "fast", None)) for label, tiles, opts in fast]
+    out = [(label, tiles, opts + (True, "fast", None, False)) for label, tiles, opts in fast]
     # v10's two changes apart and together against the kernel before them ("/launch/nobranch"):
     # the launch order (tiles longest first, or "/launch": each head's tiles in a row) and the
     # ws kernel's per-element mask only off wholly visible tiles (or "/nobranch": everywhere)
     for split in (1, 8):
         name = "ws 64x128/s2" + (f"/split{split}" if split > 1 else "")
-        out += [(name + "/launch", t, (None, None, split, True, False, "fast", True)),
-                (name + "/nobranch", t, (None, None, split, True, True, "fast", False)),
-                (name + "/launch/nobranch", t, (None, None, split, True, False, "fast", False))]
-    out += [("strict 64x128/s2", t, (None, None, 1, False, True, "strict", None)),
-            ("strict 64x128/s2/branch", t, (None, None, 1, False, True, "strict", True)),
+        out += [(name + "/launch", t, (None, None, split, True, False, "fast", True, False)),
+                (name + "/nobranch", t, (None, None, split, True, True, "fast", False, False)),
+                (name + "/launch/nobranch", t, (None, None, split, True, False, "fast", False, False))]
+    out += [("strict 64x128/s2", t, (None, None, 1, False, True, "strict", None, False)),
+            ("strict 64x128/s2/branch", t, (None, None, 1, False, True, "strict", True, False)),
             # longest first from the grid's dims (KV heads along x): no index arithmetic
             ("strict 64x128/s2/swap", t, (None, None, 1, False, True, "strict", False, True)),
             ("strict 64x128/s2/swap+branch", t, (None, None, 1, False, True, "strict", True, True))]
@@ -103,7 +105,7 @@ def _func(job):
     if kind == "bwd-variant":
         cfg = _cfg(dtype, d, opts[5])
         return bwd.build_bwd(cfg, tiles=Tiles(*tiles), dq_bulk=opts[0], overlap=opts[1], split=opts[2], ws=opts[3],
-                             lpt=opts[4], branch=opts[6], swap=len(opts) > 7 and opts[7])
+                             lpt=opts[4], branch=opts[6], swap=opts[7])
     return build_prim_func(kind, cfg)
 
 
@@ -349,7 +351,7 @@ def main() -> int:
         row["kernels"]["main (strict)"] = do_bench(lambda: kern("bwd", "strict")(q, k, v, do, lse, delta, win, scale, acc, dk, dv), return_mode="median")
         dkv = torch.zeros(2, 1, HK, rows, d, dtype=torch.float32, device="cuda")
         unsplit = {}
-        for label, tiles, opts in [("default*", None, (None, None, 1, False, True, "fast", None))] + _variants(d, args.variants):
+        for label, tiles, opts in [("default*", None, (None, None, 1, False, True, "fast", None, False))] + _variants(d, args.variants):
             main = kern("bwd", "fast") if tiles is None else kern("bwd-variant", "fast", tiles, opts)
             if main is None:
                 row["kernels"][f"main {label}"] = "compile failed"
