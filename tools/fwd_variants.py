@@ -46,6 +46,8 @@ def _variants(d: int) -> list:
     # folded into the exponent's FMA
     out += [(f"ws/{o} " + "x".join(map(str, t[:2])) + f"/s{t[3]}", t, "branch", False, o) for t in ws[:1]
             for o in ("np", "nopp", "fold")]
+    if d <= 64:  # the fold with D64's own 192-row tiles (config.fwd_tiles)
+        out.append(("ws/fold 192x128/s2", (192, 128, 384, 2), "branch", False, "fold"))
     return out
 
 

@@ -29,7 +29,7 @@ import tilelang.language as T
 from .block_range import full_row_blocks_for_keys, kv_blocks_for_rows, row_blocks_for_keys
 from .bwd_entry import main_bwd_entry, main_bwd_shapes
 from .bwd_ws import build_bwd_ws
-from .config import (ROW_BLOCK, KernelConfig, bwd_branch, bwd_dq_bulk, bwd_overlap, bwd_split, bwd_tiles, bwd_ws,
+from .config import (ROW_BLOCK, KernelConfig, bwd_branch, bwd_dq_bulk, bwd_overlap, bwd_split, bwd_swap, bwd_tiles, bwd_ws,
                      dq_tiles, pre_tiles)
 from .layout import (acc_tile, kernel, prologue_load, qkv_shapes, row_runs, sequence, stage_stat, staged_stat, stat_at,
                      stat_shape, stat_tile, store_rows, store_stat, tile, varlen_params)
@@ -251,7 +251,7 @@ def _build_preprocess_strict(cfg: KernelConfig):
 
 
 def build_bwd(cfg: KernelConfig, tiles=None, dq_bulk=None, overlap=None, split=None, ws=None, lpt=True,
-              branch=None, swap=False):
+              branch=None, swap=None):
     """The main backward. The options default to the tile table's choices and exist for
     tools/bwd_variants.py, which times alternatives: ``tiles`` (``bwd_tiles(cfg)``); ``dq_bulk``,
     dQ tiles added by one bulk (TMA) reduce-add from shared memory instead of per-thread atomics
@@ -271,16 +271,17 @@ def build_bwd(cfg: KernelConfig, tiles=None, dq_bulk=None, overlap=None, split=N
     and ``overlap`` do not apply).
 
     ``lpt`` (ws only): KV tiles issued longest first (``schedule.by_work``); False, the launch order.
-    ``swap`` (TileLang's kernel, padded layouts): the same order from the grid itself, KV heads along
-    its x and KV tiles along y (no index arithmetic, which misleads TileLang's sync placement, see the
-    kernel); an option for tools/bwd_variants.py until measured and checked on the GPU (the y extent,
-    65535 tiles, is why packed layouts keep the launch order).
+    ``swap`` (``config.bwd_swap(cfg, ws)``; TileLang's kernel, padded layouts): the same order from the
+    grid itself, KV heads along its x and KV tiles along y (no index arithmetic, which misleads
+    TileLang's sync placement, see the kernel; the y extent, 65535 tiles, is why packed layouts keep
+    the launch order).
     ``branch`` (``config.bwd_branch(cfg)``): the per-element mask only on the row blocks that are
     not wholly visible (``block_range.full_row_blocks_for_keys``), as the forward's ``"branch"``.
     """
     t = tiles or bwd_tiles(cfg)
     ws = bwd_ws(cfg) if ws is None else ws
     branch = bwd_branch(cfg, ws) if branch is None else branch
+    swap = bwd_swap(cfg, ws) if swap is None else swap
     dq_bulk = bwd_dq_bulk(cfg) if dq_bulk is None else dq_bulk
     overlap = bwd_overlap(cfg) if overlap is None else overlap
     split = 1 if split is None else split

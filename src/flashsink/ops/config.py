@@ -172,6 +172,16 @@ def bwd_branch(cfg: KernelConfig, ws: bool) -> bool:
     return ws
 
 
+def bwd_swap(cfg: KernelConfig, ws: bool) -> bool:
+    """Whether TileLang's main backward (strict, D256, sm_80: not ``ws``) issues its KV tiles longest
+    first by laying its grid out as (KV heads, KV tiles) instead of (KV tiles, KV heads): the GPU hands
+    out programs x fastest, so tile 0 (the causal tile every row sees) of every head goes first. Its
+    CUDA is the launch-order kernel's with ``blockIdx.x`` and ``blockIdx.y`` exchanged; the same order
+    by index arithmetic (``schedule.by_work``) misled TileLang 0.1.15's sync placement (docs/perf.md
+    v10). Padded layouts only: a packed batch's KV tiles could pass the grid's y extent (65535)."""
+    return not ws and cfg.layout != "thd"
+
+
 def fwd_mask(cfg: KernelConfig) -> str:
     """How the forward masks its logits (``fwd.build_fwd``'s ``mask``): on Hopper ``"branch"``,
     which skips the per-element select on wholly visible KV tiles, measured on the H200
