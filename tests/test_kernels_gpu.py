@@ -173,6 +173,27 @@ def test_empty_and_noncontiguous():
 
 
 @pytest.mark.boundary
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("scale", [-0.2, 0.0, 0.09], ids=["negative", "zero", "positive"])
+def test_scales_of_either_sign(scale, precision):
+    """The forward folds a positive scale into its exponent (config.fwd_fold) and launches the
+    unfolded kernel (kind ``fwd_unfolded``) for scale <= 0: both judged, forward and backward, with a
+    window so masked logits meet a zero scale (a folded -inf * 0 would be NaN)."""
+    inp = make_inputs(1, 8, 2, 333, 333, 64, torch.bfloat16, "cuda", layout="bshd")
+    q, k, v = (inp[n].clone().requires_grad_(True) for n in ("q", "k", "v"))
+    sinks = inp["sinks"].clone().requires_grad_(True)
+    o, lse = flashsink.attention(q, k, v, sinks, window=100, layout="bshd", scale=scale, return_lse=True,
+                                 precision=precision)
+    o.backward(inp["do"])
+    actual = {"o": o.detach(), "lse": lse.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad, "dsink": sinks.grad}
+    reports = compare_all(actual, inp["q"], inp["k"], inp["v"], inp["sinks"], inp["do"], window=100, scale=scale,
+                          layout="bshd", precision=precision)
+    _log(f"scale={scale} [{precision}]", reports)
+    failed = [r for r in reports if not r.passed]
+    assert not failed, f"{precision} gate failed\n" + reports[0].header() + "\n" + "\n".join(r.row() for r in reports)
+
+
+@pytest.mark.boundary
 def test_unsupported_raise():
     q = torch.randn(1, 4, 16, 64, device="cuda", dtype=torch.float32)
     with pytest.raises(NotImplementedError, match="float16 and bfloat16"):

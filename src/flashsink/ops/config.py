@@ -168,8 +168,11 @@ def bwd_branch(cfg: KernelConfig, ws: bool) -> bool:
     on wholly visible row blocks, as the forward's ``"branch"`` does: the hand warp-specialized
     kernel (``ws``), where the causal problems' tiles are mostly wholly visible. TileLang's
     pipelined kernel (strict, D256, sm_80) keeps the mask everywhere until measured
-    (tools/bwd_variants.py times both, docs/perf.md v10)."""
-    return ws
+    (tools/bwd_variants.py times both, docs/perf.md v10). Measured since on the H200 for TileLang's
+    strict kernel (docs/perf.md v11, causal, longest first from its grid): D128 N4096 2.558 -> 2.392 ms,
+    D64 N8192 6.702 -> 6.043, dK/dV bitwise equal; so Hopper's strict kernel branches too (D256's
+    fast split kernel and sm_80 keep the mask everywhere: not measured)."""
+    return ws or (cfg.hopper and cfg.precision == "strict")
 
 
 def bwd_swap(cfg: KernelConfig, ws: bool) -> bool:
@@ -202,6 +205,17 @@ def fwd_ws(cfg: KernelConfig) -> bool:
     Only equal head dims for q/k and v: those are the ones measured and checked on the GPU (a
     separate head dim of v, e.g. 128/64, keeps the pipelined kernel until it is)."""
     return cfg.hopper and cfg.head_dim == cfg.head_dim_v and cfg.head_dim in (64, 128)
+
+
+def fwd_fold(cfg: KernelConfig) -> bool:
+    """Whether the forward (``fwd_ws.py``'s kernel) folds the scale into the exponent's FMA,
+    ``exp2(s * scale_log2 - m * scale_log2)``, instead of scaling every logit first: measured on the
+    H200 (tools/fwd_variants.py, docs/perf.md v10-v11) causal D128 N4096 0.5295 -> 0.5116 ms (128x128
+    tiles), causal D64 N8192 1.3324 -> 1.2812 (192x128); o within one rounding of the unfolded
+    kernel's (relative L2 3.7e-5), lse 1.4e-8. The running maximum is then over the unscaled logits,
+    which is right for a positive scale only: a call with ``scale <= 0`` launches the kind
+    ``fwd_unfolded`` (the same kernel without the fold, built on its first such call)."""
+    return fwd_ws(cfg)
 
 
 #: query heads of a GQA group per program in the split main backward: at most this many programs

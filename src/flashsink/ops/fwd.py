@@ -11,7 +11,7 @@ import tilelang.language as T
 
 from . import softmax
 from .block_range import full_kv_blocks_for_rows, kv_blocks_for_rows
-from .config import KernelConfig, Tiles, fwd_mask, fwd_tiles, fwd_ws
+from .config import KernelConfig, Tiles, fwd_fold, fwd_mask, fwd_tiles, fwd_ws
 from .fwd_entry import fwd_entry, fwd_shapes
 from .fwd_ws import build_fwd_ws
 from .layout import prologue_load, sequence, store_rows, store_stat, tile
@@ -23,7 +23,13 @@ from .schedule import locate
 FWD_MASKS = ("select", "split", "flag", "branch")
 
 
-def build_fwd(cfg: KernelConfig, tiles: Tiles | None = None, mask: str | None = None, fold_scale: bool = False,
+def build_fwd_unfolded(cfg: KernelConfig):
+    """The forward without the scale folded into the exponent (``config.fwd_fold``): the kind a
+    call with ``scale <= 0`` launches where the forward folds it."""
+    return build_fwd(cfg, fold_scale=False)
+
+
+def build_fwd(cfg: KernelConfig, tiles: Tiles | None = None, mask: str | None = None, fold_scale: bool | None = None,
               ws: bool | None = None):
     """The forward. The options default to the library's kernel and exist for tools/fwd_variants.py,
     which times alternatives: ``tiles`` (``fwd_tiles(cfg)``); ``mask`` (``fwd_mask(cfg)``), how the mask is applied:
@@ -38,16 +44,18 @@ def build_fwd(cfg: KernelConfig, tiles: Tiles | None = None, mask: str | None = 
     ``scale > 0``: the running maximum is taken over the unscaled logits.
 
     ``ws`` (default ``config.fwd_ws(cfg)``, unless a ``mask`` other than ``"branch"`` or
-    ``fold_scale`` asks for the pipelined kernel's options): ``fwd_ws.py``'s hand warp-specialized
-    Hopper kernel (its mask is always ``"branch"``, its scale never folded).
+    ``fold_scale=True`` asks for the pipelined kernel's options): ``fwd_ws.py``'s hand warp-specialized
+    Hopper kernel (its mask is always ``"branch"``; its scale folded where ``config.fwd_fold(cfg)``,
+    unless ``fold_scale=False``: the kind ``fwd_unfolded``, for a scale <= 0).
     """
     if ws is None:
         ws = fwd_ws(cfg) and mask in (None, "branch") and not fold_scale
     if ws:
-        if mask not in (None, "branch") or fold_scale:
-            raise ValueError(f"the warp-specialized forward masks with 'branch' and does not fold the scale; "
-                             f"got mask={mask!r}, fold_scale={fold_scale}")
-        return build_fwd_ws(cfg, tiles or fwd_tiles(cfg))
+        if mask not in (None, "branch"):
+            raise ValueError(f"the warp-specialized forward masks with 'branch'; got mask={mask!r}")
+        fold = fwd_fold(cfg) if fold_scale is None else fold_scale
+        return build_fwd_ws(cfg, tiles or fwd_tiles(cfg), fold=fold)
+    fold_scale = bool(fold_scale)
     mask = fwd_mask(cfg) if mask is None else mask
     if mask not in FWD_MASKS:
         raise ValueError(f"mask must be one of {FWD_MASKS}, got {mask!r}")

@@ -68,7 +68,7 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
     scheduler barriers), so one's softmax runs while the other's GEMMs have the tensor cores.
 
     ``fold``: the scale folded into the exponent's FMA (``softmax.update``'s ``scale_log2``; needs a
-    positive scale, so not a default: tools/fwd_variants.py times it)."""
+    positive scale: ``config.fwd_fold``, and the kind ``fwd_unfolded`` for the others)."""
     if not cfg.hopper or t.block_m % ROWS_PER_CONSUMER or t.stages < 1:
         raise NotImplementedError(f"the warp-specialized forward supports Hopper (sm_90a) and query tiles of a "
                                   f"multiple of {ROWS_PER_CONSUMER} rows; got {cfg.short()}, {t}")

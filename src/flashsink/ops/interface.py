@@ -19,7 +19,7 @@ from . import decode
 from .compile import get_kernel
 from .config import (
     BWD_SPLIT_MIN_ROWS, HEAD_DIM_RULE, LOG2E, NO_WINDOW, PRECISIONS, ROW_PAD, SUPPORTED_DTYPES, KernelConfig,
-    arch_of, bwd_split, kernel_head_dim, pre_tiles,
+    arch_of, bwd_split, fwd_fold, kernel_head_dim, pre_tiles,
 )
 from .config import padded_rows as _padded_rows, varlen_rows  # noqa: F401  (the ops' and tests' names)
 
@@ -147,9 +147,11 @@ def _forward(q, k, v, sinks32, cfg, spec, window, cu_seqlens=None):
     # the kernels' head dim (cfg), not the problem's: q, k, v arrive zero-padded to it
     o = torch.empty((*q.shape[:-1], cfg.head_dim_v), dtype=q.dtype, device=q.device)
     lse = torch.empty(_stat_shape(spec, q, cu_seqlens), dtype=torch.float32, device=q.device)
-    get_kernel("fwd", cfg)(
-        q, k, v, sinks32, *_seq_args(cu_seqlens, spec.seq_q), window, float(spec.scale) * LOG2E, o, lse
-    )
+    scale = float(spec.scale)
+    # a folded forward (config.fwd_fold) takes its running maximum over unscaled logits: right for a
+    # positive scale only
+    kind = "fwd" if scale > 0 or not fwd_fold(cfg) else "fwd_unfolded"
+    get_kernel(kind, cfg)(q, k, v, sinks32, *_seq_args(cu_seqlens, spec.seq_q), window, scale * LOG2E, o, lse)
     return o, lse
 
 

@@ -60,6 +60,9 @@ class Kind:
 #: every kernel, in the order listed to users (``flashsink precompile --kinds``)
 KINDS: dict = {
     "fwd": Kind("fwd.build_fwd", fwd_tiles, _always, ignores=("deterministic", "precision")),
+    # the forward without the scale folded into its exponent, where "fwd" folds it (config.fwd_fold):
+    # launched by a call with scale <= 0 only, so built on the first such call, not ahead
+    "fwd_unfolded": Kind("fwd.build_fwd_unfolded", fwd_tiles, _never, ignores=("deterministic", "precision")),
     "preprocess": Kind("bwd.build_preprocess", pre_tiles, _always),
     "bwd": Kind("bwd.build_bwd", bwd_tiles, _always),
     "bwd_split": Kind("bwd.build_bwd_split", bwd_tiles, lambda cfg: bwd_split(cfg) > 1),
