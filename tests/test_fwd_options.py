@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from flashsink.ops.config import KernelConfig, Tiles, fwd_mask, fwd_tiles, fwd_ws
+from flashsink.ops.config import KernelConfig, Tiles, fwd_fold, fwd_mask, fwd_tiles, fwd_ws
 
 
 def _cfg(arch, **over):
@@ -35,7 +35,7 @@ def test_default_options_are_the_library_kernel(arch):
     lib = build_prim_func("fwd", cfg).script()
     default_mask = "branch" if arch == "sm_90a" else "select"  # config.fwd_mask: measured on the H200
     assert fwd_mask(cfg) == default_mask
-    assert _script(cfg, tiles=fwd_tiles(cfg), mask=default_mask, fold_scale=False, ws=fwd_ws(cfg)) == lib
+    assert _script(cfg, tiles=fwd_tiles(cfg), mask=default_mask, fold_scale=fwd_fold(cfg), ws=fwd_ws(cfg)) == lib
     assert _script(cfg, mask="flag") != lib
 
 

@@ -63,10 +63,23 @@ def test_ws_refuses_what_it_does_not_support(cfg, tiles, opts):
         fwd.build_fwd(cfg, tiles=tiles, ws=True, **opts)
 
 
-@pytest.mark.parametrize("opts", [{"mask": "select"}, {"fold_scale": True}])
-def test_ws_refuses_options_it_has_not(opts):
+def test_ws_refuses_options_it_has_not():
     with pytest.raises(ValueError, match="warp-specialized forward"):
-        fwd.build_fwd(_cfg(), ws=True, **opts)
+        fwd.build_fwd(_cfg(), ws=True, mask="select")
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_fold_is_the_default_and_fwd_unfolded_the_other(d):
+    """config.fwd_fold: the library's forward folds the scale (positive scales); the kind
+    fwd_unfolded is the same kernel scaling each logit first (scale <= 0)."""
+    from flashsink.ops.compile import build_prim_func
+    from flashsink.ops.config import fwd_fold
+
+    cfg = _cfg(d=d)
+    assert fwd_fold(cfg)
+    lib, unfolded = build_prim_func("fwd", cfg).script(), build_prim_func("fwd_unfolded", cfg).script()
+    assert lib == fwd.build_fwd(cfg, ws=True, fold_scale=True).script()
+    assert unfolded == fwd.build_fwd(cfg, ws=True, fold_scale=False).script() != lib
 
 
 def test_consumer_registers_fit_the_register_file():
