@@ -2,7 +2,8 @@
 # The benchmark with every peer, in one device call (after tools/gpu_suite.sh on a warm machine,
 # the kernels are already in the cache):
 #   source .gpu/setup.sh && PRESETS="golden gptoss-swa" bash tools/gpu_bench.sh
-# One `flashsink bench` per preset (each writes its JSON as it goes, so a cut-short call keeps
+# One `flashsink bench` per preset, or per custom problem (PRESETS="shape=1,64,8,4096,128 golden")
+# (each writes its JSON as it goes, so a cut-short call keeps
 # what finished); presets started after BUDGET_S seconds are left for the next call. Then the
 # per-kernel profiles (golden, gpt-oss full N=8192) and tools/bench_merge.py over every JSON in
 # bench-results/ (earlier calls' results travel there as untracked files).
@@ -15,8 +16,14 @@ export PYTHONUNBUFFERED=1
 start=$SECONDS
 for p in ${PRESETS:-golden gptoss-swa causal-d128 gptoss-full varlen decode decode-paged hf-train}; do
   if (( SECONDS - start > ${BUDGET_S:-420} )); then echo "not started (time): $p" | tee -a "$dest/bench.txt"; continue; fi
-  echo "=== preset $p (at ${SECONDS}s)" | tee -a "$dest/bench.txt"
-  timeout ${PRESET_TIMEOUT_S:-300} python -m flashsink bench --preset "$p" --json "bench-results/$p.json" \
+  # an entry shape=B,H,HKV,N,D[,W] is one custom problem (--shape, dtype $DTYPE, default bf16): the
+  # issues' own problems (H=64, H_kv=8) are not all presets
+  case $p in
+    shape=*) args=(--shape "${p#shape=}" --dtype "${DTYPE:-bf16}"); name=shape-$(echo "${p#shape=}" | tr , _) ;;
+    *) args=(--preset "$p"); name=$p ;;
+  esac
+  echo "=== $p (at ${SECONDS}s)" | tee -a "$dest/bench.txt"
+  timeout ${PRESET_TIMEOUT_S:-300} python -m flashsink bench "${args[@]}" --json "bench-results/$name.json" \
     ${BENCH_ARGS:-} 2>>"$dest/bench-progress.log" | tee -a "$dest/bench.txt"
 done
 if [ -n "${PROFILE:-}" ]; then
