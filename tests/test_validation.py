@@ -239,6 +239,32 @@ def test_varlen_cu_seqlens_values():
         vcall(cu_seqlens_q=torch.tensor([0, 3, 8], dtype=i32, device="meta"))
 
 
+def test_varlen_offsets_checked_once_while_unchanged(monkeypatch):
+    """attention_varlen copies CUDA offsets to the host (a wait for the GPU) only when they were not
+    checked since they last changed: the same tensor, version counter, total and max_seqlen. Here the
+    record a CUDA check leaves (``_remember``) is made for CPU offsets, whose copy is free and which
+    are otherwise checked every call."""
+    from flashsink import _validate
+
+    copies = []
+    real = _validate._varlen_values
+    monkeypatch.setattr(_validate, "_varlen_values", lambda *a: (copies.append(1), real(*a)))
+    monkeypatch.setattr(_validate, "_remember", lambda cu, total, m: _validate._CHECKED.__setitem__(
+        cu, (_validate._version(cu), total, m)))
+    a = varlen_args()
+    flashsink.attention_varlen(**a)
+    flashsink.attention_varlen(**a)
+    assert len(copies) == 1  # the second call found both offsets checked
+    flashsink.attention_varlen(**{**a, "max_seqlen_q": 6})
+    assert len(copies) == 2  # another max_seqlen: checked again
+    a["cu_seqlens_k"][1] = 3  # in place: a new version, so checked again (and still valid)
+    flashsink.attention_varlen(**a)
+    assert len(copies) == 3
+    a["cu_seqlens_k"][1] = 9  # past the total: caught although this tensor was checked before
+    with pytest.raises(ValueError, match="cu_seqlens_k"):
+        flashsink.attention_varlen(**a)
+
+
 def test_varlen_max_seqlen():
     with pytest.raises(ValueError, match=r"max_seqlen_q must be >= the longest sequence \(5\), got 4"):
         vcall(max_seqlen_q=4)

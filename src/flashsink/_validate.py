@@ -318,8 +318,13 @@ def _remember(cu, total, max_seqlen) -> None:
         _CHECKED[cu] = (version, total, max_seqlen)
 
 
+def _checked(cu, total, max_seqlen) -> bool:
+    """Whether these offsets were checked (on the host, or by the device asserts) and not changed since."""
+    return _CHECKED.get(cu) == (_version(cu), total, max_seqlen)
+
+
 def _assert_cu_seqlens(name: str, cu, total, max_seqlen) -> None:
-    if _CHECKED.get(cu) == (_version(cu), total, max_seqlen):
+    if _checked(cu, total, max_seqlen):
         return
     torch._assert_async(cu[0] == 0, f"{name} must start at 0{_DEVICE}")
     lens = cu[1:] - cu[:-1]
@@ -400,8 +405,13 @@ def validate_varlen(
     )
     # The offsets' values: on the host here, eagerly, for a ValueError with the values. Under tracing
     # (no host reads) and on meta tensors (no values) the ops check them where they run (check_varlen_op).
-    if not _tracing() and cu_seqlens_q.device.type != "meta":
-        _varlen_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
+    # CUDA offsets already checked and unchanged since (the same tensor, its version counter, total and
+    # max_seqlen: the layers of one step share them) are not copied again: the copy waits for the GPU,
+    # which made every eager varlen call as slow as its host path (H200, docs/perf.md v11).
+    tq, tk = q.shape[0], k.shape[0]
+    if (not _tracing() and cu_seqlens_q.device.type != "meta"
+            and not (_checked(cu_seqlens_q, tq, max_seqlen_q) and _checked(cu_seqlens_k, tk, max_seqlen_k))):
+        _varlen_values(cu_seqlens_q, cu_seqlens_k, tq, tk, max_seqlen_q, max_seqlen_k)
     return spec
 
 
