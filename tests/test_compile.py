@@ -101,7 +101,8 @@ def test_main_backward_compiles_other_group_sizes(groups):
 def test_swapped_grid_main_backward_compiles():
     """``build_bwd(swap=True)``: TileLang's main backward with its KV tiles longest first from the grid's
     own dims (KV heads along x, tiles along y), strict D64 on sm_90a, where the index-arithmetic order
-    did not compile (docs/perf.md v10); the same TIR as the default but for the grid's bindings."""
+    did not compile (docs/perf.md v10); strict's default on padded layouts since v11 (``config.bwd_swap``,
+    measured on the H200), the launch order's TIR but for the grid's bindings."""
     import tilelang
 
     from flashsink.ops.bwd import build_bwd
@@ -110,6 +111,7 @@ def test_swapped_grid_main_backward_compiles():
     cfg = _cfg("sm_90a", "bwd", precision="strict")
     func = build_bwd(cfg, swap=True)
     text = func.script()
+    assert text == build_bwd(cfg).script() != build_bwd(cfg, swap=False).script()
     assert 'T.thread_binding(heads // 8, thread="blockIdx.x")' in text
     assert 'T.thread_binding(n_tiles, thread="blockIdx.y")' in text
     kernel = tilelang.compile(func, target={"kind": "cuda", "arch": "sm_90a"}, execution_backend="tvm_ffi",
@@ -117,3 +119,24 @@ def test_swapped_grid_main_backward_compiles():
     assert "__global__" in kernel.get_kernel_source()
     with pytest.raises(ValueError, match="padded layout"):
         build_bwd(_cfg("sm_90a", "bwd", precision="strict", layout="thd"), swap=True)
+
+
+@pytest.mark.l1
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
+def test_strict_preprocess_branch_compiles(arch):
+    """``build_preprocess(branch=True)`` (strict; tools/bwd_variants.py's "strict pre/branch", not a default
+    until measured): P without the per-element mask on wholly visible KV tiles. It builds and compiles; the
+    default is the masked kernel; the fast preprocess, which computes no P, refuses it."""
+    import tilelang
+
+    from flashsink.ops.bwd import build_preprocess
+    from flashsink.ops.compile import build_prim_func, pass_configs
+
+    cfg = _cfg(arch, "preprocess", precision="strict")
+    func = build_preprocess(cfg, branch=True)
+    assert build_prim_func("preprocess", cfg).script() == build_preprocess(cfg).script() != func.script()
+    kernel = tilelang.compile(func, target={"kind": "cuda", "arch": arch}, execution_backend="tvm_ffi",
+                              pass_configs=pass_configs())
+    assert "__global__" in kernel.get_kernel_source()
+    with pytest.raises(ValueError, match="strict preprocess"):
+        build_preprocess(_cfg(arch, "preprocess", precision="fast"), branch=True)

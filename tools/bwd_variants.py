@@ -88,6 +88,16 @@ def _variants(d: int, only: str = "") -> list:
     return [v for v in out if not keys or any(v[0] == k[1:] if k.startswith("=") else k in v[0] for k in keys)]
 
 
+#: variants of the strict preprocess (label, build_preprocess options), chosen by --variants as the main
+#: backward's are: "strict pre/branch", P without the per-element mask on wholly visible KV tiles
+PRE_VARIANTS = [("strict pre/branch", (("branch", True),))]
+
+
+def _pre_variants(only: str = "") -> list:
+    keys = [k for k in only.split(",") if k]
+    return [v for v in PRE_VARIANTS if not keys or any(v[0] == k[1:] if k.startswith("=") else k in v[0] for k in keys)]
+
+
 def _cfg(dtype: str, d: int, precision: str):
     from flashsink.ops.config import KernelConfig
 
@@ -102,6 +112,8 @@ def _func(job):
 
     kind, dtype, d, precision, tiles, opts = job
     cfg = _cfg(dtype, d, precision)
+    if kind == "pre-variant":  # the strict preprocess with the options of PRE_VARIANTS
+        return bwd.build_preprocess(cfg, **dict(opts))
     if kind == "bwd-variant":
         cfg = _cfg(dtype, d, opts[5])
         return bwd.build_bwd(cfg, tiles=Tiles(*tiles), dq_bulk=opts[0], overlap=opts[1], split=opts[2], ws=opts[3],
@@ -301,6 +313,8 @@ def main() -> int:
                 jobs.append((kind, dtype, d, prec, None, None))
         for _, tiles, opts in () if args.profile_run else _variants(d, args.variants):
             jobs.append(("bwd-variant", dtype, d, "fast", tiles, opts))
+        for _, opts in () if args.profile_run else _pre_variants(args.variants):
+            jobs.append(("pre-variant", dtype, d, "strict", None, opts))
     jobs = list(dict.fromkeys(jobs))
     kernels, errors = compile_all(jobs, args.jobs)
 
@@ -346,6 +360,26 @@ def main() -> int:
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         row["kernels"]["preprocess (fast)"] = do_bench(lambda: kern("preprocess", "fast")(o, do, lse, dlse, sinks, delta, dsink, part), return_mode="median")
         row["kernels"]["preprocess (strict)"] = do_bench(lambda: kern("preprocess", "strict")(q, k, v, do, lse, dlse, sinks, win, scale, delta, dsink, part), return_mode="median")
+        # the strict preprocess's variants: Delta and dsink against the library's (the mask only selects
+        # exact zeros, so a variant that skips it where nothing is masked gives the same bits)
+        pre_delta, pre_dsink = delta.clone(), dsink.clone()
+        for label, opts in _pre_variants(args.variants):
+            pre = kern("pre-variant", "strict", None, opts)
+            if pre is None:
+                row["kernels"][label] = "compile failed"
+                continue
+            delta2, dsink2 = torch.zeros_like(delta), torch.zeros_like(dsink)
+            dsink.zero_()
+            kern("preprocess", "strict")(q, k, v, do, lse, dlse, sinks, win, scale, delta, dsink, part)
+            pre(q, k, v, do, lse, dlse, sinks, win, scale, delta2, dsink2, part)
+            torch.cuda.synchronize()
+            same = torch.equal(delta2[..., :n], delta[..., :n])
+            row["kernels"][label] = do_bench(lambda: pre(q, k, v, do, lse, dlse, sinks, win, scale, delta2, dsink2, part),
+                                             return_mode="median")
+            row["kernels"][f"  {label}: Delta bitwise equal, dsink relL2"] = (
+                f"{same}, {float((dsink2 - dsink).norm() / dsink.norm()):.1e}")
+        delta.copy_(pre_delta)
+        dsink.copy_(pre_dsink)
         row["kernels"]["postprocess"] = do_bench(lambda: kern("postprocess", "fast")(acc, dq), return_mode="median")
         row["kernels"]["zero fill"] = do_bench(lambda: acc.zero_(), return_mode="median")
         row["kernels"]["main (strict)"] = do_bench(lambda: kern("bwd", "strict")(q, k, v, do, lse, delta, win, scale, acc, dk, dv), return_mode="median")

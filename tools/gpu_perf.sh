@@ -40,7 +40,7 @@ if [ -n "${NCU:-}" ] && command -v ncu >/dev/null; then
 fi
 {
   echo "==== gpu_perf (${FLASHSINK_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}, ${SECONDS}s): bwd rc=$br fwd rc=$fr ncu rc=$nr"
-  [ -f "$dest/bwd_variants.txt" ] && grep -E "^==|main |bwd total|TFLOP|bitwise|WRONG|FAIL" "$dest/bwd_variants.txt"
+  [ -f "$dest/bwd_variants.txt" ] && grep -E "^==|main |bwd total|TFLOP|bitwise|WRONG|FAIL|preprocess|pre/" "$dest/bwd_variants.txt"
   [ -f "$dest/fwd_variants.txt" ] && tail -n 30 "$dest/fwd_variants.txt"
 } | tee "$dest/perf-summary.txt"
 tar -czf "$dest/perf-logs.tgz" -C "$work" .

@@ -26,7 +26,7 @@ and the sink gets ``dsink[h] = -sum_rows exp(sink[h] - lse) * Delta``.
 
 import tilelang.language as T
 
-from .block_range import full_row_blocks_for_keys, kv_blocks_for_rows, row_blocks_for_keys
+from .block_range import full_kv_blocks_for_rows, full_row_blocks_for_keys, kv_blocks_for_rows, row_blocks_for_keys
 from .bwd_entry import main_bwd_entry, main_bwd_shapes
 from .bwd_ws import build_bwd_ws
 from .config import (ROW_BLOCK, KernelConfig, bwd_branch, bwd_dq_bulk, bwd_overlap, bwd_split, bwd_swap, bwd_tiles, bwd_ws,
@@ -39,19 +39,26 @@ from .softmax import LOG2E
 from .split import split
 
 @T.macro
-def probs_and_grads(q_s, do_s, k_s, v_s, lse, p, dp, row0, key0, seq_q, seq_kv, window, scale_log2, causal: bool):
+def probs(p, lse, row0, key0, seq_q, seq_kv, window, scale_log2, causal: bool, masked: bool):
+    """``p`` (the logits of a query tile x KV tile) to P from the rows' lse; ``masked``: selected to
+    the visible pairs (an exact 0 elsewhere)."""
+    for i, j in T.Parallel(p.shape[0], p.shape[1]):
+        p[i, j] = select_visible(T.exp2(p[i, j] * scale_log2 - lse[i] * LOG2E), row0 + i, key0 + j, seq_q, seq_kv,
+                                 window, causal, masked)
+
+
+@T.macro
+def probs_and_grads(q_s, do_s, k_s, v_s, lse, p, dp, row0, key0, seq_q, seq_kv, window, scale_log2, causal: bool,
+                    full=None):
     """For a resident query tile and one KV tile: ``p = P`` (masked, from lse) and
-    ``dp = dO V^T``, both ``[rows, keys]`` fp32 (preprocess and deterministic dQ)."""
+    ``dp = dO V^T``, both ``[rows, keys]`` fp32 (preprocess and deterministic dQ). ``full``: a
+    condition under which the KV tile is wholly visible to the query tile, so P skips the mask there
+    (``mask.branch_tile``); None, the mask on every tile."""
     T.clear(p)
     T.gemm(q_s, k_s, p, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
     T.clear(dp)
     T.gemm(do_s, v_s, dp, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-    for i, j in T.Parallel(p.shape[0], p.shape[1]):
-        p[i, j] = T.if_then_else(
-            visible(row0 + i, key0 + j, seq_q, seq_kv, window, causal),
-            T.exp2(p[i, j] * scale_log2 - lse[i] * LOG2E),
-            0.0,
-        )
+    branch_tile(probs, full, p, lse, row0, key0, seq_q, seq_kv, window, scale_log2, causal)
 
 
 @T.macro
@@ -68,11 +75,14 @@ def product(a, hi, lo, b_s, acc, rows: int, cols: int, fast: bool):
         T.gemm(lo, b_s, acc, policy=T.GemmWarpPolicy.FullRow)
 
 
-def build_preprocess(cfg: KernelConfig):
-    """Delta and the sink gradient: from P and dP (strict) or from O and dO (fast)."""
+def build_preprocess(cfg: KernelConfig, branch: bool = False):
+    """Delta and the sink gradient: from P and dP (strict) or from O and dO (fast). ``branch``
+    (strict only; tools/bwd_variants.py): see :func:`_build_preprocess_strict`."""
     if cfg.precision == "fast":
+        if branch:
+            raise ValueError("branch=True applies to the strict preprocess (the fast one computes no P)")
         return _build_preprocess_fast(cfg)
-    return _build_preprocess_strict(cfg)
+    return _build_preprocess_strict(cfg, branch)
 
 
 @T.macro
@@ -160,7 +170,7 @@ def _build_preprocess_fast(cfg: KernelConfig):
     return flashsink_bwd_preprocess_fast
 
 
-def _build_preprocess_strict(cfg: KernelConfig):
+def _build_preprocess_strict(cfg: KernelConfig, branch: bool = False):
     """Delta = rowsum(P * dP) (= rowsum(dO * O) exactly), and the sink gradient.
 
     Query-stationary like the forward: each program recomputes P and dP = dO V^T for its
@@ -169,6 +179,10 @@ def _build_preprocess_strict(cfg: KernelConfig):
     that difference cancels (rows with few visible keys: measured 86-98% of dK/dQ
     elements within tolerance at N=1, W=1, against >= 99.9% exact). It reads Q, K, V
     and dO instead of O and dO, so windowed problems move about the same bytes.
+
+    ``branch`` (an option for tools/bwd_variants.py until measured on the GPU): P skips the
+    per-element mask on the KV tiles wholly visible to the query tile
+    (``block_range.full_kv_blocks_for_rows``), as the forward's ``"branch"`` does.
     """
     t = pre_tiles(cfg)
     bm, bn = t.block_m, t.block_n
@@ -201,6 +215,10 @@ def _build_preprocess_strict(cfg: KernelConfig):
             kv_head = head // groups
             scale_log2 = scale * LOG2E
             lo, hi = kv_blocks_for_rows(row0, bm, bn, sq, sk, window, cfg.causal)
+            full = None
+            if branch:
+                flo, fhi = full_kv_blocks_for_rows(lo, hi, row0, bm, bn, sq, sk, window, cfg.causal)
+                full = (flo, fhi)  # bound once per tile, as the forward does
             if lo < hi:  # no bulk copy left in flight by a program with no keys (see fwd.py)
                 T.copy(tile(Q, layout, b, head, q_base + row0, bm), q_s, prefer_instruction=prologue_load(cfg))
                 T.copy(tile(dO, layout, b, head, q_base + row0, bm), do_s, prefer_instruction=prologue_load(cfg))
@@ -210,7 +228,8 @@ def _build_preprocess_strict(cfg: KernelConfig):
                 key0 = kb * bn
                 T.copy(tile(K, layout, b, kv_head, k_base + key0, bn), k_s)
                 T.copy(tile(V, layout, b, kv_head, k_base + key0, bn), v_s)
-                probs_and_grads(q_s, do_s, k_s, v_s, lse, p, dp, row0, key0, sq, sk, window, scale_log2, cfg.causal)
+                probs_and_grads(q_s, do_s, k_s, v_s, lse, p, dp, row0, key0, sq, sk, window, scale_log2, cfg.causal,
+                                None if full is None else in_blocks(kb, full))
                 for i, j in T.Parallel(bm, bn):
                     p[i, j] *= dp[i, j]
                 T.reduce_sum(p, part, dim=1)
