@@ -77,3 +77,18 @@ def test_library_kernels_are_ws_where_config_says(cfg, want):
     for kind in ("bwd",) + (("bwd_split",) if bwd_split(cfg) > 1 else ()):
         text = build_prim_func(kind, cfg).script()
         assert ("set_max_nreg" in text and "mbarrier_wait_parity" in text) == want, kind
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_dq_first_is_an_option_with_the_same_launch(d):
+    """``dq_first`` (tools/bwd_variants.py's ".../dqfirst", not a default until measured): dQ's product
+    before dK's, dQ handed off after one wait; the default kernel's TIR is unchanged by the option's code;
+    deterministic kernels (no dQ) are the same with or without it."""
+    cfg = _cfg(d=d)
+    default, first = bwd.build_bwd(cfg), bwd.build_bwd(cfg, dq_first=True)
+    assert bwd.build_bwd(cfg, dq_first=False).script() == default.script() != first.script()
+    assert _params(first) == _params(default) and _dtypes(first) == _dtypes(default)
+    # one wait more: dQ's product alone (dK's still running), then both
+    assert first.script().count("T.wait_wgmma(1)") == default.script().count("T.wait_wgmma(1)") + 1
+    det = _cfg(d=d, deterministic=True)
+    assert bwd.build_bwd(det, dq_first=True).script() == bwd.build_bwd(det).script()

@@ -40,7 +40,7 @@ PROBE_TIMEOUT_S, PROBE_START_S = 60, 240
 
 
 def _variants(d: int, only: str = "") -> list:
-    """(label, Tiles fields, (dq_bulk, overlap, split, ws, lpt, precision, branch, swap)) of the main
+    """(label, Tiles fields, (dq_bulk, overlap, split, ws, lpt, precision, branch, swap[, dq_first])) of the main
     backward for head dim ``d`` (``bwd.build_bwd``'s options). ``ws``: bwd_ws.py's hand warp-specialized
     kernel (``t.stages`` is its ring's depth); ``lpt``: its KV tiles issued longest first
     (schedule.by_work; ``/launch`` in a label: the old order); ``branch``: the mask skipped on wholly
@@ -79,6 +79,10 @@ def _variants(d: int, only: str = "") -> list:
         out += [(name + "/launch", t, (None, None, split, True, False, "fast", True, False)),
                 (name + "/nobranch", t, (None, None, split, True, True, "fast", False, False)),
                 (name + "/launch/nobranch", t, (None, None, split, True, False, "fast", False, False))]
+    # FlashAttention-3's order of the last two products: dQ's, then dK's, dQ handed off while dK's runs
+    out += [("ws 64x128/s2/dqfirst", t, (None, None, 1, True, True, "fast", True, False, True))]
+    if d <= 64:
+        out += [("ws 128x128/s2/dqfirst", (128, 128, 256, 2), (None, None, 1, True, True, "fast", True, False, True))]
     out += [("strict 64x128/s2", t, (None, None, 1, False, True, "strict", None, False)),
             ("strict 64x128/s2/branch", t, (None, None, 1, False, True, "strict", True, False)),
             # longest first from the grid's dims (KV heads along x): no index arithmetic
@@ -117,7 +121,7 @@ def _func(job):
     if kind == "bwd-variant":
         cfg = _cfg(dtype, d, opts[5])
         return bwd.build_bwd(cfg, tiles=Tiles(*tiles), dq_bulk=opts[0], overlap=opts[1], split=opts[2], ws=opts[3],
-                             lpt=opts[4], branch=opts[6], swap=opts[7])
+                             lpt=opts[4], branch=opts[6], swap=opts[7], dq_first=opts[8] if len(opts) > 8 else False)
     return build_prim_func(kind, cfg)
 
 

@@ -270,7 +270,7 @@ def _build_preprocess_strict(cfg: KernelConfig, branch: bool = False):
 
 
 def build_bwd(cfg: KernelConfig, tiles=None, dq_bulk=None, overlap=None, split=None, ws=None, lpt=True,
-              branch=None, swap=None):
+              branch=None, swap=None, dq_first=False):
     """The main backward. The options default to the tile table's choices and exist for
     tools/bwd_variants.py, which times alternatives: ``tiles`` (``bwd_tiles(cfg)``); ``dq_bulk``,
     dQ tiles added by one bulk (TMA) reduce-add from shared memory instead of per-thread atomics
@@ -294,6 +294,7 @@ def build_bwd(cfg: KernelConfig, tiles=None, dq_bulk=None, overlap=None, split=N
     grid itself, KV heads along its x and KV tiles along y (no index arithmetic, which misleads
     TileLang's sync placement, see the kernel; the y extent, 65535 tiles, is why packed layouts keep
     the launch order).
+    ``dq_first`` (ws only, ``bwd_ws.build_bwd_ws``): dQ's product before dK's, its hand-off during dK's.
     ``branch`` (``config.bwd_branch(cfg)``): the per-element mask only on the row blocks that are
     not wholly visible (``block_range.full_row_blocks_for_keys``), as the forward's ``"branch"``.
     """
@@ -308,7 +309,7 @@ def build_bwd(cfg: KernelConfig, tiles=None, dq_bulk=None, overlap=None, split=N
         raise ValueError(f"split={split} needs a divisor of groups={cfg.groups}, a non-deterministic "
                          "configuration and head_dim == head_dim_v")
     if ws:
-        return build_bwd_ws(cfg, t, split, lpt, branch)
+        return build_bwd_ws(cfg, t, split, lpt, branch, dq_first)
     if not lpt:
         raise ValueError("lpt=False applies to the warp-specialized kernel (ws) only: TileLang's pipelined kernel "
                          "runs in launch order (or, swap=True, longest first from its grid)")

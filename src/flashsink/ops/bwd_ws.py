@@ -41,12 +41,14 @@ def _stat(x, ring, layout, s, h, row, j):
     return x[h, row] if layout == "thd" else ring[s, j]
 
 
-def build_bwd_ws(cfg: KernelConfig, t, split: int, lpt: bool = True, branch: bool = True):
+def build_bwd_ws(cfg: KernelConfig, t, split: int, lpt: bool = True, branch: bool = True, dq_first: bool = False):
     """The warp-specialized main backward for ``tiles`` ``t`` (``t.threads`` consumer threads,
     256; ``t.stages`` ring slots) and ``split`` programs per KV tile (see ``bwd.build_bwd``), issued
     longest first unless ``lpt`` is False (``schedule.by_work``). ``branch``: the per-element mask only
     on the row blocks that are not wholly visible (``block_range.full_row_blocks_for_keys``), as the
-    forward's ``"branch"``; False, on every tile (tools/bwd_variants.py times both)."""
+    forward's ``"branch"``; False, on every tile (tools/bwd_variants.py times both). ``dq_first``: each
+    tile's dQ product issued before its dK product, and dQ handed to the producer while dK's runs
+    (FlashAttention-3's order; an option for tools/bwd_variants.py until measured)."""
     if not cfg.hopper or cfg.precision != "fast" or t.threads != CONSUMER_THREADS or t.stages < 1:
         raise NotImplementedError(f"the warp-specialized main backward supports Hopper (sm_90a), precision='fast' "
                                   f"and {CONSUMER_THREADS} consumer threads; got {cfg.short()}, {t}")
@@ -187,18 +189,31 @@ def build_bwd_ws(cfg: KernelConfig, t, split: int, lpt: bool = True, branch: boo
                         # the one meeting of the consumers per tile; it also orders this tile's
                         # write of ds_s[it % 2] after the other's read of it two tiles ago
                         T.sync_threads(CONSUMER_BARRIER, CONSUMER_THREADS)
-                    # dK += dS^T Q
-                    T.wgmma_gemm(ds_h, q_r[s, :, :], dk, policy=T.GemmWarpPolicy.FullRow)
-                    if with_dq:
+                    if dq_first and with_dq:
+                        # dQ, then dK; dQ's hand-off runs while dK's product does
                         T.wgmma_gemm(ds_s[it % 2, :, :], k_s, dq, transpose_A=True, clear_accum=True,
                                      policy=T.GemmWarpPolicy.FullRow)
-                    T.wait_wgmma(0)
-                    T.barrier_arrive(empty[s])  # Q, dO, lse, Delta of this slot read
-                    if with_dq:
+                        T.wgmma_gemm(ds_h, q_r[s, :, :], dk, policy=T.GemmWarpPolicy.FullRow)
+                        T.wait_wgmma(1)
                         T.mbarrier_wait_parity(dq_empty, (it & 1) ^ 1)  # the previous tile's dQ added
                         T.copy(dq, dq_s)
                         T.fence_proxy_async()
                         T.barrier_arrive(dq_full)
+                        T.wait_wgmma(0)
+                        T.barrier_arrive(empty[s])  # Q, dO, lse, Delta of this slot read
+                    else:
+                        # dK += dS^T Q
+                        T.wgmma_gemm(ds_h, q_r[s, :, :], dk, policy=T.GemmWarpPolicy.FullRow)
+                        if with_dq:
+                            T.wgmma_gemm(ds_s[it % 2, :, :], k_s, dq, transpose_A=True, clear_accum=True,
+                                         policy=T.GemmWarpPolicy.FullRow)
+                        T.wait_wgmma(0)
+                        T.barrier_arrive(empty[s])  # Q, dO, lse, Delta of this slot read
+                        if with_dq:
+                            T.mbarrier_wait_parity(dq_empty, (it & 1) ^ 1)  # the previous tile's dQ added
+                            T.copy(dq, dq_s)
+                            T.fence_proxy_async()
+                            T.barrier_arrive(dq_full)
 
                 if split > 1:
                     # fp32 adds straight from registers (an fp32 staging tile would not fit in
