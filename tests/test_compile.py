@@ -122,21 +122,26 @@ def test_swapped_grid_main_backward_compiles():
 
 
 @pytest.mark.l1
-@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
-def test_strict_preprocess_branch_compiles(arch):
-    """``build_preprocess(branch=True)`` (strict; tools/bwd_variants.py's "strict pre/branch", not a default
-    until measured): P without the per-element mask on wholly visible KV tiles. It builds and compiles; the
-    default is the masked kernel; the fast preprocess, which computes no P, refuses it."""
+@pytest.mark.parametrize("arch, opts", [("sm_90a", {"branch": True}), ("sm_80", {"branch": True}),
+                                        ("sm_90a", {"branch": True, "lpt": True})])
+def test_strict_preprocess_options_compile(arch, opts):
+    """``build_preprocess(branch=True)`` and ``lpt=True`` (strict; tools/bwd_variants.py's "strict pre/...",
+    not defaults until measured): P without the per-element mask on wholly visible KV tiles; the query
+    tiles with the most keys first from the grid's layout. They build and compile; the default is the
+    masked kernel in launch order; the fast preprocess, which computes no P, refuses them, and lpt
+    needs a padded layout."""
     import tilelang
 
     from flashsink.ops.bwd import build_preprocess
     from flashsink.ops.compile import build_prim_func, pass_configs
 
     cfg = _cfg(arch, "preprocess", precision="strict")
-    func = build_preprocess(cfg, branch=True)
+    func = build_preprocess(cfg, **opts)
     assert build_prim_func("preprocess", cfg).script() == build_preprocess(cfg).script() != func.script()
     kernel = tilelang.compile(func, target={"kind": "cuda", "arch": arch}, execution_backend="tvm_ffi",
                               pass_configs=pass_configs())
     assert "__global__" in kernel.get_kernel_source()
     with pytest.raises(ValueError, match="strict preprocess"):
-        build_preprocess(_cfg(arch, "preprocess", precision="fast"), branch=True)
+        build_preprocess(_cfg(arch, "preprocess", precision="fast"), **opts)
+    with pytest.raises(ValueError, match="padded layout"):
+        build_preprocess(_cfg(arch, "preprocess", precision="strict", layout="thd"), lpt=True)

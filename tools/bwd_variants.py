@@ -93,8 +93,10 @@ def _variants(d: int, only: str = "") -> list:
 
 
 #: variants of the strict preprocess (label, build_preprocess options), chosen by --variants as the main
-#: backward's are: "strict pre/branch", P without the per-element mask on wholly visible KV tiles
-PRE_VARIANTS = [("strict pre/branch", (("branch", True),))]
+#: backward's are: "/branch", P without the per-element mask on wholly visible KV tiles; "/lpt", the
+#: query tiles with the most keys first (bwd.build_preprocess)
+PRE_VARIANTS = [("strict pre/branch", (("branch", True),)), ("strict pre/lpt", (("lpt", True),)),
+                ("strict pre/branch+lpt", (("branch", True), ("lpt", True)))]
 
 
 def _pre_variants(only: str = "") -> list:

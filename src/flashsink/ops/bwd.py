@@ -75,14 +75,16 @@ def product(a, hi, lo, b_s, acc, rows: int, cols: int, fast: bool):
         T.gemm(lo, b_s, acc, policy=T.GemmWarpPolicy.FullRow)
 
 
-def build_preprocess(cfg: KernelConfig, branch: bool = False):
-    """Delta and the sink gradient: from P and dP (strict) or from O and dO (fast). ``branch``
-    (strict only; tools/bwd_variants.py): see :func:`_build_preprocess_strict`."""
+def build_preprocess(cfg: KernelConfig, branch: bool = False, lpt: bool = False):
+    """Delta and the sink gradient: from P and dP (strict) or from O and dO (fast). ``branch`` and
+    ``lpt`` (strict only; tools/bwd_variants.py): see :func:`_build_preprocess_strict`."""
     if cfg.precision == "fast":
-        if branch:
-            raise ValueError("branch=True applies to the strict preprocess (the fast one computes no P)")
+        if branch or lpt:
+            raise ValueError("branch and lpt apply to the strict preprocess (the fast one computes no P)")
         return _build_preprocess_fast(cfg)
-    return _build_preprocess_strict(cfg, branch)
+    if lpt and cfg.layout == "thd":
+        raise ValueError(f"lpt=True needs a padded layout (bhsd or bshd); got layout={cfg.layout!r}")
+    return _build_preprocess_strict(cfg, branch, lpt)
 
 
 @T.macro
@@ -170,7 +172,7 @@ def _build_preprocess_fast(cfg: KernelConfig):
     return flashsink_bwd_preprocess_fast
 
 
-def _build_preprocess_strict(cfg: KernelConfig, branch: bool = False):
+def _build_preprocess_strict(cfg: KernelConfig, branch: bool = False, lpt: bool = False):
     """Delta = rowsum(P * dP) (= rowsum(dO * O) exactly), and the sink gradient.
 
     Query-stationary like the forward: each program recomputes P and dP = dO V^T for its
@@ -182,7 +184,10 @@ def _build_preprocess_strict(cfg: KernelConfig, branch: bool = False):
 
     ``branch`` (an option for tools/bwd_variants.py until measured on the GPU): P skips the
     per-element mask on the KV tiles wholly visible to the query tile
-    (``block_range.full_kv_blocks_for_rows``), as the forward's ``"branch"`` does.
+    (``block_range.full_kv_blocks_for_rows``), as the forward's ``"branch"`` does. ``lpt`` (padded
+    layouts, also an option until measured): the causal query tiles with the most keys first, from the
+    grid's layout (heads along x, query tiles along y, counted from the last), as the strict main
+    backward's ``swap``.
     """
     t = pre_tiles(cfg)
     bm, bn = t.block_m, t.block_n
@@ -195,7 +200,8 @@ def _build_preprocess_strict(cfg: KernelConfig, branch: bool = False):
 
     @T.macro
     def body(Q, K, V, dO, LSE, dLSE, Sinks, CuQ, CuK, window, scale, Delta, dSinkAcc, dSinkPart, m_tiles, n_seqs):
-        with T.Kernel(m_tiles, heads, n_seqs, threads=t.threads) as (bx, head, b):
+        with T.Kernel(heads if lpt else m_tiles, m_tiles if lpt else heads, n_seqs, threads=t.threads) as (g0, g1, b):
+            bx, head = (m_tiles - 1 - g1, g0) if lpt else (g0, g1)
             q_s = T.alloc_shared([bm, dim], dtype)
             do_s = T.alloc_shared([bm, dim_v], dtype)
             k_s = T.alloc_shared([bn, dim], dtype)
