@@ -2,7 +2,7 @@
 
 A kind is its builder (``KernelConfig -> PrimFunc``, in a module that imports tilelang, so named here
 as ``"module.function"`` and imported when a kernel is built), its tile function (``config.py``; part
-of the disk-cache key), the configurations that need it and its route (the first launch of a kernel
+of the disk-cache key), the configurations that need it, those it builds for at all, and its route (the first launch of a kernel
 builds those of its route, in parallel: ``compile.get_kernel``; ``flashsink precompile`` builds every
 route), and the configuration fields its code never reads (one build then serves every value of them).
 
@@ -16,7 +16,8 @@ import importlib
 from typing import Callable, Optional
 
 from .config import (
-    KVCACHE_HEAD_DIMS, SPLIT_ROWS, KernelConfig, bwd_split, bwd_tiles, dq_tiles, fwd_tiles, pre_tiles, split_tiles,
+    KVCACHE_HEAD_DIMS, SPLIT_ROWS, KernelConfig, bwd_split, bwd_tiles, dq_tiles, fwd_fold, fwd_tiles, pre_tiles,
+    split_tiles,
 )
 
 
@@ -24,9 +25,19 @@ def _always(cfg: KernelConfig) -> bool:
     return True
 
 
+def _split_kernel(cfg: KernelConfig) -> bool:
+    # where a split-KV forward builds: Hopper (sm_80's code generator rejects it), padded layouts
+    # (packed varlen batches never split)
+    return cfg.hopper and cfg.layout != "thd"
+
+
 def _split_kv(cfg: KernelConfig) -> bool:
     # decode.use_split's static part: padded layouts on Hopper whose GQA group fits a packed tile
-    return cfg.hopper and cfg.layout != "thd" and cfg.groups <= SPLIT_ROWS
+    return _split_kernel(cfg) and cfg.groups <= SPLIT_ROWS
+
+
+def _has_split(cfg: KernelConfig) -> bool:
+    return bwd_split(cfg) > 1
 
 
 def _kvcache(cfg: KernelConfig) -> bool:
@@ -47,6 +58,8 @@ class Kind:
     tiles: Optional[Callable]  # the config.py tile function, or None (fixed blocks)
     needed: Callable[[KernelConfig], bool]  # does a configuration's forward + backward launch it?
     ignores: tuple = ()  # KernelConfig fields the kernel's code does not read
+    #: does it build for a configuration at all (``flashsink precompile --kinds`` refuses the others)?
+    builds: Callable[[KernelConfig], bool] = _always
     #: which calls launch it: "dense" (attention's forward over its rows and the backward) or
     #: "decode" (few query rows against a long cache: the split-KV forward, attention_kvcache); a first
     #: use builds the kernels of its own route only (:func:`first_use_kinds`)
@@ -62,15 +75,16 @@ KINDS: dict = {
     "fwd": Kind("fwd.build_fwd", fwd_tiles, _always, ignores=("deterministic", "precision")),
     # the forward without the scale folded into its exponent, where "fwd" folds it (config.fwd_fold):
     # launched by a call with scale <= 0 only, so built on the first such call, not ahead
-    "fwd_unfolded": Kind("fwd.build_fwd_unfolded", fwd_tiles, _never, ignores=("deterministic", "precision")),
+    "fwd_unfolded": Kind("fwd.build_fwd_unfolded", fwd_tiles, _never, ignores=("deterministic", "precision"),
+                         builds=fwd_fold),
     "preprocess": Kind("bwd.build_preprocess", pre_tiles, _always),
     "bwd": Kind("bwd.build_bwd", bwd_tiles, _always),
-    "bwd_split": Kind("bwd.build_bwd_split", bwd_tiles, lambda cfg: bwd_split(cfg) > 1),
+    "bwd_split": Kind("bwd.build_bwd_split", bwd_tiles, _has_split, builds=_has_split),
     "dq": Kind("bwd.build_dq", dq_tiles, lambda cfg: cfg.deterministic),
     "postprocess": Kind("bwd.build_postprocess", None, lambda cfg: not cfg.deterministic,
                         ignores=("deterministic", "precision")),
     "fwd_split": Kind("fwd_split.build_fwd_split", split_tiles, _split_kv, ignores=("deterministic", "precision"),
-                      route="decode"),
+                      route="decode", builds=_split_kernel),
     "fwd_kvcache": Kind("fwd_kvcache.build_fwd_kvcache", split_tiles, _never, ignores=("deterministic", "precision"),
                         route="decode"),
     # merges the split-KV partials (decode through attention, and attention_kvcache)

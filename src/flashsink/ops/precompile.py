@@ -12,19 +12,18 @@ import time
 
 from . import diskcache
 from .compile import KINDS, compile_parallel
-from .config import PRECISIONS, KernelConfig, bwd_split, fwd_fold
-from .kinds import canonical, kinds_for, precompile_kinds
+from .config import PRECISIONS, KernelConfig
+from .kinds import KINDS as _REGISTRY, canonical, kinds_for, precompile_kinds
 
 __all__ = ["compile_parallel", "kinds_for", "precompile"]
 
 
 def supported_kinds(cfg: KernelConfig) -> tuple:
-    """Every kernel kind that builds for ``cfg``: the split-KV forward only on Hopper (sm_90a) for
-    the padded layouts (sm_80's code generator rejects it; packed varlen batches never split); the
-    split main backward only where the configuration has a split (``config.bwd_split``); the unfolded
-    forward only where the forward folds its scale (``config.fwd_fold``; elsewhere it is ``fwd``)."""
-    kinds = KINDS if cfg.hopper and cfg.layout != "thd" else tuple(k for k in KINDS if k != "fwd_split")
-    return tuple(k for k in kinds if (k != "bwd_split" or bwd_split(cfg) > 1) and (k != "fwd_unfolded" or fwd_fold(cfg)))
+    """Every kernel kind that builds for ``cfg`` (``kinds.Kind.builds``): the split-KV forward only on
+    Hopper (sm_90a) for the padded layouts; the split main backward only where the configuration has
+    a split (``config.bwd_split``); the unfolded forward only where the forward folds its scale
+    (``config.fwd_fold``; elsewhere it is ``fwd``)."""
+    return tuple(name for name, kind in _REGISTRY.items() if kind.builds(cfg))
 
 
 def precompile(configs, *, kinds=None, jobs=None, out=sys.stderr, pairs=()) -> list:
