@@ -78,6 +78,19 @@ def build_bwd_ws(cfg: KernelConfig, t, split: int, lpt: bool = True, branch: boo
                 row0 + j, key0 + i, sq, sk, window, cfg.causal, masked)
 
     @T.macro
+    def dq_product(ds_s, k_s, dq, it):
+        """dQ = dS K for tile ``it`` (dS^T from both consumers, in shared memory)."""
+        T.wgmma_gemm(ds_s[it % 2, :, :], k_s, dq, transpose_A=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+
+    @T.macro
+    def hand_dq(dq, dq_s, dq_full, dq_empty, it):
+        """Tile ``it``'s dQ (registers) to the producer's bulk add, once tile it-1's is added."""
+        T.mbarrier_wait_parity(dq_empty, (it & 1) ^ 1)
+        T.copy(dq, dq_s)
+        T.fence_proxy_async()
+        T.barrier_arrive(dq_full)
+
+    @T.macro
     def body(Q, K, V, dO, LSE, Delta, CuQ, CuK, window, scale, dQAcc, dK, dV, n_tiles, n_seqs):
         with T.Kernel(n_tiles * heads_kv * split, n_seqs, threads=CONSUMER_THREADS + 128) as (p, b):
             # the program's coordinates and row-block ranges are computed once, into local variables:
@@ -189,31 +202,20 @@ def build_bwd_ws(cfg: KernelConfig, t, split: int, lpt: bool = True, branch: boo
                         # the one meeting of the consumers per tile; it also orders this tile's
                         # write of ds_s[it % 2] after the other's read of it two tiles ago
                         T.sync_threads(CONSUMER_BARRIER, CONSUMER_THREADS)
-                    if dq_first and with_dq:
-                        # dQ, then dK; dQ's hand-off runs while dK's product does
-                        T.wgmma_gemm(ds_s[it % 2, :, :], k_s, dq, transpose_A=True, clear_accum=True,
-                                     policy=T.GemmWarpPolicy.FullRow)
-                        T.wgmma_gemm(ds_h, q_r[s, :, :], dk, policy=T.GemmWarpPolicy.FullRow)
+                    # dK += dS^T Q and dQ = dS K; dq_first: dQ's product first, handed off while dK's runs
+                    early = dq_first and with_dq
+                    if early:
+                        dq_product(ds_s, k_s, dq, it)
+                    T.wgmma_gemm(ds_h, q_r[s, :, :], dk, policy=T.GemmWarpPolicy.FullRow)
+                    if early:
                         T.wait_wgmma(1)
-                        T.mbarrier_wait_parity(dq_empty, (it & 1) ^ 1)  # the previous tile's dQ added
-                        T.copy(dq, dq_s)
-                        T.fence_proxy_async()
-                        T.barrier_arrive(dq_full)
-                        T.wait_wgmma(0)
-                        T.barrier_arrive(empty[s])  # Q, dO, lse, Delta of this slot read
-                    else:
-                        # dK += dS^T Q
-                        T.wgmma_gemm(ds_h, q_r[s, :, :], dk, policy=T.GemmWarpPolicy.FullRow)
-                        if with_dq:
-                            T.wgmma_gemm(ds_s[it % 2, :, :], k_s, dq, transpose_A=True, clear_accum=True,
-                                         policy=T.GemmWarpPolicy.FullRow)
-                        T.wait_wgmma(0)
-                        T.barrier_arrive(empty[s])  # Q, dO, lse, Delta of this slot read
-                        if with_dq:
-                            T.mbarrier_wait_parity(dq_empty, (it & 1) ^ 1)  # the previous tile's dQ added
-                            T.copy(dq, dq_s)
-                            T.fence_proxy_async()
-                            T.barrier_arrive(dq_full)
+                        hand_dq(dq, dq_s, dq_full, dq_empty, it)
+                    elif with_dq:
+                        dq_product(ds_s, k_s, dq, it)
+                    T.wait_wgmma(0)
+                    T.barrier_arrive(empty[s])  # Q, dO, lse, Delta of this slot read
+                    if with_dq and not early:
+                        hand_dq(dq, dq_s, dq_full, dq_empty, it)
 
                 if split > 1:
                     # fp32 adds straight from registers (an fp32 staging tile would not fit in
