@@ -172,3 +172,16 @@ def test_by_work_issues_every_tile_once_longest_first(n_tiles, heads, longest_la
     launch = [tuple(map(int, schedule.by_work(p, n_tiles, heads, longest_last, lpt=False)))
               for p in range(n_tiles * heads)]
     assert launch == [(t, h) for h in range(heads) for t in range(n_tiles)]
+
+
+@pytest.mark.parametrize("n_tiles, heads", [(1, 1), (5, 3), (32, 8)])
+@pytest.mark.parametrize("longest_last", [False, True])
+@pytest.mark.parametrize("on", [False, True])
+def test_grid_order_is_by_works_from_the_grids_layout(n_tiles, heads, longest_last, on):
+    """``grid_dims``/``grid_coords`` (TileLang's pipelined kernels): the programs in the GPU's hand-out
+    order (x fastest) reach every (tile, head) once, in ``by_work``'s order with ``on``, else in the
+    launch order (``by_work(lpt=False)``)."""
+    gx, gy = schedule.grid_dims(n_tiles, heads, on)
+    order = [schedule.grid_coords(x, y, n_tiles, longest_last, on) for y in range(gy) for x in range(gx)]
+    want = [tuple(map(int, schedule.by_work(p, n_tiles, heads, longest_last, lpt=on))) for p in range(n_tiles * heads)]
+    assert order == want

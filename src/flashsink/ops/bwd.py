@@ -33,7 +33,7 @@ from .config import (ROW_BLOCK, KernelConfig, bwd_branch, bwd_dq_bulk, bwd_overl
                      dq_tiles, pre_tiles)
 from .layout import (acc_tile, kernel, prologue_load, qkv_shapes, row_runs, sequence, stage_stat, staged_stat, stat_at,
                      stat_shape, stat_tile, store_rows, store_stat, tile, varlen_params)
-from .schedule import grid, locate
+from .schedule import grid, grid_coords, grid_dims, locate
 from .mask import branch_tile, in_blocks, select_visible, visible
 from .softmax import LOG2E
 from .split import split
@@ -200,8 +200,8 @@ def _build_preprocess_strict(cfg: KernelConfig, branch: bool = False, lpt: bool 
 
     @T.macro
     def body(Q, K, V, dO, LSE, dLSE, Sinks, CuQ, CuK, window, scale, Delta, dSinkAcc, dSinkPart, m_tiles, n_seqs):
-        with T.Kernel(heads if lpt else m_tiles, m_tiles if lpt else heads, n_seqs, threads=t.threads) as (g0, g1, b):
-            bx, head = (m_tiles - 1 - g1, g0) if lpt else (g0, g1)
+        with T.Kernel(*grid_dims(m_tiles, heads, lpt), n_seqs, threads=t.threads) as (g0, g1, b):
+            bx, head = grid_coords(g0, g1, m_tiles, longest_last=True, on=lpt)
             q_s = T.alloc_shared([bm, dim], dtype)
             do_s = T.alloc_shared([bm, dim_v], dtype)
             k_s = T.alloc_shared([bn, dim], dtype)
@@ -355,9 +355,8 @@ def build_bwd(cfg: KernelConfig, tiles=None, dq_bulk=None, overlap=None, split=N
         # strict kernel gave wrong gradients on the H200 and the launch-order variant of the flat
         # grid did not compile, 2026-12-04, docs/perf.md v10); ``swap`` gets the longest-first order
         # from the grid's own dims instead (KV heads along x, tiles along y), the same TIR otherwise
-        with T.Kernel(heads_kv * split if swap else n_tiles, n_tiles if swap else heads_kv * split, n_seqs,
-                      threads=t.threads) as (g0, g1, b):
-            bx, hs = (g1, g0) if swap else (g0, g1)
+        with T.Kernel(*grid_dims(n_tiles, heads_kv * split, swap), n_seqs, threads=t.threads) as (g0, g1, b):
+            bx, hs = grid_coords(g0, g1, n_tiles, longest_last=False, on=swap)
             kv_head = hs // split
             head0 = kv_head * groups + (hs % split) * per_prog  # first query head of this program
             k_s = T.alloc_shared([bn, dim], dtype)

@@ -89,7 +89,8 @@ def by_work(p, n_tiles, heads, longest_last: bool, lpt: bool = True):
     Used by the hand warp-specialized main backward (``bwd_ws.py``), which places its syncs by hand.
     TileLang's pipelined kernels keep the launch order: this index arithmetic misleads TileLang
     0.1.15's automatic sync placement (wrong gradients or a compile error, docs/perf.md v10); there
-    ``bwd.build_bwd(swap=True)`` takes the same order from the grid's own dims instead.
+    :func:`grid_dims` and :func:`grid_coords` take the same order from the grid's own layout instead
+    (``bwd.build_bwd(swap=True)``, the strict preprocess's ``lpt``).
 
     ``lpt=False`` gives the old order, each head's tiles in a row (tools/bwd_variants.py times both).
     """
@@ -97,3 +98,21 @@ def by_work(p, n_tiles, heads, longest_last: bool, lpt: bool = True):
         return p % n_tiles, p // n_tiles
     t = p // heads
     return (n_tiles - 1 - t if longest_last else t), p % heads
+
+
+
+def grid_dims(n_tiles, heads, on: bool):
+    """The first two extents of a grid over (tile, head) whose programs :func:`grid_coords` places:
+    ``on``, heads along x and tiles along y; off, the launch order (tiles along x). For TileLang's
+    pipelined kernels, which take :func:`by_work`'s order from the grid's own layout (no index
+    arithmetic on a flat program id, which misleads TileLang 0.1.15's sync placement)."""
+    return (heads, n_tiles) if on else (n_tiles, heads)
+
+
+def grid_coords(gx, gy, n_tiles, longest_last: bool, on: bool):
+    """``(tile, head)`` of the program at ``(gx, gy)`` of a :func:`grid_dims` grid. ``on``: the GPU hands
+    programs out x fastest, so every head's longest tile goes first (``longest_last``: the tiles counted
+    from the last, the causal query tiles that see the most keys)."""
+    if not on:
+        return gx, gy
+    return (n_tiles - 1 - gy if longest_last else gy), gx
