@@ -88,8 +88,14 @@ def _variants(d: int, only: str = "") -> list:
             # longest first from the grid's dims (KV heads along x): no index arithmetic
             ("strict 64x128/s2/swap", t, (None, None, 1, False, True, "strict", False, True)),
             ("strict 64x128/s2/swap+branch", t, (None, None, 1, False, True, "strict", True, True))]
+    return _chosen(out, only)
+
+
+def _chosen(variants: list, only: str) -> list:
+    """The ``variants`` (label first) that ``--variants`` names: a label containing one of its
+    comma-separated substrings, or ``=label`` exactly; all for an empty ``only``."""
     keys = [k for k in only.split(",") if k]
-    return [v for v in out if not keys or any(v[0] == k[1:] if k.startswith("=") else k in v[0] for k in keys)]
+    return [v for v in variants if not keys or any(v[0] == k[1:] if k.startswith("=") else k in v[0] for k in keys)]
 
 
 #: variants of the strict preprocess (label, build_preprocess options), chosen by --variants as the main
@@ -100,8 +106,7 @@ PRE_VARIANTS = [("strict pre/branch", (("branch", True),)), ("strict pre/lpt", (
 
 
 def _pre_variants(only: str = "") -> list:
-    keys = [k for k in only.split(",") if k]
-    return [v for v in PRE_VARIANTS if not keys or any(v[0] == k[1:] if k.startswith("=") else k in v[0] for k in keys)]
+    return _chosen(PRE_VARIANTS, only)
 
 
 def _cfg(dtype: str, d: int, precision: str):

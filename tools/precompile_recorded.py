@@ -23,7 +23,5 @@ if __name__ == "__main__":
     # each recorded kernel, and with a recorded forward the rest of its configuration's forward and
     # backward (a test that records the forward may stop before its backward); not the kinds of a
     # configuration seen only through a lone kernel (merge_splits' float32 partials are no fwd's dtype)
-    pairs = list(dict.fromkeys(
-        [pair for pair in recorded]
-        + [(k, c) for kind, c in recorded if kind == "fwd" for k in kinds_for(c)]))
+    pairs = list(dict.fromkeys(recorded + [(k, c) for kind, c in recorded if kind == "fwd" for k in kinds_for(c)]))
     sys.exit(1 if precompile([], pairs=pairs) else 0)
