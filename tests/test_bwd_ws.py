@@ -80,15 +80,45 @@ def test_library_kernels_are_ws_where_config_says(cfg, want):
 
 
 @pytest.mark.parametrize("d", [64, 128])
-def test_dq_first_is_an_option_with_the_same_launch(d):
-    """``dq_first`` (tools/bwd_variants.py's ".../dqfirst", not a default until measured): dQ's product
-    before dK's, dQ handed off after one wait; the default kernel's TIR is unchanged by the option's code;
-    deterministic kernels (no dQ) are the same with or without it."""
+def test_dq_first_order_and_tiles_where_config_says(d):
+    """``config.bwd_dq_first``: head dim 64 runs dQ's product before dK's (dQ handed off after one wait)
+    with 128-row tiles; D128 keeps 64-row tiles in the old order. Either order is the other's kernel
+    with one wait moved (the same launch); deterministic kernels (no dQ) are the same either way."""
+    from flashsink.ops.config import bwd_dq_first, bwd_tiles
+
     cfg = _cfg(d=d)
-    default, first = bwd.build_bwd(cfg), bwd.build_bwd(cfg, dq_first=True)
-    assert bwd.build_bwd(cfg, dq_first=False).script() == default.script() != first.script()
-    assert _params(first) == _params(default) and _dtypes(first) == _dtypes(default)
+    assert bwd_dq_first(cfg) == (d == 64)
+    assert bwd_tiles(cfg) == (Tiles(128, 128, 256, 2) if d == 64 else Tiles(64, 128, 256, 2))
+    default = bwd.build_bwd(cfg)
+    first, last = bwd.build_bwd(cfg, dq_first=True), bwd.build_bwd(cfg, dq_first=False)
+    assert default.script() == (first if d == 64 else last).script() and first.script() != last.script()
+    assert _params(first) == _params(last) and _dtypes(first) == _dtypes(last)
     # one wait more: dQ's product alone (dK's still running), then both
-    assert first.script().count("T.wait_wgmma(1)") == default.script().count("T.wait_wgmma(1)") + 1
+    assert first.script().count("T.wait_wgmma(1)") == last.script().count("T.wait_wgmma(1)") + 1
     det = _cfg(d=d, deterministic=True)
-    assert bwd.build_bwd(det, dq_first=True).script() == bwd.build_bwd(det).script()
+    assert bwd.build_bwd(det, dq_first=True).script() == bwd.build_bwd(det, dq_first=False).script()
+    # strict (TileLang's kernel) keeps its 64-row tiles at D64; so do packed batches and full attention
+    # (ptxas spills the 128-row kernel there)
+    for other in (_cfg(d=d, precision="strict"), _cfg(d=d, layout="thd"),
+                  KernelConfig("sm_90a", "bfloat16", d, d, 8, False, True, "bhsd", False, "fast")):
+        assert bwd_tiles(other) == Tiles(64, 128, 256, 2) and not bwd_dq_first(other)
+    assert bwd_dq_first(_cfg("float16", d, "bshd", deterministic=True)) == (d == 64)
+
+
+def test_strict_preprocess_branches_and_goes_longest_first_on_hopper():
+    """``config.pre_branch`` / ``pre_lpt``: Hopper's strict preprocess skips the mask on wholly visible KV
+    tiles and issues its query tiles longest first (padded layouts); sm_80 and the fast preprocess do not."""
+    from flashsink.ops.compile import build_prim_func
+    from flashsink.ops.config import pre_branch, pre_lpt
+
+    strict = _cfg(precision="strict")
+    assert pre_branch(strict) and pre_lpt(strict)
+    assert pre_branch(_cfg("float16", 64, "thd", precision="strict")) and not pre_lpt(_cfg(layout="thd", precision="strict"))
+    assert not pre_branch(_cfg(precision="strict", arch="sm_80")) and not pre_branch(_cfg())
+    lib = build_prim_func("preprocess", strict).script()
+    assert lib == bwd.build_preprocess(strict, branch=True, lpt=True).script()
+    assert lib != bwd.build_preprocess(strict, branch=False, lpt=False).script()
+    old = _cfg(precision="strict", arch="sm_80")
+    assert build_prim_func("preprocess", old).script() == bwd.build_preprocess(old, branch=False, lpt=False).script()
+    thd = _cfg(layout="thd", precision="strict")
+    assert build_prim_func("preprocess", thd).script() == bwd.build_preprocess(thd, branch=True, lpt=False).script()

@@ -82,17 +82,19 @@ def fake_build(monkeypatch):
 
 def test_first_use_builds_the_whole_set_in_parallel(fake_build, caplog):
     # (no bwd_split: the ws main backward runs unsplit, config.bwd_split)
-    assert kinds.kinds_for(CFG) == ("fwd", "preprocess", "bwd", "postprocess", "fwd_split", "merge_splits")
+    # (fwd_window: D64's forward for windows up to 128 keys, config.fwd_window_tiles)
+    assert kinds.kinds_for(CFG) == ("fwd", "fwd_window", "preprocess", "bwd", "postprocess", "fwd_split",
+                                    "merge_splits")
     # a training call's first launch builds the forward and backward, not the decode pair
     needed = kinds.first_use_kinds("fwd", CFG)
-    assert needed == ("fwd", "preprocess", "bwd", "postprocess")
+    assert needed == ("fwd", "fwd_window", "preprocess", "bwd", "postprocess")
     with caplog.at_level(logging.INFO, logger="flashsink"):
         launcher = compile_mod.get_kernel("fwd", CFG)
     assert launcher == ("executable", "fwd", kinds.canonical("fwd", CFG))  # the executable, not the adapter
     assert sorted(k for k, where in fake_build["built"]) == sorted(needed)
     assert {where for _, where in fake_build["built"]} == {"worker"}
     assert fake_build["jobs"] == len(needed)  # one worker per kernel: all at once (the barrier passed)
-    assert "compiling 4 kernels" in caplog.text and "in parallel" in caplog.text
+    assert "compiling 5 kernels" in caplog.text and "in parallel" in caplog.text
     # every kernel of the configuration is now one dict lookup away, nothing else is built or loaded
     n = len(fake_build["loads"])
     for kind in needed:
@@ -108,8 +110,8 @@ def test_first_use_loads_cached_kernels_and_compiles_only_the_rest(fake_build):
     for kind in ("fwd", "bwd", "fwd_split"):
         fake_build["disk"].add((kind, kinds.canonical(kind, CFG)))
     compile_mod.get_kernel("bwd", CFG)
-    assert sorted(k for k, _ in fake_build["built"]) == ["postprocess", "preprocess"]
-    assert fake_build["jobs"] == 2
+    assert sorted(k for k, _ in fake_build["built"]) == ["fwd_window", "postprocess", "preprocess"]
+    assert fake_build["jobs"] == 3
 
 
 def test_one_missing_kernel_compiles_in_process(fake_build):

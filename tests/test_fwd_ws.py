@@ -126,3 +126,48 @@ def test_library_forward_is_ws_where_config_says(cfg, want):
     if want:
         assert f'"tl.launch_threads": [{fwd_tiles(cfg).block_m * 2 + 128}, 1, 1]' in text
         assert fwd_tiles(cfg).block_m == (192 if cfg.head_dim == 64 else 128)
+
+
+@pytest.mark.parametrize("cfg,want", [
+    (_cfg(d=64), True),
+    (_cfg("float16", 64, "bshd", sinks=False), True),
+    (_cfg("float16", 64, "thd"), False),  # packed: ptxas spills the 128-row kernel
+    (_cfg(d=64, causal=False), False),  # a window needs causal
+    (_cfg(d=128), False),  # D128's forward has 128-row tiles already
+    (_cfg(d=32), False),
+    (_cfg(d=64, arch="sm_80"), False),
+])
+def test_fwd_window_is_the_forward_with_128_row_tiles(cfg, want):
+    """config.fwd_window_tiles: a window of at most WINDOW_TILES_MAX keys runs the kind ``fwd_window``
+    where its tiles differ from the forward's (Hopper D64: 128 rows instead of 192); the same kernel
+    otherwise, folded as the forward is."""
+    from flashsink.ops.compile import build_prim_func
+    from flashsink.ops.config import fwd_fold, fwd_tiles, fwd_window_tiles, fwd_windowed
+    from flashsink.ops.kinds import KINDS, kinds_for
+
+    assert fwd_windowed(cfg) == want
+    assert ("fwd_window" in kinds_for(cfg)) == want and KINDS["fwd_window"].builds(cfg) == want
+    if want:
+        assert fwd_window_tiles(cfg) == Tiles(128, 128, 256, 2) and fwd_tiles(cfg).block_m == 192
+        text = build_prim_func("fwd_window", cfg).script()
+        assert text == fwd.build_fwd(cfg, tiles=Tiles(128, 128, 256, 2), ws=True, fold_scale=fwd_fold(cfg)).script()
+        assert '"tl.launch_threads": [384, 1, 1]' in text  # two consumer warpgroups and the producer
+    else:
+        assert fwd_window_tiles(cfg) == fwd_tiles(cfg)
+
+
+@pytest.mark.parametrize("window,scale,want", [
+    (128, 0.125, "fwd_window"), (1, 0.125, "fwd_window"), (129, 0.125, "fwd"), (1 << 30, 0.125, "fwd"),
+    (128, -0.125, "fwd_unfolded"), (1 << 30, 0.0, "fwd_unfolded"),
+])
+def test_the_forward_kind_follows_window_and_scale(window, scale, want):
+    """interface._fwd_kind: a scale <= 0 takes the unfolded forward (whatever the window); a window up to
+    WINDOW_TILES_MAX the windowed tiles where they are the forward's own (D64); else the forward. D128 has
+    no windowed kind."""
+    from flashsink.ops.config import WINDOW_TILES_MAX
+    from flashsink.ops.interface import _fwd_kind
+
+    assert WINDOW_TILES_MAX == 128
+    assert _fwd_kind(_cfg(d=64), window, scale) == want
+    assert _fwd_kind(_cfg(d=128), window, scale) == want.replace("fwd_window", "fwd")
+    assert _fwd_kind(_cfg(d=64, arch="sm_80"), window, scale) == "fwd"  # sm_80: one forward, unfolded

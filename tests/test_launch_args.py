@@ -25,9 +25,14 @@ from flashsink.ops.config import LOG2E, NO_WINDOW, KernelConfig
 pytestmark = pytest.mark.l0
 
 
+#: the forward's kinds: one launch protocol (``interface._fwd_kind`` picks one per call)
+FORWARDS = ("fwd", "fwd_window", "fwd_unfolded")
+
+
 class Launch:
     def __init__(self, kind, cfg, args):
-        self.kind, self.cfg = kind, cfg
+        # ``kind`` the protocol ("fwd" for every forward kind), ``launched`` the kernel's own kind
+        self.kind, self.launched, self.cfg = ("fwd" if kind in FORWARDS else kind), kind, cfg
         self.args = args
         # contents at launch time (later launches may write the buffers)
         self.seen = [a.detach().clone() if isinstance(a, torch.Tensor) else a for a in args]
@@ -46,7 +51,7 @@ def launches(monkeypatch):
 
             def kernel(*args):
                 out.append(Launch(kind, cfg, args))
-                if kind == "fwd":
+                if kind in FORWARDS:
                     args[-1].fill_(7.0)
 
             return kernel
@@ -119,6 +124,8 @@ def test_dense_forward_launch(monkeypatch, launches, arch, case):
     o, lse = interface._forward(q, k, v, sinks32, cfg, spec, window)
     (fw,) = launches
     assert fw.kind == "fwd" and fw.cfg == cfg and len(fw.args) == 8
+    # Hopper's D64 forward has tiles of its own for windows up to 128 keys (config.fwd_window_tiles)
+    assert fw.launched == ("fwd_window" if arch == "sm_90a" and cfg.head_dim == 64 and spec.window else "fwd")
     a = fw.args
     for got, want in zip(a[:4], (q, k, v, sinks32)):
         assert same(got, want)
@@ -596,6 +603,7 @@ def test_shared_buffers_grow_and_keep_what_they_outgrow(monkeypatch):
     the outgrown one stays referenced (a kernel on another stream may still read it)."""
     monkeypatch.setattr(interface, "_SHARED", {})
     monkeypatch.setattr(interface, "_OUTGROWN", [])
+    monkeypatch.setattr(interface, "_VIEWS", {})
     dev = torch.device("cpu")
     a = interface._zero_stat((2, 3, 128), dev)
     assert a.shape == (2, 3, 128) and a.is_contiguous() and a.dtype == torch.float32
@@ -607,3 +615,9 @@ def test_shared_buffers_grow_and_keep_what_they_outgrow(monkeypatch):
     assert len(interface._OUTGROWN) == 1 and interface._OUTGROWN[0].data_ptr() == a.data_ptr()
     u = interface._unwritten((2, 3, 1), dev)
     assert u.shape == (2, 3, 1) and u.data_ptr() != c.data_ptr()  # its own buffer, never the zeros
+    # each shape is viewed once (a view costs host time): the same tensor again, even after the buffer grew
+    assert interface._zero_stat((2, 3, 128), dev) is a and interface._unwritten((2, 3, 1), dev) is u
+    assert torch.equal(a, torch.zeros(2, 3, 128))  # the outgrown buffer it views is kept, still zeros
+    monkeypatch.setattr(interface, "MAX_VIEWS", 2)
+    interface._unwritten((5,), dev)  # past MAX_VIEWS: the memo starts again
+    assert len(interface._VIEWS) == 1 and interface._zero_stat((2, 3, 128), dev) is not a

@@ -29,8 +29,8 @@ import tilelang.language as T
 from .block_range import full_kv_blocks_for_rows, full_row_blocks_for_keys, kv_blocks_for_rows, row_blocks_for_keys
 from .bwd_entry import main_bwd_entry, main_bwd_shapes
 from .bwd_ws import build_bwd_ws
-from .config import (ROW_BLOCK, KernelConfig, bwd_branch, bwd_dq_bulk, bwd_overlap, bwd_split, bwd_swap, bwd_tiles, bwd_ws,
-                     dq_tiles, pre_tiles)
+from .config import (ROW_BLOCK, KernelConfig, bwd_branch, bwd_dq_bulk, bwd_dq_first, bwd_overlap, bwd_split, bwd_swap,
+                     bwd_tiles, bwd_ws, dq_tiles, pre_branch, pre_lpt, pre_tiles)
 from .layout import (acc_tile, kernel, prologue_load, qkv_shapes, row_runs, sequence, stage_stat, staged_stat, stat_at,
                      stat_shape, stat_tile, store_rows, store_stat, tile, varlen_params)
 from .schedule import grid, grid_coords, grid_dims, locate
@@ -75,9 +75,12 @@ def product(a, hi, lo, b_s, acc, rows: int, cols: int, fast: bool):
         T.gemm(lo, b_s, acc, policy=T.GemmWarpPolicy.FullRow)
 
 
-def build_preprocess(cfg: KernelConfig, branch: bool = False, lpt: bool = False):
+def build_preprocess(cfg: KernelConfig, branch: bool | None = None, lpt: bool | None = None):
     """Delta and the sink gradient: from P and dP (strict) or from O and dO (fast). ``branch`` and
-    ``lpt`` (strict only; tools/bwd_variants.py): see :func:`_build_preprocess_strict`."""
+    ``lpt`` (strict only; default ``config.pre_branch`` / ``config.pre_lpt``, other values for
+    tools/bwd_variants.py): see :func:`_build_preprocess_strict`."""
+    branch = pre_branch(cfg) if branch is None else branch
+    lpt = pre_lpt(cfg) if lpt is None else lpt
     if cfg.precision == "fast":
         if branch or lpt:
             raise ValueError("branch and lpt apply to the strict preprocess (the fast one computes no P)")
@@ -182,12 +185,11 @@ def _build_preprocess_strict(cfg: KernelConfig, branch: bool = False, lpt: bool 
     elements within tolerance at N=1, W=1, against >= 99.9% exact). It reads Q, K, V
     and dO instead of O and dO, so windowed problems move about the same bytes.
 
-    ``branch`` (an option for tools/bwd_variants.py until measured on the GPU): P skips the
-    per-element mask on the KV tiles wholly visible to the query tile
-    (``block_range.full_kv_blocks_for_rows``), as the forward's ``"branch"`` does. ``lpt`` (padded
-    layouts, also an option until measured): the causal query tiles with the most keys first, from the
-    grid's layout (heads along x, query tiles along y, counted from the last), as the strict main
-    backward's ``swap``.
+    ``branch`` (``config.pre_branch``: Hopper): P skips the per-element mask on the KV tiles wholly
+    visible to the query tile (``block_range.full_kv_blocks_for_rows``), as the forward's ``"branch"``
+    does. ``lpt`` (``config.pre_lpt``: Hopper, padded layouts): the causal query tiles with the most keys
+    first, from the grid's layout (heads along x, query tiles along y, counted from the last), as the
+    strict main backward's ``swap``. Both leave Delta bitwise the same (measured on the H200).
     """
     t = pre_tiles(cfg)
     bm, bn = t.block_m, t.block_n
@@ -276,7 +278,7 @@ def _build_preprocess_strict(cfg: KernelConfig, branch: bool = False, lpt: bool 
 
 
 def build_bwd(cfg: KernelConfig, tiles=None, dq_bulk=None, overlap=None, split=None, ws=None, lpt=True,
-              branch=None, swap=None, dq_first=False):
+              branch=None, swap=None, dq_first=None):
     """The main backward. The options default to the tile table's choices and exist for
     tools/bwd_variants.py, which times alternatives: ``tiles`` (``bwd_tiles(cfg)``); ``dq_bulk``,
     dQ tiles added by one bulk (TMA) reduce-add from shared memory instead of per-thread atomics
@@ -300,7 +302,8 @@ def build_bwd(cfg: KernelConfig, tiles=None, dq_bulk=None, overlap=None, split=N
     grid itself, KV heads along its x and KV tiles along y (no index arithmetic, which misleads
     TileLang's sync placement, see the kernel; the y extent, 65535 tiles, is why packed layouts keep
     the launch order).
-    ``dq_first`` (ws only, ``bwd_ws.build_bwd_ws``): dQ's product before dK's, its hand-off during dK's.
+    ``dq_first`` (ws only, ``bwd_ws.build_bwd_ws``; default ``config.bwd_dq_first(cfg)``): dQ's product
+    before dK's, its hand-off during dK's.
     ``branch`` (``config.bwd_branch(cfg)``): the per-element mask only on the row blocks that are
     not wholly visible (``block_range.full_row_blocks_for_keys``), as the forward's ``"branch"``.
     """
@@ -315,6 +318,7 @@ def build_bwd(cfg: KernelConfig, tiles=None, dq_bulk=None, overlap=None, split=N
         raise ValueError(f"split={split} needs a divisor of groups={cfg.groups}, a non-deterministic "
                          "configuration and head_dim == head_dim_v")
     if ws:
+        dq_first = bwd_dq_first(cfg) if dq_first is None else dq_first
         return build_bwd_ws(cfg, t, split, lpt, branch, dq_first)
     if not lpt:
         raise ValueError("lpt=False applies to the warp-specialized kernel (ws) only: TileLang's pipelined kernel "

@@ -48,7 +48,7 @@ def build_bwd_ws(cfg: KernelConfig, t, split: int, lpt: bool = True, branch: boo
     on the row blocks that are not wholly visible (``block_range.full_row_blocks_for_keys``), as the
     forward's ``"branch"``; False, on every tile (tools/bwd_variants.py times both). ``dq_first``: each
     tile's dQ product issued before its dK product, and dQ handed to the producer while dK's runs
-    (FlashAttention-3's order; an option for tools/bwd_variants.py until measured)."""
+    (FlashAttention-3's order; ``config.bwd_dq_first``: head dim 64, with 128-row tiles)."""
     if not cfg.hopper or cfg.precision != "fast" or t.threads != CONSUMER_THREADS or t.stages < 1:
         raise NotImplementedError(f"the warp-specialized main backward supports Hopper (sm_90a), precision='fast' "
                                   f"and {CONSUMER_THREADS} consumer threads; got {cfg.short()}, {t}")

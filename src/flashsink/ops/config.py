@@ -129,6 +129,8 @@ def bwd_tiles(cfg: KernelConfig) -> Tiles:
     registers), ``block_m`` query rows stream through."""
     d = max(cfg.head_dim, cfg.head_dim_v)
     if cfg.hopper:
+        if bwd_dq_first(cfg):
+            return Tiles(128, 128, 256, 2)
         if d <= 128:
             return Tiles(64, 128, 256, 2)
         # D=256: 128 resident keys over two warpgroups (a 64-key tile gives the P^T
@@ -161,6 +163,20 @@ def bwd_ws(cfg: KernelConfig) -> bool:
     runs unsplit with its tiles longest first (causal D128 N4096: 1.62 ms, :func:`bwd_split`). Strict
     keeps TileLang's kernel (two-term products the hand kernel does not have)."""
     return cfg.hopper and cfg.precision == "fast" and max(cfg.head_dim, cfg.head_dim_v) <= 128
+
+
+def bwd_dq_first(cfg: KernelConfig) -> bool:
+    """Whether the warp-specialized main backward issues each tile's dQ product before its dK product
+    and hands dQ to the producer while dK's runs (FlashAttention-3's order; ``bwd_ws.build_bwd_ws``),
+    with 128-row query tiles (:func:`bwd_tiles`): head dim 64. Measured on the H200
+    (tools/bwd_variants.py, docs/perf.md v12): causal D64 N8192 main kernel 3.832 -> 3.662 ms (64-row
+    tiles in the old order -> 128-row tiles dQ first; 128-row tiles in the old order were 3.958, 64-row
+    tiles dQ first 4.278), gpt-oss SWA 0.162 -> 0.158. At D128 the order loses (64-row tiles 1.701 ->
+    1.806 ms dQ first; 128-row tiles do not fit its registers), so D128 and D32 (not measured) keep
+    64-row tiles in the old order. Causal padded layouts only: ptxas spills the 128-row kernel's
+    registers for full (non-causal) attention (104 bytes) and packed batches (296 bytes), where the
+    64-row kernel spills none."""
+    return bwd_ws(cfg) and cfg.head_dim == cfg.head_dim_v == 64 and cfg.causal and cfg.layout != "thd"
 
 
 def bwd_branch(cfg: KernelConfig, ws: bool) -> bool:
@@ -207,6 +223,31 @@ def fwd_ws(cfg: KernelConfig) -> bool:
     return cfg.hopper and cfg.head_dim == cfg.head_dim_v and cfg.head_dim in (64, 128)
 
 
+#: the widest window that runs the forward's windowed tiles (:func:`fwd_window_tiles`): the window
+#: measured (gpt-oss's 128); wider windows keep :func:`fwd_tiles`
+WINDOW_TILES_MAX = 128
+
+
+def fwd_window_tiles(cfg: KernelConfig) -> Tiles:
+    """Forward tiles for a window of at most WINDOW_TILES_MAX keys (the kind ``fwd_window``). On Hopper
+    at head dim 64, 128-row tiles (two consumer warpgroups) instead of the 192 rows of full causal
+    attention: measured on the H200 (tools/fwd_variants.py, docs/perf.md v12) gpt-oss SWA (bf16 D64
+    W128 N4096 H64/8) 0.1196 -> 0.1047 ms, o and lse bitwise equal. With few KV tiles per query tile
+    a program is bound by its tile's latency chain (load, two products, softmax, store), and 128-row
+    tiles give the 132 programs 1.5x as many, shorter, chains. Padded layouts: for packed batches
+    ptxas spills the 128-row kernel's registers (64 bytes; the 192-row one spills none), not measured
+    on the GPU. Elsewhere :func:`fwd_tiles`."""
+    if fwd_ws(cfg) and cfg.head_dim == 64 and cfg.causal and cfg.layout != "thd":
+        return Tiles(128, 128, 256, 2)
+    return fwd_tiles(cfg)
+
+
+def fwd_windowed(cfg: KernelConfig) -> bool:
+    """Whether a windowed call (window <= WINDOW_TILES_MAX) launches ``fwd_window``: where its tiles
+    differ from the forward's."""
+    return fwd_window_tiles(cfg) != fwd_tiles(cfg)
+
+
 def fwd_fold(cfg: KernelConfig) -> bool:
     """Whether the forward (``fwd_ws.py``'s kernel) folds the scale into the exponent's FMA,
     ``exp2(s * scale_log2 - m * scale_log2)``, instead of scaling every logit first: measured on the
@@ -246,6 +287,21 @@ def bwd_split(cfg: KernelConfig) -> int:
 #: full causal N=4096/8192 ran 1.5-1.6x faster split 8 ways, while window 128 ran 6-10% slower (few
 #: rows per program: the fp32 dK/dV adds and casts dominate); not re-measured at D256
 BWD_SPLIT_MIN_ROWS = 1024
+
+
+def pre_branch(cfg: KernelConfig) -> bool:
+    """Whether the strict preprocess (Delta from P and dP) computes P without the per-element mask on
+    the KV tiles wholly visible to its query tile, as the forward's ``"branch"``: Hopper. Measured on
+    the H200 (tools/bwd_variants.py, docs/perf.md v12) with :func:`pre_lpt`: causal D128 N4096 0.609 ->
+    0.549 ms, causal D64 N8192 1.624 -> 1.432 (branch alone 0.573 / 1.485), Delta bitwise equal."""
+    return cfg.hopper and cfg.precision == "strict"
+
+
+def pre_lpt(cfg: KernelConfig) -> bool:
+    """Whether the strict preprocess issues its causal query tiles with the most keys first, from its
+    grid's layout (heads along x, query tiles along y counted from the last; ``schedule.grid_dims``):
+    with :func:`pre_branch`, padded layouts (a packed batch's tiles could pass the grid's y extent)."""
+    return pre_branch(cfg) and cfg.layout != "thd"
 
 
 def pre_tiles(cfg: KernelConfig) -> Tiles:

@@ -11,7 +11,7 @@ import tilelang.language as T
 
 from . import softmax
 from .block_range import full_kv_blocks_for_rows, kv_blocks_for_rows
-from .config import KernelConfig, Tiles, fwd_fold, fwd_mask, fwd_tiles, fwd_ws
+from .config import KernelConfig, Tiles, fwd_fold, fwd_mask, fwd_tiles, fwd_window_tiles, fwd_ws
 from .fwd_entry import fwd_entry, fwd_shapes
 from .fwd_ws import build_fwd_ws
 from .layout import prologue_load, sequence, store_rows, store_stat, tile
@@ -27,6 +27,12 @@ def build_fwd_unfolded(cfg: KernelConfig):
     """The forward without the scale folded into the exponent (``config.fwd_fold``): the kind a
     call with ``scale <= 0`` launches where the forward folds it."""
     return build_fwd(cfg, fold_scale=False)
+
+
+def build_fwd_window(cfg: KernelConfig):
+    """The forward with the tiles of a narrow window (``config.fwd_window_tiles``): the kind a call
+    with ``window <= config.WINDOW_TILES_MAX`` launches where those tiles differ (``config.fwd_windowed``)."""
+    return build_fwd(cfg, tiles=fwd_window_tiles(cfg))
 
 
 def build_fwd(cfg: KernelConfig, tiles: Tiles | None = None, mask: str | None = None, fold_scale: bool | None = None,

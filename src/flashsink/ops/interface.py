@@ -18,8 +18,8 @@ import torch
 from . import decode
 from .compile import get_kernel
 from .config import (
-    BWD_SPLIT_MIN_ROWS, HEAD_DIM_RULE, LOG2E, NO_WINDOW, PRECISIONS, ROW_PAD, SUPPORTED_DTYPES, KernelConfig,
-    arch_of, bwd_split, fwd_fold, kernel_head_dim, pre_tiles,
+    BWD_SPLIT_MIN_ROWS, HEAD_DIM_RULE, LOG2E, NO_WINDOW, PRECISIONS, ROW_PAD, SUPPORTED_DTYPES, WINDOW_TILES_MAX,
+    KernelConfig, arch_of, bwd_split, fwd_fold, fwd_windowed, kernel_head_dim, pre_tiles,
 )
 from .config import padded_rows as _padded_rows, varlen_rows  # noqa: F401  (the ops' and tests' names)
 
@@ -148,11 +148,20 @@ def _forward(q, k, v, sinks32, cfg, spec, window, cu_seqlens=None):
     o = torch.empty((*q.shape[:-1], cfg.head_dim_v), dtype=q.dtype, device=q.device)
     lse = torch.empty(_stat_shape(spec, q, cu_seqlens), dtype=torch.float32, device=q.device)
     scale = float(spec.scale)
-    # a folded forward (config.fwd_fold) takes its running maximum over unscaled logits: right for a
-    # positive scale only
-    kind = "fwd" if scale > 0 or not fwd_fold(cfg) else "fwd_unfolded"
-    get_kernel(kind, cfg)(q, k, v, sinks32, *_seq_args(cu_seqlens, spec.seq_q), window, scale * LOG2E, o, lse)
+    get_kernel(_fwd_kind(cfg, window, scale), cfg)(q, k, v, sinks32, *_seq_args(cu_seqlens, spec.seq_q), window, scale * LOG2E, o, lse)
     return o, lse
+
+
+def _fwd_kind(cfg, window: int, scale: float) -> str:
+    """The forward kernel for a call: ``fwd_unfolded`` for a scale <= 0 where the forward folds the scale
+    (``config.fwd_fold``: the running maximum is then over unscaled logits, right for a positive scale
+    only); ``fwd_window`` for a window of at most WINDOW_TILES_MAX keys where it has tiles of its own
+    (``config.fwd_windowed``); else ``fwd``."""
+    if scale <= 0 and fwd_fold(cfg):
+        return "fwd_unfolded"
+    if window <= WINDOW_TILES_MAX and fwd_windowed(cfg):
+        return "fwd_window"
+    return "fwd"
 
 
 def _backward(do, q, k, v, o, lse, dlse, sinks32, cfg, spec, window, cu_seqlens=None):
@@ -238,9 +247,19 @@ def _backward(do, q, k, v, o, lse, dlse, sinks32, cfg, spec, window, cu_seqlens=
 #: kernel on another stream may still read it (at most the sum of the halvings, under 2x the last).
 _SHARED: dict = {}
 _OUTGROWN: list = []
+#: the views handed out, by (kind, device, shape): a view costs as much host time as an allocation
+#: (tools/host_parts.py), so each shape is viewed once. A view of an outgrown buffer stays valid (the
+#: buffer is kept, and its contents are what they were: zeros, or never read). Emptied past
+#: MAX_VIEWS (packed batches' statistics have a shape per token count).
+_VIEWS: dict = {}
+MAX_VIEWS = 256
 
 
 def _shared(kind: str, shape, device):
+    key = (kind, device, tuple(shape))
+    view = _VIEWS.get(key)
+    if view is not None:
+        return view
     n = _numel(shape)
     buf = _SHARED.get((kind, device))
     if buf is None or buf.numel() < n:
@@ -253,7 +272,10 @@ def _shared(kind: str, shape, device):
     for x in reversed(shape):
         strides.append(step)
         step *= x
-    return buf.as_strided(tuple(shape), tuple(reversed(strides)))
+    if len(_VIEWS) >= MAX_VIEWS:
+        _VIEWS.clear()
+    view = _VIEWS[key] = buf.as_strided(tuple(shape), tuple(reversed(strides)))
+    return view
 
 
 def _zero_stat(stat, device):

@@ -16,8 +16,8 @@ import importlib
 from typing import Callable, Optional
 
 from .config import (
-    KVCACHE_HEAD_DIMS, SPLIT_ROWS, KernelConfig, bwd_split, bwd_tiles, dq_tiles, fwd_fold, fwd_tiles, pre_tiles,
-    split_tiles,
+    KVCACHE_HEAD_DIMS, SPLIT_ROWS, KernelConfig, bwd_split, bwd_tiles, dq_tiles, fwd_fold, fwd_tiles, fwd_window_tiles,
+    fwd_windowed, pre_tiles, split_tiles,
 )
 
 
@@ -77,6 +77,11 @@ KINDS: dict = {
     # launched by a call with scale <= 0 only, so built on the first such call, not ahead
     "fwd_unfolded": Kind("fwd.build_fwd_unfolded", fwd_tiles, _never, ignores=("deterministic", "precision"),
                          builds=fwd_fold),
+    # the forward with a narrow window's tiles (config.fwd_window_tiles), where they differ from "fwd"'s
+    # (Hopper, head dim 64): launched by calls with window <= config.WINDOW_TILES_MAX (gpt-oss's sliding
+    # layers share their configuration with the full ones, so a first use builds both forwards)
+    "fwd_window": Kind("fwd.build_fwd_window", fwd_window_tiles, fwd_windowed, ignores=("deterministic", "precision"),
+                       builds=fwd_windowed),
     "preprocess": Kind("bwd.build_preprocess", pre_tiles, _always),
     "bwd": Kind("bwd.build_bwd", bwd_tiles, _always),
     "bwd_split": Kind("bwd.build_bwd_split", bwd_tiles, _has_split, builds=_has_split),
