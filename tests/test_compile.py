@@ -122,25 +122,28 @@ def test_swapped_grid_main_backward_compiles():
 
 
 @pytest.mark.l1
-@pytest.mark.parametrize("arch, opts", [("sm_90a", {"branch": True}), ("sm_80", {"branch": True}),
-                                        ("sm_90a", {"branch": True, "lpt": True})])
+@pytest.mark.parametrize("arch, opts", [("sm_90a", {"branch": False, "lpt": False}), ("sm_80", {"branch": True}),
+                                        ("sm_90a", {"branch": True, "lpt": False})])
 def test_strict_preprocess_options_compile(arch, opts):
-    """``build_preprocess(branch=True)`` and ``lpt=True`` (strict; tools/bwd_variants.py's "strict pre/...",
-    not defaults until measured): P without the per-element mask on wholly visible KV tiles; the query
-    tiles with the most keys first from the grid's layout. They build and compile; the default is the
-    masked kernel in launch order; the fast preprocess, which computes no P, refuses them, and lpt
-    needs a padded layout."""
+    """``build_preprocess(branch=, lpt=)`` (strict; tools/bwd_variants.py's "strict pre/..."): P without the
+    per-element mask on wholly visible KV tiles; the query tiles with the most keys first from the grid's
+    layout. The library's kernel takes ``config.pre_branch`` / ``pre_lpt`` (both on Hopper, neither on
+    sm_80); the other choices build and compile too; the fast preprocess, which computes no P, refuses
+    them, and lpt needs a padded layout."""
     import tilelang
 
     from flashsink.ops.bwd import build_preprocess
     from flashsink.ops.compile import build_prim_func, pass_configs
+    from flashsink.ops.config import pre_branch, pre_lpt
 
     cfg = _cfg(arch, "preprocess", precision="strict")
     func = build_preprocess(cfg, **opts)
-    assert build_prim_func("preprocess", cfg).script() == build_preprocess(cfg).script() != func.script()
+    lib = build_preprocess(cfg, branch=pre_branch(cfg), lpt=pre_lpt(cfg)).script()
+    assert build_prim_func("preprocess", cfg).script() == build_preprocess(cfg).script() == lib != func.script()
     kernel = tilelang.compile(func, target={"kind": "cuda", "arch": arch}, execution_backend="tvm_ffi",
                               pass_configs=pass_configs())
     assert "__global__" in kernel.get_kernel_source()
+    opts = {k: True for k in opts}
     with pytest.raises(ValueError, match="strict preprocess"):
         build_preprocess(_cfg(arch, "preprocess", precision="fast"), **opts)
     with pytest.raises(ValueError, match="padded layout"):
