@@ -148,3 +148,23 @@ def test_strict_preprocess_options_compile(arch, opts):
         build_preprocess(_cfg(arch, "preprocess", precision="fast"), **opts)
     with pytest.raises(ValueError, match="padded layout"):
         build_preprocess(_cfg(arch, "preprocess", precision="strict", layout="thd"), lpt=True)
+
+
+@pytest.mark.l1
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
+def test_kvcache_table_option_compiles_with_the_same_launch(arch):
+    """``build_fwd_kvcache(table=True)`` (tools/kvcache_variants.py's "table", not the default until
+    measured): the key rows' pages resolved once per tile into a shared table that the K and V loads
+    read. The same parameters as the default kernel; it compiles; the default kernel has no table."""
+    import tilelang
+
+    from flashsink.ops.compile import pass_configs
+    from flashsink.ops.fwd_kvcache import build_fwd_kvcache
+
+    cfg = _cfg(arch, "fwd_kvcache", layout="bshd")
+    default, table = build_fwd_kvcache(cfg), build_fwd_kvcache(cfg, table=True)
+    assert [p.name for p in table.params] == [p.name for p in default.params]
+    assert "pg_s" in table.script() and "pg_s" not in default.script()
+    src = tilelang.compile(table, target={"kind": "cuda", "arch": arch}, execution_backend="tvm_ffi",
+                           pass_configs=pass_configs()).get_kernel_source()
+    assert "__global__" in src and "pg_s" in src

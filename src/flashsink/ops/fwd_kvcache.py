@@ -32,9 +32,20 @@ from .config import KernelConfig, split_tiles
 from .mask import visible
 
 NAN = float("nan")
+#: ``table``'s page of a key row past its batch row's length (loaded as zeros) and of a row whose
+#: block-table entry is outside the cache (its keys NaN, as the default kernel gives)
+PAST_END, BAD_PAGE = -1, -2
 
 
-def build_fwd_kvcache(cfg: KernelConfig):
+def build_fwd_kvcache(cfg: KernelConfig, table: bool = False):
+    """The kernel. ``table`` (an option for tools/kvcache_variants.py until measured on the GPU): each
+    key tile's rows are first resolved to (page, row in the page) once per key, in 32-bit integers,
+    into a shared-memory table that the K and V loads read, and V is loaded with K, before the
+    products, so that their latencies overlap. Without it every 16-byte load re-derives its row's
+    page from the block table inside the load's address, which the code generator computes in 64-bit
+    integers (the cache's flat index is 64-bit): several 64-bit divisions by ``page_size`` per load
+    (the generated CUDA shows them), and 290-330 GB/s on the H200 (docs/perf.md v12). The partials are
+    the same, NaN where the default gives NaN."""
     t = split_tiles(cfg)
     bm, bn = t.block_m, t.block_n
     dim, dim_v, groups = cfg.head_dim, cfg.head_dim_v, cfg.groups
@@ -45,6 +56,38 @@ def build_fwd_kvcache(cfg: KernelConfig):
     heads_kv = heads // groups
     n_rows = groups * seq_q  # packed rows per (batch row, KV head)
     m_tiles = T.ceildiv(n_rows, bm)
+
+    @T.macro
+    def scores(q_s, k_s, acc_s, p0, key0, seq_kv, window, scale_log2):
+        """The tile's logits, masked and scaled into base 2."""
+        T.clear(acc_s)
+        T.gemm(q_s, k_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+        for i, j in T.Parallel(bm, bn):
+            acc_s[i, j] = T.if_then_else(
+                (p0 + i < n_rows) & visible((p0 + i) // groups, key0 + j, seq_q, seq_kv, window, True),
+                acc_s[i, j] * scale_log2,
+                -T.infinity(accum),
+            )
+
+    @T.macro
+    def accumulate(acc_s, p, v_s, acc_o, m, m_prev, alpha, row_sum, l):
+        """The logits into the running softmax, and P @ V into o."""
+        softmax.update(acc_s, acc_o, m, m_prev, alpha, row_sum, l, bm, bn, dim_v)
+        T.copy(acc_s, p)
+        T.gemm(p, v_s, acc_o, policy=T.GemmWarpPolicy.FullRow)
+
+    @T.macro
+    def resolve(BlockTable, pg_s, off_s, b, key0, seq_kv, page_size, max_pages, num_pages):
+        """``table``: each key row of the tile to its page (PAST_END past the row's length: zeros;
+        BAD_PAGE for an index outside the cache: NaN keys) and its row in the page, once per key."""
+        for r in T.Parallel(bn):
+            pg_s[r] = T.if_then_else(
+                key0 + r < seq_kv,
+                T.if_then_else(_page_ok(BlockTable, b, key0 + r, page_size, max_pages, num_pages),
+                               _entry(BlockTable, b, key0 + r, page_size, max_pages), BAD_PAGE),
+                PAST_END,
+            )
+            off_s[r] = T.truncmod(key0 + r, page_size)
 
     @T.prim_func
     def flashsink_fwd_kvcache(
@@ -71,6 +114,11 @@ def build_fwd_kvcache(cfg: KernelConfig):
             row_sum = T.alloc_fragment([bm], accum)
             l = T.alloc_fragment([bm], accum)
             lse = T.alloc_fragment([bm], accum)
+            if table:
+                pg_s = T.alloc_shared([bn], "int32")
+                off_s = T.alloc_shared([bn], "int32")
+            else:
+                pg_s = off_s = None
 
             # truncated division (C's / and %) wherever the operands are >= 0: floor division's sign
             # fix-ups are otherwise repeated in every expression that uses the result
@@ -94,37 +142,42 @@ def build_fwd_kvcache(cfg: KernelConfig):
             my_lo = T.min(hi, lo + split * per)
             my_hi = T.min(hi, my_lo + per)
 
-            for kb in T.Pipelined(my_lo, my_hi, num_stages=t.stages):
-                key0 = kb * bn
-                for r, d in T.Parallel(bn, dim):
-                    k_s[r, d] = T.if_then_else(
-                        key0 + r < seq_kv,
-                        T.if_then_else(
-                            _page_ok(BlockTable, b, key0 + r, page_size, max_pages, num_pages),
-                            K[_page(BlockTable, b, key0 + r, page_size, max_pages, num_pages),
+            if table:
+                for kb in T.serial(my_lo, my_hi):
+                    key0 = kb * bn
+                    resolve(BlockTable, pg_s, off_s, b, key0, seq_kv, page_size, max_pages, num_pages)
+                    for r, d in T.Parallel(bn, dim):
+                        k_s[r, d] = T.if_then_else(
+                            pg_s[r] >= 0, K[pg_s[r], off_s[r], kv_head, d],
+                            T.if_then_else(pg_s[r] == PAST_END, T.cast(0, dtype), T.cast(NAN, dtype)),
+                        )
+                    for r, d in T.Parallel(bn, dim_v):
+                        v_s[r, d] = T.if_then_else(pg_s[r] >= 0, V[pg_s[r], off_s[r], kv_head, d], T.cast(0, dtype))
+                    scores(q_s, k_s, acc_s, p0, key0, seq_kv, window, scale_log2)
+                    accumulate(acc_s, p, v_s, acc_o, m, m_prev, alpha, row_sum, l)
+            else:
+                for kb in T.Pipelined(my_lo, my_hi, num_stages=t.stages):
+                    key0 = kb * bn
+                    for r, d in T.Parallel(bn, dim):
+                        k_s[r, d] = T.if_then_else(
+                            key0 + r < seq_kv,
+                            T.if_then_else(
+                                _page_ok(BlockTable, b, key0 + r, page_size, max_pages, num_pages),
+                                K[_page(BlockTable, b, key0 + r, page_size, max_pages, num_pages),
+                                  T.truncmod(key0 + r, page_size), kv_head, d],
+                                T.cast(NAN, dtype),
+                            ),
+                            T.cast(0, dtype),
+                        )
+                    scores(q_s, k_s, acc_s, p0, key0, seq_kv, window, scale_log2)
+                    for r, d in T.Parallel(bn, dim_v):
+                        v_s[r, d] = T.if_then_else(
+                            key0 + r < seq_kv,
+                            V[_page(BlockTable, b, key0 + r, page_size, max_pages, num_pages),
                               T.truncmod(key0 + r, page_size), kv_head, d],
-                            T.cast(NAN, dtype),
-                        ),
-                        T.cast(0, dtype),
-                    )
-                T.clear(acc_s)
-                T.gemm(q_s, k_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-                for i, j in T.Parallel(bm, bn):
-                    acc_s[i, j] = T.if_then_else(
-                        (p0 + i < n_rows) & visible((p0 + i) // groups, key0 + j, seq_q, seq_kv, window, True),
-                        acc_s[i, j] * scale_log2,
-                        -T.infinity(accum),
-                    )
-                for r, d in T.Parallel(bn, dim_v):
-                    v_s[r, d] = T.if_then_else(
-                        key0 + r < seq_kv,
-                        V[_page(BlockTable, b, key0 + r, page_size, max_pages, num_pages),
-                          T.truncmod(key0 + r, page_size), kv_head, d],
-                        T.cast(0, dtype),
-                    )
-                softmax.update(acc_s, acc_o, m, m_prev, alpha, row_sum, l, bm, bn, dim_v)
-                T.copy(acc_s, p)
-                T.gemm(p, v_s, acc_o, policy=T.GemmWarpPolicy.FullRow)
+                            T.cast(0, dtype),
+                        )
+                    accumulate(acc_s, p, v_s, acc_o, m, m_prev, alpha, row_sum, l)
 
             softmax.finalize(acc_o, m, l, lse, bm, dim_v)
             for r, d in T.Parallel(bm, dim_v):
