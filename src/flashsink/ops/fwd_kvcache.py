@@ -43,9 +43,10 @@ def build_fwd_kvcache(cfg: KernelConfig, table: bool = False):
     into a shared-memory table that the K and V loads read, and V is loaded with K, before the
     products, so that their latencies overlap. Without it every 16-byte load re-derives its row's
     page from the block table inside the load's address, which the code generator computes in 64-bit
-    integers (the cache's flat index is 64-bit): several 64-bit divisions by ``page_size`` per load
-    (the generated CUDA shows them), and 290-330 GB/s on the H200 (docs/perf.md v12). The partials are
-    the same, NaN where the default gives NaN."""
+    integers (the cache's flat index is 64-bit): several 64-bit divisions by ``page_size`` per load,
+    each a called routine (sm_90a SASS: 160 call sites, 40 with the table, those outside the key loop),
+    and 290-330 GB/s on the H200 (docs/perf.md v12). The partials are the same, NaN where the default
+    gives NaN."""
     t = split_tiles(cfg)
     bm, bn = t.block_m, t.block_n
     dim, dim_v, groups = cfg.head_dim, cfg.head_dim_v, cfg.groups
@@ -80,14 +81,18 @@ def build_fwd_kvcache(cfg: KernelConfig, table: bool = False):
     def resolve(BlockTable, pg_s, off_s, b, key0, seq_kv, page_size, max_pages, num_pages):
         """``table``: each key row of the tile to its page (PAST_END past the row's length: zeros;
         BAD_PAGE for an index outside the cache: NaN keys) and its row in the page, once per key."""
+        # the division first, alone in a 32-bit store: inside a global load's index the code generator
+        # widens it to 64 bits (a called division routine)
+        for r in T.Parallel(bn):
+            pg_s[r] = T.truncdiv(key0 + r, page_size)
+            off_s[r] = T.truncmod(key0 + r, page_size)
         for r in T.Parallel(bn):
             pg_s[r] = T.if_then_else(
                 key0 + r < seq_kv,
-                T.if_then_else(_page_ok(BlockTable, b, key0 + r, page_size, max_pages, num_pages),
-                               _entry(BlockTable, b, key0 + r, page_size, max_pages), BAD_PAGE),
+                T.if_then_else(_slot_ok(BlockTable, b, pg_s[r], max_pages, num_pages),
+                               BlockTable[b, T.min(pg_s[r], max_pages - 1)], BAD_PAGE),
                 PAST_END,
             )
-            off_s[r] = T.truncmod(key0 + r, page_size)
 
     @T.prim_func
     def flashsink_fwd_kvcache(
@@ -197,6 +202,12 @@ def build_fwd_kvcache(cfg: KernelConfig, table: bool = False):
 def _entry(table, b, key, page_size, max_pages):
     """The block-table entry of ``key`` (the index clamped into the table, for keys past the end)."""
     return table[b, T.min(T.truncdiv(key, page_size), max_pages - 1)]
+
+
+def _slot_ok(table, b, slot, max_pages, num_pages):
+    """Whether block-table slot ``slot`` (clamped into the table) holds a page of the cache."""
+    e = table[b, T.min(slot, max_pages - 1)]
+    return (e >= 0) & (e < num_pages)
 
 
 def _page_ok(table, b, key, page_size, max_pages, num_pages):
