@@ -109,7 +109,7 @@ def test_strict_preprocess_branches_and_goes_longest_first_on_hopper():
     """``config.pre_branch`` / ``pre_lpt``: Hopper's strict preprocess skips the mask on wholly visible KV
     tiles and issues its query tiles longest first (padded layouts); sm_80 and the fast preprocess do not."""
     from flashsink.ops.compile import build_prim_func
-    from flashsink.ops.config import pre_branch, pre_lpt
+    from flashsink.ops.config import pre_branch, pre_lpt, pre_tiles
 
     strict = _cfg(precision="strict")
     assert pre_branch(strict) and pre_lpt(strict)
@@ -122,3 +122,9 @@ def test_strict_preprocess_branches_and_goes_longest_first_on_hopper():
     assert build_prim_func("preprocess", old).script() == bwd.build_preprocess(old, branch=False, lpt=False).script()
     thd = _cfg(layout="thd", precision="strict")
     assert build_prim_func("preprocess", thd).script() == bwd.build_preprocess(thd, branch=True, lpt=False).script()
+    # other tiles (tools/bwd_variants.py's "strict pre/... 64x128/s2"): the same launch, another kernel
+    other = bwd.build_preprocess(strict, tiles=Tiles(64, 128, 256, 2))
+    assert _params(other) == _params(build_prim_func("preprocess", strict)) and other.script() != lib
+    assert bwd.build_preprocess(strict, tiles=pre_tiles(strict)).script() == lib
+    with pytest.raises(ValueError, match="strict preprocess"):
+        bwd.build_preprocess(_cfg(), tiles=Tiles(64, 128, 256, 2))

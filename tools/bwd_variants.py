@@ -87,7 +87,11 @@ def _variants(d: int, only: str = "") -> list:
             ("strict 64x128/s2/branch", t, (None, None, 1, False, True, "strict", True, False)),
             # longest first from the grid's dims (KV heads along x): no index arithmetic
             ("strict 64x128/s2/swap", t, (None, None, 1, False, True, "strict", False, True)),
-            ("strict 64x128/s2/swap+branch", t, (None, None, 1, False, True, "strict", True, True))]
+            ("strict 64x128/s2/swap+branch", t, (None, None, 1, False, True, "strict", True, True)),
+            # the default's swap+branch with other stages and tiles
+            ("strict 64x128/s1/swap+branch", (64, 128, 256, 1), (None, None, 1, False, True, "strict", True, True)),
+            ("strict 64x128/s3/swap+branch", t3, (None, None, 1, False, True, "strict", True, True)),
+            ("strict 32x128/s2/swap+branch", (32, 128, 256, 2), (None, None, 1, False, True, "strict", True, True))]
     return _chosen(out, only)
 
 
@@ -102,7 +106,11 @@ def _chosen(variants: list, only: str) -> list:
 #: backward's are: "/branch", P without the per-element mask on wholly visible KV tiles; "/lpt", the
 #: query tiles with the most keys first (bwd.build_preprocess)
 PRE_VARIANTS = [("strict pre/branch", (("branch", True),)), ("strict pre/lpt", (("lpt", True),)),
-                ("strict pre/branch+lpt", (("branch", True), ("lpt", True)))]
+                ("strict pre/branch+lpt", (("branch", True), ("lpt", True))),
+                # other tiles with the defaults' branch+lpt (Hopper's is 128 rows x 64 keys, 2 stages)
+                ("strict pre/branch+lpt 64x128/s2", (("branch", True), ("lpt", True), ("tiles", (64, 128, 256, 2)))),
+                ("strict pre/branch+lpt 128x64/s3", (("branch", True), ("lpt", True), ("tiles", (128, 64, 256, 3)))),
+                ("strict pre/branch+lpt 64x64/s2", (("branch", True), ("lpt", True), ("tiles", (64, 64, 128, 2))))]
 
 
 def _pre_variants(only: str = "") -> list:
@@ -124,7 +132,10 @@ def _func(job):
     kind, dtype, d, precision, tiles, opts = job
     cfg = _cfg(dtype, d, precision)
     if kind == "pre-variant":  # the strict preprocess with the options of PRE_VARIANTS
-        return bwd.build_preprocess(cfg, **dict(opts))
+        opts = dict(opts)
+        if "tiles" in opts:
+            opts["tiles"] = Tiles(*opts["tiles"])
+        return bwd.build_preprocess(cfg, **opts)
     if kind == "bwd-variant":
         cfg = _cfg(dtype, d, opts[5])
         return bwd.build_bwd(cfg, tiles=Tiles(*tiles), dq_bulk=opts[0], overlap=opts[1], split=opts[2], ws=opts[3],

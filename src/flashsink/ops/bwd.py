@@ -75,19 +75,19 @@ def product(a, hi, lo, b_s, acc, rows: int, cols: int, fast: bool):
         T.gemm(lo, b_s, acc, policy=T.GemmWarpPolicy.FullRow)
 
 
-def build_preprocess(cfg: KernelConfig, branch: bool | None = None, lpt: bool | None = None):
-    """Delta and the sink gradient: from P and dP (strict) or from O and dO (fast). ``branch`` and
-    ``lpt`` (strict only; default ``config.pre_branch`` / ``config.pre_lpt``, other values for
-    tools/bwd_variants.py): see :func:`_build_preprocess_strict`."""
+def build_preprocess(cfg: KernelConfig, branch: bool | None = None, lpt: bool | None = None, tiles=None):
+    """Delta and the sink gradient: from P and dP (strict) or from O and dO (fast). ``branch``,
+    ``lpt`` and ``tiles`` (strict only; default ``config.pre_branch`` / ``config.pre_lpt`` /
+    ``config.pre_tiles``, other values for tools/bwd_variants.py): see :func:`_build_preprocess_strict`."""
     branch = pre_branch(cfg) if branch is None else branch
     lpt = pre_lpt(cfg) if lpt is None else lpt
     if cfg.precision == "fast":
-        if branch or lpt:
-            raise ValueError("branch and lpt apply to the strict preprocess (the fast one computes no P)")
+        if branch or lpt or tiles is not None:
+            raise ValueError("branch, lpt and tiles apply to the strict preprocess (the fast one computes no P)")
         return _build_preprocess_fast(cfg)
     if lpt and cfg.layout == "thd":
         raise ValueError(f"lpt=True needs a padded layout (bhsd or bshd); got layout={cfg.layout!r}")
-    return _build_preprocess_strict(cfg, branch, lpt)
+    return _build_preprocess_strict(cfg, branch, lpt, tiles or pre_tiles(cfg))
 
 
 @T.macro
@@ -175,7 +175,7 @@ def _build_preprocess_fast(cfg: KernelConfig):
     return flashsink_bwd_preprocess_fast
 
 
-def _build_preprocess_strict(cfg: KernelConfig, branch: bool = False, lpt: bool = False):
+def _build_preprocess_strict(cfg: KernelConfig, branch: bool, lpt: bool, t):
     """Delta = rowsum(P * dP) (= rowsum(dO * O) exactly), and the sink gradient.
 
     Query-stationary like the forward: each program recomputes P and dP = dO V^T for its
@@ -189,9 +189,9 @@ def _build_preprocess_strict(cfg: KernelConfig, branch: bool = False, lpt: bool 
     visible to the query tile (``block_range.full_kv_blocks_for_rows``), as the forward's ``"branch"``
     does. ``lpt`` (``config.pre_lpt``: Hopper, padded layouts): the causal query tiles with the most keys
     first, from the grid's layout (heads along x, query tiles along y, counted from the last), as the
-    strict main backward's ``swap``. Both leave Delta bitwise the same (measured on the H200).
+    strict main backward's ``swap``. Both leave Delta bitwise the same (measured on the H200). ``t``:
+    the tiles (``config.pre_tiles``: ``block_m`` query rows stationary, ``block_n`` keys streaming).
     """
-    t = pre_tiles(cfg)
     bm, bn = t.block_m, t.block_n
     dim, dim_v, groups, layout = cfg.head_dim, cfg.head_dim_v, cfg.groups, cfg.layout
     dtype, accum = cfg.dtype, "float32"
