@@ -171,3 +171,45 @@ def test_the_forward_kind_follows_window_and_scale(window, scale, want):
     assert _fwd_kind(_cfg(d=64), window, scale) == want
     assert _fwd_kind(_cfg(d=128), window, scale) == want.replace("fwd_window", "fwd")
     assert _fwd_kind(_cfg(d=64, arch="sm_80"), window, scale) == "fwd"  # sm_80: one forward, unfolded
+
+
+def test_exp2_fma_option_builds_and_leaves_the_default_alone():
+    """``build_fwd_ws(fma_every=k)`` (tools/fwd_variants.py's "ws/fold/fma8", not a default until
+    measured): one column group of 8 in every k takes ``softmax.exp2_fma``; the default kernel (k = 0)
+    has no polynomial; the launch is the same."""
+    from flashsink.ops.compile import build_prim_func
+    from flashsink.ops.fwd_ws import build_fwd_ws
+    from flashsink.ops.softmax import _EXP2_POLY
+
+    cfg = _cfg(d=64)
+    lib = build_prim_func("fwd", cfg)
+    fma = build_fwd_ws(cfg, Tiles(192, 128, 384, 2), fold=True, fma_every=8)
+    assert _params(fma) == _params(lib) and _dtypes(fma) == _dtypes(lib)
+    coeff = repr(float(_EXP2_POLY[-1]))[:8]
+    assert coeff in fma.script() and coeff not in lib.script() and "reinterpret" in fma.script()
+    assert build_fwd_ws(cfg, Tiles(192, 128, 384, 2), fold=True, fma_every=0).script() == lib.script()
+
+
+def test_exp2_fma_arithmetic():
+    """``softmax.exp2_fma``'s arithmetic, evaluated step by step in float32 with numpy (the kernel's
+    expression in the same order): within 3e-6 of 2**x over the softmax's range, exactly 1 at 0, 0
+    below -126 and at -inf, NaN for NaN. (The kernel itself is checked on the GPU by
+    tools/fwd_variants.py against the MUFU kernel.)"""
+    import numpy as np
+
+    from flashsink.ops.softmax import _EXP2_POLY, _ROUNDER
+
+    x = np.concatenate([np.linspace(-130, 1, 400_001), [-np.inf, np.nan, 0.0]]).astype(np.float32)
+    r = np.float32(_ROUNDER)
+    with np.errstate(invalid="ignore", over="ignore"):
+        t = (x + r).astype(np.float32)
+        f = (x - (t.view(np.int32).view(np.float32) - r)).astype(np.float32)
+        p = np.float32(_EXP2_POLY[-1])
+        for c in reversed(_EXP2_POLY[:-1]):
+            p = (p * f + np.float32(c)).astype(np.float32)
+        bits = (p.view(np.int32).astype(np.int64) + (t.view(np.int32).astype(np.int64) << 23)) & 0xFFFFFFFF
+        y = bits.astype(np.uint32).view(np.float32)
+        y = np.where(x >= -126, y, np.where(x < -126, np.float32(0), x))
+    body = (x >= -125) & np.isfinite(x)
+    assert np.abs(y[body] / np.exp2(x[body].astype(np.float64)) - 1).max() < 3e-6
+    assert y[-1] == 1.0 and y[-3] == 0.0 and np.isnan(y[-2]) and np.all(y[x < -126] == 0)

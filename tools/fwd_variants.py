@@ -48,6 +48,9 @@ def _variants(d: int) -> list:
             for o in ("np", "nopp", "fold")]
     if d <= 64:  # the fold with D64's own 192-row tiles (config.fwd_tiles)
         out.append(("ws/fold 192x128/s2", (192, 128, 384, 2), "branch", False, "fold"))
+    # the fold with one column group in every 8 / 4 of exponentials on the FMA pipe (softmax.exp2_fma)
+    own = (192, 128, 384, 2) if d <= 64 else (128, 128, 256, 2)
+    out += [(f"ws/fold/fma{k} " + "x".join(map(str, own[:2])) + "/s2", own, "branch", False, f"fma{k}") for k in (8, 4)]
     return out
 
 
@@ -60,11 +63,12 @@ def _func(job):
     cfg = _cfg(dtype, d, "fast")
     if tiles is None and mask == "select" and not fold and not ws:
         return build_prim_func("fwd", cfg)  # the library's kernel
-    if ws in ("np", "nopp", "fold"):
+    if ws in ("np", "nopp", "fold", "fma8", "fma4"):
         from flashsink.ops.fwd_ws import PERSISTENT_CTAS, build_fwd_ws
 
+        fma = int(ws[3:]) if ws.startswith("fma") else 0
         return build_fwd_ws(cfg, Tiles(*tiles), ctas=None if ws == "np" else PERSISTENT_CTAS, pingpong=ws != "nopp",
-                            fold=ws == "fold")
+                            fold=ws == "fold" or fma > 0, fma_every=fma)
     return build_fwd(cfg, tiles=Tiles(*tiles) if tiles else None, mask=None if ws else mask, fold_scale=fold, ws=ws)
 
 

@@ -54,7 +54,7 @@ def consumer_regs(n_consumers: int) -> int:
 
 
 def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS, pingpong: bool = True,
-                 fold: bool = False):
+                 fold: bool = False, fma_every: int = 0):
     """The warp-specialized forward for tiles ``t``: ``t.block_m`` a multiple of 64 (one consumer
     warpgroup per 64 rows, ``t.threads`` their threads, ``block_m * 2``; the kernel runs 128 more,
     the producer's), ``t.stages`` ring slots for K and V.
@@ -68,7 +68,12 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
     scheduler barriers), so one's softmax runs while the other's GEMMs have the tensor cores.
 
     ``fold``: the scale folded into the exponent's FMA (``softmax.update``'s ``scale_log2``; needs a
-    positive scale: ``config.fwd_fold``, and the kind ``fwd_unfolded`` for the others)."""
+    positive scale: ``config.fwd_fold``, and the kind ``fwd_unfolded`` for the others).
+
+    ``fma_every`` (an option for tools/fwd_variants.py until measured): one column group of 8 in every
+    ``fma_every`` takes its exponentials on the FMA pipe (``softmax.exp2_fma``), the others on the MUFU:
+    at head dim 64 a tile's 8192 exponentials per consumer take the MUFU (16 per cycle per SM) about as
+    long as its products take the tensor cores."""
     if not cfg.hopper or t.block_m % ROWS_PER_CONSUMER or t.stages < 1:
         raise NotImplementedError(f"the warp-specialized forward supports Hopper (sm_90a) and query tiles of a "
                                   f"multiple of {ROWS_PER_CONSUMER} rows; got {cfg.short()}, {t}")
@@ -178,7 +183,7 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
                         branch_logits(acc_s, row0, lo * bn, sq, sk, window, scale_log2, fold, (flo, fhi), lo,
                                       cfg.causal)
                         softmax.new_max(acc_s, m, m_prev, alpha, row_sum, bm, scale_log2 if fold else None)
-                        softmax.exp_sum(acc_s, m, alpha, row_sum, l, bm, bn, scale_log2 if fold else None)
+                        softmax.exp_sum(acc_s, m, alpha, row_sum, l, bm, bn, scale_log2 if fold else None, fma_every)
                         T.copy(acc_s, p)
                     for it in T.serial(1, T.max(n, 1)):
                         c = kv_done + it
@@ -199,7 +204,7 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
                         branch_logits(acc_s, row0, kb * bn, sq, sk, window, scale_log2, fold, (flo, fhi), kb,
                                       cfg.causal)
                         softmax.new_max(acc_s, m, m_prev, alpha, row_sum, bm, scale_log2 if fold else None)
-                        softmax.exp_sum(acc_s, m, alpha, row_sum, l, bm, bn, scale_log2 if fold else None)
+                        softmax.exp_sum(acc_s, m, alpha, row_sum, l, bm, bn, scale_log2 if fold else None, fma_every)
                         T.wait_wgmma(0)
                         T.barrier_arrive(v_empty[sp])
                         softmax.rescale(acc_o, alpha, bm, dim_v)
