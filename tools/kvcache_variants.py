@@ -56,7 +56,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", default="4096,16384,65536")
     ap.add_argument("--page-size", type=int, default=256)
+    ap.add_argument("--splits-x", default="1,2,4",
+                    help="key splits per row as multiples of ops/kvcache.n_splits_for's (about two waves of "
+                         "programs; a latency-bound gather may want more programs in flight)")
     args = ap.parse_args()
+    multiples = [int(x) for x in args.splits_x.split(",")]
 
     import torch
     from triton.testing import do_bench
@@ -72,12 +76,13 @@ def main() -> int:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     scale = LOG2E / math.sqrt(D)
     failed = False
-    print(f"{'cache':>8} {'variant':<10} {'ms':>8} {'GB/s':>7} {'x dflt':>7}  check")
+    print(f"{'cache':>8} {'variant':<14} {'ms':>8} {'GB/s':>7} {'x dflt':>7}  check")
     for n in [int(x) for x in args.lengths.split(",")]:
         for odd in (True, False):
             q, k, v, table, lengths = _problem(n, args.page_size, seed=n + odd, odd=odd)
             spec = validate_kvcache(q, k, v, lengths, table, None, window=None, scale=None, return_lse=False)
-            splits = n_splits_for(spec, split_tiles(cfg), sms)
+            base_splits = n_splits_for(spec, split_tiles(cfg), sms)
+            splits = base_splits
 
             def run(kern, out=None):
                 """The kernel's partials, into ``out`` (timing) or fresh NaN-poisoned buffers."""
@@ -89,6 +94,7 @@ def main() -> int:
             want = run(kernels["default*"])
             rows = []
             for name, kern in kernels.items():
+                splits = base_splits
                 got = run(kern)
                 same = all(torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)) and torch.equal(a.isnan(), b.isnan())
                            for a, b in zip(got, want))
@@ -97,14 +103,17 @@ def main() -> int:
                     print(f"{n:>8} {name:<10} {'-':>8} {'-':>7} {'-':>7}  {'bitwise equal' if same else 'DIFFERS'} "
                           f"(odd lengths, a NaN row, a bad page)")
                     continue
-                ms = do_bench(lambda: run(kern, got), warmup=25, rep=200)
-                rows.append((name, ms))
+                for x in multiples:  # the partials of other split counts differ (other sums): timed only
+                    splits = base_splits * x
+                    out = run(kern)
+                    ms = do_bench(lambda: run(kern, out), warmup=25, rep=200)
+                    rows.append((f"{name} x{x}" if x != 1 else name, ms, splits))
             if odd:
                 continue
             nbytes = 2 * B * n * HK * D * 2  # K and V read once
-            base = dict(rows)["default*"]
-            for name, ms in rows:
-                print(f"{n:>8} {name:<10} {ms:8.4f} {nbytes / ms / 1e6:7.0f} {base / ms:7.2f}")
+            base = rows[0][1]
+            for name, ms, sp in rows:
+                print(f"{n:>8} {name:<14} {ms:8.4f} {nbytes / ms / 1e6:7.0f} {base / ms:7.2f}  ({sp} splits)")
             whole = do_bench(lambda: flashsink.attention_kvcache(q, k, v, lengths, block_table=table), warmup=25, rep=200)
             print(f"{n:>8} {'api call':<10} {whole:8.4f} {nbytes / whole / 1e6:7.0f}        (attention_kvcache, default)")
     print("FAIL: a variant's partials differ" if failed else "all variants agree")
