@@ -113,7 +113,8 @@ def test_strict_preprocess_branches_and_goes_longest_first_on_hopper():
 
     strict = _cfg(precision="strict")
     assert pre_branch(strict) and pre_lpt(strict)
-    assert pre_branch(_cfg("float16", 64, "thd", precision="strict")) and not pre_lpt(_cfg(layout="thd", precision="strict"))
+    thd16 = _cfg("float16", 64, "thd", precision="strict")
+    assert pre_branch(thd16) and not pre_lpt(thd16)
     assert not pre_branch(_cfg(precision="strict", arch="sm_80")) and not pre_branch(_cfg())
     lib = build_prim_func("preprocess", strict).script()
     assert lib == bwd.build_preprocess(strict, branch=True, lpt=True).script()

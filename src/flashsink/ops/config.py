@@ -242,9 +242,10 @@ def fwd_window_tiles(cfg: KernelConfig) -> Tiles:
     return fwd_tiles(cfg)
 
 
+@functools.lru_cache(maxsize=None)
 def fwd_windowed(cfg: KernelConfig) -> bool:
     """Whether a windowed call (window <= WINDOW_TILES_MAX) launches ``fwd_window``: where its tiles
-    differ from the forward's."""
+    differ from the forward's. (Cached: asked on every windowed call.)"""
     return fwd_window_tiles(cfg) != fwd_tiles(cfg)
 
 

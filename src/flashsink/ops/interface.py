@@ -148,7 +148,8 @@ def _forward(q, k, v, sinks32, cfg, spec, window, cu_seqlens=None):
     o = torch.empty((*q.shape[:-1], cfg.head_dim_v), dtype=q.dtype, device=q.device)
     lse = torch.empty(_stat_shape(spec, q, cu_seqlens), dtype=torch.float32, device=q.device)
     scale = float(spec.scale)
-    get_kernel(_fwd_kind(cfg, window, scale), cfg)(q, k, v, sinks32, *_seq_args(cu_seqlens, spec.seq_q), window, scale * LOG2E, o, lse)
+    kernel = get_kernel(_fwd_kind(cfg, window, scale), cfg)
+    kernel(q, k, v, sinks32, *_seq_args(cu_seqlens, spec.seq_q), window, scale * LOG2E, o, lse)
     return o, lse
 
 
