@@ -3,7 +3,8 @@
 # forward and main backward, in one device call:
 #   source .gpu/setup.sh && bash tools/gpu_perf.sh
 # BWD_VARIANTS / FWD_VARIANTS: the --variants of tools/bwd_variants.py / tools/fwd_variants.py
-# (empty: that tool is skipped); BWD_PROBLEMS / FWD_PROBLEMS their --problems; JOBS compile
+# (empty: that tool is skipped); BWD_PROBLEMS / FWD_PROBLEMS their --problems; KVCACHE=1 also runs
+# tools/kvcache_variants.py (attention_kvcache's kernel variants, kvcache.txt); JOBS compile
 # processes (default 8, so that a suite precompile can run beside it). Outputs go to $OUT (or
 # ./gpu-out): bwd_variants.txt, fwd_variants.txt, ncu.txt, perf-summary.txt, and perf-logs.tgz (the
 # JSONs and stderr; the device tool brings back at most 8 files).
@@ -30,6 +31,11 @@ if [ -n "$fw" ]; then
     --variants "$fw" --json "$work/fwd_variants.json" > "$dest/fwd_variants.txt" 2> "$work/fwd_variants.err"
   fr=$?
 fi
+kr=skipped
+if [ -n "${KVCACHE:-}" ]; then
+  timeout "$(left)" python tools/kvcache_variants.py > "$dest/kvcache.txt" 2> "$work/kvcache.err"
+  kr=$?
+fi
 if [ -n "${NCU:-}" ] && command -v ncu >/dev/null; then
   # one eager fwd+bwd of causal bf16 D64 N8192 H64/8 after a warm-up; the forward and the main
   # backward profiled once each (speed of light, warp stalls, tensor-core and issue utilization)
@@ -39,8 +45,9 @@ if [ -n "${NCU:-}" ] && command -v ncu >/dev/null; then
   nr=$?
 fi
 {
-  echo "==== gpu_perf (${FLASHSINK_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}, ${SECONDS}s): bwd rc=$br fwd rc=$fr ncu rc=$nr"
+  echo "==== gpu_perf (${FLASHSINK_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}, ${SECONDS}s): bwd rc=$br fwd rc=$fr kvcache rc=$kr ncu rc=$nr"
   [ -f "$dest/bwd_variants.txt" ] && grep -E "^==|main |bwd total|TFLOP|bitwise|WRONG|FAIL|preprocess|pre/" "$dest/bwd_variants.txt"
   [ -f "$dest/fwd_variants.txt" ] && tail -n 30 "$dest/fwd_variants.txt"
+  [ -f "$dest/kvcache.txt" ] && cat "$dest/kvcache.txt"
 } | tee "$dest/perf-summary.txt"
 tar -czf "$dest/perf-logs.tgz" -C "$work" .
