@@ -46,8 +46,9 @@ def _variants(d: int) -> list:
     # folded into the exponent's FMA
     out += [(f"ws/{o} " + "x".join(map(str, t[:2])) + f"/s{t[3]}", t, "branch", False, o) for t in ws[:1]
             for o in ("np", "nopp", "fold")]
-    if d <= 64:  # the fold with D64's own 192-row tiles (config.fwd_tiles)
+    if d <= 64:  # the fold with D64's own 192-row tiles (config.fwd_tiles), and with a third K/V ring slot
         out.append(("ws/fold 192x128/s2", (192, 128, 384, 2), "branch", False, "fold"))
+        out.append(("ws/fold 192x128/s3", (192, 128, 384, 3), "branch", False, "fold"))
     # the fold with one column group in every 8 / 4 of exponentials on the FMA pipe (softmax.exp2_fma)
     own = (192, 128, 384, 2) if d <= 64 else (128, 128, 256, 2)
     out += [(f"ws/fold/fma{k} " + "x".join(map(str, own[:2])) + "/s2", own, "branch", False, f"fma{k}") for k in (8, 4)]
