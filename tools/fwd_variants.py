@@ -49,6 +49,9 @@ def _variants(d: int) -> list:
     if d <= 64:  # the fold with D64's own 192-row tiles (config.fwd_tiles), and with a third K/V ring slot
         out.append(("ws/fold 192x128/s2", (192, 128, 384, 2), "branch", False, "fold"))
         out.append(("ws/fold 192x128/s3", (192, 128, 384, 3), "branch", False, "fold"))
+    # the fold with 64-key tiles: a narrow window's query tile computes fewer masked logits (a 128-row
+    # tile under W=128 sees 255 keys: 2-3 tiles of 128, 4-5 of 64)
+    out += [(f"ws/fold 128x64/s{st}", (128, 64, 256, st), "branch", False, "fold") for st in (2, 3)]
     # the fold with one column group in every 8 / 4 of exponentials on the FMA pipe (softmax.exp2_fma)
     own = (192, 128, 384, 2) if d <= 64 else (128, 128, 256, 2)
     out += [(f"ws/fold/fma{k} " + "x".join(map(str, own[:2])) + "/s2", own, "branch", False, f"fma{k}") for k in (8, 4)]
