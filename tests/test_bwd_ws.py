@@ -50,7 +50,6 @@ def test_ws_builds_with_the_default_signature(dtype, d, layout, deterministic, t
 
 
 @pytest.mark.parametrize("cfg,tiles", [
-    (_cfg(precision="strict"), None),
     (_cfg(arch="sm_80"), None),
     (_cfg(), Tiles(64, 128, 128, 2)),
 ])
@@ -129,3 +128,20 @@ def test_strict_preprocess_branches_and_goes_longest_first_on_hopper():
     assert bwd.build_preprocess(strict, tiles=pre_tiles(strict)).script() == lib
     with pytest.raises(ValueError, match="strict preprocess"):
         bwd.build_preprocess(_cfg(), tiles=Tiles(64, 128, 256, 2))
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_ws_strict_option_has_two_term_products(d):
+    """``build_bwd(ws=True)`` with precision="strict" (tools/bwd_variants.py's "ws strict", not strict's
+    default until measured): the launch of strict's default kernel, its P^T and dS^T split into hi + lo
+    (split.py), so three products more per tile than the fast kernel (dV, dK, dQ each twice)."""
+    from flashsink.ops.compile import build_prim_func
+
+    strict, fast = _cfg(d=d, precision="strict"), _cfg(d=d)
+    t = Tiles(64, 128, 256, 2)
+    func = bwd.build_bwd(strict, tiles=t, ws=True, dq_first=False)
+    default = build_prim_func("bwd", strict)
+    assert _params(func) == _params(default) and _dtypes(func) == _dtypes(default)
+    text, fast_text = func.script(), bwd.build_bwd(fast, tiles=t, ws=True, dq_first=False).script()
+    assert text.count("wgmma_gemm") == fast_text.count("wgmma_gemm") + 3
+    assert "set_max_nreg" not in default.script()  # strict's default stays TileLang's kernel

@@ -91,7 +91,12 @@ def _variants(d: int, only: str = "") -> list:
             # the default's swap+branch with other stages and tiles
             ("strict 64x128/s1/swap+branch", (64, 128, 256, 1), (None, None, 1, False, True, "strict", True, True)),
             ("strict 64x128/s3/swap+branch", t3, (None, None, 1, False, True, "strict", True, True)),
-            ("strict 32x128/s2/swap+branch", (32, 128, 256, 2), (None, None, 1, False, True, "strict", True, True))]
+            ("strict 32x128/s2/swap+branch", (32, 128, 256, 2), (None, None, 1, False, True, "strict", True, True)),
+            # the hand warp-specialized kernel with strict's two-term products (8 wgmma per tile; a third
+            # ring slot only at D64: at D128 the two-term dS^T's shared tiles leave no room for it)
+            ("ws strict 64x128/s2", t, (None, None, 1, True, True, "strict", True, False, False))]
+    if d <= 64:
+        out += [("ws strict 64x128/s3", t3, (None, None, 1, True, True, "strict", True, False, False))]
     return _chosen(out, only)
 
 

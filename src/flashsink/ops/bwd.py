@@ -293,9 +293,10 @@ def build_bwd(cfg: KernelConfig, tiles=None, dq_bulk=None, overlap=None, split=N
     fp32 accumulators (``[.., rows_pad_kv, D]``, zeroed by the host) that the postprocess casts,
     as it does for dQ: not bitwise reproducible, so deterministic configurations keep 1.
 
-    ``ws`` (``bwd_ws(cfg)``): the hand warp-specialized Hopper kernel of ``bwd_ws.py`` (fast precision; its
-    dQ is always the producer's bulk reduce-add and its S^T/dP^T always overlap, so ``dq_bulk``
-    and ``overlap`` do not apply).
+    ``ws`` (``bwd_ws(cfg)``): the hand warp-specialized Hopper kernel of ``bwd_ws.py`` (fast precision's
+    default; ``ws=True`` with strict gives its two-term products, an option until measured; its dQ is
+    always the producer's bulk reduce-add and its S^T/dP^T always overlap, so ``dq_bulk`` and
+    ``overlap`` do not apply).
 
     ``lpt`` (ws only): KV tiles issued longest first (``schedule.by_work``); False, the launch order.
     ``swap`` (``config.bwd_swap(cfg, ws)``; TileLang's kernel, padded layouts): the same order from the

@@ -1,6 +1,9 @@
 """The fast main backward, warp-specialized by hand for Hopper (FlashAttention-3's layout).
 
-Same gradients, grid and arguments as ``bwd.build_bwd`` (fast precision), different schedule.
+Same gradients, grid and arguments as ``bwd.build_bwd`` (fast precision), different schedule. With
+``precision="strict"`` (an option for tools/bwd_variants.py, "ws strict ...", until measured; strict's
+default is TileLang's kernel) its P and dS products are two-term, ``hi + lo`` (``split.py``): eight
+wgmma per tile instead of five.
 384 threads in three warpgroups:
 
 - the **producer** (warpgroup 2, 24 registers) loads each query tile's Q, dO, lse and Delta by
@@ -25,6 +28,7 @@ from .layout import acc_tile, prologue_load, sequence, stat_tile, store_rows, ti
 from .schedule import by_work, locate
 from .mask import branch_tile, in_blocks, select_visible
 from .softmax import LOG2E
+from .split import split as two_terms
 
 #: registers per thread of the producer and of the consumer warpgroups (setmaxnreg), as
 #: TileLang's automatic warp specialization and FlashAttention-3 choose: 24 * 128 + 240 * 256
@@ -49,9 +53,10 @@ def build_bwd_ws(cfg: KernelConfig, t, split: int, lpt: bool = True, branch: boo
     forward's ``"branch"``; False, on every tile (tools/bwd_variants.py times both). ``dq_first``: each
     tile's dQ product issued before its dK product, and dQ handed to the producer while dK's runs
     (FlashAttention-3's order; ``config.bwd_dq_first``: head dim 64, with 128-row tiles)."""
-    if not cfg.hopper or cfg.precision != "fast" or t.threads != CONSUMER_THREADS or t.stages < 1:
-        raise NotImplementedError(f"the warp-specialized main backward supports Hopper (sm_90a), precision='fast' "
+    if not cfg.hopper or t.threads != CONSUMER_THREADS or t.stages < 1:
+        raise NotImplementedError(f"the warp-specialized main backward supports Hopper (sm_90a) "
                                   f"and {CONSUMER_THREADS} consumer threads; got {cfg.short()}, {t}")
+    fast = cfg.precision == "fast"
     per_prog = cfg.groups // split
     stages = t.stages
     bm, bn = t.block_m, t.block_n
@@ -78,9 +83,27 @@ def build_bwd_ws(cfg: KernelConfig, t, split: int, lpt: bool = True, branch: boo
                 row0 + j, key0 + i, sq, sk, window, cfg.causal, masked)
 
     @T.macro
-    def dq_product(ds_s, k_s, dq, it):
-        """dQ = dS K for tile ``it`` (dS^T from both consumers, in shared memory)."""
+    def dq_product(ds_s, ds_lo_s, k_s, dq, it):
+        """dQ = dS K for tile ``it`` (dS^T from both consumers, in shared memory; strict: hi + lo)."""
         T.wgmma_gemm(ds_s[it % 2, :, :], k_s, dq, transpose_A=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+        if not fast:
+            T.wgmma_gemm(ds_lo_s[it % 2, :, :], k_s, dq, transpose_A=True, policy=T.GemmWarpPolicy.FullRow)
+
+    @T.macro
+    def rounded(x, hi, lo):
+        """``x`` as a tensor-core operand: rounded once (fast), or split into ``hi + lo`` (strict)."""
+        if fast:
+            T.copy(x, hi)
+        else:
+            two_terms(x, hi, lo, bn, bm)
+
+    @T.macro
+    def product(hi, lo, b_s, acc):
+        """``acc += A @ b_s`` (asynchronous) for the rounded ``A`` of :func:`rounded`: one wgmma, or (strict)
+        two, its hi and its lo term."""
+        T.wgmma_gemm(hi, b_s, acc, policy=T.GemmWarpPolicy.FullRow)
+        if not fast:
+            T.wgmma_gemm(lo, b_s, acc, policy=T.GemmWarpPolicy.FullRow)
 
     @T.macro
     def hand_dq(dq, dq_s, dq_full, dq_empty, it):
@@ -111,6 +134,9 @@ def build_bwd_ws(cfg: KernelConfig, t, split: int, lpt: bool = True, branch: boo
             dpT = T.alloc_fragment([bn, bm], accum)
             p_h = T.alloc_fragment([bn, bm], dtype)  # P^T rounded: dV's A operand (registers)
             ds_h = T.alloc_fragment([bn, bm], dtype)  # dS^T rounded: dK's A operand
+            # strict: the lo terms of the two-term products (split.py)
+            p_l = None if fast else T.alloc_fragment([bn, bm], dtype)
+            ds_l = None if fast else T.alloc_fragment([bn, bm], dtype)
             dk = T.alloc_fragment([bn, dim], accum)
             dv = T.alloc_fragment([bn, dim_v], accum)
             full = T.alloc_barrier(arrive_count=[128] * stages)  # slot loaded (producer + TMA bytes)
@@ -119,6 +145,7 @@ def build_bwd_ws(cfg: KernelConfig, t, split: int, lpt: bool = True, branch: boo
                 # dS^T of two consecutive tiles: a consumer writes tile it+1's while the other may
                 # still read tile it's in its dQ product
                 ds_s = T.alloc_shared([2, bn, bm], dtype)
+                ds_lo_s = None if fast else T.alloc_shared([2, bn, bm], dtype)
                 dq = T.alloc_fragment([bm, dim], accum)
                 dq_s = T.alloc_shared([bm, dim], accum)
                 dq_full = T.alloc_barrier(arrive_count=CONSUMER_THREADS)  # dq_s written
@@ -189,15 +216,17 @@ def build_bwd_ws(cfg: KernelConfig, t, split: int, lpt: bool = True, branch: boo
                                 pT, LSE, lse_r, s, head, q_base, row0, key0, sq, sk, window, scale_log2)
                     T.wait_wgmma(0)
                     # dV += P^T dO, running while dS^T is computed
-                    T.copy(pT, p_h)
-                    T.wgmma_gemm(p_h, do_r[s, :, :], dv, policy=T.GemmWarpPolicy.FullRow)
+                    rounded(pT, p_h, p_l)
+                    product(p_h, p_l, do_r[s, :, :], dv)
                     # dS^T, selected (not multiplied): a masked slot adds an exact 0 (bwd.py)
                     branch_tile(dscores_t, in_blocks(lo_blk + it % n_rows, (full_lo, full_hi)) if branch else None,
                                 pT, dpT, Delta, delta_r, s, head, q_base, row0, key0, sq, sk, window, scale)
-                    T.copy(pT, ds_h)
+                    rounded(pT, ds_h, ds_l)
                     if with_dq:
                         # dS^T to shared memory for dQ = dS K, which needs both consumers' keys
                         T.copy(ds_h, ds_s[it % 2, :, :])
+                        if not fast:
+                            T.copy(ds_l, ds_lo_s[it % 2, :, :])
                         T.fence_proxy_async()
                         # the one meeting of the consumers per tile; it also orders this tile's
                         # write of ds_s[it % 2] after the other's read of it two tiles ago
@@ -205,13 +234,13 @@ def build_bwd_ws(cfg: KernelConfig, t, split: int, lpt: bool = True, branch: boo
                     # dK += dS^T Q and dQ = dS K; dq_first: dQ's product first, handed off while dK's runs
                     early = dq_first and with_dq
                     if early:
-                        dq_product(ds_s, k_s, dq, it)
-                    T.wgmma_gemm(ds_h, q_r[s, :, :], dk, policy=T.GemmWarpPolicy.FullRow)
+                        dq_product(ds_s, ds_lo_s, k_s, dq, it)
+                    product(ds_h, ds_l, q_r[s, :, :], dk)
                     if early:
-                        T.wait_wgmma(1)
+                        T.wait_wgmma(1 if fast else 2)  # all but dK's product(s)
                         hand_dq(dq, dq_s, dq_full, dq_empty, it)
                     elif with_dq:
-                        dq_product(ds_s, k_s, dq, it)
+                        dq_product(ds_s, ds_lo_s, k_s, dq, it)
                     T.wait_wgmma(0)
                     T.barrier_arrive(empty[s])  # Q, dO, lse, Delta of this slot read
                     if with_dq and not early:
