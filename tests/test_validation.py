@@ -379,3 +379,32 @@ def test_attention_varlen_on_meta_tensors():
     assert o.shape == (12, 4, 16) and o.device.type == "meta" and lse.shape == (4, 12)
     o = flashsink.attention(*(t.to("meta") for t in _small()))
     assert o.shape == (1, 2, 8, 16)
+
+
+def test_validation_memo_returns_the_checked_spec_and_still_refuses():
+    """validate_attention remembers the spec of arguments it has checked (by types, shapes, dtypes,
+    devices and the options' values and types: the checks read nothing else), so a repeated call costs
+    a lookup; any argument that changes what a check reads is checked again, and refused if it fails."""
+    from flashsink import _validate
+
+    q, k, v = torch.randn(1, 4, 16, 8), torch.randn(1, 2, 16, 8), torch.randn(1, 2, 16, 8)
+    sinks = torch.randn(4)
+    kw = dict(window=4, causal=True, scale=None, layout="bhsd")
+    spec = validate_attention(q, k, v, sinks, **kw)
+    assert validate_attention(q.clone(), k, v, sinks, **kw) is spec  # other tensors, same facts
+    assert validate_attention(q, k, v, sinks, **{**kw, "window": 5}).window == 5
+    assert validate_attention(q, k, v, None, **kw).has_sinks is False
+    assert validate_attention(q, k, v, sinks, **{**kw, "scale": 1}).scale == 1.0
+    with pytest.raises(ValueError, match="dtype"):
+        validate_attention(q, k.double(), v, sinks, **kw)
+    with pytest.raises(ValueError, match="sinks"):
+        validate_attention(q, k, v, torch.randn(3), **kw)
+    with pytest.raises(TypeError, match="window"):
+        validate_attention(q, k, v, sinks, **{**kw, "window": True})
+    with pytest.raises(ValueError, match="batch"):
+        validate_attention(q, k[:, :, :15].expand(2, 2, 15, 8), v, sinks, **kw)
+    # a tensor scale is not a key (its value could change): checked, and refused, every call
+    with pytest.raises(TypeError):
+        validate_attention(q, k, v, sinks, **{**kw, "scale": torch.tensor(0.1)})
+    assert _validate._spec_key(q, k, v, sinks, 4, True, torch.tensor(0.1), "bhsd") is None
+    assert _validate._spec_key([1], k, v, sinks, 4, True, None, "bhsd") is None
