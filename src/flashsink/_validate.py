@@ -230,7 +230,10 @@ def validate_attention(q, k, v, sinks, *, window, causal, scale, layout) -> Attn
     Layout ``"bshd"``: q ``[B, S_q, H, D]``, k ``[B, S_kv, H_kv, D]``, v ``[B, S_kv, H_kv, D_v]``.
     """
     key = None if _tracing() else _spec_key(q, k, v, sinks, window, causal, scale, layout)
-    spec = None if key is None else _SPECS.get(key)
+    try:
+        spec = None if key is None else _SPECS.get(key)
+    except TypeError:  # symbolic shapes (the ops' fake implementations, outside a dynamo trace): not keys
+        key = spec = None
     if spec is None:
         spec = _validate_attention(q, k, v, sinks, window=window, causal=causal, scale=scale, layout=layout)
         if key is not None:
