@@ -24,13 +24,11 @@ B, H, HK, D = 8, 64, 8, 64
 
 
 def _compile(cfg, opts):
-    import tilelang
+    from bwd_variants import _load  # tools/: the variant tools' one compile call (sm_90a)
 
-    from flashsink.ops.compile import pass_configs
     from flashsink.ops.fwd_kvcache import build_fwd_kvcache
 
-    return tilelang.compile(build_fwd_kvcache(cfg, **opts), target=cfg.target(), execution_backend="tvm_ffi",
-                            pass_configs=pass_configs())
+    return _load(opts, lambda o: build_fwd_kvcache(cfg, **o))
 
 
 def _problem(n, page_size, seed, odd=False):

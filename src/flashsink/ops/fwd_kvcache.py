@@ -90,7 +90,7 @@ def build_fwd_kvcache(cfg: KernelConfig, table: bool = False):
             pg_s[r] = T.if_then_else(
                 key0 + r < seq_kv,
                 T.if_then_else(_slot_ok(BlockTable, b, pg_s[r], max_pages, num_pages),
-                               BlockTable[b, T.min(pg_s[r], max_pages - 1)], BAD_PAGE),
+                               _slot_entry(BlockTable, b, pg_s[r], max_pages), BAD_PAGE),
                 PAST_END,
             )
 
@@ -199,20 +199,24 @@ def build_fwd_kvcache(cfg: KernelConfig, table: bool = False):
     return flashsink_fwd_kvcache
 
 
-def _entry(table, b, key, page_size, max_pages):
-    """The block-table entry of ``key`` (the index clamped into the table, for keys past the end)."""
-    return table[b, T.min(T.truncdiv(key, page_size), max_pages - 1)]
+def _slot_entry(table, b, slot, max_pages):
+    """Block-table slot ``slot`` of batch row ``b`` (the index clamped into the table, for keys past the end)."""
+    return table[b, T.min(slot, max_pages - 1)]
 
 
 def _slot_ok(table, b, slot, max_pages, num_pages):
     """Whether block-table slot ``slot`` (clamped into the table) holds a page of the cache."""
-    e = table[b, T.min(slot, max_pages - 1)]
+    e = _slot_entry(table, b, slot, max_pages)
     return (e >= 0) & (e < num_pages)
+
+
+def _entry(table, b, key, page_size, max_pages):
+    """The block-table entry of ``key``."""
+    return _slot_entry(table, b, T.truncdiv(key, page_size), max_pages)
 
 
 def _page_ok(table, b, key, page_size, max_pages, num_pages):
-    e = _entry(table, b, key, page_size, max_pages)
-    return (e >= 0) & (e < num_pages)
+    return _slot_ok(table, b, T.truncdiv(key, page_size), max_pages, num_pages)
 
 
 def _page(table, b, key, page_size, max_pages, num_pages):

@@ -100,7 +100,6 @@ def by_work(p, n_tiles, heads, longest_last: bool, lpt: bool = True):
     return (n_tiles - 1 - t if longest_last else t), p % heads
 
 
-
 def grid_dims(n_tiles, heads, on: bool):
     """The first two extents of a grid over (tile, head) whose programs :func:`grid_coords` places:
     ``on``, heads along x and tiles along y; off, the launch order (tiles along x). For TileLang's

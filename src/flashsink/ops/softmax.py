@@ -100,6 +100,11 @@ def exp2_fma(x):
     return T.if_then_else(x >= -126.0, y, T.if_then_else(x < -126.0, T.float32(0), x))
 
 
+def _exponent(s, m_i, scale_log2):
+    """``x - m`` in base 2 for a logit ``s``: pre-scaled, or (``scale_log2``) scaled in the same FMA."""
+    return s - m_i if scale_log2 is None else s * scale_log2 - m_i
+
+
 @T.macro
 def exp_sum(acc_s, m, alpha, row_sum, l, block_m: int, block_n: int, scale_log2=None, fma_every: int = 0):
     """The second half of :func:`update`: ``acc_s`` to ``exp2(x - m)`` and the normalizer ``l``.
@@ -107,13 +112,10 @@ def exp_sum(acc_s, m, alpha, row_sum, l, block_m: int, block_n: int, scale_log2=
     registers of every wgmma tile) take :func:`exp2_fma` instead of the MUFU's ``exp2``."""
     for i, j in T.Parallel(block_m, block_n):
         if fma_every:
-            acc_s[i, j] = T.if_then_else(
-                (j // 8) % fma_every == 0,
-                exp2_fma(acc_s[i, j] - m[i] if scale_log2 is None else acc_s[i, j] * scale_log2 - m[i]),
-                T.exp2(acc_s[i, j] - m[i] if scale_log2 is None else acc_s[i, j] * scale_log2 - m[i]),
-            )
+            acc_s[i, j] = T.if_then_else((j // 8) % fma_every == 0, exp2_fma(_exponent(acc_s[i, j], m[i], scale_log2)),
+                                         T.exp2(_exponent(acc_s[i, j], m[i], scale_log2)))
         else:
-            acc_s[i, j] = T.exp2(acc_s[i, j] - m[i] if scale_log2 is None else acc_s[i, j] * scale_log2 - m[i])
+            acc_s[i, j] = T.exp2(_exponent(acc_s[i, j], m[i], scale_log2))
     T.reduce_sum(acc_s, row_sum, dim=1)
     for i in T.Parallel(block_m):
         l[i] = l[i] * alpha[i] + row_sum[i]
