@@ -63,12 +63,15 @@ def test_ws_refuses_what_it_does_not_support(cfg, tiles):
     (_cfg("float16", 64, "thd"), True),
     (_cfg(deterministic=True), True),
     (_cfg(precision="strict"), False),
+    (_cfg(d=64, precision="strict"), True),
+    (_cfg("float16", 64, "thd", deterministic=True, precision="strict"), True),
+    (_cfg(d=64, precision="strict", arch="sm_80"), False),
     (_cfg(arch="sm_80"), False),
     (_cfg(d=256), False),
 ])
 def test_library_kernels_are_ws_where_config_says(cfg, want):
-    """config.bwd_ws picks the hand kernel for both main-backward kinds (Hopper, fast, D <= 128):
-    the library's bwd and bwd_split PrimFuncs are then bwd_ws.py's."""
+    """config.bwd_ws picks the hand kernel for both main-backward kinds (Hopper; fast at D <= 128,
+    strict at D64): the library's bwd and bwd_split PrimFuncs are then bwd_ws.py's."""
     from flashsink.ops.compile import build_prim_func
     from flashsink.ops.config import bwd_split, bwd_ws
 
@@ -96,8 +99,8 @@ def test_dq_first_order_and_tiles_where_config_says(d):
     assert first.script().count("T.wait_wgmma(1)") == last.script().count("T.wait_wgmma(1)") + 1
     det = _cfg(d=d, deterministic=True)
     assert bwd.build_bwd(det, dq_first=True).script() == bwd.build_bwd(det, dq_first=False).script()
-    # strict (TileLang's kernel) keeps its 64-row tiles at D64; so do packed batches and full attention
-    # (ptxas spills the 128-row kernel there)
+    # strict (the hand kernel's two-term products at D64, TileLang's kernel at D128) keeps 64-row tiles
+    # in the old order; so do packed batches and full attention (ptxas spills the 128-row kernel there)
     for other in (_cfg(d=d, precision="strict"), _cfg(d=d, layout="thd"),
                   KernelConfig("sm_90a", "bfloat16", d, d, 8, False, True, "bhsd", False, "fast")):
         assert bwd_tiles(other) == Tiles(64, 128, 256, 2) and not bwd_dq_first(other)
@@ -132,16 +135,37 @@ def test_strict_preprocess_branches_and_goes_longest_first_on_hopper():
 
 @pytest.mark.parametrize("d", [64, 128])
 def test_ws_strict_option_has_two_term_products(d):
-    """``build_bwd(ws=True)`` with precision="strict" (tools/bwd_variants.py's "ws strict", not strict's
-    default until measured): the launch of strict's default kernel, its P^T and dS^T split into hi + lo
-    (split.py), so three products more per tile than the fast kernel (dV, dK, dQ each twice)."""
+    """``build_bwd(ws=True)`` with precision="strict" (strict's default at D64, ``config.bwd_ws``; an
+    option of tools/bwd_variants.py at D128): the launch of TileLang's strict kernel, its P^T and dS^T
+    split into hi + lo (split.py), so three products more per tile than the fast kernel (dV, dK, dQ
+    each twice)."""
     from flashsink.ops.compile import build_prim_func
 
     strict, fast = _cfg(d=d, precision="strict"), _cfg(d=d)
     t = Tiles(64, 128, 256, 2)
     func = bwd.build_bwd(strict, tiles=t, ws=True, dq_first=False)
-    default = build_prim_func("bwd", strict)
-    assert _params(func) == _params(default) and _dtypes(func) == _dtypes(default)
+    pipelined = bwd.build_bwd(strict, ws=False)
+    assert _params(func) == _params(pipelined) and _dtypes(func) == _dtypes(pipelined)
     text, fast_text = func.script(), bwd.build_bwd(fast, tiles=t, ws=True, dq_first=False).script()
     assert text.count("wgmma_gemm") == fast_text.count("wgmma_gemm") + 3
-    assert "set_max_nreg" not in default.script()  # strict's default stays TileLang's kernel
+    # the library's: this kernel at D64, TileLang's at D128 (the two-term kernel measured slower there)
+    assert (build_prim_func("bwd", strict).script() == text) == (d == 64)
+    assert "set_max_nreg" not in pipelined.script()
+
+
+def test_strict_preprocess_from_an_fp32_o_option():
+    """``build_preprocess(o32=True)`` (strict; tools/bwd_variants.py's "strict pre/o32", not a default until
+    measured): the fast preprocess's memory-bound pass with O in fp32 (the forward's ``o32`` output);
+    the fast kernel's launch otherwise; it refuses the fast configuration and the P-pass options."""
+    from flashsink.ops.compile import build_prim_func
+
+    for d, layout in ((64, "bhsd"), (128, "thd")):
+        strict = _cfg(d=d, layout=layout, precision="strict")
+        fast = build_prim_func("preprocess", _cfg(d=d, layout=layout))
+        func = bwd.build_preprocess(strict, o32=True)
+        assert _params(func) == _params(fast)
+        assert _dtypes(func) == ["float32"] + _dtypes(fast)[1:] and _dtypes(fast)[0] == "bfloat16"
+    with pytest.raises(ValueError, match="o32"):
+        bwd.build_preprocess(_cfg(), o32=True)
+    with pytest.raises(ValueError, match="o32"):
+        bwd.build_preprocess(_cfg(precision="strict"), o32=True, tiles=Tiles(64, 128, 256, 2))

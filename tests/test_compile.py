@@ -102,23 +102,24 @@ def test_swapped_grid_main_backward_compiles():
     """``build_bwd(swap=True)``: TileLang's main backward with its KV tiles longest first from the grid's
     own dims (KV heads along x, tiles along y), strict D64 on sm_90a, where the index-arithmetic order
     did not compile (docs/perf.md v10); strict's default on padded layouts since v11 (``config.bwd_swap``,
-    measured on the H200), the launch order's TIR but for the grid's bindings."""
+    measured on the H200; at D64 strict runs the hand kernel since v13, so TileLang's is asked for with
+    ``ws=False``), the launch order's TIR but for the grid's bindings."""
     import tilelang
 
     from flashsink.ops.bwd import build_bwd
     from flashsink.ops.compile import pass_configs
 
     cfg = _cfg("sm_90a", "bwd", precision="strict")
-    func = build_bwd(cfg, swap=True)
+    func = build_bwd(cfg, ws=False, swap=True)
     text = func.script()
-    assert text == build_bwd(cfg).script() != build_bwd(cfg, swap=False).script()
+    assert text == build_bwd(cfg, ws=False).script() != build_bwd(cfg, ws=False, swap=False).script()
     assert 'T.thread_binding(heads // 8, thread="blockIdx.x")' in text
     assert 'T.thread_binding(n_tiles, thread="blockIdx.y")' in text
     kernel = tilelang.compile(func, target={"kind": "cuda", "arch": "sm_90a"}, execution_backend="tvm_ffi",
                               pass_configs=pass_configs())
     assert "__global__" in kernel.get_kernel_source()
     with pytest.raises(ValueError, match="padded layout"):
-        build_bwd(_cfg("sm_90a", "bwd", precision="strict", layout="thd"), swap=True)
+        build_bwd(_cfg("sm_90a", "bwd", precision="strict", layout="thd"), ws=False, swap=True)
 
 
 @pytest.mark.l1
@@ -152,19 +153,20 @@ def test_strict_preprocess_options_compile(arch, opts):
 
 @pytest.mark.l1
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
-def test_kvcache_table_option_compiles_with_the_same_launch(arch):
-    """``build_fwd_kvcache(table=True)`` (tools/kvcache_variants.py's "table", not the default until
-    measured): the key rows' pages resolved once per tile into a shared table that the K and V loads
-    read. The same parameters as the default kernel; it compiles; the default kernel has no table."""
+def test_kvcache_gathers_through_a_shared_page_table(arch):
+    """``build_fwd_kvcache`` resolves each key tile's rows to (page, row) once, into shared memory, and
+    its K/V loads index the cache through that table: no division by ``page_size`` inside a load's
+    address (the 64-bit division routines that held the per-load gather to ~300 GB/s, docs/perf.md v13)."""
+    import re
+
     import tilelang
 
     from flashsink.ops.compile import pass_configs
     from flashsink.ops.fwd_kvcache import build_fwd_kvcache
 
-    cfg = _cfg(arch, "fwd_kvcache", layout="bshd")
-    default, table = build_fwd_kvcache(cfg), build_fwd_kvcache(cfg, table=True)
-    assert [p.name for p in table.params] == [p.name for p in default.params]
-    assert "pg_s" in table.script() and "pg_s" not in default.script()
-    src = tilelang.compile(table, target={"kind": "cuda", "arch": arch}, execution_backend="tvm_ffi",
+    func = build_fwd_kvcache(_cfg(arch, "fwd_kvcache", layout="bshd"))
+    src = tilelang.compile(func, target={"kind": "cuda", "arch": arch}, execution_backend="tvm_ffi",
                            pass_configs=pass_configs()).get_kernel_source()
-    assert "__global__" in src and "pg_s" in src
+    loads = [line for line in src.splitlines() if re.search(r"[(*]\s*\(?(K|V) \+", line)]
+    assert loads and all("pg_s" in line and "off_s" in line for line in loads), loads
+    assert not any(re.search(r"[/%] *\(?(\(int64_t\))?page_size", line) for line in loads), loads

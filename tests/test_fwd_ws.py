@@ -213,3 +213,27 @@ def test_exp2_fma_arithmetic():
     body = (x >= -125) & np.isfinite(x)
     assert np.abs(y[body] / np.exp2(x[body].astype(np.float64)) - 1).max() < 3e-6
     assert y[-1] == 1.0 and y[-3] == 0.0 and np.isnan(y[-2]) and np.all(y[x < -126] == 0)
+
+
+@pytest.mark.parametrize("d,tiles", [(128, Tiles(128, 128, 256, 2)), (64, Tiles(128, 128, 256, 2))])
+def test_o32_option_adds_an_fp32_output_and_a_second_pv_term(d, tiles):
+    """``build_fwd_ws(o32=True)`` (strict's forward option, tools/fwd_variants.py's "ws/fold/o32", not a
+    default until measured): the default launch plus one output, ``O32`` (o's shape, fp32), stored
+    from the normalized accumulator; P @ V issued as two products (hi and lo: one more wgmma in the
+    loop and one in the tail) and waited for accordingly; the fast configuration refuses it."""
+    from flashsink.ops.compile import build_prim_func
+    from flashsink.ops.fwd_ws import build_fwd_ws
+
+    cfg = _cfg(d=d)
+    lib = build_prim_func("fwd", cfg)
+    func = build_fwd_ws(cfg, tiles, fold=True, o32=True)
+    assert _params(func) == _params(lib) + ["O32"]
+    assert _dtypes(func) == _dtypes(lib) + ["float32"]
+    o, o32 = (func.buffer_map[func.params[i]] for i in (_params(func).index("O"), -1))
+    assert [str(x) for x in o32.shape] == [str(x) for x in o.shape]
+    text, plain = func.script(), build_fwd_ws(cfg, tiles, fold=True).script()
+    assert text.count("wgmma_gemm") == plain.count("wgmma_gemm") + 2
+    assert "T.wait_wgmma(2)" in text and "T.wait_wgmma(2)" not in plain
+    assert "O32[" in text
+    with pytest.raises(ValueError, match="o32"):
+        build_fwd_ws(KernelConfig("sm_90a", "bfloat16", d, d, 8, True, True, "bhsd", False, "fast"), tiles, o32=True)

@@ -55,6 +55,9 @@ def _variants(d: int) -> list:
     # the fold with one column group in every 8 / 4 of exponentials on the FMA pipe (softmax.exp2_fma)
     own = (192, 128, 384, 2) if d <= 64 else (128, 128, 256, 2)
     out += [(f"ws/fold/fma{k} " + "x".join(map(str, own[:2])) + "/s2", own, "branch", False, f"fma{k}") for k in (8, 4)]
+    # strict's forward option (fwd_ws.build_fwd_ws(o32=True)): P @ V two-term and O also in fp32 for the
+    # backward's Delta; two consumers (D64's three spill 272 bytes with the second term's registers)
+    out += [("ws/fold/o32 128x128/s2", (128, 128, 256, 2), "branch", False, "o32")]
     return out
 
 
@@ -64,15 +67,15 @@ def _func(job):
     from flashsink.ops.fwd import build_fwd
 
     dtype, d, tiles, mask, fold, ws = job
-    cfg = _cfg(dtype, d, "fast")
+    cfg = _cfg(dtype, d, "strict" if ws == "o32" else "fast")
     if tiles is None and mask == "select" and not fold and not ws:
         return build_prim_func("fwd", cfg)  # the library's kernel
-    if ws in ("np", "nopp", "fold", "fma8", "fma4"):
+    if ws in ("np", "nopp", "fold", "fma8", "fma4", "o32"):
         from flashsink.ops.fwd_ws import PERSISTENT_CTAS, build_fwd_ws
 
         fma = int(ws[3:]) if ws.startswith("fma") else 0
         return build_fwd_ws(cfg, Tiles(*tiles), ctas=None if ws == "np" else PERSISTENT_CTAS, pingpong=ws != "nopp",
-                            fold=ws == "fold" or fma > 0, fma_every=fma)
+                            fold=ws in ("fold", "o32") or fma > 0, fma_every=fma, o32=ws == "o32")
     return build_fwd(cfg, tiles=Tiles(*tiles) if tiles else None, mask=None if ws else mask, fold_scale=fold, ws=ws)
 
 
@@ -94,7 +97,8 @@ def _probe_child(job, n, out):
         sinks = torch.randn(H, device="cuda", dtype=torch.float32)
         for win in (NO_WINDOW, 128):
             kern(q, k, v, sinks, win, LOG2E / math.sqrt(d), torch.empty_like(q),
-                 torch.empty(1, H, max(128, -(-n // 128) * 128), dtype=torch.float32, device="cuda"))
+                 torch.empty(1, H, max(128, -(-n // 128) * 128), dtype=torch.float32, device="cuda"),
+                 *_o32(job, q))
         torch.cuda.synchronize()
         out.put(None)
     except Exception as exc:
@@ -123,6 +127,13 @@ def _probe(jobs, n: int) -> dict:
         proc.join()
         print(f"  probe {job}: {status[job] or 'ok'}", file=sys.stderr, flush=True)
     return status
+
+
+def _o32(job, q) -> list:
+    """The ``o32`` option's extra output (O in fp32, q's shape), or nothing."""
+    import torch
+
+    return [torch.full(q.shape, float("nan"), dtype=torch.float32, device=q.device)] if job[5] == "o32" else []
 
 
 def _errors(got, ref) -> tuple:
@@ -184,10 +195,10 @@ def main() -> int:
         rows = max(128, -(-n // 128) * 128)
         flops = 4 * sum(min(i + 1, win) for i in range(n)) * H * d
 
-        def run(kern):
+        def run(kern, extra=()):
             o = torch.full_like(q, float("nan"))
             lse = torch.full((1, H, rows), float("nan"), dtype=torch.float32, device="cuda")
-            kern(q, k, v, sinks, win, scale_log2, o, lse)
+            kern(q, k, v, sinks, win, scale_log2, o, lse, *extra)
             return o, lse
 
         ref_kern = kernels.get((dtype_name, d, None, "select", False, False))
@@ -203,19 +214,22 @@ def main() -> int:
             if kern is None:
                 row["variants"][label] = {"error": "compile failed: " + errors.get(job, "not built")}
                 continue
+            extra = _o32(job, q)
             try:  # a kernel that builds may still fail to launch (e.g. more shared memory than the GPU has)
-                o, lse = run(kern)
+                o, lse = run(kern, extra)
                 torch.cuda.synchronize()
             except Exception as exc:
                 row["variants"][label] = {"error": f"launch failed: {type(exc).__name__}: {str(exc)[-300:]}"}
                 continue
             o_err, lse_err = _errors(o, o_ref), _errors(lse[..., :n], lse_ref[..., :n])
             out_o, out_lse = torch.empty_like(q), torch.empty(1, H, rows, dtype=torch.float32, device="cuda")
-            ms = do_bench(lambda: kern(q, k, v, sinks, win, scale_log2, out_o, out_lse), return_mode="median")
+            ms = do_bench(lambda: kern(q, k, v, sinks, win, scale_log2, out_o, out_lse, *extra), return_mode="median")
             base_ms = ms if label == DEFAULT else base_ms
             row["variants"][label] = {"ms": ms, "tflops": flops / (ms * 1e-3) / 1e12, "speedup": base_ms / ms,
                                       "o_max": o_err[0], "o_rel_l2": o_err[1], "lse_max": lse_err[0],
                                       "lse_rel_l2": lse_err[1]}
+            if extra:  # the fp32 O against the rounded o the kernel wrote: o's rounding, nothing more
+                row["variants"][f"  {label}: fp32 O vs its o"] = {"error": "max %.2e relL2 %.2e" % _errors(extra[0], o)}
         results.append(row)
         print(f"\n== {name}: {dtype_name} N={n} D={d} W={window} H={H}/{HK} (fwd {flops / 1e12:.3f} TFLOP)")
         print(f"  {'variant':<24} {'ms':>8} {'TFLOP/s':>8} {'x dflt':>7} {'o max':>9} {'o relL2':>9} "

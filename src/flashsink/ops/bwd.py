@@ -24,6 +24,8 @@ and the sink gets ``dsink[h] = -sum_rows exp(sink[h] - lse) * Delta``.
 - ``build_postprocess``: casts the fp32 dQ accumulator into dQ in the input layout.
 """
 
+from dataclasses import replace
+
 import tilelang.language as T
 
 from .block_range import full_kv_blocks_for_rows, full_row_blocks_for_keys, kv_blocks_for_rows, row_blocks_for_keys
@@ -75,16 +77,26 @@ def product(a, hi, lo, b_s, acc, rows: int, cols: int, fast: bool):
         T.gemm(lo, b_s, acc, policy=T.GemmWarpPolicy.FullRow)
 
 
-def build_preprocess(cfg: KernelConfig, branch: bool | None = None, lpt: bool | None = None, tiles=None):
+def build_preprocess(cfg: KernelConfig, branch: bool | None = None, lpt: bool | None = None, tiles=None,
+                     o32: bool = False):
     """Delta and the sink gradient: from P and dP (strict) or from O and dO (fast). ``branch``,
     ``lpt`` and ``tiles`` (strict only; default ``config.pre_branch`` / ``config.pre_lpt`` /
-    ``config.pre_tiles``, other values for tools/bwd_variants.py): see :func:`_build_preprocess_strict`."""
+    ``config.pre_tiles``, other values for tools/bwd_variants.py): see :func:`_build_preprocess_strict`.
+
+    ``o32`` (strict; an option for tools/bwd_variants.py until measured): Delta = rowsum(dO * O) in the
+    fast preprocess's memory-bound pass, from the fp32 O of the forward's ``o32`` kernel
+    (``fwd_ws.build_fwd_ws``: P @ V as two-term products), instead of recomputing P and dP."""
+    if o32:
+        if cfg.precision != "strict" or branch or lpt or tiles is not None:
+            raise ValueError("o32=True is strict's Delta from the forward's fp32 O (no P: branch, lpt and tiles do "
+                             f"not apply); got precision={cfg.precision!r}, branch={branch}, lpt={lpt}, tiles={tiles}")
+        return _build_preprocess_fast(cfg, "float32", pre_tiles(replace(cfg, precision="fast")))
     branch = pre_branch(cfg) if branch is None else branch
     lpt = pre_lpt(cfg) if lpt is None else lpt
     if cfg.precision == "fast":
         if branch or lpt or tiles is not None:
             raise ValueError("branch, lpt and tiles apply to the strict preprocess (the fast one computes no P)")
-        return _build_preprocess_fast(cfg)
+        return _build_preprocess_fast(cfg, cfg.dtype, pre_tiles(cfg))
     if lpt and cfg.layout == "thd":
         raise ValueError(f"lpt=True needs a padded layout (bhsd or bshd); got layout={cfg.layout!r}")
     return _build_preprocess_strict(cfg, branch, lpt, tiles or pre_tiles(cfg))
@@ -112,13 +124,13 @@ def _sink_grad(Sinks, lse, delta, contrib, total, head, b, bx, row0, sq, dSinkAc
             T.atomic_add(dSinkAcc[head], total[0])
 
 
-def _build_preprocess_fast(cfg: KernelConfig):
+def _build_preprocess_fast(cfg: KernelConfig, o_dtype: str, t):
     """Delta = rowsum(dO * O) - dlse from the saved output (fast mode), and the sink gradient.
 
-    Memory-bound: one read of O and dO. O carries its rounding to fp16/bf16 into
-    ``dP - Delta`` (FlashAttention's choice; the strict preprocess avoids it).
+    Memory-bound: one read of O and dO. O (``o_dtype``: the input dtype, fast mode) carries its
+    rounding to fp16/bf16 into ``dP - Delta`` (FlashAttention's choice; the strict preprocess avoids
+    it); an fp32 O (``build_preprocess(o32=True)``) does not. ``t``: its tiles (``config.pre_tiles``).
     """
-    t = pre_tiles(cfg)
     bm = t.block_m
     dim_v, layout = cfg.head_dim_v, cfg.layout
     dtype, accum = cfg.dtype, "float32"
@@ -129,7 +141,7 @@ def _build_preprocess_fast(cfg: KernelConfig):
     @T.macro
     def body(O, dO, LSE, dLSE, Sinks, CuQ, Delta, dSinkAcc, dSinkPart, m_tiles, n_seqs):
         with T.Kernel(m_tiles, heads, n_seqs, threads=t.threads) as (bx, head, b):
-            o = T.alloc_fragment([bm, dim_v], dtype)
+            o = T.alloc_fragment([bm, dim_v], o_dtype)
             do = T.alloc_fragment([bm, dim_v], dtype)
             prod = T.alloc_fragment([bm, dim_v], accum)
             lse = T.alloc_fragment([bm], accum)
@@ -158,7 +170,7 @@ def _build_preprocess_fast(cfg: KernelConfig):
 
     @kernel("flashsink_bwd_preprocess_fast", layout)
     def flashsink_bwd_preprocess_fast(
-        O: T.Tensor(o_shape, dtype),
+        O: T.Tensor(o_shape, o_dtype),
         dO: T.Tensor(o_shape, dtype),
         LSE: T.Tensor(st_shape, accum),
         dLSE: T.Tensor(st_shape, accum),
@@ -294,7 +306,7 @@ def build_bwd(cfg: KernelConfig, tiles=None, dq_bulk=None, overlap=None, split=N
     as it does for dQ: not bitwise reproducible, so deterministic configurations keep 1.
 
     ``ws`` (``bwd_ws(cfg)``): the hand warp-specialized Hopper kernel of ``bwd_ws.py`` (fast precision's
-    default; ``ws=True`` with strict gives its two-term products, an option until measured; its dQ is
+    default, and strict's at head dim 64 with two-term products; its dQ is
     always the producer's bulk reduce-add and its S^T/dP^T always overlap, so ``dq_bulk`` and
     ``overlap`` do not apply).
 

@@ -160,9 +160,17 @@ def bwd_ws(cfg: KernelConfig) -> bool:
     (tools/bwd_variants.py, docs/perf.md v7) against TileLang's pipelined kernel with bulk dQ and async
     S/dP: 10-15% off the unsplit main kernel (golden 0.237 -> 0.213 ms, gpt-oss SWA 0.183 -> 0.155),
     7-14% off the split one (causal D128 N4096 1.95 -> 1.81 ms, D64 N8192 5.52 -> 4.77); since v10 it
-    runs unsplit with its tiles longest first (causal D128 N4096: 1.62 ms, :func:`bwd_split`). Strict
-    keeps TileLang's kernel (two-term products the hand kernel does not have)."""
-    return cfg.hopper and cfg.precision == "fast" and max(cfg.head_dim, cfg.head_dim_v) <= 128
+    runs unsplit with its tiles longest first (causal D128 N4096: 1.62 ms, :func:`bwd_split`).
+
+    Strict (two-term P and dS products, 8 wgmma per tile against fast's 5) at head dim 64 too: measured
+    on the H200 (docs/perf.md v13) causal D64 N8192 main kernel 6.08 -> 5.33 ms against TileLang's
+    pipelined strict kernel (longest first, branched). At D128 it loses (2.28 -> 2.41 ms: the two-term
+    dS^T tiles leave shared memory for two ring slots only), so strict D128 and D256 keep TileLang's."""
+    if not cfg.hopper:
+        return False
+    if cfg.precision == "strict":
+        return cfg.head_dim == cfg.head_dim_v == 64
+    return max(cfg.head_dim, cfg.head_dim_v) <= 128
 
 
 def bwd_dq_first(cfg: KernelConfig) -> bool:
@@ -176,7 +184,8 @@ def bwd_dq_first(cfg: KernelConfig) -> bool:
     64-row tiles in the old order. Causal padded layouts only: ptxas spills the 128-row kernel's
     registers for full (non-causal) attention (104 bytes) and packed batches (296 bytes), where the
     64-row kernel spills none."""
-    return bwd_ws(cfg) and cfg.head_dim == cfg.head_dim_v == 64 and cfg.causal and cfg.layout != "thd"
+    return (bwd_ws(cfg) and cfg.precision == "fast" and cfg.head_dim == cfg.head_dim_v == 64 and cfg.causal
+            and cfg.layout != "thd")
 
 
 def bwd_branch(cfg: KernelConfig, ws: bool) -> bool:

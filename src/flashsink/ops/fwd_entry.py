@@ -21,14 +21,35 @@ def fwd_shapes(cfg: KernelConfig) -> SimpleNamespace:
                            v_shape=v_shape, o_shape=o_shape, lse_shape=stat_shape(cfg.layout, batch, heads, rows_pad))
 
 
-def fwd_entry(cfg: KernelConfig, s: SimpleNamespace, body, block_m: int):
+def fwd_entry(cfg: KernelConfig, s: SimpleNamespace, body, block_m: int, o32: bool = False):
     """The kernel ``flashsink_fwd`` (``flashsink_fwd_varlen`` for thd) over the tensors of ``s``
-    (:func:`fwd_shapes`): ``body`` runs over the row tiles of ``block_m`` rows and the sequences (its
-    last two arguments, ``schedule.grid``'s)."""
+    (:func:`fwd_shapes`): ``body`` runs over the row tiles of ``block_m`` rows and the sequences (the
+    two arguments after ``LSE``, ``schedule.grid``'s). ``o32`` (``fwd_ws.build_fwd_ws``'s option): one
+    more output, ``O32``, the output in fp32 (o's shape), passed to ``body`` last."""
     layout, dtype, accum = cfg.layout, cfg.dtype, "float32"
     q_shape, k_shape, v_shape, o_shape, lse_shape = s.q_shape, s.k_shape, s.v_shape, s.o_shape, s.lse_shape
     heads, seq_q, batch = s.heads, s.seq_q, s.batch
     cu, longest, n_cu = varlen_params(layout)
+
+    if o32:
+        @kernel("flashsink_fwd", layout)
+        def flashsink_fwd_o32(
+            Q: T.Tensor(q_shape, dtype),
+            K: T.Tensor(k_shape, dtype),
+            V: T.Tensor(v_shape, dtype),
+            Sinks: T.Tensor([heads], accum),
+            CuQ: cu,
+            CuK: cu,
+            max_seqlen_q: longest,
+            window: T.int32,
+            scale_log2: T.float32,
+            O: T.Tensor(o_shape, dtype),
+            LSE: T.Tensor(lse_shape, accum),
+            O32: T.Tensor(o_shape, accum),
+        ):
+            body(Q, K, V, Sinks, CuQ, CuK, window, scale_log2, O, LSE, *grid(layout, seq_q, n_cu, batch, block_m), O32)
+
+        return flashsink_fwd_o32
 
     @kernel("flashsink_fwd", layout)
     def flashsink_fwd(

@@ -2,14 +2,14 @@
 
 The split-KV kernel of ``fwd_split.py`` with the keys read through a block table:
 
-- key ``j`` of batch row ``b`` is row ``j % page_size`` of page ``BlockTable[b, j // page_size]``;
-  the address is computed per key row (a gather into shared memory), so one kernel serves every
-  page size (a runtime value, like the lengths) and a key tile may span several pages. (A tile
-  copy per page would need ``page_size`` to be a multiple of the tile and a kernel per page-size
-  class; TMA needs an affine tile. The per-row gather has neither constraint, and decode reads each
-  key once, so it is bound by bytes, not by how they are addressed.) A contiguous cache ``[B,
-  S_max, H_kv, D]`` is the same kernel with B pages of S_max rows and the block table ``[[0], [1],
-  ...]``.
+- key ``j`` of batch row ``b`` is row ``j % page_size`` of page ``BlockTable[b, j // page_size]``.
+  Each key tile's rows are first resolved to (page, row in the page), once per key and in 32-bit
+  integers, into a shared-memory table; the K and V loads then gather their rows through it (V with K,
+  before the products, so that their latencies overlap). One kernel serves every page size (a runtime
+  value, like the lengths) and a key tile may span several pages. (A tile copy per page would need
+  ``page_size`` to be a multiple of the tile and a kernel per page-size class; TMA needs an affine
+  tile.) A contiguous cache ``[B, S_max, H_kv, D]`` is the same kernel with B pages of S_max rows and
+  the block table ``[[0], [1], ...]``.
 - each batch row has its own length, ``SeqLens[b]``, read on the device: one launch serves a batch
   of sequences of different lengths (``seq_q`` new tokens each, the last ``seq_q`` of the row).
 - rows are packed query-major, ``p = r * groups + g``: a tile holds all heads of a GQA group for
@@ -17,8 +17,8 @@ The split-KV kernel of ``fwd_split.py`` with the keys read through a block table
   key range.
 - checks on the device, instead of on the host (no sync): a length outside ``[0, max_pages *
   page_size]`` gives NaN partials for the whole row (nothing is read); a used page index outside
-  ``[0, num_pages)`` reads page 0 instead and turns its keys into NaN, so every query row that sees
-  such a key gets NaN (o and lse). Nothing is ever read out of bounds.
+  ``[0, num_pages)`` is not read: its keys are NaN, so every query row that sees such a key gets
+  NaN (o and lse). Nothing is ever read out of bounds.
 
 Partials (fp32 o and natural-log LSE without the sink, one per split) are merged by
 ``merge_splits.py``.
@@ -32,21 +32,18 @@ from .config import KernelConfig, split_tiles
 from .mask import visible
 
 NAN = float("nan")
-#: ``table``'s page of a key row past its batch row's length (loaded as zeros) and of a row whose
-#: block-table entry is outside the cache (its keys NaN, as the default kernel gives)
+#: the table's page of a key row past its batch row's length (loaded as zeros) and of a row whose
+#: block-table entry is outside the cache (its keys NaN)
 PAST_END, BAD_PAGE = -1, -2
 
 
-def build_fwd_kvcache(cfg: KernelConfig, table: bool = False):
-    """The kernel. ``table`` (an option for tools/kvcache_variants.py until measured on the GPU): each
-    key tile's rows are first resolved to (page, row in the page) once per key, in 32-bit integers,
-    into a shared-memory table that the K and V loads read, and V is loaded with K, before the
-    products, so that their latencies overlap. Without it every 16-byte load re-derives its row's
-    page from the block table inside the load's address, which the code generator computes in 64-bit
-    integers (the cache's flat index is 64-bit): several 64-bit divisions by ``page_size`` per load,
-    each a called routine (sm_90a SASS: 160 call sites, 40 with the table, those outside the key loop),
-    and 290-330 GB/s on the H200 (docs/perf.md v12). The partials are the same, NaN where the default
-    gives NaN."""
+def build_fwd_kvcache(cfg: KernelConfig):
+    """The kernel. Why the shared page table: when each 16-byte load derived its row's page from the
+    block table inside the load's address, the code generator computed it in 64-bit integers (the
+    cache's flat index is 64-bit), several 64-bit divisions by ``page_size`` per load, each a called
+    routine (sm_90a SASS: 160 call sites; 40 with the table, none in the key loop); that kernel moved
+    290-330 GB/s on the H200 against 720-1000 with the table (decode B=8, 4k-64k keys; docs/perf.md
+    v13), with the same partials bitwise."""
     t = split_tiles(cfg)
     bm, bn = t.block_m, t.block_n
     dim, dim_v, groups = cfg.head_dim, cfg.head_dim_v, cfg.groups
@@ -79,7 +76,7 @@ def build_fwd_kvcache(cfg: KernelConfig, table: bool = False):
 
     @T.macro
     def resolve(BlockTable, pg_s, off_s, b, key0, seq_kv, page_size, max_pages, num_pages):
-        """``table``: each key row of the tile to its page (PAST_END past the row's length: zeros;
+        """Each key row of the tile to its page (PAST_END past the row's length: zeros;
         BAD_PAGE for an index outside the cache: NaN keys) and its row in the page, once per key."""
         # the division first, alone in a 32-bit store: inside a global load's index the code generator
         # widens it to 64 bits (a called division routine)
@@ -119,11 +116,8 @@ def build_fwd_kvcache(cfg: KernelConfig, table: bool = False):
             row_sum = T.alloc_fragment([bm], accum)
             l = T.alloc_fragment([bm], accum)
             lse = T.alloc_fragment([bm], accum)
-            if table:
-                pg_s = T.alloc_shared([bn], "int32")
-                off_s = T.alloc_shared([bn], "int32")
-            else:
-                pg_s = off_s = None
+            pg_s = T.alloc_shared([bn], "int32")  # each key row's page (or PAST_END / BAD_PAGE)
+            off_s = T.alloc_shared([bn], "int32")  # and its row in the page
 
             # truncated division (C's / and %) wherever the operands are >= 0: floor division's sign
             # fix-ups are otherwise repeated in every expression that uses the result
@@ -147,42 +141,18 @@ def build_fwd_kvcache(cfg: KernelConfig, table: bool = False):
             my_lo = T.min(hi, lo + split * per)
             my_hi = T.min(hi, my_lo + per)
 
-            if table:
-                for kb in T.serial(my_lo, my_hi):
-                    key0 = kb * bn
-                    resolve(BlockTable, pg_s, off_s, b, key0, seq_kv, page_size, max_pages, num_pages)
-                    for r, d in T.Parallel(bn, dim):
-                        k_s[r, d] = T.if_then_else(
-                            pg_s[r] >= 0, K[pg_s[r], off_s[r], kv_head, d],
-                            T.if_then_else(pg_s[r] == PAST_END, T.cast(0, dtype), T.cast(NAN, dtype)),
-                        )
-                    for r, d in T.Parallel(bn, dim_v):
-                        v_s[r, d] = T.if_then_else(pg_s[r] >= 0, V[pg_s[r], off_s[r], kv_head, d], T.cast(0, dtype))
-                    scores(q_s, k_s, acc_s, p0, key0, seq_kv, window, scale_log2)
-                    accumulate(acc_s, p, v_s, acc_o, m, m_prev, alpha, row_sum, l)
-            else:
-                for kb in T.Pipelined(my_lo, my_hi, num_stages=t.stages):
-                    key0 = kb * bn
-                    for r, d in T.Parallel(bn, dim):
-                        k_s[r, d] = T.if_then_else(
-                            key0 + r < seq_kv,
-                            T.if_then_else(
-                                _page_ok(BlockTable, b, key0 + r, page_size, max_pages, num_pages),
-                                K[_page(BlockTable, b, key0 + r, page_size, max_pages, num_pages),
-                                  T.truncmod(key0 + r, page_size), kv_head, d],
-                                T.cast(NAN, dtype),
-                            ),
-                            T.cast(0, dtype),
-                        )
-                    scores(q_s, k_s, acc_s, p0, key0, seq_kv, window, scale_log2)
-                    for r, d in T.Parallel(bn, dim_v):
-                        v_s[r, d] = T.if_then_else(
-                            key0 + r < seq_kv,
-                            V[_page(BlockTable, b, key0 + r, page_size, max_pages, num_pages),
-                              T.truncmod(key0 + r, page_size), kv_head, d],
-                            T.cast(0, dtype),
-                        )
-                    accumulate(acc_s, p, v_s, acc_o, m, m_prev, alpha, row_sum, l)
+            for kb in T.serial(my_lo, my_hi):
+                key0 = kb * bn
+                resolve(BlockTable, pg_s, off_s, b, key0, seq_kv, page_size, max_pages, num_pages)
+                for r, d in T.Parallel(bn, dim):
+                    k_s[r, d] = T.if_then_else(
+                        pg_s[r] >= 0, K[pg_s[r], off_s[r], kv_head, d],
+                        T.if_then_else(pg_s[r] == PAST_END, T.cast(0, dtype), T.cast(NAN, dtype)),
+                    )
+                for r, d in T.Parallel(bn, dim_v):
+                    v_s[r, d] = T.if_then_else(pg_s[r] >= 0, V[pg_s[r], off_s[r], kv_head, d], T.cast(0, dtype))
+                scores(q_s, k_s, acc_s, p0, key0, seq_kv, window, scale_log2)
+                accumulate(acc_s, p, v_s, acc_o, m, m_prev, alpha, row_sum, l)
 
             softmax.finalize(acc_o, m, l, lse, bm, dim_v)
             for r, d in T.Parallel(bm, dim_v):
@@ -209,17 +179,3 @@ def _slot_ok(table, b, slot, max_pages, num_pages):
     e = _slot_entry(table, b, slot, max_pages)
     return (e >= 0) & (e < num_pages)
 
-
-def _entry(table, b, key, page_size, max_pages):
-    """The block-table entry of ``key``."""
-    return _slot_entry(table, b, T.truncdiv(key, page_size), max_pages)
-
-
-def _page_ok(table, b, key, page_size, max_pages, num_pages):
-    return _slot_ok(table, b, T.truncdiv(key, page_size), max_pages, num_pages)
-
-
-def _page(table, b, key, page_size, max_pages, num_pages):
-    """The page of ``key``; page 0 for an index out of range (its keys are NaN, see ``_page_ok``)."""
-    return T.if_then_else(_page_ok(table, b, key, page_size, max_pages, num_pages),
-                          _entry(table, b, key, page_size, max_pages), 0)

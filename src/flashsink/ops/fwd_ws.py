@@ -30,6 +30,7 @@ from .fwd_entry import fwd_entry, fwd_shapes
 from .layout import sequence, store_rows, store_stat, tile
 from .mask import branch_logits
 from .schedule import locate
+from .split import split as two_terms
 
 #: registers per thread of the producer warpgroup (setmaxnreg); the consumers share the rest of
 #: the SM's 64K (240 each for two consumer warpgroups, as FlashAttention-3 and TileLang choose)
@@ -54,7 +55,7 @@ def consumer_regs(n_consumers: int) -> int:
 
 
 def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS, pingpong: bool = True,
-                 fold: bool = False, fma_every: int = 0):
+                 fold: bool = False, fma_every: int = 0, o32: bool = False):
     """The warp-specialized forward for tiles ``t``: ``t.block_m`` a multiple of 64 (one consumer
     warpgroup per 64 rows, ``t.threads`` their threads, ``block_m * 2``; the kernel runs 128 more,
     the producer's), ``t.stages`` ring slots for K and V.
@@ -73,7 +74,17 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
     ``fma_every`` (an option for tools/fwd_variants.py until measured): one column group of 8 in every
     ``fma_every`` takes its exponentials on the FMA pipe (``softmax.exp2_fma``), the others on the MUFU:
     at head dim 64 a tile's 8192 exponentials per consumer take the MUFU (16 per cycle per SM) about as
-    long as its products take the tensor cores."""
+    long as its products take the tensor cores.
+
+    ``o32`` (strict's forward; an option for tools/fwd_variants.py and tools/bwd_variants.py until
+    measured): P @ V as two-term products (``split.py``: P = hi + lo, two wgmma per KV tile), and the
+    normalized output also written in fp32 to one more output, ``O32``, from which strict's backward
+    takes Delta = rowsum(dO * O) in a memory-bound pass (``bwd.build_preprocess(o32=True)``) instead of
+    recomputing P and dP. Why two terms: with P rounded once, that Delta moves dsink off the precision
+    standard (float64 emulation, fp16 D64 N1024: dsink relative L2 1.7e-3, 2 of 4 heads outside the
+    tolerance); with two, dsink's error is 1e-7 to 3e-6, as with the exact Delta (docs/perf.md v13)."""
+    if o32 and cfg.precision != "strict":
+        raise ValueError(f"o32=True is strict's forward (two-term P @ V, fp32 O for the backward); got {cfg.short()}")
     if not cfg.hopper or t.block_m % ROWS_PER_CONSUMER or t.stages < 1:
         raise NotImplementedError(f"the warp-specialized forward supports Hopper (sm_90a) and query tiles of a "
                                   f"multiple of {ROWS_PER_CONSUMER} rows; got {cfg.short()}, {t}")
@@ -87,7 +98,7 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
     heads, seq_q, seq_kv = shapes.heads, shapes.seq_q, shapes.seq_kv
 
     @T.macro
-    def body(Q, K, V, Sinks, CuQ, CuK, window, scale_log2, O, LSE, m_tiles, n_seqs):
+    def body(Q, K, V, Sinks, CuQ, CuK, window, scale_log2, O, LSE, m_tiles, n_seqs, O32=None):
         total = m_tiles * heads * n_seqs
         n_ctas = total if ctas is None else T.min(total, ctas)
         with T.Kernel(n_ctas, threads=consumers + 128) as cta:
@@ -97,6 +108,10 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
             o_s = T.alloc_shared([bm, dim_v], dtype)
             acc_s = T.alloc_fragment([bm, bn], accum)  # logits, then probabilities
             p = T.alloc_fragment([bm, bn], dtype)  # the previous tile's probabilities: PV's A operand
+            if o32:
+                p_lo = T.alloc_fragment([bm, bn], dtype)  # their second term
+            else:
+                p_lo = None
             acc_o = T.alloc_fragment([bm, dim_v], accum)
             m = T.alloc_fragment([bm], accum)
             m_prev = T.alloc_fragment([bm], accum)
@@ -184,7 +199,7 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
                                       cfg.causal)
                         softmax.new_max(acc_s, m, m_prev, alpha, row_sum, bm, scale_log2 if fold else None)
                         softmax.exp_sum(acc_s, m, alpha, row_sum, l, bm, bn, scale_log2 if fold else None, fma_every)
-                        T.copy(acc_s, p)
+                        _keep_p(acc_s, p, p_lo, bm, bn, o32)
                     for it in T.serial(1, T.max(n, 1)):
                         c = kv_done + it
                         s = c % stages
@@ -196,9 +211,11 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
                         T.wgmma_gemm(q_s, k_r[s, :, :], acc_s, transpose_B=True, clear_accum=True,
                                      policy=T.GemmWarpPolicy.FullRow)
                         T.wgmma_gemm(p, v_r[sp, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)
+                        if o32:
+                            T.wgmma_gemm(p_lo, v_r[sp, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)
                         if pingpong:
                             T.named_barrier_arrive(PINGPONG_BARRIER + (wg + 1) % n_consumers, 256)
-                        T.wait_wgmma(1)  # S_it; P_{it-1} V_{it-1} still runs
+                        T.wait_wgmma(2 if o32 else 1)  # S_it; P_{it-1} V_{it-1} still runs
                         T.barrier_arrive(k_empty[s])
                         kb = lo + it
                         branch_logits(acc_s, row0, kb * bn, sq, sk, window, scale_log2, fold, (flo, fhi), kb,
@@ -208,13 +225,15 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
                         T.wait_wgmma(0)
                         T.barrier_arrive(v_empty[sp])
                         softmax.rescale(acc_o, alpha, bm, dim_v)
-                        T.copy(acc_s, p)
+                        _keep_p(acc_s, p, p_lo, bm, bn, o32)
                     if n > 0:
                         T.barrier_arrive(q_empty)  # every S product read Q: the next tile's may land
                         q_done = q_done + 1
                         last = (kv_done + n - 1) % stages
                         T.mbarrier_wait_parity(v_full[last], ((kv_done + n - 1) // stages) & 1)
                         T.wgmma_gemm(p, v_r[last, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)
+                        if o32:
+                            T.wgmma_gemm(p_lo, v_r[last, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)
                         T.wait_wgmma(0)
                         T.barrier_arrive(v_empty[last])
                     kv_done = kv_done + n
@@ -223,9 +242,11 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
                     T.sync_threads(CONSUMER_BARRIER, consumers)  # o_s whole before the rows are stored
                     store_rows(O, layout, b, head, q_base, row0, sq, o_s, bm, dim_v)
                     store_stat(LSE, layout, b, head, q_base, row0, sq, lse, bm)
+                    if o32:
+                        store_rows(O32, layout, b, head, q_base, row0, sq, acc_o, bm, dim_v)
                     T.sync_threads(CONSUMER_BARRIER, consumers)  # o_s read before the next tile writes it
 
-    flashsink_fwd = fwd_entry(cfg, shapes, body, bm)
+    flashsink_fwd = fwd_entry(cfg, shapes, body, bm, o32)
     # Every shared-memory hand-off is ordered by hand (mbarriers, the consumers' named barrier).
     return flashsink_fwd.with_attr("tilelang_pass_configs", {"tl.disable_thread_storage_sync": True})
 
@@ -245,6 +266,16 @@ def _locate(i, m_tiles, heads, n_seqs, CuQ, CuK, seq_q, seq_kv, window, bm: int,
     k_base, sk = sequence(layout, CuK, b, seq_kv)
     lo, hi = kv_blocks_for_rows(bx * bm, bm, bn, sq, sk, window, causal)
     return bx, head, b, q_base, sq, k_base, sk, lo, hi
+
+
+@T.macro
+def _keep_p(acc_s, p, p_lo, bm: int, bn: int, o32: bool):
+    """The tile's probabilities as the next PV product's A operand: rounded once, or (``o32``) as
+    ``hi + lo`` (``split.py``)."""
+    if o32:
+        two_terms(acc_s, p, p_lo, bm, bn)
+    else:
+        T.copy(acc_s, p)
 
 
 @T.macro
