@@ -18,6 +18,7 @@ import pytest
 from flashsink.errors import CompileError
 from flashsink.ops import compile as compile_mod
 from flashsink.ops import kinds
+from flashsink.ops import config as config_mod
 from flashsink.ops.config import KernelConfig
 
 pytestmark = pytest.mark.l0
@@ -137,4 +138,7 @@ def test_fields_a_kernel_does_not_read_share_one_build(fake_build):
     compile_mod.get_kernel("fwd", strict)
     new = [k for k, _ in fake_build["built"][built:]]
     assert "fwd" not in new and "postprocess" not in new and "fwd_split" not in new
-    assert sorted(new) == ["bwd", "preprocess"]  # these read precision (strict has no split main backward)
+    # these read precision (strict has no split main backward; on Hopper it has the fp32-O forward and
+    # Delta pass, config.fwd_o32)
+    o32 = ["fwd_o32", "preprocess_o32"] if config_mod.fwd_o32(strict) else []
+    assert sorted(new) == sorted(["bwd", "preprocess"] + o32)

@@ -564,7 +564,8 @@ def test_varlen_end_to_end_through_autograd(monkeypatch, launches, precision, ro
 def test_dense_end_to_end_through_autograd(monkeypatch, launches, precision, with_lse, route):
     """``attention.kernel_attention`` (what ``flashsink.attention`` runs on CUDA, traced) with the ops' CPU kernels
     their CUDA implementations (a scoped library, as above): the fast backward's preprocess reads the
-    forward's o, the strict one q, k, v; the other launches are the same in both modes."""
+    forward's o; the strict one, eagerly on Hopper, the fp32 O of the forward ``fwd_o32``
+    (``config.fwd_o32``), traced q, k, v; the other launches are the same in both modes."""
     _arch(monkeypatch, "sm_90a")
     q, k, v, do, sinks, spec = _dense_inputs(DENSE[0])
     leaves = [x.clone().requires_grad_(True) for x in (q, k, v, sinks)]
@@ -578,11 +579,13 @@ def test_dense_end_to_end_through_autograd(monkeypatch, launches, precision, wit
             grads = torch.autograd.grad((o, lse), leaves, (do, dlse))
         else:
             grads = torch.autograd.grad(o, leaves, do)
-    assert [x.kind for x in launches] == ["fwd", "preprocess", "bwd", "postprocess"]
+    o32 = precision == "strict" and route == "eager"
+    assert [x.kind for x in launches] == (["fwd_o32", "preprocess_o32"] if o32 else ["fwd", "preprocess"]) + [
+        "bwd", "postprocess"]
     main, post = launches[2], launches[3]
     assert same(grads[0], post.args[1]) and same(grads[1], main.args[-2]) and same(grads[2], main.args[-1])
     assert grads[3].dtype == sinks.dtype and grads[3].shape == (4,)
-    i_dlse = 3 if precision == "fast" else 5
+    i_dlse = 3 if precision == "fast" or o32 else 5
     want = torch.zeros(2, 4, 256)
     if with_lse:
         want[:, :, :200] = dlse
@@ -591,6 +594,9 @@ def test_dense_end_to_end_through_autograd(monkeypatch, launches, precision, wit
     fw, pre = launches[0], launches[1]
     if precision == "fast":
         assert len(pre.args) == 8 and same(pre.args[0], fw.args[6]) and same(pre.args[2], fw.args[7])
+    elif o32:  # the forward's fp32 O (its last argument, o's shape) and lse
+        assert len(fw.args) == 9 and fw.args[8].dtype == torch.float32 and fw.args[8].shape == fw.args[6].shape
+        assert len(pre.args) == 8 and same(pre.args[0], fw.args[8]) and same(pre.args[2], fw.args[7])
     else:
         assert len(pre.args) == 12 and all(same(a, b) for a, b in zip(pre.args[:3], fw.args[:3]))
         assert same(pre.args[4], fw.args[7])

@@ -37,9 +37,14 @@ class _Attention(torch.autograd.Function):
     def forward(ctx, q, k, v, sinks, spec, cfg, cu_seqlens):
         window = interface.kernel_window(spec.window)
         sinks32 = interface._sinks_f32(sinks, spec.heads, q.device)
-        o, lse = interface._forward(q, k, v, sinks32, cfg, spec, window, cu_seqlens)
-        # strict recomputes Delta from P and dP; fast reads o (Delta = rowsum(dO * O))
-        ctx.save_for_backward(q, k, v, None if cfg.precision == "strict" else o, lse, sinks32)
+        # the backward's Delta = rowsum(dO * O): fast reads o; strict the forward's fp32 O where it has one
+        # (``config.fwd_o32``), else (None) recomputes Delta from P and dP
+        if cfg.precision == "strict":
+            o, lse, saved = interface._forward(q, k, v, sinks32, cfg, spec, window, cu_seqlens, o32=True)
+        else:
+            o, lse = interface._forward(q, k, v, sinks32, cfg, spec, window, cu_seqlens)
+            saved = o
+        ctx.save_for_backward(q, k, v, saved, lse, sinks32)
         ctx.problem = (spec, cfg, window, cu_seqlens, None if sinks is None else sinks.dtype)
         ctx.set_materialize_grads(False)
         return o, lse

@@ -24,15 +24,13 @@ and the sink gets ``dsink[h] = -sum_rows exp(sink[h] - lse) * Delta``.
 - ``build_postprocess``: casts the fp32 dQ accumulator into dQ in the input layout.
 """
 
-from dataclasses import replace
-
 import tilelang.language as T
 
 from .block_range import full_kv_blocks_for_rows, full_row_blocks_for_keys, kv_blocks_for_rows, row_blocks_for_keys
 from .bwd_entry import main_bwd_entry, main_bwd_shapes
 from .bwd_ws import build_bwd_ws
 from .config import (ROW_BLOCK, KernelConfig, bwd_branch, bwd_dq_bulk, bwd_dq_first, bwd_overlap, bwd_split, bwd_swap,
-                     bwd_tiles, bwd_ws, dq_tiles, pre_branch, pre_lpt, pre_tiles)
+                     bwd_tiles, bwd_ws, dq_tiles, pre_branch, pre_lpt, pre_o32_tiles, pre_tiles)
 from .layout import (acc_tile, kernel, prologue_load, qkv_shapes, row_runs, sequence, stage_stat, staged_stat, stat_at,
                      stat_shape, stat_tile, store_rows, store_stat, tile, varlen_params)
 from .schedule import grid, grid_coords, grid_dims, locate
@@ -77,6 +75,11 @@ def product(a, hi, lo, b_s, acc, rows: int, cols: int, fast: bool):
         T.gemm(lo, b_s, acc, policy=T.GemmWarpPolicy.FullRow)
 
 
+def build_preprocess_o32(cfg: KernelConfig):
+    """Strict's Delta from the forward's fp32 O (``config.fwd_o32``): :func:`build_preprocess`'s ``o32``."""
+    return build_preprocess(cfg, o32=True)
+
+
 def build_preprocess(cfg: KernelConfig, branch: bool | None = None, lpt: bool | None = None, tiles=None,
                      o32: bool = False):
     """Delta and the sink gradient: from P and dP (strict) or from O and dO (fast). ``branch``,
@@ -90,7 +93,7 @@ def build_preprocess(cfg: KernelConfig, branch: bool | None = None, lpt: bool | 
         if cfg.precision != "strict" or branch or lpt or tiles is not None:
             raise ValueError("o32=True is strict's Delta from the forward's fp32 O (no P: branch, lpt and tiles do "
                              f"not apply); got precision={cfg.precision!r}, branch={branch}, lpt={lpt}, tiles={tiles}")
-        return _build_preprocess_fast(cfg, "float32", pre_tiles(replace(cfg, precision="fast")))
+        return _build_preprocess_fast(cfg, "float32", pre_o32_tiles(cfg))
     branch = pre_branch(cfg) if branch is None else branch
     lpt = pre_lpt(cfg) if lpt is None else lpt
     if cfg.precision == "fast":

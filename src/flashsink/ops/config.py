@@ -7,6 +7,7 @@ softmax scale are runtime arguments: a new length never recompiles.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -258,6 +259,27 @@ def fwd_windowed(cfg: KernelConfig) -> bool:
     return fwd_window_tiles(cfg) != fwd_tiles(cfg)
 
 
+def fwd_o32(cfg: KernelConfig) -> bool:
+    """Whether strict's forward, when a backward follows, is the kind ``fwd_o32``: ``fwd_ws.py``'s kernel
+    with P @ V as two-term products and the output also written in fp32, from which the backward
+    takes Delta = rowsum(dO * O) in a memory-bound pass (the kind ``preprocess_o32``) instead of
+    recomputing P and dP (the strict ``preprocess``). Measured on the H200 (tools/fwd_variants.py,
+    tools/bwd_variants.py, docs/perf.md v13): the forward 0.513 -> 0.721 ms at causal D128 N4096 and
+    1.259 -> 1.798 at causal D64 N8192, the preprocess 0.541 -> 0.060 and 1.450 -> 0.060: strict
+    fwd+bwd 3.47 -> 3.20 ms and 8.12 -> 7.27. Float64 emulation (docs/perf.md v13): Delta from a
+    once-rounded P's fp32 O moves dsink off the precision standard in fp16 (relative L2 1.7e-3);
+    with two terms its error is 1e-7..3e-6, as with P * dP. Hopper, the warp-specialized forward's
+    head dims, padded layouts (a packed batch's kernel is not checked for spills yet); a call with
+    ``scale <= 0`` (no folded kernel) and the torch.compile route keep P * dP."""
+    return cfg.precision == "strict" and fwd_ws(cfg) and cfg.layout != "thd"
+
+
+def fwd_o32_tiles(cfg: KernelConfig) -> Tiles:
+    """``fwd_o32``'s tiles: two consumer warpgroups at both head dims (D64's three spill 272 bytes of
+    registers with P's second term)."""
+    return Tiles(128, 128, 256, 2)
+
+
 def fwd_fold(cfg: KernelConfig) -> bool:
     """Whether the forward (``fwd_ws.py``'s kernel) folds the scale into the exponent's FMA,
     ``exp2(s * scale_log2 - m * scale_log2)``, instead of scaling every logit first: measured on the
@@ -323,6 +345,11 @@ def pre_tiles(cfg: KernelConfig) -> Tiles:
     if cfg.hopper and d <= 128:
         return Tiles(128, 64, 256, 2)
     return Tiles(64, 64, 128, 1)
+
+
+def pre_o32_tiles(cfg: KernelConfig) -> Tiles:
+    """``preprocess_o32``'s tiles: the fast preprocess's (the same memory-bound pass over an fp32 O)."""
+    return pre_tiles(dataclasses.replace(cfg, precision="fast"))
 
 
 def dq_tiles(cfg: KernelConfig) -> Tiles:

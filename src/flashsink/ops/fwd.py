@@ -11,7 +11,7 @@ import tilelang.language as T
 
 from . import softmax
 from .block_range import full_kv_blocks_for_rows, kv_blocks_for_rows
-from .config import KernelConfig, Tiles, fwd_fold, fwd_mask, fwd_tiles, fwd_window_tiles, fwd_ws
+from .config import KernelConfig, Tiles, fwd_fold, fwd_mask, fwd_o32_tiles, fwd_tiles, fwd_window_tiles, fwd_ws
 from .fwd_entry import fwd_entry, fwd_shapes
 from .fwd_ws import build_fwd_ws
 from .layout import prologue_load, sequence, store_rows, store_stat, tile
@@ -27,6 +27,12 @@ def build_fwd_unfolded(cfg: KernelConfig):
     """The forward without the scale folded into the exponent (``config.fwd_fold``): the kind a
     call with ``scale <= 0`` launches where the forward folds it."""
     return build_fwd(cfg, fold_scale=False)
+
+
+def build_fwd_o32(cfg: KernelConfig):
+    """Strict's forward when a backward follows (``config.fwd_o32``): two-term P @ V, and the output
+    also in fp32 (``fwd_ws.build_fwd_ws``'s ``o32``) for the backward's Delta."""
+    return build_fwd_ws(cfg, fwd_o32_tiles(cfg), fold=True, o32=True)
 
 
 def build_fwd_window(cfg: KernelConfig):

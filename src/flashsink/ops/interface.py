@@ -19,7 +19,7 @@ from . import decode
 from .compile import get_kernel
 from .config import (
     BWD_SPLIT_MIN_ROWS, HEAD_DIM_RULE, LOG2E, NO_WINDOW, PRECISIONS, ROW_PAD, SUPPORTED_DTYPES, WINDOW_TILES_MAX,
-    KernelConfig, arch_of, bwd_split, fwd_fold, fwd_windowed, kernel_head_dim, pre_tiles,
+    KernelConfig, arch_of, bwd_split, fwd_fold, fwd_o32, fwd_windowed, kernel_head_dim, pre_o32_tiles, pre_tiles,
 )
 from .config import padded_rows as _padded_rows, varlen_rows  # noqa: F401  (the ops' and tests' names)
 
@@ -138,19 +138,31 @@ def _numel(shape) -> int:
     return n
 
 
-def _forward(q, k, v, sinks32, cfg, spec, window, cu_seqlens=None):
-    """o (q's layout and dtype) and the row-padded lse (float32, :func:`_stat_shape`)."""
+def _forward(q, k, v, sinks32, cfg, spec, window, cu_seqlens=None, o32=False):
+    """o (q's layout and dtype) and the row-padded lse (float32, :func:`_stat_shape`). ``o32`` (strict,
+    a backward to follow): a third result, the output in fp32 from the kind ``fwd_o32`` where the call
+    has it (``config.fwd_o32``, a positive scale, not the split decode), else None: what the backward's
+    Delta pass reads (:func:`_backward`)."""
     if decode.use_split(spec, cfg):  # never for thd
         # few query rows against a long cache: split the keys over programs (decode.py)
         sms = _sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device())
-        return decode.forward_split(q, k, v, sinks32, cfg, spec, window, sms, _padded_rows(spec.seq_q))
+        o, lse = decode.forward_split(q, k, v, sinks32, cfg, spec, window, sms, _padded_rows(spec.seq_q))
+        return (o, lse, None) if o32 else (o, lse)
     # the kernels' head dim (cfg), not the problem's: q, k, v arrive zero-padded to it
     o = torch.empty((*q.shape[:-1], cfg.head_dim_v), dtype=q.dtype, device=q.device)
     lse = torch.empty(_stat_shape(spec, q, cu_seqlens), dtype=torch.float32, device=q.device)
     scale = float(spec.scale)
+    if o32:
+        if scale <= 0 or not fwd_o32(cfg):
+            o32 = None
+        else:
+            o32 = torch.empty(o.shape, dtype=torch.float32, device=q.device)
+            get_kernel("fwd_o32", cfg)(q, k, v, sinks32, *_seq_args(cu_seqlens, spec.seq_q), window, scale * LOG2E,
+                                       o, lse, o32)
+            return o, lse, o32
     kernel = get_kernel(_fwd_kind(cfg, window, scale), cfg)
     kernel(q, k, v, sinks32, *_seq_args(cu_seqlens, spec.seq_q), window, scale * LOG2E, o, lse)
-    return o, lse
+    return (o, lse) if o32 is False else (o, lse, None)
 
 
 def _fwd_kind(cfg, window: int, scale: float) -> str:
@@ -168,8 +180,9 @@ def _fwd_kind(cfg, window: int, scale: float) -> str:
 def _backward(do, q, k, v, o, lse, dlse, sinks32, cfg, spec, window, cu_seqlens=None):
     """dq, dk, dv and dsink (float32 ``[H]``, None without sinks). ``lse`` is the forward's
     row-padded one; ``dlse`` (or None) its gradient over the real rows (seq_q, or total_q).
-    ``o``: the forward's output (contiguous, head dims as the kernels saw them), read by the fast
-    preprocess (Delta = rowsum(dO * O)); None, and not read, for strict."""
+    ``o``: what the Delta pass reads (Delta = rowsum(dO * O)): fast, the forward's output (contiguous,
+    head dims as the kernels saw them); strict, the forward's fp32 output (``_forward(o32=True)``), or
+    None: Delta then comes from P and dP, recomputed."""
     dev = q.device
     stat = lse.shape  # [B, H, rows] or [H, rows] (thd)
     scale = float(spec.scale)
@@ -187,8 +200,10 @@ def _backward(do, q, k, v, o, lse, dlse, sinks32, cfg, spec, window, cu_seqlens=
             padded = torch.zeros(stat, dtype=f32, device=dev)
             padded[..., : dlse.shape[-1]] = dlse[..., : stat[-1]]
             dlse = padded
+    # Delta's pass: fast's from o; strict's from the forward's fp32 O, or (no O) from P and dP
+    pre = "preprocess_o32" if cfg.precision == "strict" and o is not None else "preprocess"
     if cfg.deterministic:
-        n_part = -(-spec.seq_q // pre_tiles(cfg).block_m)
+        n_part = -(-spec.seq_q // (pre_o32_tiles(cfg) if pre == "preprocess_o32" else pre_tiles(cfg)).block_m)
         dsink_part = torch.zeros((spec.batch, spec.heads, n_part), dtype=f32, device=dev)
         dsink = _unwritten((spec.heads,), dev)
         dq_acc = None
@@ -212,12 +227,10 @@ def _backward(do, q, k, v, o, lse, dlse, sinks32, cfg, spec, window, cu_seqlens=
     dlse_padded = _zero_stat(stat, dev) if dlse is None else dlse
     delta = torch.empty(stat, dtype=f32, device=dev)
     seq_q, seq_kv = _seq_args(cu_seqlens, spec.seq_q), _seq_args(cu_seqlens, spec.seq_kv)
-    if cfg.precision == "strict":
-        get_kernel("preprocess", cfg)(
-            q, k, v, do, lse, dlse_padded, sinks32, *seq_q, window, scale, delta, dsink, dsink_part
-        )
+    if cfg.precision == "strict" and o is None:
+        get_kernel(pre, cfg)(q, k, v, do, lse, dlse_padded, sinks32, *seq_q, window, scale, delta, dsink, dsink_part)
     else:
-        get_kernel("preprocess", cfg)(o, do, lse, dlse_padded, sinks32, *seq_q, delta, dsink, dsink_part)
+        get_kernel(pre, cfg)(o, do, lse, dlse_padded, sinks32, *seq_q, delta, dsink, dsink_part)
 
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)

@@ -17,8 +17,8 @@ import importlib
 from typing import Callable, Optional
 
 from .config import (
-    KVCACHE_HEAD_DIMS, SPLIT_ROWS, KernelConfig, bwd_split, bwd_tiles, dq_tiles, fwd_fold, fwd_tiles, fwd_window_tiles,
-    fwd_windowed, pre_tiles, split_tiles,
+    KVCACHE_HEAD_DIMS, SPLIT_ROWS, KernelConfig, bwd_split, bwd_tiles, dq_tiles, fwd_fold, fwd_o32, fwd_o32_tiles,
+    fwd_tiles, fwd_window_tiles, fwd_windowed, pre_o32_tiles, pre_tiles, split_tiles,
 )
 
 
@@ -83,7 +83,11 @@ KINDS: dict = {
     # layers share their configuration with the full ones, so a first use builds both forwards)
     "fwd_window": Kind("fwd.build_fwd_window", fwd_window_tiles, fwd_windowed, ignores=("deterministic", "precision"),
                        builds=fwd_windowed),
+    # strict's forward when a backward follows, and that backward's Delta pass (config.fwd_o32): two-term
+    # P @ V and the output in fp32 too, read by a memory-bound Delta instead of recomputing P and dP
+    "fwd_o32": Kind("fwd.build_fwd_o32", fwd_o32_tiles, fwd_o32, ignores=("deterministic",), builds=fwd_o32),
     "preprocess": Kind("bwd.build_preprocess", pre_tiles, _always),
+    "preprocess_o32": Kind("bwd.build_preprocess_o32", pre_o32_tiles, fwd_o32, builds=fwd_o32),
     "bwd": Kind("bwd.build_bwd", bwd_tiles, _always),
     "bwd_split": Kind("bwd.build_bwd_split", bwd_tiles, _has_split, builds=_has_split),
     "dq": Kind("bwd.build_dq", dq_tiles, lambda cfg: cfg.deterministic),
