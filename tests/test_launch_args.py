@@ -53,6 +53,8 @@ def launches(monkeypatch):
                 out.append(Launch(kind, cfg, args))
                 if kind in FORWARDS:
                     args[-1].fill_(7.0)
+                elif kind == "fwd_o32":  # lse, then the fp32 O
+                    args[-2].fill_(7.0)
 
             return kernel
 
@@ -627,3 +629,39 @@ def test_shared_buffers_grow_and_keep_what_they_outgrow(monkeypatch):
     monkeypatch.setattr(interface, "MAX_VIEWS", 2)
     interface._unwritten((5,), dev)  # past MAX_VIEWS: the memo starts again
     assert len(interface._VIEWS) == 1 and interface._zero_stat((2, 3, 128), dev) is not a
+
+
+@pytest.mark.parametrize("what", ["scale<=0", "no grad", "thd", "sm_80"])
+def test_strict_keeps_delta_from_p_where_there_is_no_fp32_o(monkeypatch, launches, what):
+    """Strict's eager forward keeps an fp32 O (``fwd_o32``, read by ``preprocess_o32``) only where
+    ``config.fwd_o32`` has that kernel and the call can use it: a call with ``scale <= 0`` (no folded
+    kernel), a forward without gradients, a packed batch and sm_80 run the usual forward, and a
+    backward after it recomputes Delta from P and dP (the strict ``preprocess``, q, k, v first)."""
+    _arch(monkeypatch, "sm_80" if what == "sm_80" else "sm_90a")
+    monkeypatch.setattr(attention, "_eager", lambda q: True)
+    q, k, v, do, sinks, spec = _dense_inputs(DENSE[0])
+    leaves = [x.clone().requires_grad_(what != "no grad") for x in (q, k, v, sinks)]
+    if what == "thd":
+        b, s = q.shape[0], q.shape[2]
+        flat = [x.transpose(1, 2).reshape(b * s, x.shape[1], x.shape[3]).contiguous() for x in (q, k, v, do)]
+        leaves = [x.requires_grad_(True) for x in flat[:3]] + [leaves[3]]
+        cu = torch.tensor([0, s, 2 * s], dtype=torch.int32)
+        spec = validate_varlen(*leaves[:3], cu, cu, s, s, leaves[3], window=16, causal=True, scale=None)
+        o = attention.kernel_attention_varlen(spec, *leaves[:3], cu, cu, leaves[3], precision="strict")
+        do = flat[3]
+    else:
+        if what == "scale<=0":
+            spec = validate_attention(*leaves, window=16, causal=True, scale=-0.125, layout="bhsd")
+        o = attention.kernel_attention(spec, *leaves, precision="strict")
+    kinds = [x.launched for x in launches]
+    assert "fwd_o32" not in kinds, kinds
+    if what == "no grad":
+        assert len(kinds) == 1 and not o.requires_grad
+        return
+    torch.autograd.grad(o, leaves, do)
+    kinds = [x.launched for x in launches]
+    assert "preprocess" in kinds and "preprocess_o32" not in kinds, kinds
+    pre = launches[kinds.index("preprocess")]
+    assert pre.args[0].dtype == q.dtype and len(pre.args) == 12 + (3 if what == "thd" else 0)  # q, k, v, ...
+    if what == "scale<=0":
+        assert kinds[0] == "fwd_unfolded"
