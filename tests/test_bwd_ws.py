@@ -154,8 +154,8 @@ def test_ws_strict_option_has_two_term_products(d):
 
 
 def test_strict_preprocess_from_an_fp32_o_option():
-    """``build_preprocess(o32=True)`` (strict; tools/bwd_variants.py's "strict pre/o32", not a default until
-    measured): the fast preprocess's memory-bound pass with O in fp32 (the forward's ``o32`` output);
+    """``build_preprocess(o32=True)`` (strict; the kind ``preprocess_o32``, tools/bwd_variants.py's
+    "strict pre/o32"): the fast preprocess's memory-bound pass with O in fp32 (the forward's ``o32`` output);
     the fast kernel's launch otherwise; it refuses the fast configuration and the P-pass options."""
     from flashsink.ops.compile import build_prim_func
 

@@ -174,8 +174,8 @@ def test_the_forward_kind_follows_window_and_scale(window, scale, want):
 
 
 def test_exp2_fma_option_builds_and_leaves_the_default_alone():
-    """``build_fwd_ws(fma_every=k)`` (tools/fwd_variants.py's "ws/fold/fma8", not a default until
-    measured): one column group of 8 in every k takes ``softmax.exp2_fma``; the default kernel (k = 0)
+    """``build_fwd_ws(fma_every=k)`` (tools/fwd_variants.py's "ws/fold/fma8", measured slower: not a
+    default): one column group of 8 in every k takes ``softmax.exp2_fma``; the default kernel (k = 0)
     has no polynomial; the launch is the same."""
     from flashsink.ops.compile import build_prim_func
     from flashsink.ops.fwd_ws import build_fwd_ws
@@ -217,8 +217,8 @@ def test_exp2_fma_arithmetic():
 
 @pytest.mark.parametrize("d,tiles", [(128, Tiles(128, 128, 256, 2)), (64, Tiles(128, 128, 256, 2))])
 def test_o32_option_adds_an_fp32_output_and_a_second_pv_term(d, tiles):
-    """``build_fwd_ws(o32=True)`` (strict's forward option, tools/fwd_variants.py's "ws/fold/o32", not a
-    default until measured): the default launch plus one output, ``O32`` (o's shape, fp32), stored
+    """``build_fwd_ws(o32=True)`` (strict's training forward, the kind ``fwd_o32``; tools/fwd_variants.py's
+    "ws/fold/o32"): the default launch plus one output, ``O32`` (o's shape, fp32), stored
     from the normalized accumulator; P @ V issued as two products (hi and lo: one more wgmma in the
     loop and one in the tail) and waited for accordingly; the fast configuration refuses it."""
     from flashsink.ops.compile import build_prim_func

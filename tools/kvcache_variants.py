@@ -20,14 +20,6 @@ import sys
 B, H, HK, D = 8, 64, 8, 64
 
 
-def _compile(cfg):
-    from bwd_variants import _load  # tools/: the variant tools' one compile call (sm_90a)
-
-    from flashsink.ops.fwd_kvcache import build_fwd_kvcache
-
-    return _load({}, lambda o: build_fwd_kvcache(cfg))
-
-
 def _problem(n, page_size, seed):
     """q, the paged caches, the block table and the lengths."""
     import torch
@@ -56,13 +48,14 @@ def main() -> int:
     from triton.testing import do_bench
 
     import flashsink
+    from flashsink.ops.compile import get_kernel
     from flashsink.ops.config import LOG2E, NO_WINDOW, KernelConfig, arch_of, split_tiles
     from flashsink.ops.kvcache import n_splits_for
     from flashsink._validate_kvcache import validate_kvcache
 
     cfg = KernelConfig(arch=arch_of(torch.device("cuda")), dtype="bfloat16", head_dim=D, head_dim_v=D, groups=H // HK,
                        causal=True, has_sinks=False, layout="bshd")
-    kern = _compile(cfg)
+    kern = get_kernel("fwd_kvcache", cfg)  # the library's kernel, through its cache
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     scale = LOG2E / math.sqrt(D)
     print(f"{'cache':>8} {'splits':<14} {'ms':>8} {'GB/s':>7} {'x first':>7}")

@@ -86,7 +86,7 @@ def build_preprocess(cfg: KernelConfig, branch: bool | None = None, lpt: bool | 
     ``lpt`` and ``tiles`` (strict only; default ``config.pre_branch`` / ``config.pre_lpt`` /
     ``config.pre_tiles``, other values for tools/bwd_variants.py): see :func:`_build_preprocess_strict`.
 
-    ``o32`` (strict; an option for tools/bwd_variants.py until measured): Delta = rowsum(dO * O) in the
+    ``o32`` (strict; the kind ``preprocess_o32``, ``config.fwd_o32``): Delta = rowsum(dO * O) in the
     fast preprocess's memory-bound pass, from the fp32 O of the forward's ``o32`` kernel
     (``fwd_ws.build_fwd_ws``: P @ V as two-term products), instead of recomputing P and dP."""
     if o32:

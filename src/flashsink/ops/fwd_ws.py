@@ -71,13 +71,14 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
     ``fold``: the scale folded into the exponent's FMA (``softmax.update``'s ``scale_log2``; needs a
     positive scale: ``config.fwd_fold``, and the kind ``fwd_unfolded`` for the others).
 
-    ``fma_every`` (an option for tools/fwd_variants.py until measured): one column group of 8 in every
+    ``fma_every`` (an option for tools/fwd_variants.py; measured 14-30% slower, docs/perf.md v13: the
+    forward is bound by issue slots, not the MUFU): one column group of 8 in every
     ``fma_every`` takes its exponentials on the FMA pipe (``softmax.exp2_fma``), the others on the MUFU:
     at head dim 64 a tile's 8192 exponentials per consumer take the MUFU (16 per cycle per SM) about as
     long as its products take the tensor cores.
 
-    ``o32`` (strict's forward; an option for tools/fwd_variants.py and tools/bwd_variants.py until
-    measured): P @ V as two-term products (``split.py``: P = hi + lo, two wgmma per KV tile), and the
+    ``o32`` (strict's training forward, the kind ``fwd_o32``: ``config.fwd_o32``): P @ V as two-term
+    products (``split.py``: P = hi + lo, two wgmma per KV tile), and the
     normalized output also written in fp32 to one more output, ``O32``, from which strict's backward
     takes Delta = rowsum(dO * O) in a memory-bound pass (``bwd.build_preprocess(o32=True)``) instead of
     recomputing P and dP. Why two terms: with P rounded once, that Delta moves dsink off the precision

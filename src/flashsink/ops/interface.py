@@ -17,9 +17,10 @@ import torch
 
 from . import decode
 from .compile import get_kernel
+from .kinds import KINDS
 from .config import (
     BWD_SPLIT_MIN_ROWS, HEAD_DIM_RULE, LOG2E, NO_WINDOW, PRECISIONS, ROW_PAD, SUPPORTED_DTYPES, WINDOW_TILES_MAX,
-    KernelConfig, arch_of, bwd_split, fwd_fold, fwd_o32, fwd_windowed, kernel_head_dim, pre_o32_tiles, pre_tiles,
+    KernelConfig, arch_of, bwd_split, fwd_fold, fwd_o32, fwd_windowed, kernel_head_dim,
 )
 from .config import padded_rows as _padded_rows, varlen_rows  # noqa: F401  (the ops' and tests' names)
 
@@ -152,17 +153,13 @@ def _forward(q, k, v, sinks32, cfg, spec, window, cu_seqlens=None, o32=False):
     o = torch.empty((*q.shape[:-1], cfg.head_dim_v), dtype=q.dtype, device=q.device)
     lse = torch.empty(_stat_shape(spec, q, cu_seqlens), dtype=torch.float32, device=q.device)
     scale = float(spec.scale)
-    if o32:
-        if scale <= 0 or not fwd_o32(cfg):
-            o32 = None
-        else:
-            o32 = torch.empty(o.shape, dtype=torch.float32, device=q.device)
-            get_kernel("fwd_o32", cfg)(q, k, v, sinks32, *_seq_args(cu_seqlens, spec.seq_q), window, scale * LOG2E,
-                                       o, lse, o32)
-            return o, lse, o32
-    kernel = get_kernel(_fwd_kind(cfg, window, scale), cfg)
-    kernel(q, k, v, sinks32, *_seq_args(cu_seqlens, spec.seq_q), window, scale * LOG2E, o, lse)
-    return (o, lse) if o32 is False else (o, lse, None)
+    seq = _seq_args(cu_seqlens, spec.seq_q)
+    if o32 and scale > 0 and fwd_o32(cfg):  # (a scale <= 0 has no folded kernel)
+        o32 = torch.empty(o.shape, dtype=torch.float32, device=q.device)
+        get_kernel("fwd_o32", cfg)(q, k, v, sinks32, *seq, window, scale * LOG2E, o, lse, o32)
+        return o, lse, o32
+    get_kernel(_fwd_kind(cfg, window, scale), cfg)(q, k, v, sinks32, *seq, window, scale * LOG2E, o, lse)
+    return (o, lse, None) if o32 else (o, lse)
 
 
 def _fwd_kind(cfg, window: int, scale: float) -> str:
@@ -200,10 +197,10 @@ def _backward(do, q, k, v, o, lse, dlse, sinks32, cfg, spec, window, cu_seqlens=
             padded = torch.zeros(stat, dtype=f32, device=dev)
             padded[..., : dlse.shape[-1]] = dlse[..., : stat[-1]]
             dlse = padded
-    # Delta's pass: fast's from o; strict's from the forward's fp32 O, or (no O) from P and dP
+    # Delta's pass: fast's from o; strict's from the forward's fp32 O, or (o None) from P and dP
     pre = "preprocess_o32" if cfg.precision == "strict" and o is not None else "preprocess"
     if cfg.deterministic:
-        n_part = -(-spec.seq_q // (pre_o32_tiles(cfg) if pre == "preprocess_o32" else pre_tiles(cfg)).block_m)
+        n_part = -(-spec.seq_q // KINDS[pre].tiles(cfg).block_m)
         dsink_part = torch.zeros((spec.batch, spec.heads, n_part), dtype=f32, device=dev)
         dsink = _unwritten((spec.heads,), dev)
         dq_acc = None
@@ -227,7 +224,7 @@ def _backward(do, q, k, v, o, lse, dlse, sinks32, cfg, spec, window, cu_seqlens=
     dlse_padded = _zero_stat(stat, dev) if dlse is None else dlse
     delta = torch.empty(stat, dtype=f32, device=dev)
     seq_q, seq_kv = _seq_args(cu_seqlens, spec.seq_q), _seq_args(cu_seqlens, spec.seq_kv)
-    if cfg.precision == "strict" and o is None:
+    if o is None:
         get_kernel(pre, cfg)(q, k, v, do, lse, dlse_padded, sinks32, *seq_q, window, scale, delta, dsink, dsink_part)
     else:
         get_kernel(pre, cfg)(o, do, lse, dlse_padded, sinks32, *seq_q, delta, dsink, dsink_part)
