@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ._validate import _check_heads, _check_options, _check_same_dtype_device, _check_sinks, _check_tensor, _shape
+from ._validate import (_check_heads, _check_options, _check_same_dtype_device, _check_sinks, _check_tensor, _shape,
+                        _spec_window)
 
 
 @dataclass(frozen=True)
@@ -66,9 +67,8 @@ def _check_int_tensor(name: str, t, dims: int, what: str, device) -> None:
         raise ValueError(f"{name} must be on the same device as q ({device}), got {t.device}")
 
 
-def _check_no_grad(q, k_cache, v_cache, sinks) -> None:
-    if not torch.is_grad_enabled():
-        return
+def refuse_grad(q, k_cache, v_cache, sinks) -> None:
+    """NotImplementedError naming the first input that requires grad (the caller knows grad mode is on)."""
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("sinks", sinks)):
         if t is not None and t.requires_grad:
             raise NotImplementedError(
@@ -131,14 +131,24 @@ def validate_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, sinks, *, 
             raise ValueError(f"k_cache batch ({n0}) must equal q batch ({b}) for a contiguous cache "
                              f"[B, S_max, H_kv, D] (pass block_table for a paged one); k_cache {_shape(k_cache)}")
         num_pages, page_size, max_pages = b, rows, 1
-    _check_no_grad(q, k_cache, v_cache, sinks)
+    if torch.is_grad_enabled():
+        refuse_grad(q, k_cache, v_cache, sinks)
     return KVCacheSpec(
         batch=b, heads=h, kv_heads=hk, seq_q=sq, head_dim=d, head_dim_v=v_cache.shape[3],
-        window=None if window is None else int(window),
+        window=_spec_window(window),  # clamped: the op's int64 window, the masks' integer arithmetic
         scale=1.0 / math.sqrt(d) if scale is None else float(scale),
         dtype=q.dtype, has_sinks=sinks is not None, paged=paged,
         num_pages=num_pages, page_size=page_size, max_pages=max_pages,
     )
+
+
+def check_kvcache_op(q, k_cache, v_cache, cache_seqlens, block_table, sinks, window, scale) -> KVCacheSpec:
+    """``flashsink::kvcache_fwd``: the checks of :func:`validate_kvcache` (``scale`` is required; the
+    op always returns lse). The op's implementation off CUDA, the reference, checks the values too."""
+    if scale is None:
+        raise TypeError("scale must be a float for the flashsink ops (flashsink.attention_kvcache defaults it)")
+    return validate_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, sinks, window=window, scale=scale,
+                            return_lse=True)
 
 
 def check_cache_values(spec: KVCacheSpec, cache_seqlens, block_table) -> tuple[list[int], list[list[int]] | None]:

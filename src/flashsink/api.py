@@ -153,11 +153,21 @@ def attention_kvcache(
     :func:`flashsink.reference.attention_kvcache`, which checks the values of ``cache_seqlens`` and
     ``block_table`` on the host (ValueError); on CUDA the kernels check them on the device (no host
     sync) and write NaN to the rows of a batch row whose length, or a used page index, is out of range.
+
+    Traces with ``torch.compile(fullgraph=True, dynamic=True)`` through the custom op
+    ``flashsink::kvcache_fwd`` (the kernels on CUDA, this reference elsewhere, the values then checked
+    inside the op); eager calls take the launches directly.
     """
     spec = validate_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, sinks, window=window, scale=scale,
                             return_lse=return_lse)
-    if q.is_cuda:
+    if q.is_cuda and not torch.compiler.is_compiling():  # eagerly: the launches, no op dispatch
         return kernel_attention_kvcache(spec, q, k_cache, v_cache, cache_seqlens, block_table, sinks,
                                         return_lse=return_lse)
+    if torch.compiler.is_compiling() or q.device.type == "meta":
+        # The op flashsink::kvcache_fwd: the kernels on CUDA; elsewhere the reference, which reads the
+        # lengths and pages inside the op, where a traced graph does not see them; on meta tensors the fake.
+        o, lse = torch.ops.flashsink.kvcache_fwd(q, k_cache, v_cache, cache_seqlens, block_table, sinks, spec.window,
+                                                 spec.scale)
+        return (o, lse) if return_lse else o
     lengths, pages = check_cache_values(spec, cache_seqlens, block_table)
     return reference._attention_kvcache(q, k_cache, v_cache, lengths, pages, sinks, spec, return_lse=return_lse)

@@ -1,5 +1,6 @@
-"""The kernels as ``torch.library`` custom ops: ``flashsink::fwd`` / ``flashsink::bwd`` and, for packed
-(varlen) batches, ``flashsink::varlen_fwd`` / ``flashsink::varlen_bwd``.
+"""The kernels as ``torch.library`` custom ops: ``flashsink::fwd`` / ``flashsink::bwd``, for packed
+(varlen) batches ``flashsink::varlen_fwd`` / ``flashsink::varlen_bwd``, and against a KV cache
+``flashsink::kvcache_fwd`` (forward only).
 
 They make the CUDA path of ``flashsink.attention`` traceable by ``torch.compile`` (``fullgraph=True``,
 dynamic shapes): the TileLang launches are opaque to the compiler, so each direction is one op with
@@ -14,6 +15,7 @@ forward op has an autograd formula that calls the backward op.
     flashsink::varlen_bwd(do, q, k, v, sinks?, lse, dlse?, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                           max_seqlen_k, window?, causal, scale, deterministic, precision="fast", o?=None)
         -> (dq, dk, dv, dsink)
+    flashsink::kvcache_fwd(q, k_cache, v_cache, cache_seqlens, block_table?, sinks?, window?, scale) -> (o, lse)
 
 Arguments are tensors and primitives only; the kernels' static configuration and the problem's
 ``AttnSpec`` are rebuilt from them inside. Conventions:
@@ -29,6 +31,9 @@ Arguments are tensors and primitives only; the kernels' static configuration and
   ``[total_q, H, D_v]``, lse ``[H, interface.varlen_rows(total_q)]`` (padded one row tile past the last token).
 * dlse: the gradient of that padded lse or None; dsink: ``[H]`` in the sinks' dtype (float32 zeros
   when ``sinks`` is None, and the autograd formula then returns no gradient).
+* kvcache: ``flashsink.attention_kvcache``'s arguments (q ``[B, S_q, H, D]``, a paged or contiguous
+  cache, int32 ``cache_seqlens`` / ``block_table``); o ``[B, S_q, H, D_v]``, lse ``[B, H, S_q]`` (not
+  padded). No gradient: an input that requires grad is refused when the op runs (NotImplementedError).
 * precision: "fast" or "strict" (``config.PRECISIONS``). The fast backward reads the forward's o
   (the op's output, head dims as the kernels saw them), so the autograd formula saves it and the
   backward ops take it as ``o`` (last, optional: strict and the reference do not read it).
@@ -49,10 +54,12 @@ from torch import Tensor
 from .. import reference
 from .. import _validate
 from .._validate import AttnSpec
+from .._validate_kvcache import check_cache_values, check_kvcache_op, refuse_grad
 from . import interface
 from .config import NATIVE_HEAD_DIMS
+from .kvcache import kernel_attention_kvcache
 
-__all__ = ["fwd", "bwd", "varlen_fwd", "varlen_bwd"]
+__all__ = ["fwd", "bwd", "varlen_fwd", "varlen_bwd", "kvcache_fwd"]
 
 
 def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -402,3 +409,54 @@ def _varlen_backward(ctx, do, dlse):
 
 
 varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
+
+
+# ------------------------------------------------------------------------------------------------
+# KV cache: flashsink::kvcache_fwd (forward only)
+#
+# cache_seqlens and block_table are int32 tensors that only the implementations read (the kernels
+# on the device, the reference on the host after check_cache_values), so no value of them reaches a
+# graph: batch, S_q, the number of pages, the page size and max_pages are sizes (SymInts when traced).
+
+
+def _kvcache_fwd_reference(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    cache_seqlens: Tensor,
+    block_table: Optional[Tensor],
+    sinks: Optional[Tensor],
+    window: Optional[int],
+    scale: float,
+) -> Tuple[Tensor, Tensor]:
+    """Reference implementation (every device but CUDA), the values of the lengths and pages checked on the host."""
+    spec = check_kvcache_op(q, k_cache, v_cache, cache_seqlens, block_table, sinks, window, scale)
+    lengths, pages = check_cache_values(spec, cache_seqlens, block_table)  # inside the op: never in a graph
+    o, lse = reference._attention_kvcache(q, k_cache, v_cache, lengths, pages, sinks, spec, return_lse=True)
+    return o.contiguous(), lse.contiguous()
+
+
+kvcache_fwd = torch.library.custom_op("flashsink::kvcache_fwd", _kvcache_fwd_reference, mutates_args=())
+
+
+@kvcache_fwd.register_kernel("cuda")
+def _kvcache_fwd_cuda(q, k_cache, v_cache, cache_seqlens, block_table, sinks, window, scale):
+    spec = check_kvcache_op(q, k_cache, v_cache, cache_seqlens, block_table, sinks, window, scale)
+    return kernel_attention_kvcache(spec, q, k_cache, v_cache, cache_seqlens, block_table, sinks, return_lse=True)
+
+
+@kvcache_fwd.register_fake
+def _kvcache_fwd_fake(q, k_cache, v_cache, cache_seqlens, block_table, sinks, window, scale):
+    spec = check_kvcache_op(q, k_cache, v_cache, cache_seqlens, block_table, sinks, window, scale)
+    o = q.new_empty((spec.batch, spec.seq_q, spec.heads, spec.head_dim_v))
+    return o, q.new_empty((spec.batch, spec.heads, spec.seq_q), dtype=_lse_dtype(q.dtype))
+
+
+def _kvcache_refuse_grad(ctx, inputs, output):
+    """Forward only: called when grad mode is on and an input requires grad (the implementations run
+    below autograd, with grad mode off, so their own check cannot see it)."""
+    q, k_cache, v_cache, _, _, sinks, *_ = inputs
+    refuse_grad(q, k_cache, v_cache, sinks)
+
+
+kvcache_fwd.register_autograd(None, setup_context=_kvcache_refuse_grad)
