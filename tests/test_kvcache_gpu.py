@@ -21,9 +21,9 @@ def _ident(c):
             f"{pages}-{w}{'' if c.sinks else '-nosink'}-{dtype_name(c.dtype)}")
 
 
-def make_cache(c: KVCase, seed: int = 0, spare: int = 5):
+def make_cache(c: KVCase, seed: int = 0, spare: int = 5, device: str = "cuda"):
     """q, a cache filled with random values everywhere (unused rows too), cache_seqlens and a
-    random block table (pages in random order; garbage past each row's used pages)."""
+    random block table (pages in random order; garbage past each row's used pages), on ``device``."""
     g = torch.Generator().manual_seed(seed)
     B, D = len(c.lengths), c.head_dim
     lengths = torch.tensor(c.lengths, dtype=torch.int32)
@@ -49,9 +49,8 @@ def make_cache(c: KVCase, seed: int = 0, spare: int = 5):
     v = torch.randn(shape, generator=g).to(c.dtype)
     q = torch.randn(B, c.seq_q, c.heads, D, generator=g).to(c.dtype)
     sinks = (torch.rand(c.heads, generator=g) * 4 - 2) if c.sinks else None
-    dev = "cuda"
-    return dict(q=q.to(dev), k_cache=k.to(dev), v_cache=v.to(dev), cache_seqlens=lengths.to(dev),
-                block_table=None if table is None else table.to(dev), sinks=None if sinks is None else sinks.to(dev))
+    return dict(q=q.to(device), k_cache=k.to(device), v_cache=v.to(device), cache_seqlens=lengths.to(device),
+                block_table=None if table is None else table.to(device), sinks=None if sinks is None else sinks.to(device))
 
 
 def run_both(c, inp):

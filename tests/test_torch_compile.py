@@ -658,3 +658,152 @@ def test_opcheck_varlen_gpu(sinks, window, causal, precision):
     inp, args = _varlen_op_args("cuda", torch.bfloat16, sinks, window, causal, lens_q, lens_k, d=64,
                                 deterministic=True, precision=precision)
     _opcheck_varlen(inp, args, rows=varlen_rows(sum(lens_q)))
+
+
+# ------------------------------------------------------------------------------------------------
+# KV cache: flashsink.attention_kvcache compiled, and the op flashsink::kvcache_fwd (forward only)
+
+# (lengths, page size or None for a contiguous cache, seq_q) per call of one compiled graph: new lengths,
+# batch, page size, number of pages and max_pages (a contiguous cache: a new S_max), an empty row in the
+# second. No size of the first call equals another (dynamo's duck sizing would guard on that and
+# recompile); sizes 0 and 1 are specialized by dynamo, so S_q = 1 (decode) stays 1.
+KV_CALLS = {
+    "paged": [((50, 17, 3), 12), ((70, 0, 2, 40, 100), 7)],
+    "contiguous": [((20, 5, 37), None), ((9, 60, 33, 0, 14), None)],
+}
+# cache, seq_q per call, window, sinks, return_lse
+KV_COMPILE_CASES = [
+    ("paged", (1, 1), None, True, True),
+    ("paged", (4, 6), 20, False, False),
+    ("contiguous", (1, 1), 7, True, False),
+    ("contiguous", (4, 6), None, True, True),
+]
+
+
+def _kv_cache(lengths, page_size, seq_q, window, sinks, h, hk, d, dtype, device, seed):
+    from gpu_cases import KVCase
+    from test_kvcache_gpu import make_cache
+
+    return make_cache(KVCase(h, hk, d, dtype, lengths, page_size, seq_q=seq_q, window=window, sinks=sinks),
+                      seed=seed, device=device)
+
+
+def _kv_reference(inp, window, compute_dtype):
+    cast = (lambda t: t.double()) if compute_dtype == torch.float64 else (lambda t: t)
+    return flashsink.reference.attention_kvcache(
+        *(cast(inp[n]) for n in ("q", "k_cache", "v_cache")), inp["cache_seqlens"], block_table=inp["block_table"],
+        sinks=None if inp["sinks"] is None else cast(inp["sinks"]), window=window, return_lse=True,
+        compute_dtype=compute_dtype)
+
+
+def _kv_compiled_vs_eager(counter, calls, window, return_lse, dims, device, lowp):
+    """``flashsink.attention_kvcache`` compiled (fullgraph, dynamic) over ``calls``: the same tensors as the
+    eager call, bitwise (the same implementation behind the op), and o (and lse) against the float64
+    reference under the precision standard (gate 2 with the reference in the input dtype when ``lowp``)."""
+
+    def fn(q, k_cache, v_cache, cache_seqlens, block_table, sinks):
+        return flashsink.attention_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=block_table, sinks=sinks,
+                                           window=window, return_lse=return_lse)
+
+    compiled = torch.compile(fn, backend=counter, fullgraph=True, dynamic=True)
+    dtype = dims[-1]
+    for i, (lengths, page_size, seq_q, sinks) in enumerate(calls):
+        inp = _kv_cache(lengths, page_size, seq_q, window, sinks, *dims, device, seed=40 + i)
+        with torch.inference_mode():
+            comp, eager = compiled(**inp), fn(**inp)
+        comp, eager = ((comp, eager) if return_lse else ((comp,), (eager,)))
+        expected = _kv_reference(inp, window, torch.float64)
+        low = _kv_reference(inp, window, dtype) if lowp else (None, None)
+        names = ("o", "lse")[: len(comp)]
+        _assert_all([testing.check_precision(f"{nm}@{lengths}", c, e, dtype, lowp=lo)
+                     for nm, c, e, lo in zip(names, comp, expected, low)])
+        assert comp[0].dtype == dtype and all(torch.equal(c, e) for c, e in zip(comp, eager))
+        assert comp[-1].shape == (len(lengths), dims[0], seq_q) or not return_lse
+    assert counter.frame_count == 1  # one graph for every call (a recompile would have raised)
+    assert any("flashsink.kvcache_fwd" in t for t in _flashsink_ops(counter)), sorted(_ops_in(counter))
+
+
+@pytest.mark.parametrize("case", KV_COMPILE_CASES, ids=lambda c: "{}-Q{}-W{}-{}{}".format(
+    c[0], c[1][0], c[2], "sink" if c[3] else "nosink", "-lse" if c[4] else ""))
+def test_kvcache_fullgraph_dynamic_cpu(counter, case):
+    """attention_kvcache compiled on CPU tensors (the op's implementation there: the reference, the values of
+    the lengths and pages read inside the op): one graph for new lengths, batch, page size and page count."""
+    cache, seq_qs, window, sinks, return_lse = case
+    if case is not KV_COMPILE_CASES[0]:  # inductor for one case; AOT autograd alone for the others
+        from torch._dynamo.testing import CompileCounterWithBackend
+
+        counter = CompileCounterWithBackend("aot_eager")
+    calls = [(lens, ps, sq, sinks) for (lens, ps), sq in zip(KV_CALLS[cache], seq_qs)]
+    _kv_compiled_vs_eager(counter, calls, window, return_lse, (8, 2, 16, torch.bfloat16), "cpu", lowp=True)
+
+
+# page size or None, seq_q, window, sinks
+KV_OPCHECK_CASES = [(12, 1, None, True), (12, 4, 20, False), (None, 1, 7, False), (None, 4, None, True)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=testing.dtype_name)
+@pytest.mark.parametrize("page_size, seq_q, window, sinks", KV_OPCHECK_CASES)
+def test_opcheck_kvcache_cpu(dtype, page_size, seq_q, window, sinks):
+    inp = _kv_cache((50, 17, 3), page_size, seq_q, window, sinks, 8, 2, 16, dtype, "cpu", seed=9)
+    inp["v_cache"] = torch.randn(*inp["k_cache"].shape[:3], 24, generator=torch.Generator().manual_seed(2)).to(dtype)
+    args = (*inp.values(), window, 0.3)
+    torch.library.opcheck(torch.ops.flashsink.kvcache_fwd.default, args)
+    o, lse = torch.ops.flashsink.kvcache_fwd(*args)
+    want_o, want_lse = flashsink.reference.attention_kvcache(*args[:4], block_table=inp["block_table"],
+                                                             sinks=inp["sinks"], window=window, scale=0.3,
+                                                             return_lse=True)
+    assert torch.equal(o, want_o) and torch.equal(lse, want_lse)
+
+
+def test_kvcache_fake_shapes_and_checks():
+    """The fake (meta tensors through attention_kvcache): o [B, S_q, H, D_v] contiguous in q's dtype, lse
+    float32 [B, H, S_q]. The op checks its arguments as attention_kvcache does, the values (off CUDA) inside
+    it, also when compiled; and it is forward only: an input that requires grad is refused eagerly, compiled
+    (the door's NotImplementedError, raised while tracing) and by the op itself."""
+    q = torch.empty(3, 5, 8, 64, dtype=torch.bfloat16, device="meta")
+    kc = torch.empty(20, 16, 2, 64, dtype=torch.bfloat16, device="meta")
+    vc = torch.empty(20, 16, 2, 32, dtype=torch.bfloat16, device="meta")
+    lens, table = (torch.empty(s, dtype=torch.int32, device="meta") for s in ((3,), (3, 4)))
+    o, lse = flashsink.attention_kvcache(q, kc, vc, lens, block_table=table, return_lse=True)
+    assert o.shape == (3, 5, 8, 32) and o.dtype == torch.bfloat16 and o.is_contiguous() and o.is_meta
+    assert lse.shape == (3, 8, 5) and lse.dtype == torch.float32 and lse.is_contiguous()
+    with pytest.raises(ValueError, match=r"block_table must be \[B, max_pages\]"):
+        torch.ops.flashsink.kvcache_fwd(q, kc, vc, lens, table[:2], None, None, 0.125)
+
+    inp = _kv_cache((50, 17, 3), 12, 4, None, True, 8, 2, 16, torch.float32, "cpu", seed=11)
+
+    def fn(q, k_cache, v_cache, cache_seqlens, block_table, sinks):
+        return flashsink.attention_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=block_table, sinks=sinks)
+
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True, dynamic=True)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(**inp), fn(**inp), rtol=0, atol=0)
+        bad = dict(inp, cache_seqlens=torch.tensor([50, 85, 3], dtype=torch.int32))
+        for f in (compiled, fn):
+            with pytest.raises(ValueError, match=r"cache_seqlens\[1\] = 85 must be in \[0, 84\]"):
+                f(**bad)
+    grad = dict(inp, sinks=inp["sinks"].requires_grad_(True))
+    with pytest.raises(NotImplementedError, match="forward only.*sinks requires grad"):
+        fn(**grad)
+    with pytest.raises(torch._dynamo.exc.Unsupported) as info:  # fullgraph: the door's error, observed while tracing
+        compiled(**grad)
+    assert "sinks requires grad" in repr(info.value.__cause__)
+    with pytest.raises(NotImplementedError, match="forward only.*sinks requires grad"):
+        torch.ops.flashsink.kvcache_fwd(*grad.values(), None, 0.25)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache", ["paged", "contiguous"])
+def test_kvcache_fullgraph_dynamic_gpu(counter, cache):
+    """attention_kvcache on CUDA compiled (fullgraph, dynamic, inductor) over two calls: o and lse bitwise
+    the eager kernels' (the op's CUDA implementation is the same launches), and under the precision standard
+    against the float64 reference; one graph. The configurations are tests/gpu_cases.py's kvcache_cases
+    ("decode-p16": bf16, G8, D64, sinks; "chunk16-contiguous": fp16, G3, D64, sinks), which the GPU suite
+    precompiles (tools/precompile_gpu_cases.py): no new kernels."""
+    if cache == "paged":  # decode (S_q = 1), page size and page count new in the second call
+        dims, window = (64, 8, 64, torch.bfloat16), None
+        calls = [((3000, 777, 2), 48, 1, True), ((100, 5000, 9, 1, 257), 16, 1, True)]
+    else:  # prefill chunks against a contiguous cache, window 64
+        dims, window = (12, 4, 64, torch.float16), 64
+        calls = [((4000, 100), None, 16, True), ((300, 2000, 77), None, 9, True)]
+    _kv_compiled_vs_eager(counter, calls, window, True, dims, "cuda", lowp=False)

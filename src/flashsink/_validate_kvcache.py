@@ -143,10 +143,8 @@ def validate_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, sinks, *, 
 
 
 def check_kvcache_op(q, k_cache, v_cache, cache_seqlens, block_table, sinks, window, scale) -> KVCacheSpec:
-    """``flashsink::kvcache_fwd``: the checks of :func:`validate_kvcache` (``scale`` is required; the
-    op always returns lse). The op's implementation off CUDA, the reference, checks the values too."""
-    if scale is None:
-        raise TypeError("scale must be a float for the flashsink ops (flashsink.attention_kvcache defaults it)")
+    """``flashsink::kvcache_fwd``: the checks of :func:`validate_kvcache` (the op's schema requires a
+    float ``scale``; it always returns lse). Off CUDA the op's implementation checks the values too."""
     return validate_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, sinks, window=window, scale=scale,
                             return_lse=True)
 
