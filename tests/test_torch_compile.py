@@ -12,6 +12,9 @@
   new number of sequences, empty sequences), with its ``cu_seqlens`` checks as asserts in the graph;
   the ops ``flashsink::varlen_fwd`` / ``varlen_bwd`` (opcheck, fake shapes) and their head-dim padding
   on the CPU.
+* KV cache: ``flashsink.attention_kvcache`` compiled the same way (new batch, lengths, page size and page
+  count, paged and contiguous caches), the op ``flashsink::kvcache_fwd`` (opcheck, its fake on meta tensors),
+  its value and grad checks under compile.
 * GPU (``gpu`` marker): the same compiled functions on the kernels, against the eager kernels and the
   float64 reference, with ``precision="strict"`` pinned (the standard) and, for configurations the kernel
   matrix already builds in that mode, with ``precision="fast"`` (the fast gate).
@@ -310,10 +313,10 @@ def test_fake_shapes():
 
 def test_import_registers_ops_without_tilelang():
     code = ("import sys, torch, flashsink; "
-            "print(*[hasattr(torch.ops.flashsink, op) for op in ('fwd', 'bwd', 'varlen_fwd', 'varlen_bwd')], "
-            "'tilelang' in sys.modules)")
+            "print(*[hasattr(torch.ops.flashsink, op) for op in ('fwd', 'bwd', 'varlen_fwd', 'varlen_bwd', "
+            "'kvcache_fwd')], 'tilelang' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
-    assert out == ["True", "True", "True", "True", "False"]
+    assert out == ["True"] * 5 + ["False"]
 
 
 # ------------------------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ Arguments are tensors and primitives only; the kernels' static configuration and
   when ``sinks`` is None, and the autograd formula then returns no gradient).
 * kvcache: ``flashsink.attention_kvcache``'s arguments (q ``[B, S_q, H, D]``, a paged or contiguous
   cache, int32 ``cache_seqlens`` / ``block_table``); o ``[B, S_q, H, D_v]``, lse ``[B, H, S_q]`` (not
-  padded). No gradient: an input that requires grad is refused when the op runs (NotImplementedError).
+  padded; float32, float64 for float64 inputs off CUDA). No gradient: an input that requires grad is refused when the op runs (NotImplementedError).
 * precision: "fast" or "strict" (``config.PRECISIONS``). The fast backward reads the forward's o
   (the op's output, head dims as the kernels saw them), so the autograd formula saves it and the
   backward ops take it as ``o`` (last, optional: strict and the reference do not read it).
