@@ -353,8 +353,25 @@ def compile_kernel(kind: str, cfg: KernelConfig, *, load_only: bool = False):
         except Exception as exc:  # the kernel works; only the cache is missing it
             log.warning("flashsink: compiled %s for %s but could not save it to the disk cache %s: %s: %s",
                         kind, cfg.short(), root, type(exc).__name__, exc)
+        else:
+            kernel = _reload(kernel, root, name, key, func, cfg, args)
         log.debug("flashsink: compiled %s for %s in %.1f s", kind, cfg.short(), seconds)
         return kernel
+
+
+def _reload(kernel, root: Path, name: str, key: dict, func, cfg, args: _CompileArgs):
+    """The kernel just stored, loaded back from its verified entry (milliseconds). The compiled one's
+    host code is C source that TileLang links into a library (g++, 0.3-0.7 s) at its first call, the
+    same link the store has just done; the loaded one is that library, already linked. Falls back to
+    the compiled kernel if the entry cannot be read back."""
+    try:
+        hit = diskcache.load(root, name, key)
+        if hit is not None:
+            return _load_kernel(hit[1], func, cfg, args, root)
+    except Exception as exc:  # noqa: BLE001  (the compiled kernel still works)
+        log.debug("flashsink: could not load %s back from the disk cache (%s: %s); using the compiled kernel",
+                  name, type(exc).__name__, exc)
+    return kernel
 
 
 def get_kernel(kind: str, cfg: KernelConfig):
@@ -413,16 +430,22 @@ def compile_parallel(todo, *, jobs=None):
         yield from pool.map(_compile_one, todo)
 
 
-#: worker processes for a first use's parallel build (None: one per kernel, up to the CPU count)
+#: worker processes for a first use's parallel build, besides the calling process (None: one per
+#: kernel but the longest, which the calling process builds, up to the CPU count less one)
 FIRST_USE_JOBS = None
 
 
 def _build_config(kind: str, cfg: KernelConfig) -> None:
     """``kind`` and the other kernels of its route that ``cfg`` launches (``kinds.first_use_kinds``: the
     forward and backward kernels, or the decode ones): the ones in the disk cache are loaded, the
-    others compiled at once in worker processes (TileLang's lowering is Python and holds the GIL) into
-    the disk cache, then loaded. A kernel other than ``kind`` that fails to build is left out here;
-    its own first launch raises the error."""
+    others compiled at once into the disk cache, then loaded. A kernel other than ``kind`` that fails
+    to build is left out here; its own first launch raises the error.
+
+    Of several missing kernels, the longest to build (``kinds.Kind.build_s``: the forward) is compiled
+    in this process, which has its imports done, while worker processes (TileLang's lowering holds
+    the GIL in its Python parts) build the others, longest first: a spawned worker spends ~3.5 s on
+    its interpreter and imports before its first kernel, and that is then off the first use's
+    critical path (docs/perf.md, "First use: where the compile time goes")."""
     wanted = [k for k in kinds.first_use_kinds(kind, cfg) if (k, cfg) not in _cache]
     missing = []
     for k in wanted:
@@ -433,13 +456,27 @@ def _build_config(kind: str, cfg: KernelConfig) -> None:
             missing.append(k)
     if len(missing) > 1:
         start = time.perf_counter()
+        first, *rest = kinds.longest_first(missing)
         log.info("flashsink: compiling %d kernels (%s) for %s in parallel: first use of this configuration on "
                  "this machine, so this call is slow (~10-20 s); they are then cached in %s",
                  len(missing), " ".join(missing), cfg.short(), diskcache.ensure_cache_dir())
-        for k, _, seconds, how, err in compile_parallel([(k, cfg) for k in missing], jobs=FIRST_USE_JOBS):
-            log.debug("flashsink: %s for %s: %s in %.1f s%s", k, cfg.short(), how, seconds, f" ({err})" if err else "")
+        jobs = FIRST_USE_JOBS or max(1, min(len(rest), (os.cpu_count() or 1) - 1))
+        with _executor(jobs) as pool:
+            # submitted first: the workers start (interpreter, imports) while this process compiles
+            futures = [pool.submit(_compile_one, (k, cfg)) for k in rest]
+            t = time.perf_counter()
+            kernel = _guarded(first, kind, cfg)  # a failure of ``kind`` raises once the workers are done
+            log.debug("flashsink: %s for %s: compiled in this process in %.1f s", first, cfg.short(),
+                      time.perf_counter() - t)
+            if kernel is not None:
+                _cache[(first, cfg)] = _launcher(kernel)
+            for future in futures:
+                k, _, seconds, how, err = future.result()
+                log.debug("flashsink: %s for %s: %s in %.1f s%s", k, cfg.short(), how, seconds,
+                          f" ({err})" if err else "")
         log.info("flashsink: compiled %d kernels for %s in %.1f s", len(missing), cfg.short(),
                  time.perf_counter() - start)
+        missing = rest
     for k in missing:  # loaded from the disk cache now (or compiled here: one kernel, or a failed worker)
         kernel = _guarded(k, kind, cfg)
         if kernel is not None:

@@ -65,6 +65,12 @@ class Kind:
     #: "decode" (few query rows against a long cache: the split-KV forward, attention_kvcache); a first
     #: use builds the kernels of its own route only (:func:`first_use_kinds`)
     route: str = "dense"
+    #: about how many seconds one build takes, serially (tools/compile_time.py on the 2-core CPU machine,
+    #: docs/perf.md "First use: where the compile time goes"; measured for fwd, fwd_window, preprocess, bwd
+    #: and postprocess, the others set by the kernel they resemble; fwd_kvcache builds slowest of all): a
+    #: first use builds the longest in its own process and the others in workers longest first, so only
+    #: their order matters
+    build_s: float = 5.0
 
     def build(self, cfg: KernelConfig):
         module, function = self.builder.rsplit(".", 1)
@@ -73,33 +79,34 @@ class Kind:
 
 #: every kernel, in the order listed to users (``flashsink precompile --kinds``)
 KINDS: dict = {
-    "fwd": Kind("fwd.build_fwd", fwd_tiles, _always, ignores=("deterministic", "precision")),
+    "fwd": Kind("fwd.build_fwd", fwd_tiles, _always, ignores=("deterministic", "precision"), build_s=16.0),
     # the forward without the scale folded into its exponent, where "fwd" folds it (config.fwd_fold):
     # launched by a call with scale <= 0 only, so built on the first such call, not ahead
     "fwd_unfolded": Kind("fwd.build_fwd_unfolded", fwd_tiles, _never, ignores=("deterministic", "precision"),
-                         builds=fwd_fold),
+                         builds=fwd_fold, build_s=16.0),
     # the forward with a narrow window's tiles (config.fwd_window_tiles), where they differ from "fwd"'s
     # (Hopper, head dim 64): launched by calls with window <= config.WINDOW_TILES_MAX (gpt-oss's sliding
     # layers share their configuration with the full ones, so a first use builds both forwards)
     "fwd_window": Kind("fwd.build_fwd_window", fwd_window_tiles, fwd_windowed, ignores=("deterministic", "precision"),
-                       builds=fwd_windowed),
+                       builds=fwd_windowed, build_s=13.0),
     # strict's forward when a backward follows, and that backward's Delta pass (config.fwd_o32): two-term
     # P @ V and the output in fp32 too, read by a memory-bound Delta instead of recomputing P and dP
-    "fwd_o32": Kind("fwd.build_fwd_o32", fwd_o32_tiles, fwd_o32, ignores=("deterministic",), builds=fwd_o32),
-    "preprocess": Kind("bwd.build_preprocess", pre_tiles, _always),
-    "preprocess_o32": Kind("bwd.build_preprocess_o32", pre_o32_tiles, fwd_o32, builds=fwd_o32),
-    "bwd": Kind("bwd.build_bwd", bwd_tiles, _always),
-    "bwd_split": Kind("bwd.build_bwd_split", bwd_tiles, _has_split, builds=_has_split),
-    "dq": Kind("bwd.build_dq", dq_tiles, lambda cfg: cfg.deterministic),
+    "fwd_o32": Kind("fwd.build_fwd_o32", fwd_o32_tiles, fwd_o32, ignores=("deterministic",), builds=fwd_o32,
+                    build_s=16.0),
+    "preprocess": Kind("bwd.build_preprocess", pre_tiles, _always, build_s=5.0),
+    "preprocess_o32": Kind("bwd.build_preprocess_o32", pre_o32_tiles, fwd_o32, builds=fwd_o32, build_s=5.0),
+    "bwd": Kind("bwd.build_bwd", bwd_tiles, _always, build_s=8.0),
+    "bwd_split": Kind("bwd.build_bwd_split", bwd_tiles, _has_split, builds=_has_split, build_s=8.0),
+    "dq": Kind("bwd.build_dq", dq_tiles, lambda cfg: cfg.deterministic, build_s=6.0),
     "postprocess": Kind("bwd.build_postprocess", None, lambda cfg: not cfg.deterministic,
-                        ignores=("deterministic", "precision")),
+                        ignores=("deterministic", "precision"), build_s=2.5),
     "fwd_split": Kind("fwd_split.build_fwd_split", split_tiles, _split_kv, ignores=("deterministic", "precision"),
-                      route="decode", builds=_split_kernel),
+                      route="decode", builds=_split_kernel, build_s=16.0),
     "fwd_kvcache": Kind("fwd_kvcache.build_fwd_kvcache", split_tiles, _never, ignores=("deterministic", "precision"),
-                        route="decode"),
+                        route="decode", build_s=20.0),
     # merges the split-KV partials (decode through attention, and attention_kvcache)
     "merge_splits": Kind("merge_splits.build_merge_splits", None, _split_kv, ignores=("deterministic", "precision"),
-                         route="decode"),
+                         route="decode", build_s=2.5),
 }
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(KernelConfig) if f.default is not dataclasses.MISSING}
@@ -118,6 +125,12 @@ def first_use_kinds(name: str, cfg: KernelConfig) -> tuple:
     builds that pair. (``flashsink precompile`` builds every route at once.)"""
     route = KINDS[name].route
     return tuple(dict.fromkeys((name, *(k for k in kinds_for(cfg) if KINDS[k].route == route))))
+
+
+def longest_first(names) -> list:
+    """``names`` ordered by :attr:`Kind.build_s`, longest first (ties keep their order): the order a
+    parallel build starts them in, so the longest ones are not left for last."""
+    return sorted(names, key=lambda name: -KINDS[name].build_s)
 
 
 def precompile_kinds(cfg: KernelConfig) -> tuple:
