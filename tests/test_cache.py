@@ -127,11 +127,14 @@ def test_tampered_entry_is_rebuilt_not_loaded(raced_cache, tmp_path, monkeypatch
     monkeypatch.setenv("FLASHSINK_CACHE_DIR", str(root))
     loads = []
     real_load = C._load_kernel
-    monkeypatch.setattr(C, "_load_kernel", lambda *a, **k: loads.append(1) or real_load(*a, **k))
+    monkeypatch.setattr(C, "_load_kernel", lambda files, *a, **k: loads.append(bytes(files["executable.so"]))
+                        or real_load(files, *a, **k))
     before = dict(C.counts)
     caplog.set_level(logging.INFO, logger="flashsink")
     C.compile_kernel("postprocess", CFG)
-    assert loads == [], "a tampered entry was loaded"
+    assert bytes(blob) not in loads, "a tampered entry was loaded"
+    # what compile_kernel returns is the rebuilt entry loaded back (no second host link at its first call)
+    assert loads == [so.read_bytes()]
     assert C.counts["rebuilt"] == before.get("rebuilt", 0) + 1
     text = caplog.text
     assert "failed verification (sha256 of executable.so differs" in text
@@ -142,7 +145,7 @@ def test_tampered_entry_is_rebuilt_not_loaded(raced_cache, tmp_path, monkeypatch
     caplog.clear()
     caplog.set_level(logging.DEBUG, logger="flashsink")
     C.compile_kernel("postprocess", CFG)
-    assert loads == [1]
+    assert len(loads) == 2 and loads[1] == so.read_bytes()
     assert "loaded the postprocess kernel" in caplog.text
     assert [r.levelno for r in caplog.records if "loaded the" in r.getMessage()] == [logging.DEBUG]
 

@@ -134,6 +134,38 @@ def test_first_use_workers_leave_a_core_to_this_process(fake_build, monkeypatch)
     compile_mod.get_kernel("fwd", CFG)
     assert fake_build["jobs"] == 2
     assert fake_build["submitted"] == ["fwd_window", "bwd", "preprocess", "postprocess"]
+    assert sorted(k for k, _ in fake_build["built"]) == sorted(kinds.first_use_kinds("fwd", CFG))
+    assert all(compile_mod.get_kernel(k, CFG)[1] == k for k in kinds.first_use_kinds("fwd", CFG))
+
+
+def test_first_use_takes_back_kernels_no_worker_started(fake_build, monkeypatch):
+    """One worker, held on its first kernel until this process has built the forward: this process then
+    builds the kernels still queued, longest first, instead of waiting for the worker."""
+    monkeypatch.setattr(compile_mod.os, "cpu_count", lambda: 2)
+    release = threading.Event()
+    fake_build["no_barrier"] = True
+    real = compile_mod._compile_one
+
+    def held(job):
+        release.wait(timeout=30)
+        return real(job)
+
+    monkeypatch.setattr(compile_mod, "_compile_one", held)
+    real_ck = compile_mod.compile_kernel
+
+    def compile_kernel(kind, cfg, *, load_only=False):
+        out = real_ck(kind, cfg, load_only=load_only)
+        if not load_only and kind == "postprocess":
+            release.set()  # the last one this process takes: let the worker go on
+        return out
+
+    monkeypatch.setattr(compile_mod, "compile_kernel", compile_kernel)
+    compile_mod.get_kernel("fwd", CFG)
+    assert fake_build["jobs"] == 1
+    assert [k for k, where in fake_build["built"] if where == "in-process"] == ["fwd", "bwd", "preprocess",
+                                                                                  "postprocess"]
+    assert [k for k, where in fake_build["built"] if where == "worker"] == ["fwd_window"]
+    assert all(compile_mod.get_kernel(k, CFG)[1] == k for k in kinds.first_use_kinds("fwd", CFG))
 
 
 def test_one_missing_kernel_compiles_in_process(fake_build):

@@ -138,6 +138,33 @@ def _sass_hash(cubin: bytes) -> tuple[str, str]:
     return hashlib.sha256(body.encode()).hexdigest(), body
 
 
+def code_sha256(cubin: bytes) -> str:
+    """sha256 over the cubin's ELF sections other than the line-info / debug ones (.debug_*, .nv_debug_*
+    and their relocations): nvcc's ``-lineinfo`` (always on in TileLang) records the path of the
+    temporary .cu file, so two builds of the same source differ there and only there. Covers the SASS
+    (.text.*), its constants, shared-memory sizes and the kernel attributes (.nv.info*)."""
+    import struct
+
+    shoff, = struct.unpack_from("<Q", cubin, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+    heads = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
+    stroff = heads[shstrndx][4]
+
+    def name(h):
+        end = cubin.index(b"\0", stroff + h[0])
+        return cubin[stroff + h[0]:end].decode()
+
+    digest = hashlib.sha256()
+    for h in heads:
+        n = name(h)
+        if "debug" in n or n in (".strtab", ".shstrtab", ".symtab"):
+            continue
+        digest.update(n.encode() + struct.pack("<IQQ", h[1], h[2], h[5]))
+        if h[1] != 8:  # SHT_NOBITS (.nv.shared.*): its size only
+            digest.update(cubin[h[4]:h[4] + h[5]])
+    return digest.hexdigest()
+
+
 def cmd_one(args) -> int:
     _fresh_caches()
     phases = Phases()
@@ -205,6 +232,7 @@ def cmd_one(args) -> int:
         sass_sha, _ = _sass_hash(cubin)
         res["source_sha256"] = hashlib.sha256(code.encode()).hexdigest()
         res["cubin_sha256"] = hashlib.sha256(cubin).hexdigest()
+        res["cubin_code_sha256"] = code_sha256(cubin)
         res["sass_sha256"] = sass_sha
     print(json.dumps(res, indent=1))
     return 0

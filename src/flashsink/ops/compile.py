@@ -445,7 +445,8 @@ def _build_config(kind: str, cfg: KernelConfig) -> None:
     in this process, which has its imports done, while worker processes (TileLang's lowering holds
     the GIL in its Python parts) build the others, longest first: a spawned worker spends ~3.5 s on
     its interpreter and imports before its first kernel, and that is then off the first use's
-    critical path (docs/perf.md, "First use: where the compile time goes")."""
+    critical path (docs/perf.md, "First use: where the compile time goes"). With fewer workers than
+    kernels, this process then builds those no worker has started."""
     wanted = [k for k in kinds.first_use_kinds(kind, cfg) if (k, cfg) not in _cache]
     missing = []
     for k in wanted:
@@ -470,13 +471,20 @@ def _build_config(kind: str, cfg: KernelConfig) -> None:
                       time.perf_counter() - t)
             if kernel is not None:
                 _cache[(first, cfg)] = _launcher(kernel)
-            for future in futures:
+            # fewer workers than kernels (a small machine): this process takes the longest of those no
+            # worker has started yet (a future not yet handed to a worker can still be cancelled)
+            for k, future in zip(rest, futures):
+                if future.cancel():
+                    kernel = _guarded(k, kind, cfg)
+                    if kernel is not None:
+                        _cache[(k, cfg)] = _launcher(kernel)
+            for future in (f for f in futures if not f.cancelled()):
                 k, _, seconds, how, err = future.result()
                 log.debug("flashsink: %s for %s: %s in %.1f s%s", k, cfg.short(), how, seconds,
                           f" ({err})" if err else "")
         log.info("flashsink: compiled %d kernels for %s in %.1f s", len(missing), cfg.short(),
                  time.perf_counter() - start)
-        missing = rest
+        missing = [k for k in rest if (k, cfg) not in _cache]
     for k in missing:  # loaded from the disk cache now (or compiled here: one kernel, or a failed worker)
         kernel = _guarded(k, kind, cfg)
         if kernel is not None:
