@@ -106,9 +106,9 @@ def kernel_attention_kvcache(spec, q, k_cache, v_cache, cache_seqlens, block_tab
     else:
         sinks32 = sinks if sinks.dtype == torch.float32 and sinks.is_contiguous() else sinks.to(torch.float32).contiguous()
     S = n_splits_for(spec, tiles, _sm_count(dev.index if dev.index is not None else torch.cuda.current_device()))
-    part = torch.empty(B * H * Sq * S * (Dv + 1), dtype=torch.float32, device=dev)
-    o_part = part[: B * H * Sq * S * Dv].view(B, H, Sq, S, Dv)
-    lse_part = part[B * H * Sq * S * Dv :].view(B, H, Sq, S)
+    # two allocations: on the GPU host a slice or a view costs as much as an allocation (perf.md v8)
+    o_part = torch.empty((B, H, Sq, S, Dv), dtype=torch.float32, device=dev)
+    lse_part = torch.empty((B, H, Sq, S), dtype=torch.float32, device=dev)
     window = NO_WINDOW if spec.window is None else min(spec.window, NO_WINDOW)
     fwd(q, k_cache, v_cache, block_table, lengths, window, spec.scale * LOG2E, o_part, lse_part)
     merge(o_part, lse_part, sinks32, o, lse)
