@@ -1,5 +1,6 @@
 """`flashsink precompile`: the configurations it plans, its errors, and one real build (no GPU)."""
 
+import io
 import shutil
 
 import pytest
@@ -103,3 +104,27 @@ def test_precompile_refuses_bad_jobs():
     for jobs in (0, -1, 1.5):
         with pytest.raises(ValueError, match="jobs"):
             precompile([cfg], kinds=("postprocess",), jobs=jobs)
+
+
+def test_precompile_starts_the_longest_builds_first(monkeypatch):
+    """The workers take the kinds that build longest first (``Kind.build_s``), each kind's
+    configurations in the order given."""
+    from flashsink.ops import precompile as pc
+    from flashsink.ops.config import KernelConfig
+    from flashsink.ops.kinds import KINDS
+
+    seen = []
+
+    def fake_parallel(todo, *, jobs=None):
+        seen.extend(todo)
+        for kind, cfg in todo:
+            yield kind, cfg, 0.0, "cached", None
+
+    monkeypatch.setattr(pc, "compile_parallel", fake_parallel)
+    cfgs = [KernelConfig("sm_90a", dt, 64, 64, 8, True, True, "bhsd") for dt in ("bfloat16", "float16")]
+    kinds = ("postprocess", "preprocess", "bwd", "fwd")
+    assert pc.precompile(cfgs, kinds=kinds, jobs=2, out=io.StringIO()) == []
+    order = [kind for kind, _ in seen]
+    assert [KINDS[k].build_s for k in order] == sorted((KINDS[k].build_s for k in order), reverse=True)
+    assert order[:2] == ["fwd", "fwd"] and order[-2:] == ["postprocess", "postprocess"]
+    assert [cfg.dtype for kind, cfg in seen if kind == "bwd"] == ["bfloat16", "float16"]

@@ -13,7 +13,7 @@ import time
 from . import diskcache
 from .compile import KINDS, compile_parallel
 from .config import PRECISIONS, KernelConfig
-from .kinds import KINDS as _REGISTRY, canonical, kinds_for, precompile_kinds
+from .kinds import KINDS as _REGISTRY, canonical, kinds_for, longest_first, precompile_kinds
 
 __all__ = ["compile_parallel", "kinds_for", "precompile"]
 
@@ -40,6 +40,10 @@ def precompile(configs, *, kinds=None, jobs=None, out=sys.stderr, pairs=()) -> l
         raise ValueError(f"jobs must be an int >= 1 or None (one per CPU), got {jobs!r}")
     # one build for configurations that differ only in fields a kernel does not read
     todo = list(dict.fromkeys((kind, canonical(kind, cfg)) for kind, cfg in todo + list(pairs)))
+    # the longest builds first (``Kind.build_s``), so that none of them starts last and holds the
+    # whole run up while the other workers sit idle
+    rank = {name: i for i, name in enumerate(longest_first(dict.fromkeys(kind for kind, _ in todo)))}
+    todo.sort(key=lambda pair: rank[pair[0]])
     jobs = jobs or max(1, min(len(todo), os.cpu_count() or 1))
     root = diskcache.ensure_cache_dir()  # an unsafe directory fails here, once, not in every worker
     failures = []
