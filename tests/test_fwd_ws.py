@@ -237,3 +237,29 @@ def test_o32_option_adds_an_fp32_output_and_a_second_pv_term(d, tiles):
     assert "O32[" in text
     with pytest.raises(ValueError, match="o32"):
         build_fwd_ws(KernelConfig("sm_90a", "bfloat16", d, d, 8, True, True, "bhsd", False, "fast"), tiles, o32=True)
+
+
+@pytest.mark.parametrize("d,tiles", [(128, Tiles(128, 128, 256, 2)), (64, Tiles(128, 128, 256, 2)),
+                                     (64, Tiles(192, 128, 384, 2))])
+def test_register_epilogue_option_drops_the_consumer_barriers(d, tiles):
+    """``build_fwd_ws(epilogue="regs")`` (tools/fwd_variants.py's "ws/fold/regs", to be measured): the same
+    launch; o stored from a register fragment in the input dtype instead of staged in shared memory, so
+    the two barriers of every consumer thread at a tile's end (barrier CONSUMER_BARRIER) are gone and the
+    ping-pong's barriers stay; the default ("smem") is the library's kernel; another value is refused."""
+    from flashsink.ops.fwd_ws import CONSUMER_BARRIER, PINGPONG_BARRIER, build_fwd_ws
+
+    cfg = _cfg(d=d)
+    func = build_fwd_ws(cfg, tiles, fold=True, epilogue="regs")
+    smem = build_fwd_ws(cfg, tiles, fold=True)
+    assert _params(func) == _params(smem) and _dtypes(func) == _dtypes(smem)
+    assert smem.script() == build_fwd_ws(cfg, tiles, fold=True, epilogue="smem").script()
+    text, plain = func.script(), smem.script()
+    consumers = tiles.block_m * 2
+    barrier = f'tvm_storage_sync("shared", {CONSUMER_BARRIER}, {consumers})'
+    assert plain.count(barrier) == 2 and barrier not in text
+    turns = f'tvm_storage_sync("shared", {PINGPONG_BARRIER} + wg, 256)'
+    assert text.count(turns) == plain.count(turns) == 2
+    assert 'o_s = T.sblock_alloc_buffer' in plain and "o_s" not in text
+    assert 'scope="local.fragment"' in next(line for line in text.splitlines() if "o_r = " in line)
+    with pytest.raises(ValueError, match="epilogue"):
+        build_fwd_ws(cfg, tiles, epilogue="tma")

@@ -58,6 +58,11 @@ def _variants(d: int) -> list:
     # strict's forward option (fwd_ws.build_fwd_ws(o32=True)): P @ V two-term and O also in fp32 for the
     # backward's Delta; two consumers (D64's three spill 272 bytes with the second term's registers)
     out += [("ws/fold/o32 128x128/s2", (128, 128, 256, 2), "branch", False, "o32")]
+    # o stored from registers (build_fwd_ws(epilogue="regs")): no barrier of every consumer thread at a
+    # tile's end, so the ping-pong's two warpgroups are not realigned at every query tile (windows: 2-3
+    # KV tiles per query tile); at the forward's own tiles and at 128 rows (fwd_window's, D64)
+    out += [("ws/fold/regs " + "x".join(map(str, t[:2])) + "/s2", t, "branch", False, "regs")
+            for t in dict.fromkeys([own, (128, 128, 256, 2)])]
     return out
 
 
@@ -70,12 +75,13 @@ def _func(job):
     cfg = _cfg(dtype, d, "strict" if ws == "o32" else "fast")
     if tiles is None and mask == "select" and not fold and not ws:
         return build_prim_func("fwd", cfg)  # the library's kernel
-    if ws in ("np", "nopp", "fold", "fma8", "fma4", "o32"):
+    if ws in ("np", "nopp", "fold", "fma8", "fma4", "o32", "regs"):
         from flashsink.ops.fwd_ws import PERSISTENT_CTAS, build_fwd_ws
 
         fma = int(ws[3:]) if ws.startswith("fma") else 0
         return build_fwd_ws(cfg, Tiles(*tiles), ctas=None if ws == "np" else PERSISTENT_CTAS, pingpong=ws != "nopp",
-                            fold=ws in ("fold", "o32") or fma > 0, fma_every=fma, o32=ws == "o32")
+                            fold=ws in ("fold", "o32", "regs") or fma > 0, fma_every=fma, o32=ws == "o32",
+                            epilogue="regs" if ws == "regs" else "smem")
     return build_fwd(cfg, tiles=Tiles(*tiles) if tiles else None, mask=None if ws else mask, fold_scale=fold, ws=ws)
 
 

@@ -55,7 +55,7 @@ def consumer_regs(n_consumers: int) -> int:
 
 
 def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS, pingpong: bool = True,
-                 fold: bool = False, fma_every: int = 0, o32: bool = False):
+                 fold: bool = False, fma_every: int = 0, o32: bool = False, epilogue: str = "smem"):
     """The warp-specialized forward for tiles ``t``: ``t.block_m`` a multiple of 64 (one consumer
     warpgroup per 64 rows, ``t.threads`` their threads, ``block_m * 2``; the kernel runs 128 more,
     the producer's), ``t.stages`` ring slots for K and V.
@@ -83,7 +83,15 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
     takes Delta = rowsum(dO * O) in a memory-bound pass (``bwd.build_preprocess(o32=True)``) instead of
     recomputing P and dP. Why two terms: with P rounded once, that Delta moves dsink off the precision
     standard (float64 emulation, fp16 D64 N1024: dsink relative L2 1.7e-3, 2 of 4 heads outside the
-    tolerance); with two, dsink's error is 1e-7 to 3e-6, as with the exact Delta (docs/perf.md v13)."""
+    tolerance); with two, dsink's error is 1e-7 to 3e-6, as with the exact Delta (docs/perf.md v13).
+
+    ``epilogue`` (an option for tools/fwd_variants.py, not measured yet): "smem" stages each tile's o in
+    shared memory between two barriers of every consumer thread, then stores it row by row; "regs"
+    stores o from each thread's registers (cast to the input dtype), so the consumer warpgroups never
+    wait for each other at a tile's end. With 2-3 KV tiles per query tile (windows of 128 keys) that
+    wait, twice per tile, realigns the ping-pong's two warpgroups at every tile (docs/perf.md v14)."""
+    if epilogue not in ("smem", "regs"):
+        raise ValueError(f"epilogue must be 'smem' or 'regs', got {epilogue!r}")
     if o32 and cfg.precision != "strict":
         raise ValueError(f"o32=True is strict's forward (two-term P @ V, fp32 O for the backward); got {cfg.short()}")
     if not cfg.hopper or t.block_m % ROWS_PER_CONSUMER or t.stages < 1:
@@ -106,7 +114,10 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
             q_s = T.alloc_shared([bm, dim], dtype)
             k_r = T.alloc_shared([stages, bn, dim], dtype)  # the rings the producer fills
             v_r = T.alloc_shared([stages, bn, dim_v], dtype)
-            o_s = T.alloc_shared([bm, dim_v], dtype)
+            if epilogue == "smem":
+                o_s = T.alloc_shared([bm, dim_v], dtype)
+            else:
+                o_r = T.alloc_fragment([bm, dim_v], dtype)  # o in the input dtype, stored from registers
             acc_s = T.alloc_fragment([bm, bn], accum)  # logits, then probabilities
             p = T.alloc_fragment([bm, bn], dtype)  # the previous tile's probabilities: PV's A operand
             if o32:
@@ -239,13 +250,18 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
                         T.barrier_arrive(v_empty[last])
                     kv_done = kv_done + n
                     softmax.finalize(acc_o, m, l, lse, bm, dim_v)
-                    T.copy(acc_o, o_s)
-                    T.sync_threads(CONSUMER_BARRIER, consumers)  # o_s whole before the rows are stored
-                    store_rows(O, layout, b, head, q_base, row0, sq, o_s, bm, dim_v)
+                    if epilogue == "smem":
+                        T.copy(acc_o, o_s)
+                        T.sync_threads(CONSUMER_BARRIER, consumers)  # o_s whole before the rows are stored
+                        store_rows(O, layout, b, head, q_base, row0, sq, o_s, bm, dim_v)
+                    else:
+                        T.copy(acc_o, o_r)
+                        store_rows(O, layout, b, head, q_base, row0, sq, o_r, bm, dim_v)
                     store_stat(LSE, layout, b, head, q_base, row0, sq, lse, bm)
                     if o32:
                         store_rows(O32, layout, b, head, q_base, row0, sq, acc_o, bm, dim_v)
-                    T.sync_threads(CONSUMER_BARRIER, consumers)  # o_s read before the next tile writes it
+                    if epilogue == "smem":
+                        T.sync_threads(CONSUMER_BARRIER, consumers)  # o_s read before the next tile writes it
 
     flashsink_fwd = fwd_entry(cfg, shapes, body, bm, o32)
     # Every shared-memory hand-off is ordered by hand (mbarriers, the consumers' named barrier).
