@@ -263,3 +263,24 @@ def test_register_epilogue_option_drops_the_consumer_barriers(d, tiles):
     assert 'scope="local.fragment"' in next(line for line in text.splitlines() if "o_r = " in line)
     with pytest.raises(ValueError, match="epilogue"):
         build_fwd_ws(cfg, tiles, epilogue="tma")
+
+
+@pytest.mark.parametrize("epilogue", ["smem", "regs"])
+def test_double_buffered_q_option(epilogue):
+    """``build_fwd_ws(q_slots=2)`` (tools/fwd_variants.py's "ws/fold/q2", to be measured): Q gets a second
+    shared buffer and a second pair of barriers, each tile's slot and phase from the count of query tiles
+    gone through (``q_done % 2``, ``(q_done // 2) & 1``), as the K/V rings do; the same launch. One slot is
+    the library's kernel, TIR for TIR; other slot counts are refused."""
+    from flashsink.ops.fwd_ws import build_fwd_ws
+
+    cfg, tiles = _cfg(d=64), Tiles(128, 128, 256, 2)
+    func = build_fwd_ws(cfg, tiles, fold=True, epilogue=epilogue, q_slots=2)
+    one = build_fwd_ws(cfg, tiles, fold=True, epilogue=epilogue)
+    assert one.script() == build_fwd_ws(cfg, tiles, fold=True, epilogue=epilogue, q_slots=1).script()
+    assert _params(func) == _params(one) and _dtypes(func) == _dtypes(one)
+    text = func.script()
+    q_alloc = next(line for line in text.splitlines() if "q_s = T.sblock_alloc_buffer" in line)
+    assert "(2, 128, 64)" in q_alloc
+    assert "q_done[0] % 2" in text and "q_done[0] // 2" in text and "q_done[0] % 2" not in one.script()
+    with pytest.raises(ValueError, match="q_slots"):
+        build_fwd_ws(cfg, tiles, q_slots=3)

@@ -61,8 +61,10 @@ def _variants(d: int) -> list:
     # o stored from registers (build_fwd_ws(epilogue="regs")): no barrier of every consumer thread at a
     # tile's end, so the ping-pong's two warpgroups are not realigned at every query tile (windows: 2-3
     # KV tiles per query tile); at the forward's own tiles and at 128 rows (fwd_window's, D64)
-    out += [("ws/fold/regs " + "x".join(map(str, t[:2])) + "/s2", t, "branch", False, "regs")
-            for t in dict.fromkeys([own, (128, 128, 256, 2)])]
+    # and Q double-buffered (build_fwd_ws(q_slots=2)): the next query tile's Q loads while this one
+    # computes, instead of on the tile boundary
+    out += [(f"ws/fold/{o} " + "x".join(map(str, t[:2])) + "/s2", t, "branch", False, o)
+            for t in dict.fromkeys([own, (128, 128, 256, 2)]) for o in ("regs", "q2", "regs/q2")]
     return out
 
 
@@ -75,13 +77,14 @@ def _func(job):
     cfg = _cfg(dtype, d, "strict" if ws == "o32" else "fast")
     if tiles is None and mask == "select" and not fold and not ws:
         return build_prim_func("fwd", cfg)  # the library's kernel
-    if ws in ("np", "nopp", "fold", "fma8", "fma4", "o32", "regs"):
+    if ws in ("np", "nopp", "fold", "fma8", "fma4", "o32", "regs", "q2", "regs/q2"):
         from flashsink.ops.fwd_ws import PERSISTENT_CTAS, build_fwd_ws
 
         fma = int(ws[3:]) if ws.startswith("fma") else 0
         return build_fwd_ws(cfg, Tiles(*tiles), ctas=None if ws == "np" else PERSISTENT_CTAS, pingpong=ws != "nopp",
-                            fold=ws in ("fold", "o32", "regs") or fma > 0, fma_every=fma, o32=ws == "o32",
-                            epilogue="regs" if ws == "regs" else "smem")
+                            fold=ws in ("fold", "o32", "regs", "q2", "regs/q2") or fma > 0, fma_every=fma,
+                            o32=ws == "o32", epilogue="regs" if "regs" in ws else "smem",
+                            q_slots=2 if "q2" in ws else 1)
     return build_fwd(cfg, tiles=Tiles(*tiles) if tiles else None, mask=None if ws else mask, fold_scale=fold, ws=ws)
 
 

@@ -55,7 +55,8 @@ def consumer_regs(n_consumers: int) -> int:
 
 
 def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS, pingpong: bool = True,
-                 fold: bool = False, fma_every: int = 0, o32: bool = False, epilogue: str = "smem"):
+                 fold: bool = False, fma_every: int = 0, o32: bool = False, epilogue: str = "smem",
+                 q_slots: int = 1):
     """The warp-specialized forward for tiles ``t``: ``t.block_m`` a multiple of 64 (one consumer
     warpgroup per 64 rows, ``t.threads`` their threads, ``block_m * 2``; the kernel runs 128 more,
     the producer's), ``t.stages`` ring slots for K and V.
@@ -89,7 +90,14 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
     shared memory between two barriers of every consumer thread, then stores it row by row; "regs"
     stores o from each thread's registers (cast to the input dtype), so the consumer warpgroups never
     wait for each other at a tile's end. With 2-3 KV tiles per query tile (windows of 128 keys) that
-    wait, twice per tile, realigns the ping-pong's two warpgroups at every tile (docs/perf.md v14)."""
+    wait, twice per tile, realigns the ping-pong's two warpgroups at every tile (docs/perf.md v14).
+
+    ``q_slots`` (an option for tools/fwd_variants.py, not measured yet): 2 gives Q a second buffer, so
+    the producer loads the next query tile's Q while the consumers still compute on this one's; with
+    one, the next Q is loaded only once both consumer warpgroups have issued this tile's last S
+    product, and its latency falls on the tile boundary (short tiles: windows)."""
+    if q_slots not in (1, 2):
+        raise ValueError(f"q_slots must be 1 or 2, got {q_slots!r}")
     if epilogue not in ("smem", "regs"):
         raise ValueError(f"epilogue must be 'smem' or 'regs', got {epilogue!r}")
     if o32 and cfg.precision != "strict":
@@ -111,7 +119,7 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
         total = m_tiles * heads * n_seqs
         n_ctas = total if ctas is None else T.min(total, ctas)
         with T.Kernel(n_ctas, threads=consumers + 128) as cta:
-            q_s = T.alloc_shared([bm, dim], dtype)
+            q_s = T.alloc_shared([bm, dim] if q_slots == 1 else [q_slots, bm, dim], dtype)
             k_r = T.alloc_shared([stages, bn, dim], dtype)  # the rings the producer fills
             v_r = T.alloc_shared([stages, bn, dim_v], dtype)
             if epilogue == "smem":
@@ -131,8 +139,8 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
             row_sum = T.alloc_fragment([bm], accum)
             l = T.alloc_fragment([bm], accum)
             lse = T.alloc_fragment([bm], accum)
-            q_full = T.alloc_barrier(arrive_count=128)  # Q landed (producer + TMA bytes)
-            q_empty = T.alloc_barrier(arrive_count=consumers)  # Q read by every consumer
+            q_full = T.alloc_barrier(arrive_count=128 if q_slots == 1 else [128] * q_slots)  # Q landed
+            q_empty = T.alloc_barrier(arrive_count=consumers if q_slots == 1 else [consumers] * q_slots)  # Q read
             k_full = T.alloc_barrier(arrive_count=[128] * stages)
             v_full = T.alloc_barrier(arrive_count=[128] * stages)
             k_empty = T.alloc_barrier(arrive_count=[consumers] * stages)  # slot read by every consumer
@@ -165,9 +173,10 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
                     kv_head = head // groups
                     # a tile that visits no keys loads nothing (its consumers wait for nothing)
                     if hi > lo:
-                        T.mbarrier_wait_parity(q_empty, (q_done & 1) ^ 1)
-                        T.tma_copy(tile(Q, layout, b, head, q_base + bx * bm, bm), q_s, barrier=q_full)
-                        T.barrier_arrive(q_full)
+                        T.mbarrier_wait_parity(_q_slot(q_empty, q_done, q_slots), _q_phase(q_done, q_slots) ^ 1)
+                        T.tma_copy(tile(Q, layout, b, head, q_base + bx * bm, bm), _q_slot(q_s, q_done, q_slots),
+                                   barrier=_q_slot(q_full, q_done, q_slots))
+                        T.barrier_arrive(_q_slot(q_full, q_done, q_slots))
                         q_done = q_done + 1
                     for it in T.serial(hi - lo):
                         c = kv_done + it
@@ -195,13 +204,13 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
                     T.fill(acc_o, 0)
                     softmax.init_state(m, l, Sinks, head, bm, cfg.has_sinks)
                     if n > 0:
-                        T.mbarrier_wait_parity(q_full, q_done & 1)
+                        T.mbarrier_wait_parity(_q_slot(q_full, q_done, q_slots), _q_phase(q_done, q_slots))
                         # the first KV tile: S_0, its softmax, P_0 kept for the next step's PV product
                         s0 = kv_done % stages
                         T.mbarrier_wait_parity(k_full[s0], (kv_done // stages) & 1)
                         if pingpong:
                             T.sync_threads(PINGPONG_BARRIER + wg, 256)  # this warpgroup's turn
-                        T.wgmma_gemm(q_s, k_r[s0, :, :], acc_s, transpose_B=True, clear_accum=True,
+                        T.wgmma_gemm(_q_slot(q_s, q_done, q_slots), k_r[s0, :, :], acc_s, transpose_B=True, clear_accum=True,
                                      policy=T.GemmWarpPolicy.FullRow)
                         if pingpong:
                             T.named_barrier_arrive(PINGPONG_BARRIER + (wg + 1) % n_consumers, 256)  # the next's
@@ -220,7 +229,7 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
                         T.mbarrier_wait_parity(v_full[sp], ((c - 1) // stages) & 1)
                         if pingpong:
                             T.sync_threads(PINGPONG_BARRIER + wg, 256)
-                        T.wgmma_gemm(q_s, k_r[s, :, :], acc_s, transpose_B=True, clear_accum=True,
+                        T.wgmma_gemm(_q_slot(q_s, q_done, q_slots), k_r[s, :, :], acc_s, transpose_B=True, clear_accum=True,
                                      policy=T.GemmWarpPolicy.FullRow)
                         T.wgmma_gemm(p, v_r[sp, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)
                         if o32:
@@ -239,7 +248,7 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
                         softmax.rescale(acc_o, alpha, bm, dim_v)
                         _keep_p(acc_s, p, p_lo, bm, bn, o32)
                     if n > 0:
-                        T.barrier_arrive(q_empty)  # every S product read Q: the next tile's may land
+                        T.barrier_arrive(_q_slot(q_empty, q_done, q_slots))  # every S product read Q: the next may land
                         q_done = q_done + 1
                         last = (kv_done + n - 1) % stages
                         T.mbarrier_wait_parity(v_full[last], ((kv_done + n - 1) // stages) & 1)
@@ -266,6 +275,20 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
     flashsink_fwd = fwd_entry(cfg, shapes, body, bm, o32)
     # Every shared-memory hand-off is ordered by hand (mbarriers, the consumers' named barrier).
     return flashsink_fwd.with_attr("tilelang_pass_configs", {"tl.disable_thread_storage_sync": True})
+
+
+def _q_slot(x, q_done, q_slots: int):
+    """Of the Q buffer ``q_s`` or its barriers ``q_full`` / ``q_empty`` (``x``), the slot of the query tile
+    after the ``q_done`` this program has gone through (one slot: ``x`` itself). Expressions at each use,
+    not names: a name would be a Let of its own in the kernel (the one-slot kernel stays the library's)."""
+    if q_slots == 1:
+        return x
+    return x[q_done % q_slots, :, :] if len(x.shape) == 3 else x[q_done % q_slots]
+
+
+def _q_phase(q_done, q_slots: int):
+    """The phase of that slot's barriers."""
+    return q_done & 1 if q_slots == 1 else (q_done // q_slots) & 1
 
 
 def _locate(i, m_tiles, heads, n_seqs, CuQ, CuK, seq_q, seq_kv, window, bm: int, bn: int, layout: str, causal: bool):
