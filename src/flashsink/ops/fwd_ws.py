@@ -210,8 +210,8 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
                         T.mbarrier_wait_parity(k_full[s0], (kv_done // stages) & 1)
                         if pingpong:
                             T.sync_threads(PINGPONG_BARRIER + wg, 256)  # this warpgroup's turn
-                        T.wgmma_gemm(_q_slot(q_s, q_done, q_slots), k_r[s0, :, :], acc_s, transpose_B=True, clear_accum=True,
-                                     policy=T.GemmWarpPolicy.FullRow)
+                        T.wgmma_gemm(_q_slot(q_s, q_done, q_slots), k_r[s0, :, :], acc_s, transpose_B=True,
+                                     clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
                         if pingpong:
                             T.named_barrier_arrive(PINGPONG_BARRIER + (wg + 1) % n_consumers, 256)  # the next's
                         T.wait_wgmma(0)
@@ -229,8 +229,8 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
                         T.mbarrier_wait_parity(v_full[sp], ((c - 1) // stages) & 1)
                         if pingpong:
                             T.sync_threads(PINGPONG_BARRIER + wg, 256)
-                        T.wgmma_gemm(_q_slot(q_s, q_done, q_slots), k_r[s, :, :], acc_s, transpose_B=True, clear_accum=True,
-                                     policy=T.GemmWarpPolicy.FullRow)
+                        T.wgmma_gemm(_q_slot(q_s, q_done, q_slots), k_r[s, :, :], acc_s, transpose_B=True,
+                                     clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
                         T.wgmma_gemm(p, v_r[sp, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)
                         if o32:
                             T.wgmma_gemm(p_lo, v_r[sp, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)
@@ -248,7 +248,8 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
                         softmax.rescale(acc_o, alpha, bm, dim_v)
                         _keep_p(acc_s, p, p_lo, bm, bn, o32)
                     if n > 0:
-                        T.barrier_arrive(_q_slot(q_empty, q_done, q_slots))  # every S product read Q: the next may land
+                        # every S product read Q: the next tile's may land
+                        T.barrier_arrive(_q_slot(q_empty, q_done, q_slots))
                         q_done = q_done + 1
                         last = (kv_done + n - 1) % stages
                         T.mbarrier_wait_parity(v_full[last], ((kv_done + n - 1) // stages) & 1)
@@ -263,7 +264,7 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
                         T.copy(acc_o, o_s)
                         T.sync_threads(CONSUMER_BARRIER, consumers)  # o_s whole before the rows are stored
                         store_rows(O, layout, b, head, q_base, row0, sq, o_s, bm, dim_v)
-                    else:
+                    else:  # (the buffer's name is part of the kernel's text: the default keeps "o_s")
                         T.copy(acc_o, o_r)
                         store_rows(O, layout, b, head, q_base, row0, sq, o_r, bm, dim_v)
                     store_stat(LSE, layout, b, head, q_base, row0, sq, lse, bm)

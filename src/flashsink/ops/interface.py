@@ -155,9 +155,9 @@ def _forward(q, k, v, sinks32, cfg, spec, window, cu_seqlens=None, o32=False):
     scale = float(spec.scale)
     seq = _seq_args(cu_seqlens, spec.seq_q)
     if o32 and scale > 0 and fwd_o32(cfg):  # (a scale <= 0 has no folded kernel)
-        o32 = torch.empty(o.shape, dtype=torch.float32, device=q.device)
-        get_kernel("fwd_o32", cfg)(q, k, v, sinks32, *seq, window, scale * LOG2E, o, lse, o32)
-        return o, lse, o32
+        o_f32 = torch.empty(o.shape, dtype=torch.float32, device=q.device)
+        get_kernel("fwd_o32", cfg)(q, k, v, sinks32, *seq, window, scale * LOG2E, o, lse, o_f32)
+        return o, lse, o_f32
     get_kernel(_fwd_kind(cfg, window, scale), cfg)(q, k, v, sinks32, *seq, window, scale * LOG2E, o, lse)
     return (o, lse, None) if o32 else (o, lse)
 

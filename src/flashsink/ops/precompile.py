@@ -13,7 +13,7 @@ import time
 from . import diskcache
 from .compile import KINDS, compile_parallel
 from .config import PRECISIONS, KernelConfig
-from .kinds import KINDS as _REGISTRY, canonical, kinds_for, longest_first, precompile_kinds
+from .kinds import KINDS as _REGISTRY, canonical, kinds_for, precompile_kinds
 
 __all__ = ["compile_parallel", "kinds_for", "precompile"]
 
@@ -42,8 +42,7 @@ def precompile(configs, *, kinds=None, jobs=None, out=sys.stderr, pairs=()) -> l
     todo = list(dict.fromkeys((kind, canonical(kind, cfg)) for kind, cfg in todo + list(pairs)))
     # the longest builds first (``Kind.build_s``), so that none of them starts last and holds the
     # whole run up while the other workers sit idle
-    rank = {name: i for i, name in enumerate(longest_first(dict.fromkeys(kind for kind, _ in todo)))}
-    todo.sort(key=lambda pair: rank[pair[0]])
+    todo.sort(key=lambda pair: -_REGISTRY[pair[0]].build_s)
     jobs = jobs or max(1, min(len(todo), os.cpu_count() or 1))
     root = diskcache.ensure_cache_dir()  # an unsafe directory fails here, once, not in every worker
     failures = []
