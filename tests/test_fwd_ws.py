@@ -128,49 +128,54 @@ def test_library_forward_is_ws_where_config_says(cfg, want):
         assert fwd_tiles(cfg).block_m == (192 if cfg.head_dim == 64 else 128)
 
 
-@pytest.mark.parametrize("cfg,want", [
-    (_cfg(d=64), True),
-    (_cfg("float16", 64, "bshd", sinks=False), True),
-    (_cfg("float16", 64, "thd"), False),  # packed: ptxas spills the 128-row kernel
-    (_cfg(d=64, causal=False), False),  # a window needs causal
-    (_cfg(d=128), False),  # D128's forward has 128-row tiles already
-    (_cfg(d=32), False),
-    (_cfg(d=64, arch="sm_80"), False),
+@pytest.mark.parametrize("cfg,opts", [
+    (_cfg(d=64), {"epilogue": "regs", "q_slots": 2}),
+    (_cfg("float16", 64, "bshd", sinks=False), {"epilogue": "regs", "q_slots": 2}),
+    (_cfg("float16", 64, "thd"), {"epilogue": "regs", "q_slots": 2}),
+    (_cfg(d=64, causal=False), {"epilogue": "regs", "q_slots": 2}),
+    (_cfg(d=128), {"epilogue": "smem", "q_slots": 1}),
+    (_cfg(d=32), {"epilogue": "smem", "q_slots": 1}),  # not fwd_ws.py's kernel
+    (_cfg(d=64, arch="sm_80"), {"epilogue": "smem", "q_slots": 1}),
 ])
-def test_fwd_window_is_the_forward_with_128_row_tiles(cfg, want):
-    """config.fwd_window_tiles: a window of at most WINDOW_TILES_MAX keys runs the kind ``fwd_window``
-    where its tiles differ from the forward's (Hopper D64: 128 rows instead of 192); the same kernel
-    otherwise, folded as the forward is."""
-    from flashsink.ops.compile import build_prim_func
-    from flashsink.ops.config import fwd_fold, fwd_tiles, fwd_window_tiles, fwd_windowed
-    from flashsink.ops.kinds import KINDS, kinds_for
+def test_the_forward_options_follow_the_head_dim(cfg, opts):
+    """config.fwd_ws_options: head dim 64's forward stores o from registers and double-buffers Q
+    (measured faster there on causal and windowed problems, docs/perf.md v15), 128's keeps the staged
+    epilogue and one Q slot; the kinds fwd and fwd_unfolded are that kernel at the forward's own tiles,
+    strict's fwd_o32 keeps the defaults; one forward per configuration, whatever the window."""
+    import dataclasses
 
-    assert fwd_windowed(cfg) == want
-    assert ("fwd_window" in kinds_for(cfg)) == want and KINDS["fwd_window"].builds(cfg) == want
-    if want:
-        assert fwd_window_tiles(cfg) == Tiles(128, 128, 256, 2) and fwd_tiles(cfg).block_m == 192
-        text = build_prim_func("fwd_window", cfg).script()
-        assert text == fwd.build_fwd(cfg, tiles=Tiles(128, 128, 256, 2), ws=True, fold_scale=fwd_fold(cfg)).script()
-        assert '"tl.launch_threads": [384, 1, 1]' in text  # two consumer warpgroups and the producer
-    else:
-        assert fwd_window_tiles(cfg) == fwd_tiles(cfg)
+    from flashsink.ops.compile import build_prim_func
+    from flashsink.ops.config import fwd_fold, fwd_o32, fwd_o32_tiles, fwd_tiles, fwd_ws, fwd_ws_options
+    from flashsink.ops.fwd_ws import build_fwd_ws
+    from flashsink.ops.kinds import KINDS
+
+    assert fwd_ws_options(cfg) == opts
+    assert [k for k in KINDS if k.startswith("fwd")] == ["fwd", "fwd_unfolded", "fwd_o32", "fwd_split", "fwd_kvcache"]
+    if not fwd_ws(cfg):
+        return
+    t = fwd_tiles(cfg)
+    assert build_prim_func("fwd", cfg).script() == build_fwd_ws(cfg, t, fold=fwd_fold(cfg), **opts).script()
+    assert build_prim_func("fwd_unfolded", cfg).script() == build_fwd_ws(cfg, t, fold=False, **opts).script()
+    strict = dataclasses.replace(cfg, precision="strict")
+    if fwd_o32(strict):
+        assert build_prim_func("fwd_o32", strict).script() == build_fwd_ws(
+            strict, fwd_o32_tiles(strict), fold=True, o32=True, epilogue="smem", q_slots=1).script()
 
 
 @pytest.mark.parametrize("window,scale,want", [
-    (128, 0.125, "fwd_window"), (1, 0.125, "fwd_window"), (129, 0.125, "fwd"), (1 << 30, 0.125, "fwd"),
+    (128, 0.125, "fwd"), (1, 0.125, "fwd"), (129, 0.125, "fwd"), (1 << 30, 0.125, "fwd"),
     (128, -0.125, "fwd_unfolded"), (1 << 30, 0.0, "fwd_unfolded"),
 ])
-def test_the_forward_kind_follows_window_and_scale(window, scale, want):
-    """interface._fwd_kind: a scale <= 0 takes the unfolded forward (whatever the window); a window up to
-    WINDOW_TILES_MAX the windowed tiles where they are the forward's own (D64); else the forward. D128 has
-    no windowed kind."""
-    from flashsink.ops.config import WINDOW_TILES_MAX
+def test_the_forward_kind_follows_the_scale(window, scale, want):
+    """interface._fwd_kind: a scale <= 0 takes the unfolded forward, whatever the window; every other
+    call the forward (head dims 64 and 128 alike; no windowed kind since docs/perf.md v15). sm_80 has
+    one forward, unfolded. (``window`` is what a call would give: the choice does not read it.)"""
     from flashsink.ops.interface import _fwd_kind
 
-    assert WINDOW_TILES_MAX == 128
-    assert _fwd_kind(_cfg(d=64), window, scale) == want
-    assert _fwd_kind(_cfg(d=128), window, scale) == want.replace("fwd_window", "fwd")
-    assert _fwd_kind(_cfg(d=64, arch="sm_80"), window, scale) == "fwd"  # sm_80: one forward, unfolded
+    assert window > 0
+    assert _fwd_kind(_cfg(d=64), scale) == want
+    assert _fwd_kind(_cfg(d=128), scale) == want
+    assert _fwd_kind(_cfg(d=64, arch="sm_80"), scale) == "fwd"
 
 
 def test_exp2_fma_option_builds_and_leaves_the_default_alone():
@@ -187,7 +192,8 @@ def test_exp2_fma_option_builds_and_leaves_the_default_alone():
     assert _params(fma) == _params(lib) and _dtypes(fma) == _dtypes(lib)
     coeff = repr(float(_EXP2_POLY[-1]))[:8]
     assert coeff in fma.script() and coeff not in lib.script() and "reinterpret" in fma.script()
-    assert build_fwd_ws(cfg, Tiles(192, 128, 384, 2), fold=True, fma_every=0).script() == lib.script()
+    assert build_fwd_ws(cfg, Tiles(192, 128, 384, 2), fold=True, fma_every=0, epilogue="regs", q_slots=2).script() \
+        == lib.script()
 
 
 def test_exp2_fma_arithmetic():
@@ -242,10 +248,10 @@ def test_o32_option_adds_an_fp32_output_and_a_second_pv_term(d, tiles):
 @pytest.mark.parametrize("d,tiles", [(128, Tiles(128, 128, 256, 2)), (64, Tiles(128, 128, 256, 2)),
                                      (64, Tiles(192, 128, 384, 2))])
 def test_register_epilogue_option_drops_the_consumer_barriers(d, tiles):
-    """``build_fwd_ws(epilogue="regs")`` (tools/fwd_variants.py's "ws/fold/regs", to be measured): the same
+    """``build_fwd_ws(epilogue="regs")`` (head dim 64's forward since docs/perf.md v15, config.fwd_ws_options): the same
     launch; o stored from a register fragment in the input dtype instead of staged in shared memory, so
     the two barriers of every consumer thread at a tile's end (barrier CONSUMER_BARRIER) are gone and the
-    ping-pong's barriers stay; the default ("smem") is the library's kernel; another value is refused."""
+    ping-pong's barriers stay; the default ("smem") is what build_fwd_ws builds unasked; another value is refused."""
     from flashsink.ops.fwd_ws import CONSUMER_BARRIER, PINGPONG_BARRIER, build_fwd_ws
 
     cfg = _cfg(d=d)
@@ -267,10 +273,10 @@ def test_register_epilogue_option_drops_the_consumer_barriers(d, tiles):
 
 @pytest.mark.parametrize("epilogue", ["smem", "regs"])
 def test_double_buffered_q_option(epilogue):
-    """``build_fwd_ws(q_slots=2)`` (tools/fwd_variants.py's "ws/fold/q2", to be measured): Q gets a second
+    """``build_fwd_ws(q_slots=2)`` (head dim 64's forward since docs/perf.md v15): Q gets a second
     shared buffer and a second pair of barriers, each tile's slot and phase from the count of query tiles
     gone through (``q_done % 2``, ``(q_done // 2) & 1``), as the K/V rings do; the same launch. One slot is
-    the library's kernel, TIR for TIR; other slot counts are refused."""
+    what build_fwd_ws builds unasked, TIR for TIR; other slot counts are refused."""
     from flashsink.ops.fwd_ws import build_fwd_ws
 
     cfg, tiles = _cfg(d=64), Tiles(128, 128, 256, 2)

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.l0
 
 
 #: the forward's kinds: one launch protocol (``interface._fwd_kind`` picks one per call)
-FORWARDS = ("fwd", "fwd_window", "fwd_unfolded")
+FORWARDS = ("fwd", "fwd_unfolded")
 
 
 class Launch:
@@ -126,8 +126,7 @@ def test_dense_forward_launch(monkeypatch, launches, arch, case):
     o, lse = interface._forward(q, k, v, sinks32, cfg, spec, window)
     (fw,) = launches
     assert fw.kind == "fwd" and fw.cfg == cfg and len(fw.args) == 8
-    # Hopper's D64 forward has tiles of its own for windows up to 128 keys (config.fwd_window_tiles)
-    assert fw.launched == ("fwd_window" if arch == "sm_90a" and cfg.head_dim == 64 and spec.window else "fwd")
+    assert fw.launched == "fwd"  # one forward whatever the window (config.fwd_ws_options)
     a = fw.args
     for got, want in zip(a[:4], (q, k, v, sinks32)):
         assert same(got, want)

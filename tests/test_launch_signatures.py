@@ -24,7 +24,7 @@ pytest.importorskip("tilelang", reason="the kernels' signatures come from TileLa
 from flashsink._validate import validate_attention, validate_varlen  # noqa: E402
 from flashsink.ops import attention, config, custom_ops, interface  # noqa: E402
 from flashsink.ops import compile as compile_mod  # noqa: E402
-from flashsink.ops.config import KernelConfig, kernel_head_dim  # noqa: E402
+from flashsink.ops.config import KernelConfig  # noqa: E402
 
 from test_launch_args import _cuda_impls_on_cpu  # noqa: E402
 
@@ -72,7 +72,7 @@ def checked(monkeypatch):
                         assert a.shape[axis] == n, (
                             f"{kind} {name}: shape {list(a.shape)}, the kernel ({cfg.short()}) has {n} at axis {axis}")
                     assert a.dtype == dtype, f"{kind} {name}: {a.dtype}, the kernel's is {dtype}"
-                if kind in ("fwd", "fwd_window", "fwd_unfolded", "merge_splits"):
+                if kind in ("fwd", "fwd_unfolded", "merge_splits"):
                     args[-1].fill_(0.5)  # lse: finite, so the backward's inputs are ordinary
                 seen.append((kind, cfg))
 
@@ -130,12 +130,10 @@ def test_dense_launches_match_the_kernels(monkeypatch, checked, case, precision,
     # kinds fwd_o32 and preprocess_o32, where the forward has them (not the split decode, not D256)
     o32 = (precision == "strict" and route == "eager" and sq > 1
            and config.fwd_o32(interface.kernel_config(spec, q.device, deterministic, precision)))
-    # (fwd_window: D64's forward for windows up to 128 keys, config.fwd_window_tiles)
     if o32:
         assert kinds[:2] == ["fwd_o32", "preprocess_o32"] and "preprocess" not in kinds, kinds
     else:
-        assert kinds[0] in ("fwd", "fwd_window", "fwd_split") and "preprocess" in kinds, kinds
-        assert (kinds[0] == "fwd_window") == (window is not None and window <= 128 and kernel_head_dim(d) == 64), kinds
+        assert kinds[0] in ("fwd", "fwd_split") and "preprocess" in kinds, kinds
     if sq >= 2048 and precision == "fast" and not deterministic and d > 128:
         assert "bwd_split" in kinds  # the case meant to cover it does
     if sq == 1:

@@ -233,30 +233,20 @@ def fwd_ws(cfg: KernelConfig) -> bool:
     return cfg.hopper and cfg.head_dim == cfg.head_dim_v and cfg.head_dim in (64, 128)
 
 
-#: the widest window that runs the forward's windowed tiles (:func:`fwd_window_tiles`): the window
-#: measured (gpt-oss's 128); wider windows keep :func:`fwd_tiles`
-WINDOW_TILES_MAX = 128
-
-
-def fwd_window_tiles(cfg: KernelConfig) -> Tiles:
-    """Forward tiles for a window of at most WINDOW_TILES_MAX keys (the kind ``fwd_window``). On Hopper
-    at head dim 64, 128-row tiles (two consumer warpgroups) instead of the 192 rows of full causal
-    attention: measured on the H200 (tools/fwd_variants.py, docs/perf.md v12) gpt-oss SWA (bf16 D64
-    W128 N4096 H64/8) 0.1196 -> 0.1047 ms, o and lse bitwise equal. With few KV tiles per query tile
-    a program is bound by its tile's latency chain (load, two products, softmax, store), and 128-row
-    tiles give the 132 programs 1.5x as many, shorter, chains. Padded layouts: for packed batches
-    ptxas spills the 128-row kernel's registers (64 bytes; the 192-row one spills none), not measured
-    on the GPU. Elsewhere :func:`fwd_tiles`."""
-    if fwd_ws(cfg) and cfg.head_dim == 64 and cfg.causal and cfg.layout != "thd":
-        return Tiles(128, 128, 256, 2)
-    return fwd_tiles(cfg)
-
-
-@functools.lru_cache(maxsize=None)
-def fwd_windowed(cfg: KernelConfig) -> bool:
-    """Whether a windowed call (window <= WINDOW_TILES_MAX) launches ``fwd_window``: where its tiles
-    differ from the forward's. (Cached: asked on every windowed call.)"""
-    return fwd_window_tiles(cfg) != fwd_tiles(cfg)
+def fwd_ws_options(cfg: KernelConfig) -> dict:
+    """``fwd_ws.build_fwd_ws``'s ``epilogue`` and ``q_slots`` for the forward (the kinds ``fwd`` and
+    ``fwd_unfolded``; strict's ``fwd_o32`` keeps the defaults). Head dim 64: ``epilogue="regs"`` (o
+    stored from each thread's registers, no barrier of every consumer thread at a tile's end) and
+    ``q_slots=2`` (the next query tile's Q loads while this one computes). Measured on the H200 in one
+    run (tools/fwd_variants.py, docs/perf.md v15), 192x128 tiles, o and lse bitwise equal to the
+    previous kernel: gpt-oss SWA (bf16 D64 W128 N4096 H64/8) 0.1207 -> 0.1027 ms, also under the
+    0.1052 of the 128-row tiles that windows up to 128 keys ran until then (the kind ``fwd_window``,
+    gone with this: one forward per configuration again); causal D64 N8192 1.3016 -> 1.2776. Head
+    dim 128 keeps the staged epilogue and one Q slot: there both options measured slower (golden
+    0.1236 -> 0.1402 with "regs", 0.1250 with two slots; causal D128 N4096 0.5105 -> 0.5141 .. 0.5317)."""
+    if fwd_ws(cfg) and cfg.head_dim == 64:
+        return {"epilogue": "regs", "q_slots": 2}
+    return {"epilogue": "smem", "q_slots": 1}
 
 
 def fwd_o32(cfg: KernelConfig) -> bool:

@@ -11,7 +11,7 @@ import tilelang.language as T
 
 from . import softmax
 from .block_range import full_kv_blocks_for_rows, kv_blocks_for_rows
-from .config import KernelConfig, Tiles, fwd_fold, fwd_mask, fwd_o32_tiles, fwd_tiles, fwd_window_tiles, fwd_ws
+from .config import KernelConfig, Tiles, fwd_fold, fwd_mask, fwd_o32_tiles, fwd_tiles, fwd_ws, fwd_ws_options
 from .fwd_entry import fwd_entry, fwd_shapes
 from .fwd_ws import build_fwd_ws
 from .layout import prologue_load, sequence, store_rows, store_stat, tile
@@ -35,12 +35,6 @@ def build_fwd_o32(cfg: KernelConfig):
     return build_fwd_ws(cfg, fwd_o32_tiles(cfg), fold=True, o32=True)
 
 
-def build_fwd_window(cfg: KernelConfig):
-    """The forward with the tiles of a narrow window (``config.fwd_window_tiles``): the kind a call
-    with ``window <= config.WINDOW_TILES_MAX`` launches where those tiles differ (``config.fwd_windowed``)."""
-    return build_fwd(cfg, tiles=fwd_window_tiles(cfg))
-
-
 def build_fwd(cfg: KernelConfig, tiles: Tiles | None = None, mask: str | None = None, fold_scale: bool | None = None,
               ws: bool | None = None):
     """The forward. The options default to the library's kernel and exist for tools/fwd_variants.py,
@@ -58,7 +52,8 @@ def build_fwd(cfg: KernelConfig, tiles: Tiles | None = None, mask: str | None = 
     ``ws`` (default ``config.fwd_ws(cfg)``, unless a ``mask`` other than ``"branch"`` or
     ``fold_scale=True`` asks for the pipelined kernel's options): ``fwd_ws.py``'s hand warp-specialized
     Hopper kernel (its mask is always ``"branch"``; its scale folded where ``config.fwd_fold(cfg)``,
-    unless ``fold_scale=False``: the kind ``fwd_unfolded``, for a scale <= 0).
+    unless ``fold_scale=False``: the kind ``fwd_unfolded``, for a scale <= 0; its epilogue and Q slots
+    ``config.fwd_ws_options(cfg)``).
     """
     if ws is None:
         ws = fwd_ws(cfg) and mask in (None, "branch") and not fold_scale
@@ -66,7 +61,7 @@ def build_fwd(cfg: KernelConfig, tiles: Tiles | None = None, mask: str | None = 
         if mask not in (None, "branch"):
             raise ValueError(f"the warp-specialized forward masks with 'branch'; got mask={mask!r}")
         fold = fwd_fold(cfg) if fold_scale is None else fold_scale
-        return build_fwd_ws(cfg, tiles or fwd_tiles(cfg), fold=fold)
+        return build_fwd_ws(cfg, tiles or fwd_tiles(cfg), fold=fold, **fwd_ws_options(cfg))
     fold_scale = bool(fold_scale)
     mask = fwd_mask(cfg) if mask is None else mask
     if mask not in FWD_MASKS:

@@ -86,13 +86,13 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
     standard (float64 emulation, fp16 D64 N1024: dsink relative L2 1.7e-3, 2 of 4 heads outside the
     tolerance); with two, dsink's error is 1e-7 to 3e-6, as with the exact Delta (docs/perf.md v13).
 
-    ``epilogue`` (an option for tools/fwd_variants.py, not measured yet): "smem" stages each tile's o in
+    ``epilogue`` (``config.fwd_ws_options``: "regs" at head dim 64, "smem" at 128): "smem" stages each tile's o in
     shared memory between two barriers of every consumer thread, then stores it row by row; "regs"
     stores o from each thread's registers (cast to the input dtype), so the consumer warpgroups never
     wait for each other at a tile's end. With 2-3 KV tiles per query tile (windows of 128 keys) that
-    wait, twice per tile, realigns the ping-pong's two warpgroups at every tile (docs/perf.md v14).
+    wait, twice per tile, realigns the ping-pong's two warpgroups at every tile (docs/perf.md v14, measured in v15).
 
-    ``q_slots`` (an option for tools/fwd_variants.py, not measured yet): 2 gives Q a second buffer, so
+    ``q_slots`` (``config.fwd_ws_options``: 2 at head dim 64, 1 at 128): 2 gives Q a second buffer, so
     the producer loads the next query tile's Q while the consumers still compute on this one's; with
     one, the next Q is loaded only once both consumer warpgroups have issued this tile's last S
     product, and its latency falls on the tile boundary (short tiles: windows)."""

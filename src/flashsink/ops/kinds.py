@@ -18,7 +18,7 @@ from typing import Callable, Optional
 
 from .config import (
     KVCACHE_HEAD_DIMS, SPLIT_ROWS, KernelConfig, bwd_split, bwd_tiles, dq_tiles, fwd_fold, fwd_o32, fwd_o32_tiles,
-    fwd_tiles, fwd_window_tiles, fwd_windowed, pre_o32_tiles, pre_tiles, split_tiles,
+    fwd_tiles, pre_o32_tiles, pre_tiles, split_tiles,
 )
 
 
@@ -66,7 +66,7 @@ class Kind:
     #: use builds the kernels of its own route only (:func:`first_use_kinds`)
     route: str = "dense"
     #: about how many seconds one build takes, serially (tools/compile_time.py on the 2-core CPU machine,
-    #: docs/perf.md "First use: where the compile time goes"; measured for fwd, fwd_window, preprocess, bwd
+    #: docs/perf.md "First use: where the compile time goes"; measured for fwd, preprocess, bwd
     #: and postprocess, the others set by the kernel they resemble; fwd_kvcache builds slowest of all): a
     #: first use builds the longest in its own process and the others in workers longest first, so only
     #: their order matters
@@ -84,11 +84,6 @@ KINDS: dict = {
     # launched by a call with scale <= 0 only, so built on the first such call, not ahead
     "fwd_unfolded": Kind("fwd.build_fwd_unfolded", fwd_tiles, _never, ignores=("deterministic", "precision"),
                          builds=fwd_fold, build_s=16.0),
-    # the forward with a narrow window's tiles (config.fwd_window_tiles), where they differ from "fwd"'s
-    # (Hopper, head dim 64): launched by calls with window <= config.WINDOW_TILES_MAX (gpt-oss's sliding
-    # layers share their configuration with the full ones, so a first use builds both forwards)
-    "fwd_window": Kind("fwd.build_fwd_window", fwd_window_tiles, fwd_windowed, ignores=("deterministic", "precision"),
-                       builds=fwd_windowed, build_s=13.0),
     # strict's forward when a backward follows, and that backward's Delta pass (config.fwd_o32): two-term
     # P @ V and the output in fp32 too, read by a memory-bound Delta instead of recomputing P and dP
     "fwd_o32": Kind("fwd.build_fwd_o32", fwd_o32_tiles, fwd_o32, ignores=("deterministic",), builds=fwd_o32,
