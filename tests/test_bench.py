@@ -334,7 +334,7 @@ def test_varlen_and_decode_run_on_cpu_with_the_gate(monkeypatch):
         assert r["flops"] == bench.flops(p, r["mode"]) and r["bytes"] == bench.min_bytes(p, r["mode"])
         if p.forward_only and r["mode"] != "fwd":
             assert r["status"] == bench.FORWARD_ONLY and r["ms"] is None
-        elif r["system"] in ("flashsink", "flashsink-strict", "eager", "wrong"):
+        elif r["system"] in ("flashsink", "flashsink-strict", "flashsink-det", "eager", "wrong"):
             assert r["status"] == "ok", r
             assert r["ms"] > 0 and r["tflops"] > 0 and r["gbs"] > 0 and r["pct_floor"] > 0
             assert r["gate"] == ("none" if r["system"] == "wrong" else "strict"), r
@@ -343,8 +343,9 @@ def test_varlen_and_decode_run_on_cpu_with_the_gate(monkeypatch):
         else:  # CUDA-only peers: listed with a reason
             assert r["status"].startswith("unavailable: "), r
     gated = {(g["problem"]["preset"], g["problem"]["window"], g["problem"]["seq_kv"], g["system"])
-             for g in res["gates"] if g["system"] in ("flashsink", "flashsink-strict", "eager", "wrong")}
-    assert len(gated) == len(probs) * 4  # flashsink, flashsink-strict, eager, wrong
+             for g in res["gates"]
+             if g["system"] in ("flashsink", "flashsink-strict", "flashsink-det", "eager", "wrong")}
+    assert len(gated) == len(probs) * 5  # flashsink, flashsink-strict, flashsink-det, eager, wrong
     for g in res["gates"]:
         assert g["problem"]["forward_only"] == (g["problem"]["preset"] == "decode")
         names = [x["name"] for x in g["reports"]]
@@ -818,3 +819,23 @@ def test_bench_dtype_default_is_what_the_help_says(monkeypatch):
     assert [p.dtype for p in _planned(monkeypatch, "--shape", "1,4,2,16,16", "--dtype", "bf16")] == ["bf16"]
     assert {p.dtype for p in _planned(monkeypatch, "--preset", "golden")} == {"fp32"}
     assert {p.dtype for p in _planned(monkeypatch, "--preset", "golden", "--dtype", "fp16")} == {"fp16"}
+
+
+def test_precompile_covers_every_flashsink_row(monkeypatch):
+    """``flashsink bench`` on CUDA builds, in parallel before timing, the kernels of each flashsink row it
+    times: fast, strict and deterministic configurations of every padded problem (not the varlen ones,
+    which compile at their gate)."""
+    from flashsink.bench import command
+    from flashsink.ops import interface
+    from flashsink.ops import precompile as precompile_mod
+
+    got = []
+    monkeypatch.setattr(interface, "arch_of", lambda device: "sm_90a")
+    monkeypatch.setattr(interface, "_CONFIGS", {})
+    monkeypatch.setattr(precompile_mod, "precompile", lambda cfgs: got.extend(cfgs))
+    prob = bench.parse_shape("1,4,2,64,32,16", "bf16")
+    varlen, _ = bench.preset_problems("varlen", tiny=True)
+    rows = ((False, "fast"), (True, "fast"), (False, "strict"))
+    command._precompile([prob, varlen], "cuda", rows)
+    assert [(c.deterministic, c.precision) for c in got] == list(rows)
+    assert {(c.arch, c.head_dim, c.groups, c.layout) for c in got} == {("sm_90a", 32, 2, "bhsd")}

@@ -58,11 +58,17 @@ def _variants(d: int) -> list:
     # strict's forward option (fwd_ws.build_fwd_ws(o32=True)): P @ V two-term and O also in fp32 for the
     # backward's Delta; two consumers (D64's three spill 272 bytes with the second term's registers)
     out += [("ws/fold/o32 128x128/s2", (128, 128, 256, 2), "branch", False, "o32")]
+    # ... and with the register epilogue (and, at D64, Q double-buffered) as D64's fast forward since
+    # v15: strict's training forward at D64 is 1.4x fast's (ptxas: no spills, 168 registers)
+    out += [(f"ws/fold/o32/{o} 128x128/s2", (128, 128, 256, 2), "branch", False, f"o32/{o}")
+            for o in (("regs", "regs/q2") if d <= 64 else ("regs",))]
     # o stored from registers (build_fwd_ws(epilogue="regs")): no barrier of every consumer thread at a
     # tile's end, so the ping-pong's two warpgroups are not realigned at every query tile (windows: 2-3
-    # KV tiles per query tile); at the forward's own tiles and at 128 rows (fwd_window's, D64)
-    # and Q double-buffered (build_fwd_ws(q_slots=2)): the next query tile's Q loads while this one
-    # computes, instead of on the tile boundary
+    # KV tiles per query tile); at the forward's own tiles and at 128 rows (the windowed tiles D64 ran
+    # until docs/perf.md v15); and Q double-buffered (build_fwd_ws(q_slots=2)): the next query tile's Q
+    # loads while this one computes, instead of on the tile boundary. Head dim 64's forward is regs/q2
+    # since v15 (config.fwd_ws_options); every other ws row names its options, smem and one slot unless
+    # its label says otherwise
     out += [(f"ws/fold/{o} " + "x".join(map(str, t[:2])) + "/s2", t, "branch", False, o)
             for t in dict.fromkeys([own, (128, 128, 256, 2)]) for o in ("regs", "q2", "regs/q2")]
     return out
@@ -74,18 +80,23 @@ def _func(job):
     from flashsink.ops.fwd import build_fwd
 
     dtype, d, tiles, mask, fold, ws = job
-    cfg = _cfg(dtype, d, "strict" if ws == "o32" else "fast")
+    cfg = _cfg(dtype, d, "strict" if isinstance(ws, str) and "o32" in ws.split("/") else "fast")
     if tiles is None and mask == "select" and not fold and not ws:
         return build_prim_func("fwd", cfg)  # the library's kernel
-    if ws in ("np", "nopp", "fold", "fma8", "fma4", "o32", "regs", "q2", "regs/q2"):
+    opts = ws.split("/") if isinstance(ws, str) else []
+    if opts and set(opts) <= {"np", "nopp", "fold", "fma8", "fma4", "o32", "regs", "q2"}:
         from flashsink.ops.fwd_ws import PERSISTENT_CTAS, build_fwd_ws
 
-        fma = int(ws[3:]) if ws.startswith("fma") else 0
-        return build_fwd_ws(cfg, Tiles(*tiles), ctas=None if ws == "np" else PERSISTENT_CTAS, pingpong=ws != "nopp",
-                            fold=ws in ("fold", "o32", "regs", "q2", "regs/q2") or fma > 0, fma_every=fma,
-                            o32=ws == "o32", epilogue="regs" if "regs" in ws else "smem",
-                            q_slots=2 if "q2" in ws else 1)
-    return build_fwd(cfg, tiles=Tiles(*tiles) if tiles else None, mask=None if ws else mask, fold_scale=fold, ws=ws)
+        fma = next((int(o[3:]) for o in opts if o.startswith("fma")), 0)
+        return build_fwd_ws(cfg, Tiles(*tiles), ctas=None if "np" in opts else PERSISTENT_CTAS,
+                            pingpong="nopp" not in opts, fold=not {"np", "nopp"} & set(opts), fma_every=fma,
+                            o32="o32" in opts, epilogue="regs" if "regs" in opts else "smem",
+                            q_slots=2 if "q2" in opts else 1)
+    if ws is True:  # fwd_ws.py's kernel unfolded, smem epilogue, one Q slot (not config.fwd_ws_options)
+        from flashsink.ops.fwd_ws import build_fwd_ws
+
+        return build_fwd_ws(cfg, Tiles(*tiles), fold=False)
+    return build_fwd(cfg, tiles=Tiles(*tiles) if tiles else None, mask=mask, fold_scale=fold, ws=ws)
 
 
 #: seconds a child gets to load a hand-synchronized variant (from the disk cache) and run it once
@@ -142,7 +153,8 @@ def _o32(job, q) -> list:
     """The ``o32`` option's extra output (O in fp32, q's shape), or nothing."""
     import torch
 
-    return [torch.full(q.shape, float("nan"), dtype=torch.float32, device=q.device)] if job[5] == "o32" else []
+    o32 = isinstance(job[5], str) and "o32" in job[5].split("/")
+    return [torch.full(q.shape, float("nan"), dtype=torch.float32, device=q.device)] if o32 else []
 
 
 def _errors(got, ref) -> tuple:

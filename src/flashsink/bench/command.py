@@ -27,9 +27,10 @@ NO_CUDA_MESSAGE = (
 CPU_DEFAULT_SHAPE = "1,4,2,128,32,32"
 
 
-def _precompile(problems: list[Problem], device: str) -> None:
+def _precompile(problems: list[Problem], device: str, systems=((False, "fast"),)) -> None:
     """Build flashsink's kernels for these problems in parallel processes (TileLang's disk cache),
-    so the in-process first calls load rather than compile them one after another."""
+    so the in-process first calls load rather than compile them one after another; ``systems``: the
+    (deterministic, precision) pairs of the flashsink rows being timed."""
     from .._validate import validate_attention
     from ..ops.interface import kernel_config
     from ..ops.precompile import precompile
@@ -42,7 +43,7 @@ def _precompile(problems: list[Problem], device: str) -> None:
         spec = validate_attention(inp["q"], inp["k"], inp["v"], inp["sinks"], window=p.window, causal=p.causal,
                                   scale=None, layout="bhsd")
         try:
-            cfgs.append(kernel_config(spec, torch.device(device), False))
+            cfgs += [kernel_config(spec, torch.device(device), det, prec) for det, prec in systems]
         except NotImplementedError:
             pass  # the gate reports it
     if cfgs:
@@ -125,8 +126,9 @@ def cmd_bench(args) -> int:
         return 2
     modes = list(MODES) if args.mode in (None, "all") else [args.mode]
 
-    if device == "cuda" and not args.no_precompile and any(issubclass(SYSTEMS[s], FlashSink) for s in systems):
-        _precompile(problems, device)
+    ours = [SYSTEMS[s] for s in systems if issubclass(SYSTEMS[s], FlashSink)]
+    if device == "cuda" and not args.no_precompile and ours:
+        _precompile(problems, device, tuple(dict.fromkeys((c.deterministic, c.precision) for c in ours)))
     if device == "cpu":  # a smoke run: a few repetitions are enough
         timer = Timer(device, rep_ms=min(args.rep_ms, 20.0), min_reps=3)
     else:

@@ -8,10 +8,12 @@ from .system import System, Unavailable
 
 
 class FlashSink(System):
-    """flashsink's eager calls, ``precision=self.precision``; it must pass that precision's gate."""
+    """flashsink's eager calls, ``precision=self.precision`` and ``deterministic=self.deterministic``; it
+    must pass that precision's gate."""
 
     name = "flashsink"
     precision = "fast"
+    deterministic = False
     note = 'precision="fast" (the default)'
 
     @property
@@ -21,18 +23,31 @@ class FlashSink(System):
     def forward(self, t, prob):
         import flashsink
 
+        det = {"deterministic": True} if self.deterministic else {}  # else the call exactly as users make it
         if prob.seqlens is not None:
             cu, m = t["cu_seqlens"], t["max_seqlen"]
             return flashsink.attention_varlen(t["q"], t["k"], t["v"], cu, cu, m, m, t["sinks"], window=prob.window,
-                                              causal=prob.causal, scale=prob.scale, precision=self.precision)
+                                              causal=prob.causal, scale=prob.scale, precision=self.precision, **det)
         return flashsink.attention(t["q"], t["k"], t["v"], t["sinks"], window=prob.window,
-                                   causal=prob.causal, scale=prob.scale, precision=self.precision)
+                                   causal=prob.causal, scale=prob.scale, precision=self.precision, **det)
 
 
 class FlashSinkStrict(FlashSink):
     name = "flashsink-strict"
     precision = "strict"
     note = 'precision="strict"'
+
+
+class FlashSinkDet(FlashSink):
+    """``deterministic=True`` (fast): the backward without atomics, dK/dV in the main kernel and dQ in a
+    second, query-stationary pass written straight in the input dtype (no fp32 accumulator, its fill
+    or its cast), the sink gradient from per-program partials. What bitwise reproducibility costs, and
+    on windows, where a query tile's dQ comes from two or three KV tiles, whether that route is the
+    faster one."""
+
+    name = "flashsink-det"
+    deterministic = True
+    note = 'deterministic=True (fast): dQ in its own atomic-free pass'
 
 
 class FlashSinkGraph(FlashSink):

@@ -8,8 +8,8 @@ import inspect
 
 import torch
 
-from .flashsink_systems import (FlashSink, FlashSinkGraph, FlashSinkKVCache, FlashSinkPaged, FlashSinkStrict,
-                                FlashSinkStrictGraph)
+from .flashsink_systems import (FlashSink, FlashSinkDet, FlashSinkGraph, FlashSinkKVCache, FlashSinkPaged,
+                                FlashSinkStrict, FlashSinkStrictGraph)
 from .problems import score_elems
 from .system import System, Unavailable, _all_visible
 
@@ -387,5 +387,6 @@ class Fa4(System):
 # The registry, in table order. Tests may add entries (a deliberately wrong system).
 SYSTEMS: dict[str, type] = {"flashsink": FlashSink, "flashsink-graph": FlashSinkGraph,
                             "flashsink-strict": FlashSinkStrict, "flashsink-strict-graph": FlashSinkStrictGraph,
+                            "flashsink-det": FlashSinkDet,
                             "flashsink-kvcache": FlashSinkKVCache, "flashsink-paged": FlashSinkPaged,
                             "fa4": Fa4, "flex": Flex, "fla": Fla, "sdpa": Sdpa, "eager": Eager}

@@ -101,14 +101,15 @@ def format_table(result: dict) -> str:
 
 def summary(result: dict) -> str:
     """One line per (problem, mode): flashsink (fast) against the best peer with sinks that passes a
-    gate (its gate in brackets), FA4 and FLA (the peers the varlen and causal targets name) and SDPA; "strict ms" is flashsink-strict, "graph ms" flashsink
-    replayed from a CUDA graph (its kernels without the host's time), "host us" flashsink's host time."""
+    gate (its gate in brackets), FA4 and FLA (the peers the varlen and causal targets name) and SDPA; "strict ms" is
+    flashsink-strict, "det ms" flashsink-det (deterministic=True), "graph ms" flashsink replayed from a CUDA graph
+    (its kernels without the host's time), "host us" flashsink's host time."""
     rows = [r for r in result["rows"] if r["status"] != FORWARD_ONLY]
     keys = list(dict.fromkeys((r["problem"], r["mode"]) for r in rows))
     wp = max([len("problem")] + [len(p) for p, _ in keys])
     out = [f"summary: {'problem':<{wp}} {'mode':<7} {'flashsink ms':>12} {'TFLOP/s':>8} {'GB/s':>6} {'%floor':>6}  "
            f"{'best peer':<25} {'vs peer':>7}  {'fa4 ms':>9}  {'fla ms':>9}  {'sdpa(no sink) ms':>16}  "
-           f"{'strict ms':>9}  {'graph ms':>9}  {'host us':>7}"]
+           f"{'strict ms':>9}  {'det ms':>9}  {'graph ms':>9}  {'host us':>7}"]
     for prob, mode in keys:
         rs = {r["system"]: r for r in rows if r["problem"] == prob and r["mode"] == mode}
         fs = rs.get("flashsink") or rs.get("hf/flashsink", {})  # hf-train: the model step, against flex
@@ -125,6 +126,7 @@ def summary(result: dict) -> str:
             f"{'-' if fs.get('speedup') is None else format(fs['speedup'], '.2f') + 'x':>7}  "
             f"{_f(rs.get('fa4', {}).get('ms'), '.4f'):>9}  {_f(rs.get('fla', {}).get('ms'), '.4f'):>9}  "
             f"{_f(rs.get('sdpa', {}).get('ms'), '.4f'):>16}  {_f(rs.get('flashsink-strict', {}).get('ms'), '.4f'):>9}  "
+            f"{_f(rs.get('flashsink-det', {}).get('ms'), '.4f'):>9}  "
             f"{_f(rs.get('flashsink-graph', {}).get('ms'), '.4f'):>9}  {_f(fs.get('host_us'), '.1f'):>7}"
         )
     return "\n".join(out)
