@@ -17,7 +17,7 @@ def test_dry_run_plans_the_product(capsys):
     # 2 archs x 2 dtypes x 2 tiles (80 runs on the 128 tile) x 2 ratios x 2 sink modes x 2 (det or not),
     # each 4 kernels, plus the split-KV forward and its merge on sm_90a (one forward per configuration,
     # whatever the window)
-    assert "64 configurations, 320 kernels" in out  # no bwd_split where the ws main backward runs (D64/D128 fast Hopper)
+    assert "64 configurations, 320 kernels" in out  # no bwd_split where the ws main backward runs (D64/D128 Hopper)
     assert "sm_80-float16-D128x128-G8-causal-nosink-bhsd-det" in out and " dq" in out and " fwd_split" in out
     assert not any(line.startswith("sm_80") and "fwd_split" in line for line in out.splitlines())
 
@@ -127,3 +127,46 @@ def test_precompile_starts_the_longest_builds_first(monkeypatch):
     assert [KINDS[k].build_s for k in order] == sorted((KINDS[k].build_s for k in order), reverse=True)
     assert order[:2] == ["fwd", "fwd"] and order[-2:] == ["postprocess", "postprocess"]
     assert [cfg.dtype for kind, cfg in seen if kind == "bwd"] == ["bfloat16", "float16"]
+
+
+def _tool(name):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "tools" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_cpu_bundle_lists_the_suite_the_recorded_and_the_bench_kernels(tmp_path, monkeypatch):
+    """tools/precompile_cpu_bundle.py: the suite matrix's kernels, a recorded run's (a kind since
+    removed read as the forward that replaced it, with its configuration's other kernels), and the
+    bench presets' fast, strict and deterministic configurations, each once, for sm_90a."""
+    import dataclasses
+    import json
+
+    from flashsink.ops import precompile as precompile_mod
+    from flashsink.ops.config import KernelConfig
+    from flashsink.ops.kinds import kinds_for
+
+    tool = _tool("precompile_cpu_bundle")
+    rec = KernelConfig("sm_90a", "float16", 64, 64, 3, True, True, "bshd", False, "fast")
+    fields = {k: getattr(rec, k) for k in ("arch", "dtype", "head_dim", "head_dim_v", "groups", "causal",
+                                            "has_sinks", "layout", "deterministic", "precision")}
+    path = tmp_path / "recorded.jsonl"
+    path.write_text("".join(json.dumps({"kind": k, **fields}) + "\n" for k in ("fwd_window", "bwd")))
+    got = {}
+    monkeypatch.setattr(precompile_mod, "precompile", lambda configs, pairs=(), jobs=None: got.update(
+        pairs=list(pairs), jobs=jobs) or [])
+    monkeypatch.setattr("sys.argv", ["precompile_cpu_bundle.py", "--jobs", "3", str(path)])
+    assert tool.main() == 0
+    pairs = got["pairs"]
+    assert got["jobs"] == 3 and len(pairs) == len(set(pairs))
+    assert {cfg.arch for _, cfg in pairs} == {"sm_90a"}
+    assert {(k, rec) for k in kinds_for(rec)} <= set(pairs)  # the recorded forward's whole configuration
+    golden = KernelConfig("sm_90a", "float16", 128, 128, 8, True, True, "bhsd", False, "fast")
+    for cfg in (golden, dataclasses.replace(golden, precision="strict"),
+                dataclasses.replace(golden, deterministic=True)):
+        assert {(k, cfg) for k in kinds_for(cfg)} <= set(pairs), cfg.short()

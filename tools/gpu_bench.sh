@@ -12,6 +12,7 @@ dest=${OUT:-gpu-out}
 mkdir -p "$dest" bench-results
 export TILELANG_CACHE_DIR=${TILELANG_CACHE_DIR:-$PWD/.tlcache}
 export FLASHSINK_CACHE_DIR=${FLASHSINK_CACHE_DIR:-$PWD/.fscache}
+source tools/unpack_kernel_bundle.sh
 export PYTHONUNBUFFERED=1
 start=$SECONDS
 for p in ${PRESETS:-golden gptoss-swa causal-d128 gptoss-full varlen decode decode-paged hf-train}; do

@@ -14,6 +14,7 @@ mkdir -p "$dest"
 work=$(mktemp -d /tmp/gpu-perf.XXXXXX)
 export TILELANG_CACHE_DIR=${TILELANG_CACHE_DIR:-$PWD/.tlcache}
 export FLASHSINK_CACHE_DIR=${FLASHSINK_CACHE_DIR:-$PWD/.fscache}
+source tools/unpack_kernel_bundle.sh
 export PYTHONUNBUFFERED=1
 stop_at=${STOP_AT:-560}
 left() { local l=$((stop_at - SECONDS)); echo $(( l > 5 ? l : 5 )); }

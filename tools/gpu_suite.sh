@@ -24,6 +24,7 @@ mkdir -p "$dest"
 # machine, so a second call finds every kernel the first one built.
 export TILELANG_CACHE_DIR=${TILELANG_CACHE_DIR:-$PWD/.tlcache}
 export FLASHSINK_CACHE_DIR=${FLASHSINK_CACHE_DIR:-$PWD/.fscache}
+source tools/unpack_kernel_bundle.sh
 export PYTHONUNBUFFERED=1
 stop_at=${STOP_AT:-570}
 left() { local l=$((stop_at - SECONDS)); echo $(( l > 5 ? l : 5 )); }

@@ -1,0 +1,86 @@
+"""Build, on a machine without a GPU, the sm_90a kernels a GPU session needs first, into
+FLASHSINK_CACHE_DIR, so a fresh GPU machine loads them instead of compiling them:
+
+    FLASHSINK_CACHE_DIR=$PWD/.fscache python tools/precompile_cpu_bundle.py [--jobs N] [recorded.jsonl]
+    tar -cJf .fscache.tar.xz .fscache        # ~20 KB a kernel; carry it with .gpu
+
+What it builds: every kernel of the GPU suite's matrix (tools/precompile_gpu_cases.py's list), the
+kernels a previous suite run recorded (tools/precompile_recorded.py's input: the suite leaves
+recorded.jsonl in its logs.tgz), and the benchmark presets' configurations in fast, strict and
+deterministic mode. A kernel is found on the GPU machine only where its cache key matches there: the
+same TIR and the same versions (flashsink, tilelang, tvm_ffi, nvcc's build string, platform,
+compile.versions); an entry the GPU machine's runtime cannot load is rebuilt there, not used
+(compile.compile_kernel). So a first GPU call should load one kernel before relying on the bundle.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+
+ARCH = "sm_90a"
+
+
+def _recorded(path: str) -> list:
+    from flashsink.ops.config import KernelConfig
+    from flashsink.ops.kinds import KINDS, kinds_for
+
+    out = []
+    with open(path) as f:
+        for line in f:
+            if not line.strip():
+                continue
+            d = json.loads(line)
+            kind = d.pop("kind")
+            cfg = KernelConfig(**d)
+            if kind not in KINDS:  # a kind since removed (fwd_window: the forward took its place)
+                kind = "fwd" if kind.startswith("fwd") else None
+            if kind is not None:
+                out.append((kind, cfg))
+    return out + [(k, c) for kind, c in out if kind == "fwd" for k in kinds_for(c)]
+
+
+def _bench() -> list:
+    from flashsink.ops.config import KernelConfig
+    from flashsink.ops.kinds import precompile_kinds
+
+    out = []
+    for dtype, d, layout in (("float16", 128, "bhsd"), ("bfloat16", 128, "bhsd"), ("bfloat16", 64, "bhsd"),
+                             ("bfloat16", 64, "thd")):
+        for det, precision in ((False, "fast"), (False, "strict"), (True, "fast")):
+            cfg = KernelConfig(ARCH, dtype, d, d, 8, True, True, layout, det, precision)
+            out += [(k, cfg) for k in precompile_kinds(cfg)]
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("recorded", nargs="?", help="a suite run's recorded.jsonl (FLASHSINK_RECORD_KERNELS)")
+    ap.add_argument("--jobs", type=int, default=None, help="compile processes (default one per CPU)")
+    args = ap.parse_args()
+    from gpu_cases import case_config, decode_cases, kernel_configs, kvcache_cases, kvcache_config, merge_test_config
+
+    from flashsink.ops.precompile import kinds_for, precompile
+
+    split = {case_config(ARCH, c, precision=p) for c in decode_cases() for p in ("fast", "strict")}
+    pairs = [(k, cfg) for cfg in dict.fromkeys(kernel_configs(ARCH)) for k in kinds_for(cfg)
+             if k not in ("fwd_split", "merge_splits", "fwd_kvcache") or cfg in split]
+    pairs += [(k, kvcache_config(ARCH, c)) for c in kvcache_cases() for k in ("fwd_kvcache", "merge_splits")]
+    pairs += [("merge_splits", merge_test_config(ARCH))]
+    if args.recorded:
+        pairs += _recorded(args.recorded)
+    pairs += _bench()
+    pairs = list(dict.fromkeys(pairs))
+    print(f"{len(pairs)} kernels for {ARCH} into {os.environ.get('FLASHSINK_CACHE_DIR', 'the default cache')}",
+          flush=True)
+    t0 = time.time()
+    failed = precompile([], pairs=pairs, jobs=args.jobs)
+    print(f"done in {time.time() - t0:.0f} s, {len(failed) if failed else 0} failed", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
