@@ -290,3 +290,54 @@ def test_double_buffered_q_option(epilogue):
     assert "q_done[0] % 2" in text and "q_done[0] // 2" in text and "q_done[0] % 2" not in one.script()
     with pytest.raises(ValueError, match="q_slots"):
         build_fwd_ws(cfg, tiles, q_slots=3)
+
+
+def test_pack_gqa_option_packs_a_group_into_one_tile():
+    """``build_fwd_ws(pack_gqa=True)`` (tools/fwd_variants.py's ".../pack", to be measured): a tile is
+    the GQA group's heads, ``block_m / groups`` positions each, head after head. Q arrives as one box
+    per head into its rows of the one buffer; each row's position (mask, o, lse) is ``p0 + i % P`` and
+    its head (sink, o, lse) ``h0 + i // P``; the tiles run over KV heads; the launch is the same. Off, it
+    is the kernel built without it, TIR for TIR."""
+    from flashsink.ops.fwd_ws import build_fwd_ws
+
+    cfg, tiles = _cfg(d=64), Tiles(192, 128, 384, 2)
+    packed = build_fwd_ws(cfg, tiles, fold=True, epilogue="regs", q_slots=2, pack_gqa=True)
+    plain = build_fwd_ws(cfg, tiles, fold=True, epilogue="regs", q_slots=2)
+    assert plain.script() == build_fwd_ws(cfg, tiles, fold=True, epilogue="regs", q_slots=2, pack_gqa=False).script()
+    assert _params(packed) == _params(plain) and _dtypes(packed) == _dtypes(plain)
+    text = packed.script()
+    load = next(line for line in text.splitlines() if "T.tma_copy(T.region(Q[" in line)
+    assert "head[0] * 8 + g" in load and "bx_1[0] * 24" in load and ", 24, 64)" in load
+    assert "Sinks[head_1 + i // 24]" in text
+    assert "i % 24" in text and "LSE[b[0], head[0] * 8 + i // 24, row0 + i % 24]" in text
+    assert "heads // 8" in text  # the tiles run over the KV heads
+
+
+@pytest.mark.parametrize("cfg,bm", [
+    (_cfg(d=64, layout="thd"), 192),  # packed batches: not supported
+    (_cfg(d=64, groups=1), 192),  # no group to pack
+    (_cfg(d=64, groups=5), 192),  # 192 rows are no whole number of heads
+    (_cfg(d=64, groups=16), 192),  # 12 rows a head: not whole 8-row swizzle atoms
+    (_cfg(d=128), 128),  # a head's rows are not a contiguous run of D128's swizzled buffer
+])
+def test_pack_gqa_refuses_what_it_cannot_pack(cfg, bm):
+    from flashsink.ops.fwd_ws import build_fwd_ws
+
+    with pytest.raises(NotImplementedError, match="pack_gqa"):
+        build_fwd_ws(cfg, Tiles(bm, 128, bm * 2, 2), fold=True, pack_gqa=True)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (compiles for sm_90a without a GPU)")
+def test_pack_gqa_compiles_for_hopper():
+    """nvcc accepts the packed kernel: one TMA box of 24 rows per head of gpt-oss's group, each
+    announcing its own 3072 bytes on the one Q barrier before the producer's single arrival."""
+    import tilelang
+
+    from flashsink.ops.compile import pass_configs
+    from flashsink.ops.fwd_ws import build_fwd_ws
+
+    func = build_fwd_ws(_cfg(d=64), Tiles(192, 128, 384, 2), fold=True, epilogue="regs", q_slots=2, pack_gqa=True)
+    kern = tilelang.compile(func, target={"kind": "cuda", "arch": "sm_90a"}, execution_backend="tvm_ffi",
+                            pass_configs=pass_configs())
+    src = kern.get_kernel_source()
+    assert src.count("expect_transaction(3072)") == 1 and "for (int g = 0; g < 8; ++g)" in src

@@ -71,6 +71,11 @@ def _variants(d: int) -> list:
     # its label says otherwise
     out += [(f"ws/fold/{o} " + "x".join(map(str, t[:2])) + "/s2", t, "branch", False, o)
             for t in dict.fromkeys([own, (128, 128, 256, 2)]) for o in ("regs", "q2", "regs/q2")]
+    # a GQA group's heads packed into one tile (build_fwd_ws(pack_gqa=True), FA4's default on Hopper): at
+    # W=128 a tile of 24 positions x 8 heads spans 2-3 KV tiles where 192 positions span 3 (perf.md v15);
+    # with the forward's own options (regs/q2) and without them; head dim 64 only (fwd_ws._pack_rows)
+    if d == 64:
+        out += [(f"ws/fold/{o} 192x128/s2", own, "branch", False, o) for o in ("regs/q2/pack", "pack")]
     return out
 
 
@@ -84,14 +89,14 @@ def _func(job):
     if tiles is None and mask == "select" and not fold and not ws:
         return build_prim_func("fwd", cfg)  # the library's kernel
     opts = ws.split("/") if isinstance(ws, str) else []
-    if opts and set(opts) <= {"np", "nopp", "fold", "fma8", "fma4", "o32", "regs", "q2"}:
+    if opts and set(opts) <= {"np", "nopp", "fold", "fma8", "fma4", "o32", "regs", "q2", "pack"}:
         from flashsink.ops.fwd_ws import PERSISTENT_CTAS, build_fwd_ws
 
         fma = next((int(o[3:]) for o in opts if o.startswith("fma")), 0)
         return build_fwd_ws(cfg, Tiles(*tiles), ctas=None if "np" in opts else PERSISTENT_CTAS,
                             pingpong="nopp" not in opts, fold=not {"np", "nopp"} & set(opts), fma_every=fma,
                             o32="o32" in opts, epilogue="regs" if "regs" in opts else "smem",
-                            q_slots=2 if "q2" in opts else 1)
+                            q_slots=2 if "q2" in opts else 1, pack_gqa="pack" in opts)
     if ws is True:  # fwd_ws.py's kernel unfolded, smem epilogue, one Q slot (not config.fwd_ws_options)
         from flashsink.ops.fwd_ws import build_fwd_ws
 

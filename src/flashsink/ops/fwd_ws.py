@@ -56,7 +56,7 @@ def consumer_regs(n_consumers: int) -> int:
 
 def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS, pingpong: bool = True,
                  fold: bool = False, fma_every: int = 0, o32: bool = False, epilogue: str = "smem",
-                 q_slots: int = 1):
+                 q_slots: int = 1, pack_gqa: bool = False):
     """The warp-specialized forward for tiles ``t``: ``t.block_m`` a multiple of 64 (one consumer
     warpgroup per 64 rows, ``t.threads`` their threads, ``block_m * 2``; the kernel runs 128 more,
     the producer's), ``t.stages`` ring slots for K and V.
@@ -95,7 +95,17 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
     ``q_slots`` (``config.fwd_ws_options``: 2 at head dim 64, 1 at 128): 2 gives Q a second buffer, so
     the producer loads the next query tile's Q while the consumers still compute on this one's; with
     one, the next Q is loaded only once both consumer warpgroups have issued this tile's last S
-    product, and its latency falls on the tile boundary (short tiles: windows)."""
+    product, and its latency falls on the tile boundary (short tiles: windows).
+
+    ``pack_gqa`` (an option for tools/fwd_variants.py, not measured yet; FlashAttention-4's default on
+    Hopper): a tile holds the ``groups`` query heads of one KV head, ``block_m / groups`` positions of
+    each, head after head (row ``i``: head ``h0 + i // P``, position ``p0 + i % P``), so one K/V tile
+    serves the whole group. Under a narrow window a tile then spans fewer keys: at W=128 and 192 rows
+    of 8 heads, 24 positions see 151 keys (2-3 KV tiles of 128) where 192 positions see 319 (3),
+    ~29% fewer products and softmax passes per row (docs/perf.md v15). Padded layouts; ``groups``
+    must divide ``block_m`` into whole 8-row groups (the shared-memory swizzle's atom). The tiles run
+    over the statistics' padded rows, so every lse row (padding included) is written as without it.
+    Head dim 64 only (``_pack_rows``)."""
     if q_slots not in (1, 2):
         raise ValueError(f"q_slots must be 1 or 2, got {q_slots!r}")
     if epilogue not in ("smem", "regs"):
@@ -106,6 +116,8 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
         raise NotImplementedError(f"the warp-specialized forward supports Hopper (sm_90a) and query tiles of a "
                                   f"multiple of {ROWS_PER_CONSUMER} rows; got {cfg.short()}, {t}")
     bm, bn, stages = t.block_m, t.block_n, t.stages
+    pack = _pack_rows(cfg, bm) if pack_gqa else None
+    rows = bm if pack is None else pack  # query positions per tile
     n_consumers = bm // ROWS_PER_CONSUMER
     consumers = 128 * n_consumers
     regs = consumer_regs(n_consumers)
@@ -116,7 +128,7 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
 
     @T.macro
     def body(Q, K, V, Sinks, CuQ, CuK, window, scale_log2, O, LSE, m_tiles, n_seqs, O32=None):
-        total = m_tiles * heads * n_seqs
+        total = _row_tiles(m_tiles, LSE, pack) * _units(heads, groups, pack) * n_seqs
         n_ctas = total if ctas is None else T.min(total, ctas)
         with T.Kernel(n_ctas, threads=consumers + 128) as cta:
             q_s = T.alloc_shared([bm, dim] if q_slots == 1 else [q_slots, bm, dim], dtype)
@@ -168,14 +180,20 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
                 T.set_max_nreg(PRODUCER_REGS, 0)
                 for step in T.serial(T.ceildiv(total - cta, n_ctas)):
                     bx, head, b, q_base, sq, k_base, sk, lo, hi = _locate(
-                        cta + step * n_ctas, m_tiles, heads, n_seqs, CuQ, CuK, seq_q, seq_kv, window, bm, bn, layout,
-                        cfg.causal)
-                    kv_head = head // groups
+                        cta + step * n_ctas, _row_tiles(m_tiles, LSE, pack), _units(heads, groups, pack), n_seqs,
+                        CuQ, CuK, seq_q, seq_kv, window, rows, bn, layout, cfg.causal)
+                    kv_head = head // groups if pack is None else head
                     # a tile that visits no keys loads nothing (its consumers wait for nothing)
                     if hi > lo:
                         T.mbarrier_wait_parity(_q_slot(q_empty, q_done, q_slots), _q_phase(q_done, q_slots) ^ 1)
-                        T.tma_copy(tile(Q, layout, b, head, q_base + bx * bm, bm), _q_slot(q_s, q_done, q_slots),
-                                   barrier=_q_slot(q_full, q_done, q_slots))
+                        if pack is None:
+                            T.tma_copy(tile(Q, layout, b, head, q_base + bx * bm, bm), _q_slot(q_s, q_done, q_slots),
+                                       barrier=_q_slot(q_full, q_done, q_slots))
+                        else:  # the group's heads, one box of `pack` rows each
+                            for g in T.unroll(groups):
+                                T.tma_copy(tile(Q, layout, b, head * groups + g, q_base + bx * pack, pack),
+                                           _q_rows(q_s, q_done, q_slots, g * pack, pack),
+                                           barrier=_q_slot(q_full, q_done, q_slots))
                         T.barrier_arrive(_q_slot(q_full, q_done, q_slots))
                         q_done = q_done + 1
                     for it in T.serial(hi - lo):
@@ -196,13 +214,13 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
                     _pingpong_start(wg)
                 for step in T.serial(T.ceildiv(total - cta, n_ctas)):
                     bx, head, b, q_base, sq, k_base, sk, lo, hi = _locate(
-                        cta + step * n_ctas, m_tiles, heads, n_seqs, CuQ, CuK, seq_q, seq_kv, window, bm, bn, layout,
-                        cfg.causal)
-                    row0 = bx * bm
-                    flo, fhi = full_kv_blocks_for_rows(lo, hi, row0, bm, bn, sq, sk, window, cfg.causal)
+                        cta + step * n_ctas, _row_tiles(m_tiles, LSE, pack), _units(heads, groups, pack), n_seqs,
+                        CuQ, CuK, seq_q, seq_kv, window, rows, bn, layout, cfg.causal)
+                    row0 = bx * rows  # the tile's first query position
+                    flo, fhi = full_kv_blocks_for_rows(lo, hi, row0, rows, bn, sq, sk, window, cfg.causal)
                     n = hi - lo
                     T.fill(acc_o, 0)
-                    softmax.init_state(m, l, Sinks, head, bm, cfg.has_sinks)
+                    softmax.init_state(m, l, Sinks, _first_head(head, groups, pack), bm, cfg.has_sinks, pack)
                     if n > 0:
                         T.mbarrier_wait_parity(_q_slot(q_full, q_done, q_slots), _q_phase(q_done, q_slots))
                         # the first KV tile: S_0, its softmax, P_0 kept for the next step's PV product
@@ -217,7 +235,7 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
                         T.wait_wgmma(0)
                         T.barrier_arrive(k_empty[s0])
                         branch_logits(acc_s, row0, lo * bn, sq, sk, window, scale_log2, fold, (flo, fhi), lo,
-                                      cfg.causal)
+                                      cfg.causal, pack)
                         softmax.new_max(acc_s, m, m_prev, alpha, row_sum, bm, scale_log2 if fold else None)
                         softmax.exp_sum(acc_s, m, alpha, row_sum, l, bm, bn, scale_log2 if fold else None, fma_every)
                         _keep_p(acc_s, p, p_lo, bm, bn, o32)
@@ -240,7 +258,7 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
                         T.barrier_arrive(k_empty[s])
                         kb = lo + it
                         branch_logits(acc_s, row0, kb * bn, sq, sk, window, scale_log2, fold, (flo, fhi), kb,
-                                      cfg.causal)
+                                      cfg.causal, pack)
                         softmax.new_max(acc_s, m, m_prev, alpha, row_sum, bm, scale_log2 if fold else None)
                         softmax.exp_sum(acc_s, m, alpha, row_sum, l, bm, bn, scale_log2 if fold else None, fma_every)
                         T.wait_wgmma(0)
@@ -263,19 +281,77 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
                     if epilogue == "smem":
                         T.copy(acc_o, o_s)
                         T.sync_threads(CONSUMER_BARRIER, consumers)  # o_s whole before the rows are stored
-                        store_rows(O, layout, b, head, q_base, row0, sq, o_s, bm, dim_v)
+                        _store_o(O, layout, b, _first_head(head, groups, pack), q_base, row0, sq, o_s, bm, dim_v, pack)
                     else:  # (the buffer's name is part of the kernel's text: the default keeps "o_s")
                         T.copy(acc_o, o_r)
-                        store_rows(O, layout, b, head, q_base, row0, sq, o_r, bm, dim_v)
-                    store_stat(LSE, layout, b, head, q_base, row0, sq, lse, bm)
+                        _store_o(O, layout, b, _first_head(head, groups, pack), q_base, row0, sq, o_r, bm, dim_v, pack)
+                    if pack is None:
+                        store_stat(LSE, layout, b, head, q_base, row0, sq, lse, bm)
+                    else:  # every row up to the padded end, as the unpacked tiles write them
+                        for i in T.Parallel(bm):
+                            if row0 + i % pack < LSE.shape[2]:
+                                LSE[b, head * groups + i // pack, row0 + i % pack] = lse[i]
                     if o32:
-                        store_rows(O32, layout, b, head, q_base, row0, sq, acc_o, bm, dim_v)
+                        _store_o(O32, layout, b, _first_head(head, groups, pack), q_base, row0, sq, acc_o, bm, dim_v,
+                                 pack)
                     if epilogue == "smem":
                         T.sync_threads(CONSUMER_BARRIER, consumers)  # o_s read before the next tile writes it
 
     flashsink_fwd = fwd_entry(cfg, shapes, body, bm, o32)
     # Every shared-memory hand-off is ordered by hand (mbarriers, the consumers' named barrier).
     return flashsink_fwd.with_attr("tilelang_pass_configs", {"tl.disable_thread_storage_sync": True})
+
+
+def _pack_rows(cfg: KernelConfig, bm: int) -> int:
+    """Positions per packed tile (``pack_gqa``): ``bm / groups``, a whole number of 8-row swizzle atoms."""
+    g = cfg.groups
+    # head dim 64: a Q row is one 128-byte swizzle row, so one head's rows are a contiguous run of the
+    # buffer (at 128, TileLang 0.1.15's TMA lowering refuses the sub-tile: "plain SMEM layout is not a
+    # bijection"; 16 positions x 8 heads would not cut golden's KV tiles anyway, docs/perf.md v15)
+    if cfg.layout == "thd" or cfg.head_dim != 64 or g < 2 or bm % g or (bm // g) % 8:
+        raise NotImplementedError(
+            f"pack_gqa packs a GQA group's heads into {bm}-row tiles for padded layouts (bhsd, bshd) at head "
+            f"dim 64 where groups divides {bm} into whole groups of 8 rows; got layout {cfg.layout!r}, head "
+            f"dim {cfg.head_dim}, groups {g}")
+    return bm // g
+
+
+def _row_tiles(m_tiles, lse, pack):
+    """Row tiles per sequence: the grid's ``m_tiles``, or (packed) tiles of ``pack`` positions over
+    the statistics' padded rows."""
+    return m_tiles if pack is None else T.ceildiv(lse.shape[2], pack)
+
+
+def _units(heads, groups: int, pack):
+    """What a row tile is repeated over: the query heads, or (packed) the KV heads."""
+    return heads if pack is None else heads // groups
+
+
+def _first_head(head, groups: int, pack):
+    """The first query head of a tile of unit ``head`` (a query head, or a packed tile's KV head)."""
+    return head if pack is None else head * groups
+
+
+def _q_rows(q_s, q_done, q_slots: int, r0: int, n: int):
+    """Rows ``r0 .. r0+n`` of the Q buffer's slot for the ``q_done``-th tile (a packed tile's head)."""
+    if q_slots == 1:
+        return q_s[r0 : r0 + n, :]
+    return q_s[q_done % q_slots, r0 : r0 + n, :]
+
+
+@T.macro
+def _store_o(x, layout: str, b, h0, base, row0, seq, src, rows: int, cols: int, pack):
+    """``layout.store_rows`` of a tile's output; packed (``pack`` positions per head, head after head):
+    row ``i`` to head ``h0 + i // pack``, position ``row0 + i % pack``, the positions past ``seq`` dropped."""
+    if pack is None:
+        store_rows(x, layout, b, h0, base, row0, seq, src, rows, cols)
+    else:
+        for i, j in T.Parallel(rows, cols):
+            if row0 + i % pack < seq:
+                if layout == "bhsd":
+                    x[b, h0 + i // pack, base + row0 + i % pack, j] = src[i, j]
+                else:
+                    x[b, base + row0 + i % pack, h0 + i // pack, j] = src[i, j]
 
 
 def _q_slot(x, q_done, q_slots: int):

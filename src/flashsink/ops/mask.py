@@ -23,13 +23,15 @@ def visible(row, key, seq_q, seq_kv, window, causal: bool):
 
 
 @T.macro
-def mask_logits(acc_s, row0, key0, sq, sk, window, scale_log2, fold_scale: bool, full, kb, causal: bool):
+def mask_logits(acc_s, row0, key0, sq, sk, window, scale_log2, fold_scale: bool, full, kb, causal: bool,
+                pack: int | None = None):
     """Masked slots of one tile of logits to -inf; visible ones scaled (unless ``fold_scale``).
     ``full`` (flo, fhi): KV block ``kb`` in it is wholly visible, ORed into the mask. (``sq``, ``sk``:
-    the sequence lengths, named as the caller's, which TileLang's script then keeps.)"""
+    the sequence lengths, named as the caller's, which TileLang's script then keeps.) ``pack``: the
+    tile holds a GQA group's heads, ``pack`` query positions each (:func:`tile_row`)."""
     for i, j in T.Parallel(acc_s.shape[0], acc_s.shape[1]):
         acc_s[i, j] = T.if_then_else(
-            _keep(row0 + i, key0 + j, kb, sq, sk, window, causal, full),
+            _keep(tile_row(row0, i, pack), key0 + j, kb, sq, sk, window, causal, full),
             acc_s[i, j] if fold_scale else acc_s[i, j] * scale_log2,
             -T.infinity("float32"),
         )
@@ -44,14 +46,21 @@ def scale_logits(acc_s, scale_log2, fold_scale: bool):
 
 
 @T.macro
-def branch_logits(acc_s, row0, key0, sq, sk, window, scale_log2, fold_scale: bool, full, kb, causal: bool):
+def branch_logits(acc_s, row0, key0, sq, sk, window, scale_log2, fold_scale: bool, full, kb, causal: bool,
+                  pack: int | None = None):
     """:func:`mask_logits` where KV block ``kb`` is not wholly visible, else only the scale
     (:func:`scale_logits`): ``full`` (flo, fhi) is the tile's wholly visible blocks
     (``block_range.full_kv_blocks_for_rows``), bound once per tile; the branch is per tile."""
     if in_blocks(kb, full):
         scale_logits(acc_s, scale_log2, fold_scale)
     else:
-        mask_logits(acc_s, row0, key0, sq, sk, window, scale_log2, fold_scale, None, kb, causal)
+        mask_logits(acc_s, row0, key0, sq, sk, window, scale_log2, fold_scale, None, kb, causal, pack)
+
+
+def tile_row(row0, i, pack: int | None = None):
+    """The query position of a tile's row ``i``: ``row0 + i``; or, in a tile packing a GQA group's heads
+    (``pack`` positions of each, head after head: row ``i`` is head ``i // pack``), ``row0 + i % pack``."""
+    return row0 + i if pack is None else row0 + i % pack
 
 
 @T.macro

@@ -20,10 +20,12 @@ LN2 = 0.6931471805599453
 
 
 @T.macro
-def init_state(m, l, sinks, head, block_m: int, has_sinks: bool):
+def init_state(m, l, sinks, head, block_m: int, has_sinks: bool, pack: int | None = None):
+    """The running maximum and normalizer before any key: the sink's logit and 1, or -inf and 0.
+    ``pack``: the rows hold heads ``head, head + 1, ..``, ``pack`` rows each (``mask.tile_row``)."""
     for i in T.Parallel(block_m):
         if has_sinks:
-            m[i] = sinks[head] * LOG2E
+            m[i] = (sinks[head] if pack is None else sinks[head + i // pack]) * LOG2E
             l[i] = 1.0
         else:
             m[i] = -T.infinity("float32")
