@@ -309,7 +309,7 @@ def test_pack_gqa_option_packs_a_group_into_one_tile():
     load = next(line for line in text.splitlines() if "T.tma_copy(T.region(Q[" in line)
     assert "head[0] * 8 + g" in load and "bx_1[0] * 24" in load and ", 24, 64)" in load
     assert "Sinks[head_1 + i // 24]" in text
-    assert "i % 24" in text and "LSE[b[0], head[0] * 8 + i // 24, row0 + i % 24]" in text
+    assert "i % 24" in text and "h_1: T.int32 = head[0] * 8" in text and "LSE[b_2, h_1 + i // 24, s0 + i % 24]" in text
     assert "heads // 8" in text  # the tiles run over the KV heads
 
 

@@ -281,19 +281,16 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
                     if epilogue == "smem":
                         T.copy(acc_o, o_s)
                         T.sync_threads(CONSUMER_BARRIER, consumers)  # o_s whole before the rows are stored
-                        _store_o(O, layout, b, _first_head(head, groups, pack), q_base, row0, sq, o_s, bm, dim_v, pack)
+                        store_rows(O, layout, b, _first_head(head, groups, pack), q_base, row0, sq, o_s, bm, dim_v,
+                                   pack)
                     else:  # (the buffer's name is part of the kernel's text: the default keeps "o_s")
                         T.copy(acc_o, o_r)
-                        _store_o(O, layout, b, _first_head(head, groups, pack), q_base, row0, sq, o_r, bm, dim_v, pack)
-                    if pack is None:
-                        store_stat(LSE, layout, b, head, q_base, row0, sq, lse, bm)
-                    else:  # every row up to the padded end, as the unpacked tiles write them
-                        for i in T.Parallel(bm):
-                            if row0 + i % pack < LSE.shape[2]:
-                                LSE[b, head * groups + i // pack, row0 + i % pack] = lse[i]
+                        store_rows(O, layout, b, _first_head(head, groups, pack), q_base, row0, sq, o_r, bm, dim_v,
+                                   pack)
+                    store_stat(LSE, layout, b, _first_head(head, groups, pack), q_base, row0, sq, lse, bm, pack)
                     if o32:
-                        _store_o(O32, layout, b, _first_head(head, groups, pack), q_base, row0, sq, acc_o, bm, dim_v,
-                                 pack)
+                        store_rows(O32, layout, b, _first_head(head, groups, pack), q_base, row0, sq, acc_o, bm,
+                                   dim_v, pack)
                     if epilogue == "smem":
                         T.sync_threads(CONSUMER_BARRIER, consumers)  # o_s read before the next tile writes it
 
@@ -337,21 +334,6 @@ def _q_rows(q_s, q_done, q_slots: int, r0: int, n: int):
     if q_slots == 1:
         return q_s[r0 : r0 + n, :]
     return q_s[q_done % q_slots, r0 : r0 + n, :]
-
-
-@T.macro
-def _store_o(x, layout: str, b, h0, base, row0, seq, src, rows: int, cols: int, pack):
-    """``layout.store_rows`` of a tile's output; packed (``pack`` positions per head, head after head):
-    row ``i`` to head ``h0 + i // pack``, position ``row0 + i % pack``, the positions past ``seq`` dropped."""
-    if pack is None:
-        store_rows(x, layout, b, h0, base, row0, seq, src, rows, cols)
-    else:
-        for i, j in T.Parallel(rows, cols):
-            if row0 + i % pack < seq:
-                if layout == "bhsd":
-                    x[b, h0 + i // pack, base + row0 + i % pack, j] = src[i, j]
-                else:
-                    x[b, base + row0 + i % pack, h0 + i // pack, j] = src[i, j]
 
 
 def _q_slot(x, q_done, q_slots: int):

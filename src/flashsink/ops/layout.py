@@ -161,28 +161,44 @@ def staged_stat(x, staged, layout, h, row, j):
     return x[h, row] if layout == "thd" else staged[j]
 
 
+def tile_row(s0, i, pack=None):
+    """The row (sequence position) of a tile's row ``i``: ``s0 + i``; or, in a tile packing a GQA
+    group's heads (``pack`` positions of each, head after head), ``s0 + i % pack``."""
+    return s0 + i if pack is None else s0 + i % pack
+
+
+def tile_head(h, i, pack=None):
+    """The head of a tile's row ``i``: ``h``; or, packed (``h`` the group's first head), ``h + i // pack``."""
+    return h if pack is None else h + i // pack
+
+
 @T.macro
-def store_rows(x, layout: str, b, h, base, s0, seq, src, rows: int, cols: int):
+def store_rows(x, layout: str, b, h, base, s0, seq, src, rows: int, cols: int, pack=None):
     """Write the ``[rows, cols]`` tile ``src`` to rows ``base + s0 ..`` of head ``h``, dropping
-    the rows at or past ``seq`` (tiles that hang over the end of a sequence)."""
+    the rows at or past ``seq`` (tiles that hang over the end of a sequence); ``pack``: a packed
+    GQA tile (:func:`tile_row`, :func:`tile_head`)."""
     for i, j in T.Parallel(rows, cols):
-        if s0 + i < seq:
+        if tile_row(s0, i, pack) < seq:
             if layout == "bhsd":
-                x[b, h, base + s0 + i, j] = src[i, j]
+                x[b, tile_head(h, i, pack), tile_row(base + s0, i, pack), j] = src[i, j]
             elif layout == "thd":
-                x[base + s0 + i, h, j] = src[i, j]
+                x[tile_row(base + s0, i, pack), tile_head(h, i, pack), j] = src[i, j]
             else:
-                x[b, base + s0 + i, h, j] = src[i, j]
+                x[b, tile_row(base + s0, i, pack), tile_head(h, i, pack), j] = src[i, j]
 
 
 @T.macro
-def store_stat(x, layout: str, b, h, base, s0, seq, src, rows: int):
+def store_stat(x, layout: str, b, h, base, s0, seq, src, rows: int, pack=None):
     """Write the per-row statistic ``src`` of rows ``s0 .. s0+rows``. Padded layouts own their
-    padding rows, so the whole tile is copied; packed rows past ``seq`` belong to the next
-    sequence and are dropped."""
+    padding rows, so the whole tile is copied (packed GQA tiles, :func:`tile_row`: row by row, up to
+    the padded end); packed rows past ``seq`` belong to the next sequence and are dropped."""
     if layout == "thd":
         for i in T.Parallel(rows):
-            if s0 + i < seq:
-                x[h, base + s0 + i] = src[i]
-    else:
+            if tile_row(s0, i, pack) < seq:
+                x[tile_head(h, i, pack), tile_row(base + s0, i, pack)] = src[i]
+    elif pack is None:
         T.copy(src, x[b, h, s0 : s0 + rows])
+    else:
+        for i in T.Parallel(rows):
+            if tile_row(s0, i, pack) < x.shape[2]:
+                x[b, tile_head(h, i, pack), tile_row(s0, i, pack)] = src[i]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import tilelang.language as T
 
 from ..visibility import last_key, position, window_edge
+from .layout import tile_row
 
 
 def visible(row, key, seq_q, seq_kv, window, causal: bool):
@@ -28,7 +29,7 @@ def mask_logits(acc_s, row0, key0, sq, sk, window, scale_log2, fold_scale: bool,
     """Masked slots of one tile of logits to -inf; visible ones scaled (unless ``fold_scale``).
     ``full`` (flo, fhi): KV block ``kb`` in it is wholly visible, ORed into the mask. (``sq``, ``sk``:
     the sequence lengths, named as the caller's, which TileLang's script then keeps.) ``pack``: the
-    tile holds a GQA group's heads, ``pack`` query positions each (:func:`tile_row`)."""
+    tile holds a GQA group's heads, ``pack`` query positions each (``layout.tile_row``)."""
     for i, j in T.Parallel(acc_s.shape[0], acc_s.shape[1]):
         acc_s[i, j] = T.if_then_else(
             _keep(tile_row(row0, i, pack), key0 + j, kb, sq, sk, window, causal, full),
@@ -56,11 +57,6 @@ def branch_logits(acc_s, row0, key0, sq, sk, window, scale_log2, fold_scale: boo
     else:
         mask_logits(acc_s, row0, key0, sq, sk, window, scale_log2, fold_scale, None, kb, causal, pack)
 
-
-def tile_row(row0, i, pack: int | None = None):
-    """The query position of a tile's row ``i``: ``row0 + i``; or, in a tile packing a GQA group's heads
-    (``pack`` positions of each, head after head: row ``i`` is head ``i // pack``), ``row0 + i % pack``."""
-    return row0 + i if pack is None else row0 + i % pack
 
 
 @T.macro

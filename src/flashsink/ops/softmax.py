@@ -15,6 +15,7 @@ state starts at ``(-inf, 0)`` and ``m`` is replaced by 0 where it is still ``-in
 import tilelang.language as T
 
 from .config import LOG2E  # noqa: F401  (re-exported for the kernels)
+from .layout import tile_head
 
 LN2 = 0.6931471805599453
 
@@ -22,10 +23,10 @@ LN2 = 0.6931471805599453
 @T.macro
 def init_state(m, l, sinks, head, block_m: int, has_sinks: bool, pack: int | None = None):
     """The running maximum and normalizer before any key: the sink's logit and 1, or -inf and 0.
-    ``pack``: the rows hold heads ``head, head + 1, ..``, ``pack`` rows each (``mask.tile_row``)."""
+    ``pack``: the rows hold heads ``head, head + 1, ..``, ``pack`` rows each (``layout.tile_head``)."""
     for i in T.Parallel(block_m):
         if has_sinks:
-            m[i] = (sinks[head] if pack is None else sinks[head + i // pack]) * LOG2E
+            m[i] = sinks[tile_head(head, i, pack)] * LOG2E
             l[i] = 1.0
         else:
             m[i] = -T.infinity("float32")
