@@ -14,33 +14,13 @@ compile.versions); an entry the GPU machine's runtime cannot load is rebuilt the
 """
 
 import argparse
-import json
 import os
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools it reuses
 
 ARCH = "sm_90a"
-
-
-def _recorded(path: str) -> list:
-    from flashsink.ops.config import KernelConfig
-    from flashsink.ops.kinds import KINDS, kinds_for
-
-    out = []
-    with open(path) as f:
-        for line in f:
-            if not line.strip():
-                continue
-            d = json.loads(line)
-            kind = d.pop("kind")
-            cfg = KernelConfig(**d)
-            if kind not in KINDS:  # a kind since removed (fwd_window: the forward took its place)
-                kind = "fwd" if kind.startswith("fwd") else None
-            if kind is not None:
-                out.append((kind, cfg))
-    return out + [(k, c) for kind, c in out if kind == "fwd" for k in kinds_for(c)]
 
 
 def _bench() -> list:
@@ -61,17 +41,12 @@ def main() -> int:
     ap.add_argument("recorded", nargs="?", help="a suite run's recorded.jsonl (FLASHSINK_RECORD_KERNELS)")
     ap.add_argument("--jobs", type=int, default=None, help="compile processes (default one per CPU)")
     args = ap.parse_args()
-    from gpu_cases import case_config, decode_cases, kernel_configs, kvcache_cases, kvcache_config, merge_test_config
+    from precompile_gpu_cases import suite_pairs
+    from precompile_recorded import recorded_pairs
 
-    from flashsink.ops.precompile import kinds_for, precompile
+    from flashsink.ops.precompile import precompile
 
-    split = {case_config(ARCH, c, precision=p) for c in decode_cases() for p in ("fast", "strict")}
-    pairs = [(k, cfg) for cfg in dict.fromkeys(kernel_configs(ARCH)) for k in kinds_for(cfg)
-             if k not in ("fwd_split", "merge_splits", "fwd_kvcache") or cfg in split]
-    pairs += [(k, kvcache_config(ARCH, c)) for c in kvcache_cases() for k in ("fwd_kvcache", "merge_splits")]
-    pairs += [("merge_splits", merge_test_config(ARCH))]
-    if args.recorded:
-        pairs += _recorded(args.recorded)
+    pairs = suite_pairs(ARCH) + (recorded_pairs(args.recorded) if args.recorded else [])
     pairs += _bench()
     pairs = list(dict.fromkeys(pairs))
     print(f"{len(pairs)} kernels for {ARCH} into {os.environ.get('FLASHSINK_CACHE_DIR', 'the default cache')}",

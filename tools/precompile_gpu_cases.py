@@ -8,12 +8,13 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
-if __name__ == "__main__":
+
+def suite_pairs(arch: str) -> list:
+    """(kind, config) of every kernel the GPU test matrix builds for ``arch``."""
     from gpu_cases import case_config, decode_cases, kernel_configs, kvcache_cases, kvcache_config, merge_test_config
 
-    from flashsink.ops.precompile import kinds_for, precompile
+    from flashsink.ops.precompile import kinds_for
 
-    arch = sys.argv[1] if len(sys.argv) > 1 else "sm_90a"
     # the split-KV forward only where the tests take it (decode cases, in both precision modes: the
     # configuration, hence the kernel's cache key, carries the mode), not for every config
     split = {case_config(arch, c, precision=p) for c in decode_cases() for p in ("fast", "strict")}
@@ -22,4 +23,10 @@ if __name__ == "__main__":
     # attention_kvcache's kernels only for its cases (tests/test_kvcache_gpu.py)
     pairs += [(k, kvcache_config(arch, c)) for c in kvcache_cases() for k in ("fwd_kvcache", "merge_splits")]
     pairs += [("merge_splits", merge_test_config(arch))]
-    sys.exit(1 if precompile([], pairs=pairs) else 0)
+    return pairs
+
+
+if __name__ == "__main__":
+    from flashsink.ops.precompile import precompile
+
+    sys.exit(1 if precompile([], pairs=suite_pairs(sys.argv[1] if len(sys.argv) > 1 else "sm_90a")) else 0)

@@ -7,21 +7,33 @@ FLASHSINK_RECORD_KERNELS (one JSON object per line: kind and KernelConfig fields
 import json
 import sys
 
-if __name__ == "__main__":
+
+def recorded_pairs(path: str) -> list:
+    """(kind, config) of each recorded kernel, and with a recorded forward the rest of its
+    configuration's forward and backward (a test that records the forward may stop before its
+    backward); not the kinds of a configuration seen only through a lone kernel (merge_splits' float32
+    partials are no fwd's dtype). A kind since removed (``fwd_window``, an older run's) is read as the
+    forward that replaced it."""
     from flashsink.ops.config import KernelConfig
-    from flashsink.ops.precompile import kinds_for, precompile
+    from flashsink.ops.kinds import KINDS
+    from flashsink.ops.precompile import kinds_for
 
     recorded = []
-    with open(sys.argv[1]) as f:
+    with open(path) as f:
         for line in f:
             if line.strip():
                 d = json.loads(line)
                 kind = d.pop("kind")
+                if kind not in KINDS and kind.startswith("fwd"):
+                    kind = "fwd"
                 recorded.append((kind, KernelConfig(**d)))
     recorded = list(dict.fromkeys(recorded))
-    print(f"{len(recorded)} recorded kernels")
-    # each recorded kernel, and with a recorded forward the rest of its configuration's forward and
-    # backward (a test that records the forward may stop before its backward); not the kinds of a
-    # configuration seen only through a lone kernel (merge_splits' float32 partials are no fwd's dtype)
-    pairs = list(dict.fromkeys(recorded + [(k, c) for kind, c in recorded if kind == "fwd" for k in kinds_for(c)]))
+    return list(dict.fromkeys(recorded + [(k, c) for kind, c in recorded if kind == "fwd" for k in kinds_for(c)]))
+
+
+if __name__ == "__main__":
+    from flashsink.ops.precompile import precompile
+
+    pairs = recorded_pairs(sys.argv[1])
+    print(f"{len(pairs)} recorded kernels and their configurations' others")
     sys.exit(1 if precompile([], pairs=pairs) else 0)
