@@ -314,7 +314,6 @@ def test_pack_gqa_option_packs_a_group_into_one_tile():
 
 
 @pytest.mark.parametrize("cfg,bm", [
-    (_cfg(d=64, layout="thd"), 192),  # packed batches: not supported
     (_cfg(d=64, groups=1), 192),  # no group to pack
     (_cfg(d=64, groups=5), 192),  # 192 rows are no whole number of heads
     (_cfg(d=64, groups=16), 192),  # 12 rows a head: not whole 8-row swizzle atoms
@@ -341,3 +340,25 @@ def test_pack_gqa_compiles_for_hopper():
                             pass_configs=pass_configs())
     src = kern.get_kernel_source()
     assert src.count("expect_transaction(3072)") == 1 and "for (int g = 0; g < 8; ++g)" in src
+
+
+def test_pack_gqa_on_packed_batches():
+    """A packed batch (thd) packs the same way: the varlen scheduler's program slots count tiles of
+    ``block_m / groups`` positions (``schedule.grid`` with that block: ``total // 24 + n_seqs - 1``
+    slots per KV head), a sequence's tile is found with that block, and rows past a sequence's end
+    (the next sequence's) are neither stored nor counted in the lse. Off, the kernel is the one
+    built without the option."""
+    from flashsink.ops.fwd_ws import build_fwd_ws
+
+    cfg, tiles = _cfg(d=64, layout="thd"), Tiles(192, 128, 384, 2)
+    packed = build_fwd_ws(cfg, tiles, fold=True, epilogue="regs", q_slots=2, pack_gqa=True)
+    plain = build_fwd_ws(cfg, tiles, fold=True, epilogue="regs", q_slots=2)
+    assert plain.script() == build_fwd_ws(cfg, tiles, fold=True, epilogue="regs", q_slots=2, pack_gqa=False).script()
+    assert _params(packed) == _params(plain) and _dtypes(packed) == _dtypes(plain)
+    text, plain_text = packed.script(), plain.script()
+    assert "m_tiles: T.int32 = seq_q // 24 + (n_cu - 1)" in text and "seq_q // 192 + (n_cu - 1)" in plain_text
+    assert "// 24 + mid" in text  # the slot search: slot(b) = cu[b] // 24 + b
+    load = next(line for line in text.splitlines() if "T.tma_copy(T.region(Q[" in line)
+    assert "head[0] * 8 + g" in load and ", 24, 1, 64)" in load
+    assert "LSE[h_1 + i // 24, base_1 + s0 + i % 24]" in text  # thd's [heads, rows] statistic, row by row
+    assert "heads // 8" in text

@@ -105,6 +105,8 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
     ~29% fewer products and softmax passes per row (docs/perf.md v15). Padded layouts; ``groups``
     must divide ``block_m`` into whole 8-row groups (the shared-memory swizzle's atom). The tiles run
     over the statistics' padded rows, so every lse row (padding included) is written as without it.
+    Packed batches (thd) pack the same way: the varlen tile scheduler (``schedule.py``) hands out
+    tiles of ``P`` positions of one sequence, so a short sequence's last tile also wastes fewer rows.
     Head dim 64 only (``_pack_rows``)."""
     if q_slots not in (1, 2):
         raise ValueError(f"q_slots must be 1 or 2, got {q_slots!r}")
@@ -294,7 +296,8 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
                     if epilogue == "smem":
                         T.sync_threads(CONSUMER_BARRIER, consumers)  # o_s read before the next tile writes it
 
-    flashsink_fwd = fwd_entry(cfg, shapes, body, bm, o32)
+    # the grid's row tiles are tiles of `rows` positions (packed: fewer positions than the tile's rows)
+    flashsink_fwd = fwd_entry(cfg, shapes, body, rows, o32)
     # Every shared-memory hand-off is ordered by hand (mbarriers, the consumers' named barrier).
     return flashsink_fwd.with_attr("tilelang_pass_configs", {"tl.disable_thread_storage_sync": True})
 
@@ -305,18 +308,19 @@ def _pack_rows(cfg: KernelConfig, bm: int) -> int:
     # head dim 64: a Q row is one 128-byte swizzle row, so one head's rows are a contiguous run of the
     # buffer (at 128, TileLang 0.1.15's TMA lowering refuses the sub-tile: "plain SMEM layout is not a
     # bijection"; 16 positions x 8 heads would not cut golden's KV tiles anyway, docs/perf.md v15)
-    if cfg.layout == "thd" or cfg.head_dim != 64 or g < 2 or bm % g or (bm // g) % 8:
+    if cfg.head_dim != 64 or g < 2 or bm % g or (bm // g) % 8:
         raise NotImplementedError(
-            f"pack_gqa packs a GQA group's heads into {bm}-row tiles for padded layouts (bhsd, bshd) at head "
-            f"dim 64 where groups divides {bm} into whole groups of 8 rows; got layout {cfg.layout!r}, head "
-            f"dim {cfg.head_dim}, groups {g}")
+            f"pack_gqa packs a GQA group's heads into {bm}-row tiles at head dim 64 where groups divides "
+            f"{bm} into whole groups of 8 rows; got head dim {cfg.head_dim}, groups {g}")
     return bm // g
 
 
 def _row_tiles(m_tiles, lse, pack):
-    """Row tiles per sequence: the grid's ``m_tiles``, or (packed) tiles of ``pack`` positions over
-    the statistics' padded rows."""
-    return m_tiles if pack is None else T.ceildiv(lse.shape[2], pack)
+    """Row tiles per sequence: the grid's ``m_tiles``, or (packed, padded layouts) tiles of ``pack``
+    positions over the statistics' padded rows. A packed batch (thd, whose ``lse`` is ``[heads, rows]``)
+    keeps the grid's program slots: ``fwd_entry`` counts them for tiles of ``pack`` positions
+    (``schedule.grid``), and its rows past a sequence belong to the next one, so nothing pads them."""
+    return m_tiles if pack is None or len(lse.shape) == 2 else T.ceildiv(lse.shape[2], pack)
 
 
 def _units(heads, groups: int, pack):
