@@ -169,3 +169,34 @@ def test_strict_preprocess_from_an_fp32_o_option():
         bwd.build_preprocess(_cfg(), o32=True)
     with pytest.raises(ValueError, match="o32"):
         bwd.build_preprocess(_cfg(precision="strict"), o32=True, tiles=Tiles(64, 128, 256, 2))
+
+
+@pytest.mark.parametrize("precision,d,tiles,dq_first", [
+    ("fast", 128, (64, 128, 256, 2), False),  # golden's kernel
+    ("fast", 64, (128, 128, 256, 2), True),  # D64's, dQ first
+    ("strict", 64, (64, 128, 256, 2), False),  # strict's two-term products
+])
+def test_skip_halves_option(precision, d, tiles, dq_first):
+    """``build_bwd(skip_halves=True)`` (tools/bwd_variants.py's ".../skip", to be measured): each consumer
+    computes the row blocks its half of the keys sees (``row_blocks_for_keys`` from ``key0 + wg * bn / 2``)
+    and, outside them, issues no S^T, dP^T, dV or dK product, only zeros for its part of dS^T; the dQ
+    product and the slot's release stay unconditional (both consumers meet once per tile). Off, the
+    kernel is the one built without the option, TIR for TIR."""
+    cfg = _cfg("float16" if d == 128 else "bfloat16", d, precision=precision)
+    kw = dict(tiles=Tiles(*tiles), ws=True, dq_first=dq_first)
+    plain = bwd.build_bwd(cfg, **kw)
+    assert plain.script() == bwd.build_bwd(cfg, **kw, skip_halves=False).script()
+    func = bwd.build_bwd(cfg, **kw, skip_halves=True)
+    assert _params(func) == _params(plain) and _dtypes(func) == _dtypes(plain)
+    text = func.script()
+    assert "own_lo" not in plain.script()
+    assert "live: T.bool = T.bitwise_and(lo_blk[0] + it % n_rows >= own_lo[0], lo_blk[0] + it % n_rows < own_hi[0])" in text
+    # the block's products and softmax (else: the zeros), and dK's product
+    assert sum(ln.strip() == "if live:" for ln in text.splitlines()) == 2
+    assert text.count("T.wgmma_gemm") == plain.script().count("T.wgmma_gemm")
+    assert text.count("T.barrier_arrive(empty[") == plain.script().count("T.barrier_arrive(empty[")
+
+
+def test_skip_halves_is_for_the_ws_kernel():
+    with pytest.raises(ValueError, match="skip_halves"):
+        bwd.build_bwd(_cfg(precision="strict"), ws=False, skip_halves=True)

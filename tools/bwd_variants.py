@@ -40,7 +40,7 @@ PROBE_TIMEOUT_S, PROBE_START_S = 60, 240
 
 
 def _variants(d: int, only: str = "") -> list:
-    """(label, Tiles fields, (dq_bulk, overlap, split, ws, lpt, precision, branch, swap[, dq_first])) of the main
+    """(label, Tiles fields, (dq_bulk, overlap, split, ws, lpt, precision, branch, swap[, dq_first[, skip_halves]])) of the main
     backward for head dim ``d`` (``bwd.build_bwd``'s options). ``ws``: bwd_ws.py's hand warp-specialized
     kernel (``t.stages`` is its ring's depth); ``lpt``: its KV tiles issued longest first
     (schedule.by_work; ``/launch`` in a label: the old order); ``branch``: the mask skipped on wholly
@@ -97,6 +97,10 @@ def _variants(d: int, only: str = "") -> list:
             ("ws strict 64x128/s2", t, (None, None, 1, True, True, "strict", True, False, False))]
     if d <= 64:
         out += [("ws strict 64x128/s3", t3, (None, None, 1, True, True, "strict", True, False, False))]
+    # a consumer skips the row blocks its half of the keys cannot see (bwd_ws.build_bwd_ws(skip_halves=True)):
+    # with 64-row blocks, the diagonal's first block and (W=128) a window's last one; fast and strict
+    out += [("ws 64x128/s2/skip", t, (None, None, 1, True, True, "fast", True, False, False, True)),
+            ("ws strict 64x128/s2/skip", t, (None, None, 1, True, True, "strict", True, False, False, True))]
     return _chosen(out, only)
 
 
@@ -147,7 +151,8 @@ def _func(job):
     if kind == "bwd-variant":
         cfg = _cfg(dtype, d, opts[5])
         return bwd.build_bwd(cfg, tiles=Tiles(*tiles), dq_bulk=opts[0], overlap=opts[1], split=opts[2], ws=opts[3],
-                             lpt=opts[4], branch=opts[6], swap=opts[7], dq_first=opts[8] if len(opts) > 8 else False)
+                             lpt=opts[4], branch=opts[6], swap=opts[7], dq_first=opts[8] if len(opts) > 8 else False,
+                             skip_halves=opts[9] if len(opts) > 9 else False)
     return build_prim_func(kind, cfg)
 
 

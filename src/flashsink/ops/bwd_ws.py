@@ -45,14 +45,24 @@ def _stat(x, ring, layout, s, h, row, j):
     return x[h, row] if layout == "thd" else ring[s, j]
 
 
-def build_bwd_ws(cfg: KernelConfig, t, split: int, lpt: bool = True, branch: bool = True, dq_first: bool = False):
+def build_bwd_ws(cfg: KernelConfig, t, split: int, lpt: bool = True, branch: bool = True, dq_first: bool = False,
+                 skip_halves: bool = False):
     """The warp-specialized main backward for ``tiles`` ``t`` (``t.threads`` consumer threads,
     256; ``t.stages`` ring slots) and ``split`` programs per KV tile (see ``bwd.build_bwd``), issued
     longest first unless ``lpt`` is False (``schedule.by_work``). ``branch``: the per-element mask only
     on the row blocks that are not wholly visible (``block_range.full_row_blocks_for_keys``), as the
     forward's ``"branch"``; False, on every tile (tools/bwd_variants.py times both). ``dq_first``: each
     tile's dQ product issued before its dK product, and dQ handed to the producer while dK's runs
-    (FlashAttention-3's order; ``config.bwd_dq_first``: head dim 64, with 128-row tiles)."""
+    (FlashAttention-3's order; ``config.bwd_dq_first``: head dim 64, with 128-row tiles).
+
+    ``skip_halves`` (an option for tools/bwd_variants.py, not measured yet): a consumer skips a row
+    block that its ``bn / 2`` keys cannot see (``block_range.row_blocks_for_keys`` over its half of the
+    keys): no S^T, dP^T, softmax, dV or dK work, only zeros for its half of dS^T, which the shared dQ
+    product reads. With 64-row blocks (D128's tiles) the first row block of a causal KV tile is
+    invisible to its upper 64 keys, and under a window of 128 the last one to its lower 64: golden
+    (W=128, 64x128 tiles) runs 4 row blocks per KV tile and head, of which each consumer then works
+    on 3, the other having the tensor cores alone on the fourth. Off, the kernel is the one built
+    without the option, TIR for TIR."""
     if not cfg.hopper or t.threads != CONSUMER_THREADS or t.stages < 1:
         raise NotImplementedError(f"the warp-specialized main backward supports Hopper (sm_90a) "
                                   f"and {CONSUMER_THREADS} consumer threads; got {cfg.short()}, {t}")
@@ -201,27 +211,42 @@ def build_bwd_ws(cfg: KernelConfig, t, split: int, lpt: bool = True, branch: boo
                 T.set_max_nreg(CONSUMER_REGS, 1)
                 T.clear(dk)
                 T.clear(dv)
+                if skip_halves:
+                    # the row blocks this consumer's half of the keys sees (wgmma's FullRow policy
+                    # gives warpgroup w rows [w * bn / 2, (w + 1) * bn / 2) of the P^T tiles)
+                    own_lo = T.alloc_var("int32")
+                    own_hi = T.alloc_var("int32")
+                    own_lo, own_hi = row_blocks_for_keys(key0 + (tx // 128) * (bn // 2), bn // 2, bm, sq, sk, window,
+                                                         cfg.causal)
                 for it in T.serial(n_it):
                     s = it % stages
                     head = head0 + it // n_rows
                     row0 = (lo_blk + it % n_rows) * bm
                     T.mbarrier_wait_parity(full[s], (it // stages) & 1)
-                    # S^T and dP^T back to back; P while dP^T runs
-                    T.wgmma_gemm(k_s, q_r[s, :, :], pT, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
-                    T.wgmma_gemm(v_s, do_r[s, :, :], dpT, transpose_B=True, clear_accum=True,
-                                 policy=T.GemmWarpPolicy.FullRow)
-                    T.wait_wgmma(1)
-                    # the per-element mask only where this row block is not wholly visible (branch)
-                    branch_tile(probs_t, in_blocks(lo_blk + it % n_rows, (full_lo, full_hi)) if branch else None,
-                                pT, LSE, lse_r, s, head, q_base, row0, key0, sq, sk, window, scale_log2)
-                    T.wait_wgmma(0)
-                    # dV += P^T dO, running while dS^T is computed
-                    rounded(pT, p_h, p_l)
-                    product(p_h, p_l, do_r[s, :, :], dv)
-                    # dS^T, selected (not multiplied): a masked slot adds an exact 0 (bwd.py)
-                    branch_tile(dscores_t, in_blocks(lo_blk + it % n_rows, (full_lo, full_hi)) if branch else None,
-                                pT, dpT, Delta, delta_r, s, head, q_base, row0, key0, sq, sk, window, scale)
-                    rounded(pT, ds_h, ds_l)
+                    # skip_halves: whether this consumer's keys see the row block (a build-time True
+                    # without the option: one path, the kernel as before)
+                    live = in_blocks(lo_blk + it % n_rows, (own_lo, own_hi)) if skip_halves else True
+                    if live:
+                        # S^T and dP^T back to back; P while dP^T runs
+                        T.wgmma_gemm(k_s, q_r[s, :, :], pT, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                        T.wgmma_gemm(v_s, do_r[s, :, :], dpT, transpose_B=True, clear_accum=True,
+                                     policy=T.GemmWarpPolicy.FullRow)
+                        T.wait_wgmma(1)
+                        # the per-element mask only where this row block is not wholly visible (branch)
+                        branch_tile(probs_t, in_blocks(lo_blk + it % n_rows, (full_lo, full_hi)) if branch else None,
+                                    pT, LSE, lse_r, s, head, q_base, row0, key0, sq, sk, window, scale_log2)
+                        T.wait_wgmma(0)
+                        # dV += P^T dO, running while dS^T is computed
+                        rounded(pT, p_h, p_l)
+                        product(p_h, p_l, do_r[s, :, :], dv)
+                        # dS^T, selected (not multiplied): a masked slot adds an exact 0 (bwd.py)
+                        branch_tile(dscores_t, in_blocks(lo_blk + it % n_rows, (full_lo, full_hi)) if branch else None,
+                                    pT, dpT, Delta, delta_r, s, head, q_base, row0, key0, sq, sk, window, scale)
+                        rounded(pT, ds_h, ds_l)
+                    else:  # no key of this consumer's sees the block: its part of dS^T is 0, no dV, no dK
+                        T.clear(ds_h)
+                        if not fast:
+                            T.clear(ds_l)
                     if with_dq:
                         # dS^T to shared memory for dQ = dS K, which needs both consumers' keys
                         T.copy(ds_h, ds_s[it % 2, :, :])
@@ -235,9 +260,13 @@ def build_bwd_ws(cfg: KernelConfig, t, split: int, lpt: bool = True, branch: boo
                     early = dq_first and with_dq
                     if early:
                         dq_product(ds_s, ds_lo_s, k_s, dq, it)
-                    product(ds_h, ds_l, q_r[s, :, :], dk)
+                    if live:
+                        product(ds_h, ds_l, q_r[s, :, :], dk)
+                        if early:
+                            T.wait_wgmma(1 if fast else 2)  # all but dK's product(s)
+                    elif early:
+                        T.wait_wgmma(0)  # dQ's product is the only one
                     if early:
-                        T.wait_wgmma(1 if fast else 2)  # all but dK's product(s)
                         hand_dq(dq, dq_s, dq_full, dq_empty, it)
                     elif with_dq:
                         dq_product(ds_s, ds_lo_s, k_s, dq, it)
