@@ -362,3 +362,46 @@ def test_pack_gqa_on_packed_batches():
     assert "head[0] * 8 + g" in load and ", 24, 1, 64)" in load
     assert "LSE[h_1 + i // 24, base_1 + s0 + i % 24]" in text  # thd's [heads, rows] statistic, row by row
     assert "heads // 8" in text
+
+
+@pytest.mark.parametrize("d,tiles,opts", [
+    (128, Tiles(128, 64, 256, 2), {}),  # golden's: two warpgroups of 64 rows, 64-key tiles
+    (64, Tiles(192, 64, 384, 3), dict(epilogue="regs", q_slots=2)),  # gpt-oss's: three, D64's options
+])
+def test_wg_ranges_option(d, tiles, opts):
+    """``build_fwd_ws(wg_ranges=True)`` (tools/fwd_variants.py's ".../wgr", to be measured): each consumer
+    warpgroup computes the KV blocks its own 64 rows see (``kv_blocks_for_rows`` from ``row0 + wg * 64``)
+    and their wholly visible ones, runs its products and softmax only there, releases the other slots
+    as they land, and issues its last P V inside the loop (its V slot free before the skipped tiles
+    after it). Every warpgroup still takes one ping-pong turn per KV tile of the query tile. Off, the
+    kernel is the one built without the option, TIR for TIR."""
+    from flashsink.ops.fwd_ws import build_fwd_ws
+
+    cfg = _cfg(d=d, dtype="float16" if d == 128 else "bfloat16")
+    plain = build_fwd_ws(cfg, tiles, fold=True, **opts)
+    assert plain.script() == build_fwd_ws(cfg, tiles, fold=True, wg_ranges=False, **opts).script()
+    func = build_fwd_ws(cfg, tiles, fold=True, wg_ranges=True, **opts)
+    assert _params(func) == _params(plain) and _dtypes(func) == _dtypes(plain)
+    text = func.script()
+    assert "own_lo" not in plain.script()
+    assert "s0 + wg * 64" in text  # the warpgroup's own rows
+    assert "live: T.bool = T.bitwise_and(kb >= own_lo[0], kb < own_hi[0])" in text
+    assert "with_pv: T.bool = T.bitwise_and(live, kb > own_lo[0])" in text
+    assert "if kb == own_hi[0] - 1:" in text  # the last P V, in the loop
+    assert "T.bitwise_and(kb >= own_flo[0], kb < own_fhi[0])" in text  # the mask's branch, per warpgroup
+    # one turn per KV tile for every warpgroup: the turn's sync and arrival are outside `if live`
+    lines = [ln.strip() for ln in text.splitlines()]
+    at = lines.index("with_pv: T.bool = T.bitwise_and(live, kb > own_lo[0])")
+    turn = lines[at:at + 12]
+    sync, arrive = turn.index("T.tvm_storage_sync(\"shared\", 4 + wg, 256)"), turn.index(
+        f"T.named_barrier_arrive(4 + (wg + 1) % {tiles.block_m // 64}, 256)")
+    assert turn[sync + 1] == "if live:" and "if live:" not in turn[:sync] and sync < arrive
+
+
+def test_wg_ranges_refuses_pack_and_o32():
+    from flashsink.ops.fwd_ws import build_fwd_ws
+
+    with pytest.raises(ValueError, match="wg_ranges"):
+        build_fwd_ws(_cfg(d=64), Tiles(192, 64, 384, 3), fold=True, wg_ranges=True, pack_gqa=True)
+    with pytest.raises(ValueError, match="wg_ranges"):
+        build_fwd_ws(_cfg(d=64, ), Tiles(128, 64, 256, 3), fold=True, wg_ranges=True, o32=True)

@@ -76,6 +76,12 @@ def _variants(d: int) -> list:
     # with the forward's own options (regs/q2) and without them; head dim 64 only (fwd_ws._pack_rows)
     if d == 64:
         out += [(f"ws/fold/{o} 192x128/s2", own, "branch", False, o) for o in ("regs/q2/pack", "pack")]
+    # each consumer warpgroup over the KV tiles its own 64 rows see (build_fwd_ws(wg_ranges=True)), with
+    # 64-key tiles: at W=128 a warpgroup then computes 192 keys per row where a tile of 128 (192) rows over
+    # 128-key tiles computes 256 (384); the forward's own options, 2-4 ring slots (64-key slots are small)
+    wgr = ("regs/q2/wgr", (192, 64, 384)) if d <= 64 else ("wgr", (128, 64, 256))
+    out += [(f"ws/fold/{wgr[0]} " + "x".join(map(str, wgr[1][:2])) + f"/s{st}", (*wgr[1], st), "branch", False,
+             wgr[0]) for st in (2, 3, 4)]
     return out
 
 
@@ -89,14 +95,14 @@ def _func(job):
     if tiles is None and mask == "select" and not fold and not ws:
         return build_prim_func("fwd", cfg)  # the library's kernel
     opts = ws.split("/") if isinstance(ws, str) else []
-    if opts and set(opts) <= {"np", "nopp", "fold", "fma8", "fma4", "o32", "regs", "q2", "pack"}:
+    if opts and set(opts) <= {"np", "nopp", "fold", "fma8", "fma4", "o32", "regs", "q2", "pack", "wgr"}:
         from flashsink.ops.fwd_ws import PERSISTENT_CTAS, build_fwd_ws
 
         fma = next((int(o[3:]) for o in opts if o.startswith("fma")), 0)
         return build_fwd_ws(cfg, Tiles(*tiles), ctas=None if "np" in opts else PERSISTENT_CTAS,
                             pingpong="nopp" not in opts, fold=not {"np", "nopp"} & set(opts), fma_every=fma,
                             o32="o32" in opts, epilogue="regs" if "regs" in opts else "smem",
-                            q_slots=2 if "q2" in opts else 1, pack_gqa="pack" in opts)
+                            q_slots=2 if "q2" in opts else 1, pack_gqa="pack" in opts, wg_ranges="wgr" in opts)
     if ws is True:  # fwd_ws.py's kernel unfolded, smem epilogue, one Q slot (not config.fwd_ws_options)
         from flashsink.ops.fwd_ws import build_fwd_ws
 

@@ -56,7 +56,7 @@ def consumer_regs(n_consumers: int) -> int:
 
 def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS, pingpong: bool = True,
                  fold: bool = False, fma_every: int = 0, o32: bool = False, epilogue: str = "smem",
-                 q_slots: int = 1, pack_gqa: bool = False):
+                 q_slots: int = 1, pack_gqa: bool = False, wg_ranges: bool = False):
     """The warp-specialized forward for tiles ``t``: ``t.block_m`` a multiple of 64 (one consumer
     warpgroup per 64 rows, ``t.threads`` their threads, ``block_m * 2``; the kernel runs 128 more,
     the producer's), ``t.stages`` ring slots for K and V.
@@ -107,7 +107,19 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
     over the statistics' padded rows, so every lse row (padding included) is written as without it.
     Packed batches (thd) pack the same way: the varlen tile scheduler (``schedule.py``) hands out
     tiles of ``P`` positions of one sequence, so a short sequence's last tile also wastes fewer rows.
-    Head dim 64 only (``_pack_rows``)."""
+    Head dim 64 only (``_pack_rows``).
+
+    ``wg_ranges`` (an option for tools/fwd_variants.py, not measured yet): each consumer warpgroup runs
+    only over the KV tiles its own 64 rows see, a contiguous run inside the tile's range, and releases
+    the others' slots as they land (it still takes its ping-pong turn on each, so the turns stay
+    paired). Under a window the tile's range is the union of its warpgroups' ranges: with 64-key
+    tiles at W=128 a 64-row warpgroup sees 3 KV tiles (192 keys per row) where a 128-row tile spans
+    4 and a 192-row tile 5, so the products and softmax passes per row fall by a quarter (golden's
+    128x64) and by two fifths (gpt-oss's 192x64), against 256 and 384 keys per row with 128-key
+    tiles. Not with ``pack_gqa`` (a packed tile's warpgroups see the same keys) or ``o32``."""
+    if wg_ranges and (pack_gqa or o32):
+        raise ValueError("wg_ranges=True cannot be combined with pack_gqa or o32 (a packed tile's warpgroups see "
+                         "the same keys; o32's two-term products are not scheduled per warpgroup)")
     if q_slots not in (1, 2):
         raise ValueError(f"q_slots must be 1 or 2, got {q_slots!r}")
     if epilogue not in ("smem", "regs"):
@@ -174,6 +186,11 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
             sk = T.alloc_var("int32")
             lo = T.alloc_var("int32")
             hi = T.alloc_var("int32")
+            if wg_ranges:  # a consumer warpgroup's own KV tiles and wholly visible ones, per query tile
+                own_lo = T.alloc_var("int32")
+                own_hi = T.alloc_var("int32")
+                own_flo = T.alloc_var("int32")
+                own_fhi = T.alloc_var("int32")
             tx = T.get_thread_binding()
             wg = tx // 128  # the consumer warpgroup
 
@@ -223,61 +240,119 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
                     n = hi - lo
                     T.fill(acc_o, 0)
                     softmax.init_state(m, l, Sinks, _first_head(head, groups, pack), bm, cfg.has_sinks, pack)
-                    if n > 0:
-                        T.mbarrier_wait_parity(_q_slot(q_full, q_done, q_slots), _q_phase(q_done, q_slots))
-                        # the first KV tile: S_0, its softmax, P_0 kept for the next step's PV product
-                        s0 = kv_done % stages
-                        T.mbarrier_wait_parity(k_full[s0], (kv_done // stages) & 1)
-                        if pingpong:
-                            T.sync_threads(PINGPONG_BARRIER + wg, 256)  # this warpgroup's turn
-                        T.wgmma_gemm(_q_slot(q_s, q_done, q_slots), k_r[s0, :, :], acc_s, transpose_B=True,
-                                     clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
-                        if pingpong:
-                            T.named_barrier_arrive(PINGPONG_BARRIER + (wg + 1) % n_consumers, 256)  # the next's
-                        T.wait_wgmma(0)
-                        T.barrier_arrive(k_empty[s0])
-                        branch_logits(acc_s, row0, lo * bn, sq, sk, window, scale_log2, fold, (flo, fhi), lo,
-                                      cfg.causal, pack)
-                        softmax.new_max(acc_s, m, m_prev, alpha, row_sum, bm, scale_log2 if fold else None)
-                        softmax.exp_sum(acc_s, m, alpha, row_sum, l, bm, bn, scale_log2 if fold else None, fma_every)
-                        _keep_p(acc_s, p, p_lo, bm, bn, o32)
-                    for it in T.serial(1, T.max(n, 1)):
-                        c = kv_done + it
-                        s = c % stages
-                        sp = (c - 1) % stages
-                        T.mbarrier_wait_parity(k_full[s], (c // stages) & 1)
-                        T.mbarrier_wait_parity(v_full[sp], ((c - 1) // stages) & 1)
-                        if pingpong:
-                            T.sync_threads(PINGPONG_BARRIER + wg, 256)
-                        T.wgmma_gemm(_q_slot(q_s, q_done, q_slots), k_r[s, :, :], acc_s, transpose_B=True,
-                                     clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
-                        T.wgmma_gemm(p, v_r[sp, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)
-                        if o32:
-                            T.wgmma_gemm(p_lo, v_r[sp, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)
-                        if pingpong:
-                            T.named_barrier_arrive(PINGPONG_BARRIER + (wg + 1) % n_consumers, 256)
-                        T.wait_wgmma(2 if o32 else 1)  # S_it; P_{it-1} V_{it-1} still runs
-                        T.barrier_arrive(k_empty[s])
-                        kb = lo + it
-                        branch_logits(acc_s, row0, kb * bn, sq, sk, window, scale_log2, fold, (flo, fhi), kb,
-                                      cfg.causal, pack)
-                        softmax.new_max(acc_s, m, m_prev, alpha, row_sum, bm, scale_log2 if fold else None)
-                        softmax.exp_sum(acc_s, m, alpha, row_sum, l, bm, bn, scale_log2 if fold else None, fma_every)
-                        T.wait_wgmma(0)
-                        T.barrier_arrive(v_empty[sp])
-                        softmax.rescale(acc_o, alpha, bm, dim_v)
-                        _keep_p(acc_s, p, p_lo, bm, bn, o32)
-                    if n > 0:
-                        # every S product read Q: the next tile's may land
-                        T.barrier_arrive(_q_slot(q_empty, q_done, q_slots))
-                        q_done = q_done + 1
-                        last = (kv_done + n - 1) % stages
-                        T.mbarrier_wait_parity(v_full[last], ((kv_done + n - 1) // stages) & 1)
-                        T.wgmma_gemm(p, v_r[last, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)
-                        if o32:
-                            T.wgmma_gemm(p_lo, v_r[last, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)
-                        T.wait_wgmma(0)
-                        T.barrier_arrive(v_empty[last])
+                    if wg_ranges:
+                        # each consumer warpgroup only over the KV tiles its own 64 rows see (a contiguous run of
+                        # the tile's [lo, hi)); it still takes its ping-pong turn and releases every slot of the others
+                        own_lo, own_hi = kv_blocks_for_rows(row0 + wg * ROWS_PER_CONSUMER, ROWS_PER_CONSUMER, bn, sq, sk, window,
+                                                            cfg.causal)
+                        own_flo, own_fhi = full_kv_blocks_for_rows(own_lo, own_hi, row0 + wg * ROWS_PER_CONSUMER, ROWS_PER_CONSUMER,
+                                                                   bn, sq, sk, window, cfg.causal)
+                        if n > 0:
+                            T.mbarrier_wait_parity(_q_slot(q_full, q_done, q_slots), _q_phase(q_done, q_slots))
+                        for it in T.serial(n):
+                            kb = lo + it
+                            c = kv_done + it
+                            s = c % stages
+                            sp = (c - 1) % stages
+                            live = (kb >= own_lo) & (kb < own_hi)
+                            with_pv = live & (kb > own_lo)  # the previous tile's P V, issued with this S
+                            T.mbarrier_wait_parity(k_full[s], (c // stages) & 1)
+                            if with_pv:
+                                T.mbarrier_wait_parity(v_full[sp], ((c - 1) // stages) & 1)
+                            if pingpong:
+                                T.sync_threads(PINGPONG_BARRIER + wg, 256)
+                            if live:
+                                T.wgmma_gemm(_q_slot(q_s, q_done, q_slots), k_r[s, :, :], acc_s, transpose_B=True,
+                                             clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                                if with_pv:
+                                    T.wgmma_gemm(p, v_r[sp, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)
+                            if pingpong:
+                                T.named_barrier_arrive(PINGPONG_BARRIER + (wg + 1) % n_consumers, 256)
+                            if live:
+                                if with_pv:
+                                    T.wait_wgmma(1)  # S; the previous P V still runs
+                                else:
+                                    T.wait_wgmma(0)
+                                T.barrier_arrive(k_empty[s])
+                                branch_logits(acc_s, row0, kb * bn, sq, sk, window, scale_log2, fold, (own_flo, own_fhi), kb,
+                                              cfg.causal)
+                                softmax.new_max(acc_s, m, m_prev, alpha, row_sum, bm, scale_log2 if fold else None)
+                                softmax.exp_sum(acc_s, m, alpha, row_sum, l, bm, bn, scale_log2 if fold else None, fma_every)
+                                if with_pv:
+                                    T.wait_wgmma(0)
+                                    T.barrier_arrive(v_empty[sp])
+                                    softmax.rescale(acc_o, alpha, bm, dim_v)
+                                _keep_p(acc_s, p, p_lo, bm, bn, o32)
+                                if kb == own_hi - 1:
+                                    # this warpgroup's last tile: its P V now, so that its V slot is free before the
+                                    # skipped tiles after it (more of them than ring slots would otherwise wait for it)
+                                    T.mbarrier_wait_parity(v_full[s], (c // stages) & 1)
+                                    T.wgmma_gemm(p, v_r[s, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)
+                                    T.wait_wgmma(0)
+                                    T.barrier_arrive(v_empty[s])
+                            else:  # a tile none of this warpgroup's rows sees: released as soon as it has landed
+                                T.barrier_arrive(k_empty[s])
+                                T.mbarrier_wait_parity(v_full[s], (c // stages) & 1)
+                                T.barrier_arrive(v_empty[s])
+                        if n > 0:
+                            T.barrier_arrive(_q_slot(q_empty, q_done, q_slots))
+                            q_done = q_done + 1
+                    else:
+                        if n > 0:
+                            T.mbarrier_wait_parity(_q_slot(q_full, q_done, q_slots), _q_phase(q_done, q_slots))
+                            # the first KV tile: S_0, its softmax, P_0 kept for the next step's PV product
+                            s0 = kv_done % stages
+                            T.mbarrier_wait_parity(k_full[s0], (kv_done // stages) & 1)
+                            if pingpong:
+                                T.sync_threads(PINGPONG_BARRIER + wg, 256)  # this warpgroup's turn
+                            T.wgmma_gemm(_q_slot(q_s, q_done, q_slots), k_r[s0, :, :], acc_s, transpose_B=True,
+                                         clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                            if pingpong:
+                                T.named_barrier_arrive(PINGPONG_BARRIER + (wg + 1) % n_consumers, 256)  # the next's
+                            T.wait_wgmma(0)
+                            T.barrier_arrive(k_empty[s0])
+                            branch_logits(acc_s, row0, lo * bn, sq, sk, window, scale_log2, fold, (flo, fhi), lo,
+                                          cfg.causal, pack)
+                            softmax.new_max(acc_s, m, m_prev, alpha, row_sum, bm, scale_log2 if fold else None)
+                            softmax.exp_sum(acc_s, m, alpha, row_sum, l, bm, bn, scale_log2 if fold else None, fma_every)
+                            _keep_p(acc_s, p, p_lo, bm, bn, o32)
+                        for it in T.serial(1, T.max(n, 1)):
+                            c = kv_done + it
+                            s = c % stages
+                            sp = (c - 1) % stages
+                            T.mbarrier_wait_parity(k_full[s], (c // stages) & 1)
+                            T.mbarrier_wait_parity(v_full[sp], ((c - 1) // stages) & 1)
+                            if pingpong:
+                                T.sync_threads(PINGPONG_BARRIER + wg, 256)
+                            T.wgmma_gemm(_q_slot(q_s, q_done, q_slots), k_r[s, :, :], acc_s, transpose_B=True,
+                                         clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                            T.wgmma_gemm(p, v_r[sp, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)
+                            if o32:
+                                T.wgmma_gemm(p_lo, v_r[sp, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)
+                            if pingpong:
+                                T.named_barrier_arrive(PINGPONG_BARRIER + (wg + 1) % n_consumers, 256)
+                            T.wait_wgmma(2 if o32 else 1)  # S_it; P_{it-1} V_{it-1} still runs
+                            T.barrier_arrive(k_empty[s])
+                            kb = lo + it
+                            branch_logits(acc_s, row0, kb * bn, sq, sk, window, scale_log2, fold, (flo, fhi), kb,
+                                          cfg.causal, pack)
+                            softmax.new_max(acc_s, m, m_prev, alpha, row_sum, bm, scale_log2 if fold else None)
+                            softmax.exp_sum(acc_s, m, alpha, row_sum, l, bm, bn, scale_log2 if fold else None, fma_every)
+                            T.wait_wgmma(0)
+                            T.barrier_arrive(v_empty[sp])
+                            softmax.rescale(acc_o, alpha, bm, dim_v)
+                            _keep_p(acc_s, p, p_lo, bm, bn, o32)
+                        if n > 0:
+                            # every S product read Q: the next tile's may land
+                            T.barrier_arrive(_q_slot(q_empty, q_done, q_slots))
+                            q_done = q_done + 1
+                            last = (kv_done + n - 1) % stages
+                            T.mbarrier_wait_parity(v_full[last], ((kv_done + n - 1) // stages) & 1)
+                            T.wgmma_gemm(p, v_r[last, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)
+                            if o32:
+                                T.wgmma_gemm(p_lo, v_r[last, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)
+                            T.wait_wgmma(0)
+                            T.barrier_arrive(v_empty[last])
                     kv_done = kv_done + n
                     softmax.finalize(acc_o, m, l, lse, bm, dim_v)
                     if epilogue == "smem":
