@@ -200,3 +200,20 @@ def test_skip_halves_option(precision, d, tiles, dq_first):
 def test_skip_halves_is_for_the_ws_kernel():
     with pytest.raises(ValueError, match="skip_halves"):
         bwd.build_bwd(_cfg(precision="strict"), ws=False, skip_halves=True)
+
+
+@pytest.mark.parametrize("precision", ["fast", "strict"])
+def test_packed_batches_stage_lse_and_delta(precision):
+    """A packed batch's (thd) lse and Delta rows reach the consumers through the ring, as the padded
+    layouts' do: the producer's 128 threads copy a tile's rows with plain loads (a packed row need not
+    start 16-byte aligned for the bulk copy) before the slot's arrival, and P^T and dS^T read shared
+    memory instead of one global load per element."""
+    cfg = _cfg("bfloat16", 64, "thd", precision=precision)
+    text = bwd.build_bwd(cfg, tiles=Tiles(64, 128, 256, 2), ws=True).script()
+    assert text.count("LSE[") == 1 and "lse_r[s, i] = LSE[head, row + i]" in text
+    assert text.count("Delta[") == 1 and "delta_r[s, i - 64] = Delta[head, row + i - 64]" in text
+    assert "lse_r[s, j]" in text and "delta_r[s, j]" in text
+    lines = [ln.strip() for ln in text.splitlines()]
+    staged = lines.index("lse_r[s, i] = LSE[head, row + i]")
+    arrive = next(i for i in range(staged, len(lines)) if lines[i].startswith("T.ptx_arrive_barrier(full_1["))
+    assert arrive - staged < 6  # the slot's arrival follows the staging

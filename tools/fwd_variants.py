@@ -78,10 +78,14 @@ def _variants(d: int) -> list:
         out += [(f"ws/fold/{o} 192x128/s2", own, "branch", False, o) for o in ("regs/q2/pack", "pack")]
     # each consumer warpgroup over the KV tiles its own 64 rows see (build_fwd_ws(wg_ranges=True)), with
     # 64-key tiles: at W=128 a warpgroup then computes 192 keys per row where a tile of 128 (192) rows over
-    # 128-key tiles computes 256 (384); the forward's own options, 2-4 ring slots (64-key slots are small)
+    # 128-key tiles computes 256 (384); the forward's own options, 2-4 ring slots (64-key slots are small).
+    # A window's tiles would need a kernel kind of their own (the window is a runtime value) unless one
+    # tile shape wins everywhere: at D64 the 192x128 row below is one kernel for windows and causal
     wgr = ("regs/q2/wgr", (192, 64, 384)) if d <= 64 else ("wgr", (128, 64, 256))
     out += [(f"ws/fold/{wgr[0]} " + "x".join(map(str, wgr[1][:2])) + f"/s{st}", (*wgr[1], st), "branch", False,
              wgr[0]) for st in (2, 3, 4)]
+    if d <= 64:  # and over D64's own 128-key tiles: at W=128 each warpgroup of a 192-row tile sees 2 of its 3
+        out.append(("ws/fold/regs/q2/wgr 192x128/s2", own, "branch", False, "regs/q2/wgr"))
     return out
 
 

@@ -40,9 +40,23 @@ CONSUMER_BARRIER = 1
 
 
 def _stat(x, ring, layout, s, h, row, j):
-    """Row ``row`` (base included; element ``j`` of the tile) of a statistic: from ring slot
-    ``s``, or (thd) from global memory (layout.py: the bulk copy needs 16-byte aligned rows)."""
-    return x[h, row] if layout == "thd" else ring[s, j]
+    """Element ``j`` of a statistic's tile (row ``row``, base included), from ring slot ``s``: the
+    producer stages every layout's rows there (thd's by plain loads, :func:`_stage_packed_stats`)."""
+    return ring[s, j]
+
+
+@T.macro
+def _stage_packed_stats(LSE, Delta, lse_r, delta_r, s, head, row, p, bm: int):
+    """The producer's thread ``p`` (of 128) copies its share of a packed batch's lse and Delta rows
+    ``row .. row + bm`` (base included) into ring slot ``s``, before the slot's arrival releases them:
+    a packed row need not start 16-byte aligned, which the bulk copy requires (layout.py). Rows past the
+    sequence (the next one's, or the statistics' padding) are staged too and never selected."""
+    for r in T.serial(-(-2 * bm // 128)):
+        i = r * 128 + p
+        if i < bm:
+            lse_r[s, i] = LSE[head, row + i]
+        elif i < 2 * bm:
+            delta_r[s, i - bm] = Delta[head, row + i - bm]
 
 
 def build_bwd_ws(cfg: KernelConfig, t, split: int, lpt: bool = True, branch: bool = True, dq_first: bool = False,
@@ -72,7 +86,7 @@ def build_bwd_ws(cfg: KernelConfig, t, split: int, lpt: bool = True, branch: boo
     bm, bn = t.block_m, t.block_n
     dim, dim_v, groups, layout = cfg.head_dim, cfg.head_dim_v, cfg.groups, cfg.layout
     dtype, accum = cfg.dtype, "float32"
-    packed = layout == "thd"  # lse/Delta read from global memory (layout.py: unaligned rows)
+    packed = layout == "thd"  # lse/Delta staged by plain loads (layout.py: unaligned rows)
     shapes = main_bwd_shapes(cfg, split)
     heads_kv, seq_q, seq_kv, with_dq = shapes.heads_kv, shapes.seq_q, shapes.seq_kv, shapes.with_dq
 
@@ -193,6 +207,8 @@ def build_bwd_ws(cfg: KernelConfig, t, split: int, lpt: bool = True, branch: boo
                     if not packed:
                         T.tma_copy(stat_tile(LSE, layout, b, head, row0, bm), lse_r[s, :], barrier=full[s])
                         T.tma_copy(stat_tile(Delta, layout, b, head, row0, bm), delta_r[s, :], barrier=full[s])
+                    else:
+                        _stage_packed_stats(LSE, Delta, lse_r, delta_r, s, head, q_base + row0, tx - CONSUMER_THREADS, bm)
                     T.barrier_arrive(full[s])
                     if with_dq:
                         if it > 0:  # the previous tile's dQ, while the consumers work on this one
