@@ -22,7 +22,7 @@ import math
 import os
 import sys
 
-from bwd_variants import HK, PROBLEMS, H, _cfg, _load, compile_all
+from bwd_variants import HK, PROBLEMS, H, _cfg, _chosen, _load, compile_all
 
 DEFAULT = "default*"
 
@@ -183,13 +183,13 @@ def main() -> int:
     ap.add_argument("--problems", default=",".join(PROBLEMS))
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--variants", default=None,
-                    help=f"comma-separated labels to run (default: all; {DEFAULT!r} always runs, it is the reference)")
+    ap.add_argument("--variants", default="",
+                    help="comma-separated: the variants whose label contains one of them, or '=label' exactly, as "
+                         f"tools/bwd_variants.py's (default: all; {DEFAULT!r} always runs, it is the reference)")
     args = ap.parse_args()
-    wanted = None if args.variants is None else set(args.variants.split(","))
 
     def variants(d):
-        return [v for v in _variants(d) if wanted is None or v[0] in wanted]
+        return _chosen(_variants(d), args.variants)
 
     names = [n for n in args.problems.split(",") if n]
     unknown = [n for n in names if n not in PROBLEMS]

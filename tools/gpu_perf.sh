@@ -3,7 +3,7 @@
 # forward and main backward, in one device call:
 #   source .gpu/setup.sh && bash tools/gpu_perf.sh
 # BWD_VARIANTS / FWD_VARIANTS: the --variants of tools/bwd_variants.py / tools/fwd_variants.py
-# (empty: that tool is skipped); BWD_PROBLEMS / FWD_PROBLEMS their --problems; KVCACHE=1 also runs
+# (comma-separated: the labels containing one of them, or "=label" exactly; empty: that tool is skipped); BWD_PROBLEMS / FWD_PROBLEMS their --problems; KVCACHE=1 also runs
 # tools/kvcache_variants.py (attention_kvcache's kernel variants, kvcache.txt); JOBS compile
 # processes (default 8, so that a suite precompile can run beside it). Outputs go to $OUT (or
 # ./gpu-out): bwd_variants.txt, fwd_variants.txt, ncu.txt, perf-summary.txt, and perf-logs.tgz (the
@@ -20,7 +20,7 @@ stop_at=${STOP_AT:-560}
 left() { local l=$((stop_at - SECONDS)); echo $(( l > 5 ? l : 5 )); }
 jobs=${JOBS:-8}
 bw=${BWD_VARIANTS-"ws 64x128/s2,strict"}
-fw=${FWD_VARIANTS-"ws 128x128/s2,ws/fold 128x128/s2"}
+fw=${FWD_VARIANTS-"=ws 128x128/s2,=ws/fold 128x128/s2"}
 br=skipped fr=skipped nr=skipped
 if [ -n "$bw" ]; then
   timeout "$(left)" python tools/bwd_variants.py --problems "${BWD_PROBLEMS:-causal-d128,gptoss-full}" --jobs "$jobs" \
