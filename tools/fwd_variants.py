@@ -2,7 +2,8 @@
 
     source .gpu/setup.sh && python tools/fwd_variants.py [--problems causal-d128,golden] [--jobs 16] [--json out.json]
 
-For each problem of tools/bwd_variants.py (H=64, H_kv=8, bhsd, B=1, sinks) and each variant of the
+For each problem of tools/bwd_variants.py (H=64, H_kv=8, bhsd, B=1, sinks), or of ``VARLEN`` (the bench's
+packed varlen batch, thd: ``varlen-swa``, ``varlen-full``), and each variant of the
 forward (``fwd.build_fwd``'s options: tiles, how the mask is applied, the scale folded into the
 exponent, the hand warp-specialized kernel ``ws`` of fwd_ws.py): compile every kernel in parallel
 processes first (TileLang's own disk cache, then loaded here; a kernel that fails to build is a row
@@ -17,6 +18,8 @@ Kernels depend on (dtype, head dim) only, so problems sharing them compile them 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import itertools
 import json
 import math
 import os
@@ -25,6 +28,9 @@ import sys
 from bwd_variants import HK, PROBLEMS, H, _cfg, _chosen, _load, compile_all
 
 DEFAULT = "default*"
+#: packed batches (thd): the bench's varlen preset (gpt-oss shapes, ``flashsink.bench.problems``' lengths);
+#: name: (dtype, sequences, tokens, D, window)
+VARLEN = {"varlen-swa": ("bfloat16", 64, 32768, 64, 128), "varlen-full": ("bfloat16", 64, 32768, 64, None)}
 
 
 def _variants(d: int) -> list:
@@ -94,8 +100,10 @@ def _func(job):
     from flashsink.ops.config import Tiles
     from flashsink.ops.fwd import build_fwd
 
-    dtype, d, tiles, mask, fold, ws = job
+    dtype, d, tiles, mask, fold, ws = job[:6]
     cfg = _cfg(dtype, d, "strict" if isinstance(ws, str) and "o32" in ws.split("/") else "fast")
+    if len(job) > 6:  # a packed batch's kernel (VARLEN problems)
+        cfg = dataclasses.replace(cfg, layout=job[6])
     if tiles is None and mask == "select" and not fold and not ws:
         return build_prim_func("fwd", cfg)  # the library's kernel
     opts = ws.split("/") if isinstance(ws, str) else []
@@ -127,13 +135,12 @@ def _probe_child(job, n, out):
 
         kern = _load(job, _func)
         dt, d = getattr(torch, job[0]), job[1]
-        q = torch.randn(1, H, n, d, device="cuda", dtype=dt)
-        k, v = (torch.randn(1, HK, n, d, device="cuda", dtype=dt) for _ in range(2))
-        sinks = torch.randn(H, device="cuda", dtype=torch.float32)
+        packed = len(job) > 6
+        lens = (n // 3, n - n // 3) if packed else (n,)
+        q, k, v, sinks, seq, lse_shape = _inputs(torch, dt, d, lens, packed)
         for win in (NO_WINDOW, 128):
-            kern(q, k, v, sinks, win, LOG2E / math.sqrt(d), torch.empty_like(q),
-                 torch.empty(1, H, max(128, -(-n // 128) * 128), dtype=torch.float32, device="cuda"),
-                 *_o32(job, q))
+            kern(q, k, v, sinks, *seq, win, LOG2E / math.sqrt(d), torch.empty_like(q),
+                 torch.empty(lse_shape, dtype=torch.float32, device="cuda"), *_o32(job, q))
         torch.cuda.synchronize()
         out.put(None)
     except Exception as exc:
@@ -164,6 +171,22 @@ def _probe(jobs, n: int) -> dict:
     return status
 
 
+def _inputs(torch, dt, d: int, lens, packed: bool):
+    """``(q, k, v, sinks, seq, lse_shape)`` for sequences of ``lens``: one bhsd sequence, or (``packed``) a
+    thd batch, whose kernels take ``seq = (cu_seqlens_q, cu_seqlens_k, max_seqlen)`` after the sinks."""
+    from flashsink.ops.config import padded_rows, varlen_rows
+
+    total = sum(lens)
+    shape_q, shape_kv = ((total, H, d), (total, HK, d)) if packed else ((1, H, total, d), (1, HK, total, d))
+    q = torch.randn(shape_q, device="cuda", dtype=dt)
+    k, v = (torch.randn(shape_kv, device="cuda", dtype=dt) for _ in range(2))
+    sinks = torch.randn(H, device="cuda", dtype=torch.float32)
+    if not packed:
+        return q, k, v, sinks, (), (1, H, padded_rows(total))
+    cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device="cuda")
+    return q, k, v, sinks, (cu, cu, max(lens)), (H, varlen_rows(total))
+
+
 def _o32(job, q) -> list:
     """The ``o32`` option's extra output (O in fp32, q's shape), or nothing."""
     import torch
@@ -192,16 +215,26 @@ def main() -> int:
         return _chosen(_variants(d), args.variants)
 
     names = [n for n in args.problems.split(",") if n]
-    unknown = [n for n in names if n not in PROBLEMS]
+    unknown = [n for n in names if n not in PROBLEMS and n not in VARLEN]
     if unknown:
-        ap.error(f"unknown problems {unknown}; known: {list(PROBLEMS)}")
+        ap.error(f"unknown problems {unknown}; known: {list(PROBLEMS) + list(VARLEN)}")
+
+    def problem(name):
+        """(dtype, D, window, sequence lengths, the job's layout suffix: () or ("thd",))."""
+        if name in VARLEN:
+            from flashsink.bench.problems import varlen_lengths
+
+            dtype, n_seqs, total, d, window = VARLEN[name]
+            return dtype, d, window, varlen_lengths(n_seqs, total), ("thd",)
+        dtype, n, d, window = PROBLEMS[name]
+        return dtype, d, window, (n,), ()
 
     labels = {}  # job -> label
     for name in names:
-        dtype, _, d, _ = PROBLEMS[name]
-        labels[(dtype, d, None, "select", False, False)] = DEFAULT
+        dtype, d, _, _, lay = problem(name)
+        labels[(dtype, d, None, "select", False, False, *lay)] = DEFAULT
         for label, tiles, mask, fold, ws in variants(d):
-            labels[(dtype, d, tiles, mask, fold, ws)] = label
+            labels[(dtype, d, tiles, mask, fold, ws, *lay)] = label
     # the split kernels (two pipelined loops) take several times as long to lower and compile: start them first
     jobs = sorted(labels, key=lambda job: job[3] != "split")
     kernels, errors = compile_all(jobs, args.jobs, _func, lambda job: f"{job[0]} D{job[1]} {labels[job]}")
@@ -218,26 +251,23 @@ def main() -> int:
 
     results = []
     for name in names:
-        dtype_name, n, d, window = PROBLEMS[name]
+        dtype_name, d, window, lens, lay = problem(name)
+        n = sum(lens)  # tokens (one sequence, or a packed batch's)
         print(f"timing {name} ...", file=sys.stderr, flush=True)
         dt = getattr(torch, dtype_name)
         torch.manual_seed(0)
-        q = torch.randn(1, H, n, d, device="cuda", dtype=dt)
-        k = torch.randn(1, HK, n, d, device="cuda", dtype=dt)
-        v = torch.randn(1, HK, n, d, device="cuda", dtype=dt)
-        sinks = torch.randn(H, device="cuda", dtype=torch.float32)
+        q, k, v, sinks, seq, lse_shape = _inputs(torch, dt, d, lens, bool(lay))
         scale_log2 = LOG2E / math.sqrt(d)
         win = NO_WINDOW if window is None else window
-        rows = max(128, -(-n // 128) * 128)
-        flops = 4 * sum(min(i + 1, win) for i in range(n)) * H * d
+        flops = 4 * sum(sum(min(i + 1, win) for i in range(m)) for m in lens) * H * d
 
         def run(kern, extra=()):
             o = torch.full_like(q, float("nan"))
-            lse = torch.full((1, H, rows), float("nan"), dtype=torch.float32, device="cuda")
-            kern(q, k, v, sinks, win, scale_log2, o, lse, *extra)
+            lse = torch.full(lse_shape, float("nan"), dtype=torch.float32, device="cuda")
+            kern(q, k, v, sinks, *seq, win, scale_log2, o, lse, *extra)
             return o, lse
 
-        ref_kern = kernels.get((dtype_name, d, None, "select", False, False))
+        ref_kern = kernels.get((dtype_name, d, None, "select", False, False, *lay))
         if ref_kern is None:
             print(f"  {name}: the default forward did not build, skipped", file=sys.stderr, flush=True)
             continue
@@ -245,7 +275,7 @@ def main() -> int:
         row = {"problem": name, "dtype": dtype_name, "N": n, "D": d, "W": window, "flops": flops, "variants": {}}
         base_ms = None
         for label, tiles, mask, fold, ws in [(DEFAULT, None, "select", False, False)] + variants(d):
-            job = (dtype_name, d, tiles, mask, fold, ws)
+            job = (dtype_name, d, tiles, mask, fold, ws, *lay)
             kern = kernels.get(job)
             if kern is None:
                 row["variants"][label] = {"error": "compile failed: " + errors.get(job, "not built")}
@@ -258,8 +288,9 @@ def main() -> int:
                 row["variants"][label] = {"error": f"launch failed: {type(exc).__name__}: {str(exc)[-300:]}"}
                 continue
             o_err, lse_err = _errors(o, o_ref), _errors(lse[..., :n], lse_ref[..., :n])
-            out_o, out_lse = torch.empty_like(q), torch.empty(1, H, rows, dtype=torch.float32, device="cuda")
-            ms = do_bench(lambda: kern(q, k, v, sinks, win, scale_log2, out_o, out_lse, *extra), return_mode="median")
+            out_o, out_lse = torch.empty_like(q), torch.empty(lse_shape, dtype=torch.float32, device="cuda")
+            ms = do_bench(lambda: kern(q, k, v, sinks, *seq, win, scale_log2, out_o, out_lse, *extra),
+                          return_mode="median")
             base_ms = ms if label == DEFAULT else base_ms
             row["variants"][label] = {"ms": ms, "tflops": flops / (ms * 1e-3) / 1e12, "speedup": base_ms / ms,
                                       "o_max": o_err[0], "o_rel_l2": o_err[1], "lse_max": lse_err[0],
@@ -267,7 +298,8 @@ def main() -> int:
             if extra:  # the fp32 O against the rounded o the kernel wrote: o's rounding, nothing more
                 row["variants"][f"  {label}: fp32 O vs its o"] = {"error": "max %.2e relL2 %.2e" % _errors(extra[0], o)}
         results.append(row)
-        print(f"\n== {name}: {dtype_name} N={n} D={d} W={window} H={H}/{HK} (fwd {flops / 1e12:.3f} TFLOP)")
+        what = f"N={n}" if not lay else f"{len(lens)} sequences, {n} tokens, thd"
+        print(f"\n== {name}: {dtype_name} {what} D={d} W={window} H={H}/{HK} (fwd {flops / 1e12:.3f} TFLOP)")
         print(f"  {'variant':<24} {'ms':>8} {'TFLOP/s':>8} {'x dflt':>7} {'o max':>9} {'o relL2':>9} "
               f"{'lse max':>9} {'lse relL2':>9}")
         for label, r in row["variants"].items():
