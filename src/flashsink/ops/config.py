@@ -185,6 +185,9 @@ def bwd_dq_first(cfg: KernelConfig) -> bool:
     64-row tiles in the old order. Causal padded layouts only: ptxas spills the 128-row kernel's
     registers for full (non-causal) attention (104 bytes) and packed batches (296 bytes), where the
     64-row kernel spills none."""
+    # (bwd_ws.build_bwd_ws(skip_halves=True), built and not measured yet: each consumer skips the row
+    # blocks its half of the keys cannot see; with 64-row tiles a window's KV tile has one such block
+    # per consumer and head; tools/bwd_variants.py's ".../skip" rows, docs/perf.md v16)
     return (bwd_ws(cfg) and cfg.precision == "fast" and cfg.head_dim == cfg.head_dim_v == 64 and cfg.causal
             and cfg.layout != "thd")
 
@@ -243,7 +246,11 @@ def fwd_ws_options(cfg: KernelConfig) -> dict:
     0.1052 of the 128-row tiles that windows up to 128 keys ran until then (the kind ``fwd_window``,
     gone with this: one forward per configuration again); causal D64 N8192 1.3016 -> 1.2776. Head
     dim 128 keeps the staged epilogue and one Q slot: there both options measured slower (golden
-    0.1236 -> 0.1402 with "regs", 0.1250 with two slots; causal D128 N4096 0.5105 -> 0.5141 .. 0.5317)."""
+    0.1236 -> 0.1402 with "regs", 0.1250 with two slots; causal D128 N4096 0.5105 -> 0.5141 .. 0.5317).
+
+    Built and not measured yet (tools/fwd_variants.py rows, docs/perf.md v15-v16): ``pack_gqa`` (a GQA
+    group's heads in one tile) and ``wg_ranges`` (each consumer warpgroup over its own KV tiles), both
+    aimed at windows, where most of a tile's products are masked out."""
     if fwd_ws(cfg) and cfg.head_dim == 64:
         return {"epilogue": "regs", "q_slots": 2}
     return {"epilogue": "smem", "q_slots": 1}
