@@ -217,3 +217,34 @@ def test_packed_batches_stage_lse_and_delta(precision):
     staged = lines.index("lse_r[s, i] = LSE[head, row + i]")
     arrive = next(i for i in range(staged, len(lines)) if lines[i].startswith("T.ptx_arrive_barrier(full_1["))
     assert arrive - staged < 6  # the slot's arrival follows the staging
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_prefetch_sdp_option(d):
+    """``build_bwd(prefetch_sdp=True)`` (tools/bwd_variants.py's ".../prefetch", to be measured): the first
+    row block's S^T and dP^T are issued before the loop into a second pair of accumulators; each block
+    waits for them, copies them, waits for the next block's slot and issues its S^T and dP^T before
+    its own softmax. The slot wait moves out of the loop's head. Off, the kernel is the one built without
+    the option, TIR for TIR."""
+    cfg = _cfg("float16" if d == 128 else "bfloat16", d)
+    kw = dict(tiles=Tiles(64, 128, 256, 3), ws=True, dq_first=False)
+    plain = bwd.build_bwd(cfg, **kw)
+    assert plain.script() == bwd.build_bwd(cfg, **kw, prefetch_sdp=False).script()
+    func = bwd.build_bwd(cfg, **kw, prefetch_sdp=True)
+    assert _params(func) == _params(plain) and _dtypes(func) == _dtypes(plain)
+    text = func.script()
+    assert "pT_next" not in plain.script()
+    assert "pT_next = T.sblock_alloc_buffer" in text and "dpT_next = T.sblock_alloc_buffer" in text
+    lines = [ln.strip() for ln in text.splitlines()]
+    assert "if it + 1 < n_it:" in lines
+    # each of the two accumulators: the prologue's product, the loop's product and the copy out
+    assert text.count("T.region(pT_next[0, 0]") == 3 and text.count("T.region(dpT_next[0, 0]") == 3
+    assert text.count("T.wgmma_gemm") == plain.script().count("T.wgmma_gemm") + 2
+    assert text.count("T.mbarrier_wait_parity(full_1[") == plain.script().count("T.mbarrier_wait_parity(full_1[") + 1
+
+
+def test_prefetch_sdp_refusals():
+    with pytest.raises(ValueError, match="prefetch_sdp"):
+        bwd.build_bwd(_cfg(), tiles=Tiles(64, 128, 256, 3), ws=True, skip_halves=True, prefetch_sdp=True)
+    with pytest.raises(ValueError, match="prefetch_sdp"):
+        bwd.build_bwd(_cfg(precision="strict"), ws=False, prefetch_sdp=True)
