@@ -221,7 +221,7 @@ def test_packed_batches_stage_lse_and_delta(precision):
 
 @pytest.mark.parametrize("d", [64, 128])
 def test_prefetch_sdp_option(d):
-    """``build_bwd(prefetch_sdp=True)`` (tools/bwd_variants.py's ".../prefetch", to be measured): the first
+    """``build_bwd(prefetch="sdp")`` (tools/bwd_variants.py's ".../prefetch", to be measured): the first
     row block's S^T and dP^T are issued before the loop into a second pair of accumulators; each block
     waits for them, copies them, waits for the next block's slot and issues its S^T and dP^T before
     its own softmax. The slot wait moves out of the loop's head. Off, the kernel is the one built without
@@ -229,8 +229,8 @@ def test_prefetch_sdp_option(d):
     cfg = _cfg("float16" if d == 128 else "bfloat16", d)
     kw = dict(tiles=Tiles(64, 128, 256, 3), ws=True, dq_first=False)
     plain = bwd.build_bwd(cfg, **kw)
-    assert plain.script() == bwd.build_bwd(cfg, **kw, prefetch_sdp=False).script()
-    func = bwd.build_bwd(cfg, **kw, prefetch_sdp=True)
+    assert plain.script() == bwd.build_bwd(cfg, **kw, prefetch="").script()
+    func = bwd.build_bwd(cfg, **kw, prefetch="sdp")
     assert _params(func) == _params(plain) and _dtypes(func) == _dtypes(plain)
     text = func.script()
     assert "pT_next" not in plain.script()
@@ -243,8 +243,23 @@ def test_prefetch_sdp_option(d):
     assert text.count("T.mbarrier_wait_parity(full_1[") == plain.script().count("T.mbarrier_wait_parity(full_1[") + 1
 
 
-def test_prefetch_sdp_refusals():
-    with pytest.raises(ValueError, match="prefetch_sdp"):
-        bwd.build_bwd(_cfg(), tiles=Tiles(64, 128, 256, 3), ws=True, skip_halves=True, prefetch_sdp=True)
-    with pytest.raises(ValueError, match="prefetch_sdp"):
-        bwd.build_bwd(_cfg(precision="strict"), ws=False, prefetch_sdp=True)
+def test_prefetch_refusals():
+    with pytest.raises(ValueError, match="prefetch"):
+        bwd.build_bwd(_cfg(), tiles=Tiles(64, 128, 256, 3), ws=True, skip_halves=True, prefetch="sdp")
+    with pytest.raises(ValueError, match="prefetch"):
+        bwd.build_bwd(_cfg(precision="strict"), ws=False, prefetch="sdp")
+
+
+def test_prefetch_s_option():
+    """``build_bwd(prefetch="s")`` (".../prefetch-s"): only the next block's S^T is issued ahead (one more
+    accumulator, where "sdp"'s two spill at D128); this block's dP^T is issued at its start, before
+    the next S^T, and waited for with one group (the next S^T) still in flight."""
+    cfg = _cfg("float16", 128)
+    kw = dict(tiles=Tiles(64, 128, 256, 3), ws=True, dq_first=False)
+    plain = bwd.build_bwd(cfg, **kw).script()
+    text = bwd.build_bwd(cfg, **kw, prefetch="s").script()
+    assert "pT_next = T.sblock_alloc_buffer" in text and "dpT_next" not in text
+    assert text.count("T.wgmma_gemm") == plain.count("T.wgmma_gemm") + 1
+    assert "T.wait_wgmma(1)" in text
+    with pytest.raises(ValueError, match="prefetch must be"):
+        bwd.build_bwd(cfg, **kw, prefetch="dp")

@@ -40,7 +40,7 @@ PROBE_TIMEOUT_S, PROBE_START_S = 60, 240
 
 
 def _variants(d: int, only: str = "") -> list:
-    """(label, Tiles fields, (dq_bulk, overlap, split, ws, lpt, precision, branch, swap[, dq_first[, skip_halves[, prefetch_sdp]]])) of the main
+    """(label, Tiles fields, (dq_bulk, overlap, split, ws, lpt, precision, branch, swap[, dq_first[, skip_halves[, prefetch]]])) of the main
     backward for head dim ``d`` (``bwd.build_bwd``'s options). ``ws``: bwd_ws.py's hand warp-specialized
     kernel (``t.stages`` is its ring's depth); ``lpt``: its KV tiles issued longest first
     (schedule.by_work; ``/launch`` in a label: the old order); ``branch``: the mask skipped on wholly
@@ -101,10 +101,10 @@ def _variants(d: int, only: str = "") -> list:
     # with 64-row blocks, the diagonal's first block and (W=128) a window's last one; fast and strict
     out += [("ws 64x128/s2/skip", t, (None, None, 1, True, True, "fast", True, False, False, True)),
             ("ws strict 64x128/s2/skip", t, (None, None, 1, True, True, "strict", True, False, False, True))]
-    # the next row block's S^T and dP^T issued before this block's softmax (bwd_ws.build_bwd_ws(prefetch_sdp=True)):
-    # its slot is waited on one block earlier, hence a third ring slot as well
-    out += [(f"ws 64x128/s{st}/prefetch", tt, (None, None, 1, True, True, "fast", True, False, False, False, True))
-            for st, tt in ((2, t), (3, t3))]
+    # the next row block's S^T and dP^T ("sdp") or S^T alone ("s") issued before this block's softmax
+    # (bwd_ws.build_bwd_ws(prefetch=)): its slot is waited on one block earlier, hence a third ring slot too
+    out += [(f"ws 64x128/s{st}/prefetch-{pf}", tt, (None, None, 1, True, True, "fast", True, False, False, False, pf))
+            for pf in ("sdp", "s") for st, tt in ((2, t), (3, t3))]
     return _chosen(out, only)
 
 
@@ -157,7 +157,7 @@ def _func(job):
         return bwd.build_bwd(cfg, tiles=Tiles(*tiles), dq_bulk=opts[0], overlap=opts[1], split=opts[2], ws=opts[3],
                              lpt=opts[4], branch=opts[6], swap=opts[7], dq_first=opts[8] if len(opts) > 8 else False,
                              skip_halves=opts[9] if len(opts) > 9 else False,
-                             prefetch_sdp=opts[10] if len(opts) > 10 else False)
+                             prefetch=opts[10] if len(opts) > 10 else "")
     return build_prim_func(kind, cfg)
 
 

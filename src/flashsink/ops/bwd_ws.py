@@ -60,7 +60,7 @@ def _stage_packed_stats(LSE, Delta, lse_r, delta_r, s, head, row, p, bm: int):
 
 
 def build_bwd_ws(cfg: KernelConfig, t, split: int, lpt: bool = True, branch: bool = True, dq_first: bool = False,
-                 skip_halves: bool = False, prefetch_sdp: bool = False):
+                 skip_halves: bool = False, prefetch: str = ""):
     """The warp-specialized main backward for ``tiles`` ``t`` (``t.threads`` consumer threads,
     256; ``t.stages`` ring slots) and ``split`` programs per KV tile (see ``bwd.build_bwd``), issued
     longest first unless ``lpt`` is False (``schedule.by_work``). ``branch``: the per-element mask only
@@ -78,15 +78,20 @@ def build_bwd_ws(cfg: KernelConfig, t, split: int, lpt: bool = True, branch: boo
     on 3, the other having the tensor cores alone on the fourth. Off, the kernel is the one built
     without the option, TIR for TIR.
 
-    ``prefetch_sdp`` (an option for tools/bwd_variants.py, not measured yet): each consumer issues the
-    next row block's S^T and dP^T products into a second pair of accumulators before this block's
+    ``prefetch`` (an option for tools/bwd_variants.py, not measured yet): ``"sdp"``, each consumer issues
+    the next row block's S^T and dP^T products into a second pair of accumulators before this block's
     softmax and dS^T, so the tensor cores compute them while the consumer's elementwise work runs
     (the block's products start with S^T and dP^T ready, instead of waiting for them: ncu v11 saw the
-    tensor pipe 38% busy). 64 more accumulator registers per thread (a 64x128 tile: two [128, 64] fp32
-    fragments over 256 threads); the next block's slot is waited on one block earlier, so it wants
-    3 ring slots. Not with ``skip_halves``."""
-    if prefetch_sdp and skip_halves:
-        raise ValueError("prefetch_sdp=True cannot be combined with skip_halves=True")
+    tensor pipe 38% busy); 64 more accumulator registers per thread (a 64x128 tile: two [128, 64]
+    fp32 fragments over 256 threads). ``"s"``, the next block's S^T only (32 more registers, for
+    D128's tiles where "sdp" spills): this block's dP^T is issued at its start and runs through its
+    P, as without the option. The next block's slot is waited on one block earlier, so it wants 3
+    ring slots. Not with ``skip_halves``."""
+    if prefetch not in ("", "s", "sdp"):
+        raise ValueError(f"prefetch must be '', 's' or 'sdp', got {prefetch!r}")
+    if prefetch and skip_halves:
+        raise ValueError("prefetch cannot be combined with skip_halves=True")
+    ahead, ahead_dp = prefetch != "", prefetch == "sdp"  # (booleans: the kernel's build-time conditions)
     if not cfg.hopper or t.threads != CONSUMER_THREADS or t.stages < 1:
         raise NotImplementedError(f"the warp-specialized main backward supports Hopper (sm_90a) "
                                   f"and {CONSUMER_THREADS} consumer threads; got {cfg.short()}, {t}")
@@ -166,9 +171,10 @@ def build_bwd_ws(cfg: KernelConfig, t, split: int, lpt: bool = True, branch: boo
             delta_r = T.alloc_shared([stages, bm], accum)
             pT = T.alloc_fragment([bn, bm], accum)  # P^T, then dS^T
             dpT = T.alloc_fragment([bn, bm], accum)
-            if prefetch_sdp:  # the next row block's S^T and dP^T, in flight during this block's work
+            if ahead:  # the next row block's S^T (and dP^T), in flight during this block's work
                 pT_next = T.alloc_fragment([bn, bm], accum)
-                dpT_next = T.alloc_fragment([bn, bm], accum)
+                if ahead_dp:
+                    dpT_next = T.alloc_fragment([bn, bm], accum)
             p_h = T.alloc_fragment([bn, bm], dtype)  # P^T rounded: dV's A operand (registers)
             ds_h = T.alloc_fragment([bn, bm], dtype)  # dS^T rounded: dK's A operand
             # strict: the lo terms of the two-term products (split.py)
@@ -247,39 +253,50 @@ def build_bwd_ws(cfg: KernelConfig, t, split: int, lpt: bool = True, branch: boo
                     own_hi = T.alloc_var("int32")
                     own_lo, own_hi = row_blocks_for_keys(key0 + (tx // 128) * (bn // 2), bn // 2, bm, sq, sk, window,
                                                          cfg.causal)
-                if prefetch_sdp:
-                    if n_it > 0:  # the first row block's S^T and dP^T
+                if ahead:
+                    if n_it > 0:  # the first row block's S^T (and dP^T)
                         T.mbarrier_wait_parity(full[0], 0)
                         T.wgmma_gemm(k_s, q_r[0, :, :], pT_next, transpose_B=True, clear_accum=True,
                                      policy=T.GemmWarpPolicy.FullRow)
-                        T.wgmma_gemm(v_s, do_r[0, :, :], dpT_next, transpose_B=True, clear_accum=True,
-                                     policy=T.GemmWarpPolicy.FullRow)
+                        if ahead_dp:
+                            T.wgmma_gemm(v_s, do_r[0, :, :], dpT_next, transpose_B=True, clear_accum=True,
+                                         policy=T.GemmWarpPolicy.FullRow)
                 for it in T.serial(n_it):
                     s = it % stages
                     head = head0 + it // n_rows
                     row0 = (lo_blk + it % n_rows) * bm
-                    if not prefetch_sdp:  # (prefetch_sdp: waited on with the previous block)
+                    if not ahead:  # (prefetch: waited on with the previous block)
                         T.mbarrier_wait_parity(full[s], (it // stages) & 1)
                     # skip_halves: whether this consumer's keys see the row block (a build-time True
                     # without the option: one path, the kernel as before)
                     live = in_blocks(lo_blk + it % n_rows, (own_lo, own_hi)) if skip_halves else True
                     if live:
-                        if prefetch_sdp:
-                            # this block's S^T and dP^T (issued one block ahead; the previous block's
-                            # last wait already saw them through), then the next block's, running
-                            # through this block's softmax, dS^T and products
+                        if ahead:
+                            # this block's S^T (and dP^T), issued one block ahead (the previous block's
+                            # last wait already saw them through); "s": this block's dP^T now; then
+                            # the next block's, running through this block's softmax, dS^T and products
                             T.wait_wgmma(0)
                             T.copy(pT_next, pT)
-                            T.copy(dpT_next, dpT)
+                            if ahead_dp:
+                                T.copy(dpT_next, dpT)
+                            else:
+                                T.wgmma_gemm(v_s, do_r[s, :, :], dpT, transpose_B=True, clear_accum=True,
+                                             policy=T.GemmWarpPolicy.FullRow)
                             if it + 1 < n_it:
                                 s_next = (it + 1) % stages
                                 T.mbarrier_wait_parity(full[s_next], ((it + 1) // stages) & 1)
                                 T.wgmma_gemm(k_s, q_r[s_next, :, :], pT_next, transpose_B=True, clear_accum=True,
                                              policy=T.GemmWarpPolicy.FullRow)
-                                T.wgmma_gemm(v_s, do_r[s_next, :, :], dpT_next, transpose_B=True, clear_accum=True,
-                                             policy=T.GemmWarpPolicy.FullRow)
+                                if ahead_dp:
+                                    T.wgmma_gemm(v_s, do_r[s_next, :, :], dpT_next, transpose_B=True, clear_accum=True,
+                                                 policy=T.GemmWarpPolicy.FullRow)
                             branch_tile(probs_t, in_blocks(lo_blk + it % n_rows, (full_lo, full_hi)) if branch else None,
                                         pT, LSE, lse_r, s, head, q_base, row0, key0, sq, sk, window, scale_log2)
+                            if not ahead_dp:  # "s": this block's dP^T (issued before the next S^T)
+                                if it + 1 < n_it:
+                                    T.wait_wgmma(1)
+                                else:
+                                    T.wait_wgmma(0)
                         else:
                             # S^T and dP^T back to back; P while dP^T runs
                             T.wgmma_gemm(k_s, q_r[s, :, :], pT, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
