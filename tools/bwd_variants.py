@@ -105,6 +105,9 @@ def _variants(d: int, only: str = "") -> list:
     # (bwd_ws.build_bwd_ws(prefetch=)): its slot is waited on one block earlier, hence a third ring slot too
     out += [(f"ws 64x128/s{st}/prefetch-{pf}", tt, (None, None, 1, True, True, "fast", True, False, False, False, pf))
             for pf in ("sdp", "s") for st, tt in ((2, t), (3, t3))]
+    # ... and in strict's hand-scheduled kernel (D64's strict default; ptxas: no spills with "sdp")
+    out += [(f"ws strict 64x128/s{st}/prefetch-sdp", tt, (None, None, 1, True, True, "strict", True, False, False,
+                                                         False, "sdp")) for st, tt in ((2, t), (3, t3))]
     return _chosen(out, only)
 
 
