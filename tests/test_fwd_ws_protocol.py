@@ -1,0 +1,209 @@
+"""A model of the warp-specialized forward's synchronization (``ops/fwd_ws.py``), run on the CPU.
+
+The kernel's hand-placed mbarrier waits and arrivals (Q slots, the K/V ring, their phases) and the
+consumers' ping-pong turns (named barriers) are replayed here with the kernel's own phase arithmetic
+and block ranges (``block_range.kv_blocks_for_rows``), one generator per warpgroup, under a
+round-robin scheduler. A protocol that deadlocks stops making progress; a consumer that reads a ring
+slot holding another KV tile than the one it wants is a stale read. Both fail the test.
+
+It checks the protocol, not the CUDA: the model mirrors ``build_fwd_ws``'s consumer loop (default and
+``wg_ranges=True``) by hand and must follow it when the kernel's synchronization changes. What it
+caught: ``wg_ranges`` with its last P V after the loop (as the default kernel does) deadlocks a
+192-row tile's first warpgroup with 64-key tiles and 2 ring slots (the tiles it skips after its own
+wait for the slot it still holds); the kernel issues that P V inside the loop.
+"""
+
+import itertools
+
+import pytest
+
+pytest.importorskip("tilelang")
+
+from flashsink.ops.block_range import kv_blocks_for_rows  # noqa: E402
+
+pytestmark = pytest.mark.l0
+
+THREADS = 128  # one warpgroup
+
+
+class _MBarrier:
+    """An mbarrier: ``count`` arrivals complete a phase; ``done(parity)`` is try_wait.parity's answer."""
+
+    def __init__(self, count: int):
+        self.count, self.left, self.phase = count, count, 0
+
+    def arrive(self, n: int = THREADS):
+        self.left -= n
+        assert self.left >= 0, "more arrivals than the barrier's count in one phase"
+        if self.left == 0:
+            self.phase, self.left = self.phase + 1, self.count
+
+    def done(self, parity: int) -> bool:
+        return (self.phase & 1) != parity
+
+
+class _Named:
+    """A named barrier of 256 threads: one warpgroup's bar.sync and another's bar.arrive."""
+
+    def __init__(self):
+        self.arrived, self.generation = 0, 0
+
+
+def _blocks(row0, rows, bn, seq, window):
+    return tuple(int(x) for x in kv_blocks_for_rows(row0, rows, bn, seq, seq, window, True))
+
+
+def _tiles(seq, bm, bn, window, ctas, cta):
+    """The (row0, lo, hi) of one persistent program's query tiles, causal tiles longest first."""
+    m_tiles = -(-seq // bm)
+    return [(i * bm, *_blocks(i * bm, bm, bn, seq, window)) for i in [m_tiles - 1 - j for j in range(m_tiles)][cta::ctas]]
+
+
+def _run(tiles, n_cons, stages, q_slots, pingpong, wgr, bn, seq, window, last_pv_in_loop=True):
+    """``"ok"`` or ``"deadlock"``, and the stale reads seen."""
+    consumers = THREADS * n_cons
+    q_full, q_empty = [_MBarrier(THREADS) for _ in range(q_slots)], [_MBarrier(consumers) for _ in range(q_slots)]
+    k_full, v_full = [_MBarrier(THREADS) for _ in range(stages)], [_MBarrier(THREADS) for _ in range(stages)]
+    k_empty, v_empty = [_MBarrier(consumers) for _ in range(stages)], [_MBarrier(consumers) for _ in range(stages)]
+    held_k, held_v = [None] * stages, [None] * stages  # the KV tile each ring slot holds
+    turns = [_Named() for _ in range(n_cons)]
+    stale = []
+
+    def q_phase(q_done):
+        return (q_done // q_slots) & 1 if q_slots > 1 else q_done & 1
+
+    def producer():
+        kv_done = q_done = 0
+        for _, lo, hi in tiles:
+            if hi > lo:
+                while not q_empty[q_done % q_slots].done(q_phase(q_done) ^ 1):
+                    yield
+                q_full[q_done % q_slots].arrive()
+                q_done += 1
+            for it in range(hi - lo):
+                c = kv_done + it
+                s, parity = c % stages, ((c // stages) & 1) ^ 1
+                while not k_empty[s].done(parity):
+                    yield
+                held_k[s] = c
+                k_full[s].arrive()
+                while not v_empty[s].done(parity):
+                    yield
+                held_v[s] = c
+                v_full[s].arrive()
+            kv_done += hi - lo
+
+    def arrive_turn(w):
+        b = turns[w]
+        b.arrived += THREADS
+        if b.arrived == 2 * THREADS:
+            b.arrived, b.generation = 0, b.generation + 1
+
+    def take_turn(w):
+        b, generation = turns[w], turns[w].generation
+        arrive_turn(w)
+        while b.generation == generation:
+            yield
+
+    def read(held, s, c, what, w):
+        if held[s] != c:
+            stale.append(f"warpgroup {w} reads {what} slot {s} holding tile {held[s]}, wants {c}")
+
+    def consumer(w):
+        kv_done = q_done = 0
+        if pingpong and w == 0:
+            arrive_turn(0)
+        for row0, lo, hi in tiles:
+            n = hi - lo
+            own_lo, own_hi = _blocks(row0 + 64 * w, 64, bn, seq, window) if wgr else (lo, hi)
+            if n > 0:
+                while not q_full[q_done % q_slots].done(q_phase(q_done)):
+                    yield
+            for it in range(n):
+                kb, c = lo + it, kv_done + it
+                s, sp = c % stages, (c - 1) % stages
+                live = own_lo <= kb < own_hi
+                with_pv = live and kb > own_lo
+                while not k_full[s].done((c // stages) & 1):
+                    yield
+                if with_pv:
+                    while not v_full[sp].done(((c - 1) // stages) & 1):
+                        yield
+                if pingpong:
+                    yield from take_turn(w)
+                if live:
+                    read(held_k, s, c, "K", w)
+                    if with_pv:
+                        read(held_v, sp, c - 1, "V", w)
+                if pingpong:
+                    arrive_turn((w + 1) % n_cons)
+                if live:
+                    k_empty[s].arrive()
+                    if with_pv:
+                        v_empty[sp].arrive()
+                    if wgr and last_pv_in_loop and kb == own_hi - 1:
+                        while not v_full[s].done((c // stages) & 1):
+                            yield
+                        read(held_v, s, c, "V", w)
+                        v_empty[s].arrive()
+                else:  # wg_ranges: a tile this warpgroup's rows do not see, released once landed
+                    k_empty[s].arrive()
+                    while not v_full[s].done((c // stages) & 1):
+                        yield
+                    v_empty[s].arrive()
+            if n > 0:
+                q_empty[q_done % q_slots].arrive()
+                q_done += 1
+                last = kv_done + (own_hi - 1 - lo if wgr else n - 1)
+                if not wgr or (not last_pv_in_loop and own_hi > own_lo):  # the last P V after the loop
+                    while not v_full[last % stages].done((last // stages) & 1):
+                        yield
+                    read(held_v, last % stages, last, "V", w)
+                    v_empty[last % stages].arrive()
+            kv_done += n
+
+    agents = [producer()] + [consumer(w) for w in range(n_cons)]
+    idle_rounds, last_state = 0, None
+    while agents:
+        finished = False
+        for a in list(agents):
+            try:
+                next(a)
+            except StopIteration:
+                agents.remove(a)
+                finished = True
+        state = tuple((b.phase, b.left) for b in q_full + q_empty + k_full + v_full + k_empty + v_empty) + tuple(
+            (t.arrived, t.generation) for t in turns)
+        idle_rounds = 0 if finished or state != last_state else idle_rounds + 1
+        if idle_rounds > 50:
+            return "deadlock", stale
+        last_state = state
+    return "ok", stale
+
+
+@pytest.mark.parametrize("wgr", [False, True])
+@pytest.mark.parametrize("n_cons", [2, 3])
+def test_protocol_completes_without_stale_reads(wgr, n_cons):
+    """Default and wg_ranges, 2 and 3 consumer warpgroups, 64- and 128-key tiles, 2-4 ring slots, one
+    or two Q slots, ping-pong on and off, windows 64 / 128 / 200 / none, sequences whose tiles end
+    mid-tile, two programs of a persistent grid of three."""
+    for bn, stages, q_slots, pingpong, window, seq, cta in itertools.product(
+            (64, 128), (2, 3, 4), (1, 2), (True, False), (64, 128, 200, 1 << 30), (700, 1500), (0, 1)):
+        tiles = _tiles(seq, 64 * n_cons, bn, window, 3, cta)
+        result, stale = _run(tiles, n_cons, stages, q_slots, pingpong, wgr, bn, seq, window)
+        assert (result, stale) == ("ok", []), dict(bn=bn, stages=stages, q_slots=q_slots, pingpong=pingpong,
+                                                   window=window, seq=seq, cta=cta)
+
+
+def test_the_model_sees_the_deadlock_the_kernel_avoids():
+    """wg_ranges with the last P V after the loop: a 192-row tile's first warpgroup skips two 64-key
+    tiles at its end, and with 2 ring slots the second waits for the slot it still holds. 3 slots
+    (or the P V in the loop, the kernel's way) complete."""
+    tiles = _tiles(1024, 192, 64, 128, 3, 0)
+
+    def run(stages, in_loop):
+        return _run(tiles, 3, stages, 2, True, True, 64, 1024, 128, last_pv_in_loop=in_loop)[0]
+
+    assert run(2, False) == "deadlock"
+    assert run(3, False) == "ok"
+    assert run(2, True) == "ok"
