@@ -1,16 +1,19 @@
-"""A model of the warp-specialized forward's synchronization (``ops/fwd_ws.py``), run on the CPU.
+"""Models of the warp-specialized kernels' synchronization, run on the CPU: the forward's
+(``ops/fwd_ws.py``) and the main backward's (``ops/bwd_ws.py``).
 
-The kernel's hand-placed mbarrier waits and arrivals (Q slots, the K/V ring, their phases) and the
-consumers' ping-pong turns (named barriers) are replayed here with the kernel's own phase arithmetic
-and block ranges (``block_range.kv_blocks_for_rows``), one generator per warpgroup, under a
-round-robin scheduler. A protocol that deadlocks stops making progress; a consumer that reads a ring
-slot holding another KV tile than the one it wants is a stale read. Both fail the test.
+The kernels' hand-placed mbarrier waits and arrivals (the forward's Q slots and K/V ring, the
+backward's ring and dQ hand-off, their phases) and the consumers' named barriers (the forward's
+ping-pong turns, the backward's once-per-block meeting) are replayed here with the kernels' own
+phase arithmetic and block ranges (``block_range.kv_blocks_for_rows``), one generator per warpgroup,
+under a round-robin scheduler. A protocol that deadlocks stops making progress; a consumer that
+reads a ring slot holding another tile than the one it wants is a stale read. Both fail the test.
 
-It checks the protocol, not the CUDA: the model mirrors ``build_fwd_ws``'s consumer loop (default and
-``wg_ranges=True``) by hand and must follow it when the kernel's synchronization changes. What it
-caught: ``wg_ranges`` with its last P V after the loop (as the default kernel does) deadlocks a
-192-row tile's first warpgroup with 64-key tiles and 2 ring slots (the tiles it skips after its own
-wait for the slot it still holds); the kernel issues that P V inside the loop.
+They check the protocols, not the CUDA: the models mirror the kernels' loops by hand (the forward
+default and ``wg_ranges=True``, the backward with and without ``prefetch``) and must follow them when
+the kernels' synchronization changes. What they caught: ``wg_ranges`` with its last P V after the
+loop (as the default forward does) deadlocks a 192-row tile's first warpgroup with 64-key tiles and
+2 ring slots (the tiles it skips after its own wait for the slot it still holds); the kernel issues
+that P V inside the loop.
 """
 
 import itertools
@@ -207,3 +210,112 @@ def test_the_model_sees_the_deadlock_the_kernel_avoids():
     assert run(2, False) == "deadlock"
     assert run(3, False) == "ok"
     assert run(2, True) == "ok"
+
+
+# -- the main backward (ops/bwd_ws.py) -----------------------------------------------------------
+
+
+def _run_bwd(n_it, stages, with_dq, dq_first, prefetch):
+    """One program of the hand warp-specialized main backward: the producer fills the ring (Q, dO, lse,
+    Delta of a row block per slot) and bulk-adds each handed-off dQ tile; two consumers wait for a slot
+    (``prefetch``: the next block's slot one block ahead), meet once per block (the shared dS^T, with
+    dQ), release the slot and hand dQ over (``dq_first``: before the release). ``"ok"`` or
+    ``"deadlock"``, and the stale reads seen."""
+    full, empty = [_MBarrier(THREADS) for _ in range(stages)], [_MBarrier(2 * THREADS) for _ in range(stages)]
+    dq_full, dq_empty = _MBarrier(2 * THREADS), _MBarrier(THREADS)
+    meet = _Named()
+    held = [None] * stages
+    stale = []
+
+    def producer():
+        for it in range(n_it):
+            s = it % stages
+            while not empty[s].done(((it // stages) & 1) ^ 1):
+                yield
+            held[s] = it
+            full[s].arrive()
+            if with_dq and it > 0:  # the previous block's dQ, while the consumers work on this one
+                while not dq_full.done((it - 1) & 1):
+                    yield
+                dq_empty.arrive()
+        if with_dq and n_it > 0:
+            while not dq_full.done((n_it - 1) & 1):
+                yield
+
+    def meet_both():  # the consumers' named barrier: both warpgroups bar.sync, 256 threads
+        generation = meet.generation
+        meet.arrived += THREADS
+        if meet.arrived == 2 * THREADS:
+            meet.arrived, meet.generation = 0, meet.generation + 1
+            return
+        while meet.generation == generation:
+            yield
+
+    def hand_dq(it):
+        while not dq_empty.done((it & 1) ^ 1):
+            yield
+        dq_full.arrive()
+
+    def consumer(w):
+        if prefetch and n_it > 0:
+            while not full[0].done(0):
+                yield
+            if held[0] != 0:
+                stale.append(f"consumer {w} prefetches slot 0 holding block {held[0]}")
+        for it in range(n_it):
+            s = it % stages
+            if not prefetch:
+                while not full[s].done((it // stages) & 1):
+                    yield
+            if held[s] != it:
+                stale.append(f"consumer {w} reads slot {s} holding block {held[s]}, wants {it}")
+            if prefetch and it + 1 < n_it:
+                s_next = (it + 1) % stages
+                while not full[s_next].done(((it + 1) // stages) & 1):
+                    yield
+                if held[s_next] != it + 1:
+                    stale.append(f"consumer {w} prefetches slot {s_next} holding block {held[s_next]}")
+            if with_dq:
+                yield from meet_both()
+            if held[s] != it:  # dK's product reads Q, dV's dO: still this block's
+                stale.append(f"consumer {w}: slot {s} overwritten before its release")
+            if with_dq and dq_first:
+                yield from hand_dq(it)
+            empty[s].arrive()
+            if with_dq and not dq_first:
+                yield from hand_dq(it)
+
+    agents = [producer(), consumer(0), consumer(1)]
+    idle_rounds, last_state = 0, None
+    while agents:
+        finished = False
+        for a in list(agents):
+            try:
+                next(a)
+            except StopIteration:
+                agents.remove(a)
+                finished = True
+        state = tuple((b.phase, b.left) for b in full + empty + [dq_full, dq_empty]) + (meet.arrived, meet.generation)
+        idle_rounds = 0 if finished or state != last_state else idle_rounds + 1
+        if idle_rounds > 50:
+            return "deadlock", stale
+        last_state = state
+    return "ok", stale
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_bwd_protocol_completes_without_stale_reads(prefetch):
+    """The main backward's ring and dQ hand-off, with and without ``prefetch`` (the next block's slot
+    waited on one block earlier), dQ handed over before or after the slot's release, 1-3 ring slots,
+    0-9 row blocks, and the deterministic kernel's (no dQ)."""
+    for n_it, stages, with_dq, dq_first in itertools.product(range(10), (1, 2, 3), (True, False), (False, True)):
+        if prefetch and stages == 1 and n_it > 1:
+            continue  # one slot cannot hold the next block while this one is read (the options use 2-3)
+        result, stale = _run_bwd(n_it, stages, with_dq, dq_first, prefetch)
+        assert (result, stale) == ("ok", []), dict(n_it=n_it, stages=stages, with_dq=with_dq, dq_first=dq_first)
+
+
+def test_bwd_model_sees_a_one_slot_prefetch_deadlock():
+    """The model can fail: with one ring slot the next block's slot is this block's, which the
+    producer refills only after this block's release, so waiting for it first never completes."""
+    assert _run_bwd(3, 1, True, False, True)[0] == "deadlock"
