@@ -52,6 +52,26 @@ class _Named:
         self.arrived, self.generation = 0, 0
 
 
+def _schedule(agents, barriers, named) -> str:
+    """Run the warpgroups' generators round-robin until all finish (``"ok"``) or the barriers' state
+    stops changing while none finishes (``"deadlock"``)."""
+    agents, idle_rounds, last_state = list(agents), 0, None
+    while agents:
+        finished = False
+        for a in list(agents):
+            try:
+                next(a)
+            except StopIteration:
+                agents.remove(a)
+                finished = True
+        state = tuple((b.phase, b.left) for b in barriers) + tuple((n.arrived, n.generation) for n in named)
+        idle_rounds = 0 if finished or state != last_state else idle_rounds + 1
+        if idle_rounds > 50:
+            return "deadlock"
+        last_state = state
+    return "ok"
+
+
 def _blocks(row0, rows, bn, seq, window):
     return tuple(int(x) for x in kv_blocks_for_rows(row0, rows, bn, seq, seq, window, True))
 
@@ -165,23 +185,8 @@ def _run(tiles, n_cons, stages, q_slots, pingpong, wgr, bn, seq, window, last_pv
                     v_empty[last % stages].arrive()
             kv_done += n
 
-    agents = [producer()] + [consumer(w) for w in range(n_cons)]
-    idle_rounds, last_state = 0, None
-    while agents:
-        finished = False
-        for a in list(agents):
-            try:
-                next(a)
-            except StopIteration:
-                agents.remove(a)
-                finished = True
-        state = tuple((b.phase, b.left) for b in q_full + q_empty + k_full + v_full + k_empty + v_empty) + tuple(
-            (t.arrived, t.generation) for t in turns)
-        idle_rounds = 0 if finished or state != last_state else idle_rounds + 1
-        if idle_rounds > 50:
-            return "deadlock", stale
-        last_state = state
-    return "ok", stale
+    barriers = q_full + q_empty + k_full + v_full + k_empty + v_empty
+    return _schedule([producer()] + [consumer(w) for w in range(n_cons)], barriers, turns), stale
 
 
 @pytest.mark.parametrize("wgr", [False, True])
@@ -285,22 +290,7 @@ def _run_bwd(n_it, stages, with_dq, dq_first, prefetch):
             if with_dq and not dq_first:
                 yield from hand_dq(it)
 
-    agents = [producer(), consumer(0), consumer(1)]
-    idle_rounds, last_state = 0, None
-    while agents:
-        finished = False
-        for a in list(agents):
-            try:
-                next(a)
-            except StopIteration:
-                agents.remove(a)
-                finished = True
-        state = tuple((b.phase, b.left) for b in full + empty + [dq_full, dq_empty]) + (meet.arrived, meet.generation)
-        idle_rounds = 0 if finished or state != last_state else idle_rounds + 1
-        if idle_rounds > 50:
-            return "deadlock", stale
-        last_state = state
-    return "ok", stale
+    return _schedule([producer(), consumer(0), consumer(1)], full + empty + [dq_full, dq_empty], [meet]), stale
 
 
 @pytest.mark.parametrize("prefetch", [False, True])
