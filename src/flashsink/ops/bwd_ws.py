@@ -39,12 +39,6 @@ CONSUMER_THREADS = 256
 CONSUMER_BARRIER = 1
 
 
-def _stat(x, ring, layout, s, h, row, j):
-    """Element ``j`` of a statistic's tile (row ``row``, base included), from ring slot ``s``: the
-    producer stages every layout's rows there (thd's by plain loads, :func:`_stage_packed_stats`)."""
-    return ring[s, j]
-
-
 @T.macro
 def _stage_packed_stats(LSE, Delta, lse_r, delta_r, s, head, row, p, bm: int):
     """The producer's thread ``p`` (of 128) copies its share of a packed batch's lse and Delta rows
@@ -106,19 +100,20 @@ def build_bwd_ws(cfg: KernelConfig, t, split: int, lpt: bool = True, branch: boo
     heads_kv, seq_q, seq_kv, with_dq = shapes.heads_kv, shapes.seq_q, shapes.seq_kv, shapes.with_dq
 
     @T.macro
-    def probs_t(pT, LSE, lse_r, s, head, q_base, row0, key0, sq, sk, window, scale_log2, masked: bool):
-        """P^T of one tile from its logits and the rows' lse (``masked``: selected to the visible pairs)."""
+    def probs_t(pT, lse_r, s, row0, key0, sq, sk, window, scale_log2, masked: bool):
+        """P^T of one tile from its logits and the rows' lse, staged in ring slot ``s`` (``masked``:
+        selected to the visible pairs)."""
         for i, j in T.Parallel(bn, bm):
             pT[i, j] = select_visible(
-                T.exp2(pT[i, j] * scale_log2 - _stat(LSE, lse_r, layout, s, head, q_base + row0 + j, j) * LOG2E),
+                T.exp2(pT[i, j] * scale_log2 - lse_r[s, j] * LOG2E),
                 row0 + j, key0 + i, sq, sk, window, cfg.causal, masked)
 
     @T.macro
-    def dscores_t(pT, dpT, Delta, delta_r, s, head, q_base, row0, key0, sq, sk, window, scale, masked: bool):
-        """dS^T of one tile from P^T, dP^T and the rows' Delta, in place of P^T."""
+    def dscores_t(pT, dpT, delta_r, s, row0, key0, sq, sk, window, scale, masked: bool):
+        """dS^T of one tile from P^T, dP^T and the rows' Delta (ring slot ``s``), in place of P^T."""
         for i, j in T.Parallel(bn, bm):
             pT[i, j] = select_visible(
-                pT[i, j] * (dpT[i, j] - _stat(Delta, delta_r, layout, s, head, q_base + row0 + j, j)) * scale,
+                pT[i, j] * (dpT[i, j] - delta_r[s, j]) * scale,
                 row0 + j, key0 + i, sq, sk, window, cfg.causal, masked)
 
     @T.macro
@@ -290,29 +285,29 @@ def build_bwd_ws(cfg: KernelConfig, t, split: int, lpt: bool = True, branch: boo
                                 if ahead_dp:
                                     T.wgmma_gemm(v_s, do_r[s_next, :, :], dpT_next, transpose_B=True, clear_accum=True,
                                                  policy=T.GemmWarpPolicy.FullRow)
-                            branch_tile(probs_t, in_blocks(lo_blk + it % n_rows, (full_lo, full_hi)) if branch else None,
-                                        pT, LSE, lse_r, s, head, q_base, row0, key0, sq, sk, window, scale_log2)
-                            if not ahead_dp:  # "s": this block's dP^T (issued before the next S^T)
-                                if it + 1 < n_it:
-                                    T.wait_wgmma(1)
-                                else:
-                                    T.wait_wgmma(0)
                         else:
                             # S^T and dP^T back to back; P while dP^T runs
                             T.wgmma_gemm(k_s, q_r[s, :, :], pT, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
                             T.wgmma_gemm(v_s, do_r[s, :, :], dpT, transpose_B=True, clear_accum=True,
                                          policy=T.GemmWarpPolicy.FullRow)
                             T.wait_wgmma(1)
-                            # the per-element mask only where this row block is not wholly visible (branch)
-                            branch_tile(probs_t, in_blocks(lo_blk + it % n_rows, (full_lo, full_hi)) if branch else None,
-                                        pT, LSE, lse_r, s, head, q_base, row0, key0, sq, sk, window, scale_log2)
+                        # the per-element mask only where this row block is not wholly visible (branch)
+                        branch_tile(probs_t, in_blocks(lo_blk + it % n_rows, (full_lo, full_hi)) if branch else None,
+                                    pT, lse_r, s, row0, key0, sq, sk, window, scale_log2)
+                        # this block's dP^T ("sdp": copied in above; "s": the next S^T may still run)
+                        if not ahead:
                             T.wait_wgmma(0)
+                        elif not ahead_dp:
+                            if it + 1 < n_it:
+                                T.wait_wgmma(1)
+                            else:
+                                T.wait_wgmma(0)
                         # dV += P^T dO, running while dS^T is computed
                         rounded(pT, p_h, p_l)
                         product(p_h, p_l, do_r[s, :, :], dv)
                         # dS^T, selected (not multiplied): a masked slot adds an exact 0 (bwd.py)
                         branch_tile(dscores_t, in_blocks(lo_blk + it % n_rows, (full_lo, full_hi)) if branch else None,
-                                    pT, dpT, Delta, delta_r, s, head, q_base, row0, key0, sq, sk, window, scale)
+                                    pT, dpT, delta_r, s, row0, key0, sq, sk, window, scale)
                         rounded(pT, ds_h, ds_l)
                     else:  # no key of this consumer's sees the block: its part of dS^T is 0, no dV, no dK
                         T.clear(ds_h)

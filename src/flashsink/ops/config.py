@@ -166,7 +166,11 @@ def bwd_ws(cfg: KernelConfig) -> bool:
     Strict (two-term P and dS products, 8 wgmma per tile against fast's 5) at head dim 64 too: measured
     on the H200 (docs/perf.md v13) causal D64 N8192 main kernel 6.08 -> 5.33 ms against TileLang's
     pipelined strict kernel (longest first, branched). At D128 it loses (2.28 -> 2.41 ms: the two-term
-    dS^T tiles leave shared memory for two ring slots only), so strict D128 and D256 keep TileLang's."""
+    dS^T tiles leave shared memory for two ring slots only), so strict D128 and D256 keep TileLang's.
+
+    Built and not measured yet (tools/bwd_variants.py rows, docs/perf.md v16): ``skip_halves`` (a
+    consumer skips the row blocks its half of the keys cannot see) and ``prefetch`` (the next row
+    block's S^T, and dP^T, issued before this block's softmax)."""
     if not cfg.hopper:
         return False
     if cfg.precision == "strict":
@@ -185,9 +189,6 @@ def bwd_dq_first(cfg: KernelConfig) -> bool:
     64-row tiles in the old order. Causal padded layouts only: ptxas spills the 128-row kernel's
     registers for full (non-causal) attention (104 bytes) and packed batches (296 bytes), where the
     64-row kernel spills none."""
-    # (bwd_ws.build_bwd_ws(skip_halves=True), built and not measured yet: each consumer skips the row
-    # blocks its half of the keys cannot see; with 64-row tiles a window's KV tile has one such block
-    # per consumer and head; tools/bwd_variants.py's ".../skip" rows, docs/perf.md v16)
     return (bwd_ws(cfg) and cfg.precision == "fast" and cfg.head_dim == cfg.head_dim_v == 64 and cfg.causal
             and cfg.layout != "thd")
 

@@ -142,7 +142,7 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
 
     @T.macro
     def body(Q, K, V, Sinks, CuQ, CuK, window, scale_log2, O, LSE, m_tiles, n_seqs, O32=None):
-        total = _row_tiles(m_tiles, LSE, pack) * _units(heads, groups, pack) * n_seqs
+        total = _row_tiles(m_tiles, LSE, layout, pack) * _units(heads, groups, pack) * n_seqs
         n_ctas = total if ctas is None else T.min(total, ctas)
         with T.Kernel(n_ctas, threads=consumers + 128) as cta:
             q_s = T.alloc_shared([bm, dim] if q_slots == 1 else [q_slots, bm, dim], dtype)
@@ -199,8 +199,8 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
                 T.set_max_nreg(PRODUCER_REGS, 0)
                 for step in T.serial(T.ceildiv(total - cta, n_ctas)):
                     bx, head, b, q_base, sq, k_base, sk, lo, hi = _locate(
-                        cta + step * n_ctas, _row_tiles(m_tiles, LSE, pack), _units(heads, groups, pack), n_seqs,
-                        CuQ, CuK, seq_q, seq_kv, window, rows, bn, layout, cfg.causal)
+                        cta + step * n_ctas, _row_tiles(m_tiles, LSE, layout, pack), _units(heads, groups, pack),
+                        n_seqs, CuQ, CuK, seq_q, seq_kv, window, rows, bn, layout, cfg.causal)
                     kv_head = head // groups if pack is None else head
                     # a tile that visits no keys loads nothing (its consumers wait for nothing)
                     if hi > lo:
@@ -233,8 +233,8 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
                     _pingpong_start(wg)
                 for step in T.serial(T.ceildiv(total - cta, n_ctas)):
                     bx, head, b, q_base, sq, k_base, sk, lo, hi = _locate(
-                        cta + step * n_ctas, _row_tiles(m_tiles, LSE, pack), _units(heads, groups, pack), n_seqs,
-                        CuQ, CuK, seq_q, seq_kv, window, rows, bn, layout, cfg.causal)
+                        cta + step * n_ctas, _row_tiles(m_tiles, LSE, layout, pack), _units(heads, groups, pack),
+                        n_seqs, CuQ, CuK, seq_q, seq_kv, window, rows, bn, layout, cfg.causal)
                     row0 = bx * rows  # the tile's first query position
                     flo, fhi = full_kv_blocks_for_rows(lo, hi, row0, rows, bn, sq, sk, window, cfg.causal)
                     n = hi - lo
@@ -390,12 +390,12 @@ def _pack_rows(cfg: KernelConfig, bm: int) -> int:
     return bm // g
 
 
-def _row_tiles(m_tiles, lse, pack):
+def _row_tiles(m_tiles, lse, layout: str, pack):
     """Row tiles per sequence: the grid's ``m_tiles``, or (packed, padded layouts) tiles of ``pack``
-    positions over the statistics' padded rows. A packed batch (thd, whose ``lse`` is ``[heads, rows]``)
-    keeps the grid's program slots: ``fwd_entry`` counts them for tiles of ``pack`` positions
-    (``schedule.grid``), and its rows past a sequence belong to the next one, so nothing pads them."""
-    return m_tiles if pack is None or len(lse.shape) == 2 else T.ceildiv(lse.shape[2], pack)
+    positions over the statistics' padded rows. A packed batch (thd) keeps the grid's program slots:
+    ``fwd_entry`` counts them for tiles of ``pack`` positions (``schedule.grid``), and its rows past a
+    sequence belong to the next one, so nothing pads them."""
+    return m_tiles if pack is None or layout == "thd" else T.ceildiv(lse.shape[2], pack)
 
 
 def _units(heads, groups: int, pack):

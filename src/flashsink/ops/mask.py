@@ -58,7 +58,6 @@ def branch_logits(acc_s, row0, key0, sq, sk, window, scale_log2, fold_scale: boo
         mask_logits(acc_s, row0, key0, sq, sk, window, scale_log2, fold_scale, None, kb, causal, pack)
 
 
-
 @T.macro
 def branch_tile(tile_fn, full, *args):
     """The main backward's per-tile branch: ``tile_fn(*args, masked)`` without the per-element mask
