@@ -234,13 +234,16 @@ def _check_backward(launches, cfg, spec, t, lse, dlse, sinks32, result, seq_args
     assert all(x.cfg == cfg for x in launches)
     pre, main, last = launches
 
-    # strict: preprocess(q, k, v, do, lse, dlse_padded, sinks32, [seq args], window, scale, delta, dsink, dsink_part)
-    # fast:   preprocess(o, do, lse, dlse_padded, sinks32, [seq args], delta, dsink, dsink_part)
+    # strict: preprocess(q, k, v, do, lse, dlse_padded, sinks32, [seq args], window, scale, delta, dsink, dsink_part,
+    #                    [dq_acc])
+    # fast:   preprocess(o, do, lse, dlse_padded, sinks32, [seq args], delta, dsink, dsink_part, [dq_acc])
+    # (dq_acc, the main backward's dQ accumulator, outside deterministic mode: the preprocess zeroes it)
     s = seq_args("preprocess")
     a, seen = pre.args, pre.seen
     inputs = (q, k, v, do, lse) if cfg.precision == "strict" else (o, do, lse)
     n_in = len(inputs)
-    assert len(a) == n_in + (7 if cfg.precision == "strict" else 5) + len(s)
+    n_acc = 0 if cfg.deterministic else 1
+    assert len(a) == n_in + (7 if cfg.precision == "strict" else 5) + len(s) + n_acc
     for got, want in zip(a[:n_in], inputs):
         assert same(got, want)
     check_buffer(a[n_in], stat_shape)
@@ -299,7 +302,8 @@ def _check_backward(launches, cfg, spec, t, lse, dlse, sinks32, result, seq_args
         assert len(a) == i + 5
         dq_acc, dk_buf, dv_buf = a[i + 2], a[i + 3], a[i + 4]
         check_buffer(dq_acc, (*stat_shape, spec.head_dim))
-        assert torch.all(main.seen[i + 2] == 0)  # accumulated with atomics
+        # accumulated with atomics, from zeros the preprocess writes (the host fills nothing)
+        assert same(pre.args[-1], dq_acc)
         # postprocess(dq_acc, dq)
         assert len(last.args) == 2 and same(last.args[0], dq_acc)
         dq_buf = last.args[1]
@@ -342,8 +346,9 @@ def test_dense_backward_launches(monkeypatch, launches, arch, case, with_dlse, d
 @pytest.mark.parametrize("case", DENSE[:2], ids=lambda c: f"{c[7]}-B{c[0]}-H{c[1]}-HK{c[2]}-N{c[3]}x{c[4]}")
 def test_split_backward_launches(monkeypatch, launches, case):
     """The split main backward (a GQA group's query heads over several programs per KV tile): the
-    ``bwd_split`` kernel gets zeroed fp32 dK/dV accumulators of [B, H_kv, rows_kv, D] and the
-    postprocess casts dQ, dK and dV, in that order, into the returned gradients."""
+    ``bwd_split`` kernel gets zeroed fp32 dK/dV accumulators of [B, H_kv, rows_kv, D], the dQ
+    accumulator the preprocess zeroes, and the postprocess casts dQ, dK and dV, in that order, into
+    the returned gradients."""
     _arch(monkeypatch, "sm_90a")
     monkeypatch.setattr(interface, "_use_split", lambda cfg, spec, window, total_q=None: True)
     q, k, v, do, sinks, spec = _dense_inputs(case)
@@ -358,7 +363,8 @@ def test_split_backward_launches(monkeypatch, launches, case):
     check_buffer(dq_acc, (spec.batch, spec.heads, _rows(spec.seq_q), spec.head_dim))
     check_buffer(dk_acc, kv_rows)
     check_buffer(dv_acc, kv_rows)
-    assert all(torch.all(t == 0) for t in main.seen[-3:])  # accumulated with atomics
+    assert all(torch.all(t == 0) for t in main.seen[-2:])  # accumulated with atomics
+    assert same(launches[0].args[-1], dq_acc)  # zeroed by the preprocess
     for post, acc, out in zip(launches[2:], (dq_acc, dk_acc, dv_acc), (dq, dk, dv)):
         assert len(post.args) == 2 and same(post.args[0], acc) and same(post.args[1], out)
     check_buffer(dk, k.shape, k.dtype)
@@ -593,13 +599,14 @@ def test_dense_end_to_end_through_autograd(monkeypatch, launches, precision, wit
     assert torch.equal(launches[1].seen[i_dlse], want)  # the gradient of lse over the real rows, 0 past them
     assert {x.cfg.precision for x in launches} == {precision}
     fw, pre = launches[0], launches[1]
+    assert same(pre.args[-1], main.args[-3])  # the dQ accumulator: zeroed by the preprocess, added into by bwd
     if precision == "fast":
-        assert len(pre.args) == 8 and same(pre.args[0], fw.args[6]) and same(pre.args[2], fw.args[7])
+        assert len(pre.args) == 9 and same(pre.args[0], fw.args[6]) and same(pre.args[2], fw.args[7])
     elif o32:  # the forward's fp32 O (its last argument, o's shape) and lse
         assert len(fw.args) == 9 and fw.args[8].dtype == torch.float32 and fw.args[8].shape == fw.args[6].shape
-        assert len(pre.args) == 8 and same(pre.args[0], fw.args[8]) and same(pre.args[2], fw.args[7])
+        assert len(pre.args) == 9 and same(pre.args[0], fw.args[8]) and same(pre.args[2], fw.args[7])
     else:
-        assert len(pre.args) == 12 and all(same(a, b) for a, b in zip(pre.args[:3], fw.args[:3]))
+        assert len(pre.args) == 13 and all(same(a, b) for a, b in zip(pre.args[:3], fw.args[:3]))
         assert same(pre.args[4], fw.args[7])
 
 
@@ -661,6 +668,6 @@ def test_strict_keeps_delta_from_p_where_there_is_no_fp32_o(monkeypatch, launche
     kinds = [x.launched for x in launches]
     assert "preprocess" in kinds and "preprocess_o32" not in kinds, kinds
     pre = launches[kinds.index("preprocess")]
-    assert pre.args[0].dtype == q.dtype and len(pre.args) == 12 + (3 if what == "thd" else 0)  # q, k, v, ...
+    assert pre.args[0].dtype == q.dtype and len(pre.args) == 13 + (3 if what == "thd" else 0)  # q, k, v, ..., dq_acc
     if what == "scale<=0":
         assert kinds[0] == "fwd_unfolded"

@@ -5,8 +5,9 @@
 
 Pieces: torch allocations and fills, a view, each launcher of the problem's kernels with its real
 arguments (the tvm_ffi call: argument conversion, TileLang's host checks, TMA descriptors, the
-launch), an autograd.Function that launches nothing (the engine's own cost per fwd+bwd), the
-library's forward and fwd+bwd. Prints the minimum over ``--repeats`` of the mean, in us.
+launch), an autograd.Function that launches nothing (the engine's own cost per fwd+bwd), a built-in
+op's fwd+bwd (``q * 2``: what any op pays the autograd engine, C++ node included: the floor under a
+host-time target), the library's forward and fwd+bwd. Prints the minimum over ``--repeats`` of the mean, in us.
 """
 
 from __future__ import annotations
@@ -106,6 +107,18 @@ def main(argv=None):
         out.backward(do)
 
     row("  same, .backward() into .grad", nothing_backward)
+
+    def builtin():  # the engine's floor for any op: one built-in op (C++ autograd node) and its backward
+        out = leaves[0] * 2.0
+        torch.autograd.grad(out, leaves[:1], do)
+
+    row("built-in op q*2, fwd+bwd (engine floor)", builtin)
+
+    def builtin_train():
+        leaves[0].grad = None
+        (leaves[0] * 2.0).backward(do)
+
+    row("  same, .backward() into .grad", builtin_train)
     row("flashsink.attention fwd (no grad)", lambda: flashsink.attention(q, k, v, s, window=128))
 
     def fb():

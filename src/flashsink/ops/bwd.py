@@ -11,12 +11,13 @@ and the sink gets ``dsink[h] = -sum_rows exp(sink[h] - lse) * Delta``.
 - ``build_preprocess``: Delta per row minus any gradient flowing into lse; and, in the same
   pass, the sink gradient (one fp32 atomic per program, or per-program partials summed in
   order when deterministic). Strict: Delta = ``rowsum(P * dP)`` recomputed in fp32 (see
-  there why); fast: ``rowsum(dO * O)`` from the saved output, a memory-bound pass.
+  there why); fast: ``rowsum(dO * O)`` from the saved output, a memory-bound pass. Outside
+  deterministic mode it also zeroes its rows of the fp32 dQ accumulator, so the host fills none.
 - ``build_bwd``: KV-stationary. One program per (KV block, KV head, batch) keeps its K/V
   tile and its dK/dV accumulators on chip and streams the query tiles of *every* query
   head of its GQA group through them, recomputing P and dS from ``lse``: no GM
   workspace, no dK/dV atomics, no ``[B, H, N, D]`` fp32 buffers for dK/dV. dQ tiles
-  are added in fp32 into a row-padded accumulator (atomics), or skipped when
+  are added in fp32 into a row-padded accumulator (atomics, onto the preprocess's zeros), or skipped when
   deterministic. Strict: the products with P and dS are two-term (``split.py``) so the
   gradients meet the precision standard (8 MMAs per tile); fast: P and dS are rounded
   once to the input dtype, as FlashAttention does (5 MMAs per tile).
@@ -31,8 +32,8 @@ from .bwd_entry import main_bwd_entry, main_bwd_shapes
 from .bwd_ws import build_bwd_ws
 from .config import (ROW_BLOCK, KernelConfig, bwd_branch, bwd_dq_bulk, bwd_dq_first, bwd_overlap, bwd_split, bwd_swap,
                      bwd_tiles, bwd_ws, dq_tiles, pre_branch, pre_lpt, pre_o32_tiles, pre_tiles)
-from .layout import (acc_tile, kernel, prologue_load, qkv_shapes, row_runs, sequence, stage_stat, staged_stat, stat_at,
-                     stat_shape, stat_tile, store_rows, store_stat, tile, varlen_params)
+from .layout import (acc_tile, clear_acc_rows, kernel, optional, prologue_load, qkv_shapes, row_runs, sequence, stage_stat,
+                     staged_stat, stat_at, stat_shape, stat_tile, store_rows, store_stat, tile, varlen_params)
 from .schedule import grid, grid_coords, grid_dims, locate
 from .mask import branch_tile, in_blocks, select_visible, visible
 from .softmax import LOG2E
@@ -133,16 +134,20 @@ def _build_preprocess_fast(cfg: KernelConfig, o_dtype: str, t):
     Memory-bound: one read of O and dO. O (``o_dtype``: the input dtype, fast mode) carries its
     rounding to fp16/bf16 into ``dP - Delta`` (FlashAttention's choice; the strict preprocess avoids
     it); an fp32 O (``build_preprocess(o32=True)``) does not. ``t``: its tiles (``config.pre_tiles``).
+
+    Outside deterministic mode it also zeroes its rows of the dQ accumulator (``dQAcc``, which the main
+    backward adds into), as FlashAttention-3's preprocess does: no fill of its own per backward.
     """
     bm = t.block_m
-    dim_v, layout = cfg.head_dim_v, cfg.layout
+    dim, dim_v, layout = cfg.head_dim, cfg.head_dim_v, cfg.layout
     dtype, accum = cfg.dtype, "float32"
     batch, heads, seq_q, rows_pad, n_part = T.dynamic("batch, heads, seq_q, rows_pad, n_part")
     o_shape = qkv_shapes(layout, batch, heads, heads, seq_q, seq_q, dim_v, dim_v)[0]
     st_shape = stat_shape(layout, batch, heads, rows_pad)
+    with_dq = not cfg.deterministic
 
     @T.macro
-    def body(O, dO, LSE, dLSE, Sinks, CuQ, Delta, dSinkAcc, dSinkPart, m_tiles, n_seqs):
+    def body(O, dO, LSE, dLSE, Sinks, CuQ, Delta, dSinkAcc, dSinkPart, dQAcc, m_tiles, n_seqs):
         with T.Kernel(m_tiles, heads, n_seqs, threads=t.threads) as (bx, head, b):
             o = T.alloc_fragment([bm, dim_v], o_dtype)
             do = T.alloc_fragment([bm, dim_v], dtype)
@@ -155,6 +160,8 @@ def _build_preprocess_fast(cfg: KernelConfig, o_dtype: str, t):
             b, bx = locate(layout, CuQ, bx, b, bm)
             q_base, sq = sequence(layout, CuQ, b, seq_q)
             row0 = bx * bm
+            if with_dq:
+                clear_acc_rows(dQAcc, layout, b, head, q_base, row0, sq, bm, dim)
             T.copy(tile(O, layout, b, head, q_base + row0, bm), o)
             T.copy(tile(dO, layout, b, head, q_base + row0, bm), do)
             for i, j in T.Parallel(bm, dim_v):
@@ -184,8 +191,9 @@ def _build_preprocess_fast(cfg: KernelConfig, o_dtype: str, t):
         Delta: T.Tensor(st_shape, accum),
         dSinkAcc: T.Tensor([heads], accum),
         dSinkPart: T.Tensor([batch, heads, n_part], accum),
+        dQAcc: optional(with_dq, T.Tensor(st_shape + [dim], accum)),
     ):
-        body(O, dO, LSE, dLSE, Sinks, CuQ, Delta, dSinkAcc, dSinkPart, *grid(layout, seq_q, n_cu, batch, bm))
+        body(O, dO, LSE, dLSE, Sinks, CuQ, Delta, dSinkAcc, dSinkPart, dQAcc, *grid(layout, seq_q, n_cu, batch, bm))
 
     return flashsink_bwd_preprocess_fast
 
@@ -206,6 +214,7 @@ def _build_preprocess_strict(cfg: KernelConfig, branch: bool, lpt: bool, t):
     first, from the grid's layout (heads along x, query tiles along y, counted from the last), as the
     strict main backward's ``swap``. Both leave Delta bitwise the same (measured on the H200). ``t``:
     the tiles (``config.pre_tiles``: ``block_m`` query rows stationary, ``block_n`` keys streaming).
+    Outside deterministic mode it zeroes its rows of the dQ accumulator, as the fast one does.
     """
     bm, bn = t.block_m, t.block_n
     dim, dim_v, groups, layout = cfg.head_dim, cfg.head_dim_v, cfg.groups, cfg.layout
@@ -214,9 +223,11 @@ def _build_preprocess_strict(cfg: KernelConfig, branch: bool, lpt: bool, t):
     heads_kv = heads // groups
     q_shape, k_shape, v_shape, o_shape = qkv_shapes(layout, batch, heads, heads_kv, seq_q, seq_kv, dim, dim_v)
     st_shape = stat_shape(layout, batch, heads, rows_pad)
+    with_dq = not cfg.deterministic
 
     @T.macro
-    def body(Q, K, V, dO, LSE, dLSE, Sinks, CuQ, CuK, window, scale, Delta, dSinkAcc, dSinkPart, m_tiles, n_seqs):
+    def body(Q, K, V, dO, LSE, dLSE, Sinks, CuQ, CuK, window, scale, Delta, dSinkAcc, dSinkPart, dQAcc, m_tiles,
+             n_seqs):
         with T.Kernel(*grid_dims(m_tiles, heads, lpt), n_seqs, threads=t.threads) as (g0, g1, b):
             bx, head = grid_coords(g0, g1, m_tiles, longest_last=True, on=lpt)
             q_s = T.alloc_shared([bm, dim], dtype)
@@ -245,6 +256,8 @@ def _build_preprocess_strict(cfg: KernelConfig, branch: bool, lpt: bool, t):
             if lo < hi:  # no bulk copy left in flight by a program with no keys (see fwd.py)
                 T.copy(tile(Q, layout, b, head, q_base + row0, bm), q_s, prefer_instruction=prologue_load(cfg))
                 T.copy(tile(dO, layout, b, head, q_base + row0, bm), do_s, prefer_instruction=prologue_load(cfg))
+            if with_dq:
+                clear_acc_rows(dQAcc, layout, b, head, q_base, row0, sq, bm, dim)
             T.copy(stat_tile(LSE, layout, b, head, q_base + row0, bm), lse)
             T.clear(delta)
             for kb in T.Pipelined(lo, hi, num_stages=t.stages):
@@ -285,8 +298,9 @@ def _build_preprocess_strict(cfg: KernelConfig, branch: bool, lpt: bool, t):
         Delta: T.Tensor(st_shape, accum),
         dSinkAcc: T.Tensor([heads], accum),
         dSinkPart: T.Tensor([batch, heads, n_part], accum),
+        dQAcc: optional(with_dq, T.Tensor(st_shape + [dim], accum)),
     ):
-        body(Q, K, V, dO, LSE, dLSE, Sinks, CuQ, CuK, window, scale, Delta, dSinkAcc, dSinkPart,
+        body(Q, K, V, dO, LSE, dLSE, Sinks, CuQ, CuK, window, scale, Delta, dSinkAcc, dSinkPart, dQAcc,
              *grid(layout, seq_q, n_cu, batch, bm))
 
     return flashsink_bwd_preprocess

@@ -8,7 +8,8 @@ happened once, in the public function (``flashsink.api``). Nothing here imports 
 are built on first launch (``compile.get_kernel``).
 
 Host time matters here (every eager call runs this): the kernel handle is one dict lookup, the
-buffers that must start zeroed share one fill, and nothing is filled that no kernel reads.
+buffers that must start zeroed share one fill (the dQ accumulator none: the preprocess zeroes it),
+and nothing is filled that no kernel reads.
 """
 
 import functools
@@ -180,7 +181,6 @@ def _backward(do, q, k, v, o, lse, dlse, sinks32, cfg, spec, window, cu_seqlens=
     dev = q.device
     stat = lse.shape  # [B, H, rows] or [H, rows] (thd)
     scale = float(spec.scale)
-    n_stat = lse.numel()
     f32 = torch.float32
     split = _use_split(cfg, spec, window, None if cu_seqlens is None else q.shape[0])
     # The sink gradient: atomically accumulated in dsink, or (deterministic) one partial per
@@ -202,29 +202,29 @@ def _backward(do, q, k, v, o, lse, dlse, sinks32, cfg, spec, window, cu_seqlens=
         dsink = _unwritten((spec.heads,), dev)
         dq_acc = None
     else:
-        # with a split main backward (a GQA group over several programs per KV tile) the fp32
-        # dK/dV accumulators share dQ's fill
+        # the fp32 dQ accumulator: zeroed by the preprocess, row tile by row tile, before the main
+        # backward adds into it (no fill here). With a split main backward (a GQA group over several
+        # programs per KV tile) the fp32 dK/dV accumulators are one fill.
         # (head dims: the kernels' own, cfg's; q, k, v, do arrive zero-padded to them)
         d = cfg.head_dim
+        dq_acc = torch.empty((*stat, d), dtype=f32, device=dev)
         if split:
-            n_acc = n_stat * d
             kv_stat = _stat_shape_kv(spec, k, cu_seqlens)
             n_kv = _numel(kv_stat) * d
-            zeros = torch.zeros(n_acc + 2 * n_kv, dtype=f32, device=dev)
-            dq_acc = zeros[:n_acc].view(*stat, d)
-            dk_acc = zeros[n_acc:n_acc + n_kv].view(*kv_stat, d)
-            dv_acc = zeros[n_acc + n_kv:].view(*kv_stat, d)
-        else:
-            dq_acc = torch.zeros((*stat, d), dtype=f32, device=dev)
+            zeros = torch.zeros(2 * n_kv, dtype=f32, device=dev)
+            dk_acc = zeros[:n_kv].view(*kv_stat, d)
+            dv_acc = zeros[n_kv:].view(*kv_stat, d)
         dsink = torch.zeros(spec.heads, dtype=f32, device=dev) if cfg.has_sinks else _unwritten((spec.heads,), dev)
         dsink_part = _unwritten((spec.batch, spec.heads, 1), dev)
     dlse_padded = _zero_stat(stat, dev) if dlse is None else dlse
     delta = torch.empty(stat, dtype=f32, device=dev)
     seq_q, seq_kv = _seq_args(cu_seqlens, spec.seq_q), _seq_args(cu_seqlens, spec.seq_kv)
+    acc = () if dq_acc is None else (dq_acc,)  # (deterministic: no dQ accumulator to zero)
     if o is None:
-        get_kernel(pre, cfg)(q, k, v, do, lse, dlse_padded, sinks32, *seq_q, window, scale, delta, dsink, dsink_part)
+        get_kernel(pre, cfg)(q, k, v, do, lse, dlse_padded, sinks32, *seq_q, window, scale, delta, dsink, dsink_part,
+                             *acc)
     else:
-        get_kernel(pre, cfg)(o, do, lse, dlse_padded, sinks32, *seq_q, delta, dsink, dsink_part)
+        get_kernel(pre, cfg)(o, do, lse, dlse_padded, sinks32, *seq_q, delta, dsink, dsink_part, *acc)
 
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)

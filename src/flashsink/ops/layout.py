@@ -202,3 +202,17 @@ def store_stat(x, layout: str, b, h, base, s0, seq, src, rows: int, pack=None):
         for i in T.Parallel(rows):
             if tile_row(s0, i, pack) < x.shape[2]:
                 x[b, tile_head(h, i, pack), tile_row(s0, i, pack)] = src[i]
+
+
+@T.macro
+def clear_acc_rows(x, layout: str, b, h, base, s0, seq, rows: int, cols: int):
+    """Zero rows ``base + s0 .. base + s0 + rows`` of head ``h`` of an fp32 ``[.., rows_pad, D]``
+    accumulator (:func:`acc_tile`), dropping the rows at or past ``seq``: the backward's preprocess
+    clears the dQ accumulator that the main backward then adds into. No result reads the rows past a
+    sequence (the dQ cast drops them), so they are left as they are."""
+    for i, j in T.Parallel(rows, cols):
+        if s0 + i < seq:
+            if layout == "thd":
+                x[h, base + s0 + i, j] = T.float32(0)
+            else:
+                x[b, h, s0 + i, j] = T.float32(0)
