@@ -11,7 +11,7 @@ from .system import _callables
 
 _KERNEL_ROLES = (
     ("flashsink_fwd", "forward"),
-    ("flashsink_bwd_preprocess", "preprocess (Delta, dsink)"),
+    ("flashsink_bwd_preprocess", "preprocess (Delta, dsink, dQ accumulator zeroed)"),
     ("flashsink_bwd_postprocess", "postprocess (dQ cast)"),
     ("flashsink_bwd_dq", "dQ pass (deterministic)"),
     ("flashsink_bwd", "main backward"),
