@@ -2,6 +2,7 @@
 
     python tools/host_overhead.py            # CUDA if available, else --cpu
     python tools/host_overhead.py --cpu      # no GPU: the CUDA code path with CPU tensors
+    python tools/host_overhead.py --floor    # the autograd engine's own cost (any op pays it)
 
 CUDA: the GPU is first kept busy with ``torch.cuda._sleep`` (longer than the measured calls),
 so the wall time of N calls is the host's alone (launches only queue); then the same calls
@@ -14,6 +15,10 @@ implementations registered for CPU tensors, and the launch layer ``interface``) 
 with every kernel a no-op (the kernel cache answers a no-op for every key) and the
 architecture reported as sm_90a. CPU allocations and fills cost less
 than CUDA ones (no launch), so this measures the Python part, not the whole host time.
+
+--floor: no flashsink at all; what the autograd engine costs per fwd+bwd whatever the op: an
+``autograd.Function`` that launches nothing, a built-in op (``x * 2``, a C++ autograd node) and the
+Function's forward alone. The host-time target of one fwd+bwd cannot go below the built-in op's row.
 
 Prints the minimum (and median) over ``--repeats`` of the mean over ``--iters`` calls, in microseconds:
 on a shared machine the minimum is the steadiest estimate.
@@ -139,6 +144,36 @@ def _calls(device: str, b, h, hk, n, d, window, dtype, varlen_seqs: int, seq_q=N
     return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd_bwd}
 
 
+class _Nothing(torch.autograd.Function):
+    """A Function that launches nothing: the engine's and the Python Function's cost alone."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, s):
+        ctx.save_for_backward(q, k, v)
+        return torch.empty_like(q)
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v = ctx.saved_tensors
+        return q, k, v, None
+
+
+def _floor_calls(device):
+    """``--floor``'s calls: the autograd engine's cost per fwd+bwd, with and without a Python Function."""
+    leaves = [torch.randn(4, 8, device=device, requires_grad=True) for _ in range(3)]
+    leaves.append(torch.randn(4, device=device, requires_grad=True))
+    do = torch.randn(4, 8, device=device)
+
+    def function_fwd_bwd():
+        torch.autograd.grad(_Nothing.apply(*leaves), leaves[:3], do)
+
+    def builtin_fwd_bwd():
+        torch.autograd.grad(leaves[0] * 2.0, leaves[:1], do)
+
+    return {"Function (no launches) fwd+bwd": function_fwd_bwd, "built-in op x*2 fwd+bwd": builtin_fwd_bwd,
+            "Function fwd alone": lambda: _Nothing.apply(*leaves)}
+
+
 def _host_us(fn, iters, repeats, device):
     fn()
     if device == "cuda":
@@ -202,8 +237,19 @@ def main(argv=None):
                         "operators and CUDA runtime calls of most self CPU time")
     p.add_argument("--route", choices=("eager", "ops"), default="eager",
                    help="--cpu only: the eager autograd.Function (what CUDA tensors take) or the custom ops")
+    p.add_argument("--floor", action="store_true",
+                   help="only the autograd engine's own cost per fwd+bwd (no flashsink): a Function that launches "
+                        "nothing, a built-in op, the Function's forward alone")
     args = p.parse_args(argv)
     device = "cpu" if args.cpu or not torch.cuda.is_available() else "cuda"
+    if args.floor:
+        if device == "cpu":
+            torch.set_num_threads(1)
+        print(f"device {device}: the autograd engine's floor (no flashsink)")
+        for label, fn in _floor_calls(device).items():
+            best, med = _host_us(fn, args.iters, args.repeats, device)
+            print(f"{label:<34} host {best:8.1f} us/call (min of {args.repeats}; median {med:.1f})", flush=True)
+        return
     if device == "cpu":
         _fake_cuda(args.route)
         torch.set_num_threads(1)
