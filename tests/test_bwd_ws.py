@@ -263,3 +263,38 @@ def test_prefetch_s_option():
     assert "T.wait_wgmma(1)" in text
     with pytest.raises(ValueError, match="prefetch must be"):
         bwd.build_bwd(cfg, **kw, prefetch="dp")
+
+
+@pytest.mark.parametrize("d, tiles, dq_first", [(128, (64, 128, 256, 2), False), (64, (128, 128, 256, 2), True)])
+def test_dq_cast_option(d, tiles, dq_first):
+    """``build_bwd(dq_cast=True)`` (tools/bwd_variants.py's ".../dqcast", to be measured): two more
+    parameters, dQ (q's dtype) and DqCount (int32); the producer's first warp loads the ring alone
+    (its slots' barriers count 32 arrivals), its second warp adds dQ, waits for the add before the one
+    just issued (``tma_store_wait(1, read=False)``; the last tile's with 0), counts it with an acq_rel
+    atomic that returns the old count, and casts the row block where the count reaches the KV tiles
+    that see it. Off, the kernel is the one built without the option, TIR for TIR."""
+    cfg = _cfg("float16" if d == 128 else "bfloat16", d)
+    kw = dict(tiles=Tiles(*tiles), ws=True, dq_first=dq_first)
+    plain = bwd.build_bwd(cfg, **kw)
+    assert plain.script() == bwd.build_bwd(cfg, **kw, dq_cast=False).script()
+    func = bwd.build_bwd(cfg, **kw, dq_cast=True)
+    assert _params(func) == _params(plain) + ["dQ", "DqCount"]
+    assert _dtypes(func) == _dtypes(plain) + [cfg.dtype, "int32"]
+    text = func.script()
+    lines = [ln.strip() for ln in text.splitlines()]
+    assert "full: [32, 32]" in text and "dq_empty: [32]" in text and "cast_full: [1]" in text
+    assert "loads_here: T.bool = tx < 288" in lines and "if tx >= 288 and tx < 320:" in lines
+    assert lines.count("T.tma_store_wait(1, T.bool(False))") == 1 and lines.count("T.tma_store_wait(0, T.bool(False))") == 1
+    counts = [ln for ln in lines if "T.atomic_add_ret_elem_op(T.access_ptr(DqCount[" in ln]
+    assert len(counts) == 2 and all(", 1, 4) + 1 == seen_by" in ln for ln in counts)  # memory order 4: acq_rel
+    assert sum("= T.Cast(" in ln and ln.startswith("dQ[") for ln in lines) == 2
+    assert "DqCount" not in plain.script() and "cast_s" not in plain.script()
+
+
+def test_dq_cast_refusals():
+    with pytest.raises(ValueError, match="dq_cast"):
+        bwd.build_bwd(_cfg(), ws=False, dq_cast=True)
+    for cfg, split in ((_cfg(precision="strict", d=64), 1), (_cfg(layout="thd"), 1), (_cfg(deterministic=True), 1),
+                       (_cfg(), 2)):
+        with pytest.raises(NotImplementedError, match="dq_cast supports"):
+            bwd.build_bwd(cfg, ws=True, split=split, dq_cast=True)

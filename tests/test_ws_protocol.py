@@ -220,17 +220,29 @@ def test_the_model_sees_the_deadlock_the_kernel_avoids():
 # -- the main backward (ops/bwd_ws.py) -----------------------------------------------------------
 
 
-def _run_bwd(n_it, stages, with_dq, dq_first, prefetch):
+def _run_bwd(n_it, stages, with_dq, dq_first, prefetch, dq_cast=False):
     """One program of the hand warp-specialized main backward: the producer fills the ring (Q, dO, lse,
     Delta of a row block per slot) and bulk-adds each handed-off dQ tile; two consumers wait for a slot
     (``prefetch``: the next block's slot one block ahead), meet once per block (the shared dS^T, with
-    dQ), release the slot and hand dQ over (``dq_first``: before the release). ``"ok"`` or
-    ``"deadlock"``, and the stale reads seen."""
-    full, empty = [_MBarrier(THREADS) for _ in range(stages)], [_MBarrier(2 * THREADS) for _ in range(stages)]
-    dq_full, dq_empty = _MBarrier(2 * THREADS), _MBarrier(THREADS)
+    dQ), release the slot and hand dQ over (``dq_first``: before the release). ``dq_cast``: the
+    producer's first warp loads the ring alone (32 arrivals per slot) and its second warp adds each dQ
+    tile as it is handed over (32 arrivals release dq_s); the count and cast that follow wait on nothing
+    another warp does. ``"ok"`` or ``"deadlock"``, and the stale reads seen (a slot, or dq_s, holding
+    another block than the one read)."""
+    loaders = 32 if dq_cast else THREADS
+    full, empty = [_MBarrier(loaders) for _ in range(stages)], [_MBarrier(2 * THREADS) for _ in range(stages)]
+    dq_full, dq_empty = _MBarrier(2 * THREADS), _MBarrier(32 if dq_cast else THREADS)
     meet = _Named()
     held = [None] * stages
+    dq_held = [None]
     stale = []
+
+    def add_dq(it, n):  # the bulk add reads dq_s: it must hold block it's dQ; n threads then release it
+        while not dq_full.done(it & 1):
+            yield
+        if dq_held[0] != it:
+            stale.append(f"the dQ add reads dq_s holding block {dq_held[0]}, wants {it}")
+        dq_empty.arrive(n)
 
     def producer():
         for it in range(n_it):
@@ -238,14 +250,18 @@ def _run_bwd(n_it, stages, with_dq, dq_first, prefetch):
             while not empty[s].done(((it // stages) & 1) ^ 1):
                 yield
             held[s] = it
-            full[s].arrive()
-            if with_dq and it > 0:  # the previous block's dQ, while the consumers work on this one
-                while not dq_full.done((it - 1) & 1):
-                    yield
-                dq_empty.arrive()
-        if with_dq and n_it > 0:
+            full[s].arrive(loaders)
+            if with_dq and not dq_cast and it > 0:  # the previous block's dQ, while the consumers work on this one
+                yield from add_dq(it - 1, THREADS)
+        if with_dq and not dq_cast and n_it > 0:
             while not dq_full.done((n_it - 1) & 1):
                 yield
+            if dq_held[0] != n_it - 1:
+                stale.append(f"the last dQ add reads dq_s holding block {dq_held[0]}")
+
+    def dq_writer():  # dq_cast: the producer's second warp
+        for it in range(n_it):
+            yield from add_dq(it, 32)
 
     def meet_both():  # the consumers' named barrier: both warpgroups bar.sync, 256 threads
         generation = meet.generation
@@ -259,7 +275,16 @@ def _run_bwd(n_it, stages, with_dq, dq_first, prefetch):
     def hand_dq(it):
         while not dq_empty.done((it & 1) ^ 1):
             yield
+        if w_first(it):
+            dq_held[0] = it  # both consumers write their rows of dq_s; the model records the first write
         dq_full.arrive()
+
+    written = set()
+
+    def w_first(it):
+        first = it not in written
+        written.add(it)
+        return first
 
     def consumer(w):
         if prefetch and n_it > 0:
@@ -290,18 +315,20 @@ def _run_bwd(n_it, stages, with_dq, dq_first, prefetch):
             if with_dq and not dq_first:
                 yield from hand_dq(it)
 
-    return _schedule([producer(), consumer(0), consumer(1)], full + empty + [dq_full, dq_empty], [meet]), stale
+    agents = [producer(), consumer(0), consumer(1)] + ([dq_writer()] if dq_cast and with_dq else [])
+    return _schedule(agents, full + empty + [dq_full, dq_empty], [meet]), stale
 
 
-@pytest.mark.parametrize("prefetch", [False, True])
-def test_bwd_protocol_completes_without_stale_reads(prefetch):
+@pytest.mark.parametrize("prefetch, dq_cast", [(False, False), (True, False), (False, True)])
+def test_bwd_protocol_completes_without_stale_reads(prefetch, dq_cast):
     """The main backward's ring and dQ hand-off, with and without ``prefetch`` (the next block's slot
-    waited on one block earlier), dQ handed over before or after the slot's release, 1-3 ring slots,
-    0-9 row blocks, and the deterministic kernel's (no dQ)."""
+    waited on one block earlier) or ``dq_cast`` (loads and dQ adds in two producer warps), dQ handed
+    over before or after the slot's release, 1-3 ring slots, 0-9 row blocks, and the deterministic
+    kernel's (no dQ)."""
     for n_it, stages, with_dq, dq_first in itertools.product(range(10), (1, 2, 3), (True, False), (False, True)):
         if prefetch and stages == 1 and n_it > 1:
             continue  # one slot cannot hold the next block while this one is read (the options use 2-3)
-        result, stale = _run_bwd(n_it, stages, with_dq, dq_first, prefetch)
+        result, stale = _run_bwd(n_it, stages, with_dq, dq_first, prefetch, dq_cast)
         assert (result, stale) == ("ok", []), dict(n_it=n_it, stages=stages, with_dq=with_dq, dq_first=dq_first)
 
 

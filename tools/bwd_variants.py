@@ -40,7 +40,8 @@ PROBE_TIMEOUT_S, PROBE_START_S = 60, 240
 
 
 def _variants(d: int, only: str = "") -> list:
-    """(label, Tiles fields, (dq_bulk, overlap, split, ws, lpt, precision, branch, swap[, dq_first[, skip_halves[, prefetch]]])) of the main
+    """(label, Tiles fields, (dq_bulk, overlap, split, ws, lpt, precision, branch, swap[, dq_first[, skip_halves[, prefetch
+    [, dq_cast]]]])) of the main
     backward for head dim ``d`` (``bwd.build_bwd``'s options). ``ws``: bwd_ws.py's hand warp-specialized
     kernel (``t.stages`` is its ring's depth); ``lpt``: its KV tiles issued longest first
     (schedule.by_work; ``/launch`` in a label: the old order); ``branch``: the mask skipped on wholly
@@ -108,7 +109,19 @@ def _variants(d: int, only: str = "") -> list:
     # ... and in strict's hand-scheduled kernel (D64's strict default; ptxas: no spills with "sdp")
     out += [(f"ws strict 64x128/s{st}/prefetch-sdp", tt, (None, None, 1, True, True, "strict", True, False, False,
                                                          False, "sdp")) for st, tt in ((2, t), (3, t3))]
+    # dQ's cast in the main kernel by each row block's last add (bwd_ws.build_bwd_ws(dq_cast=True)): no
+    # postprocess; alone and with skip_halves on D128's tiles, on D64's dQ-first tiles
+    out += [("ws 64x128/s2/dqcast", t, (None, None, 1, True, True, "fast", True, False, False, False, "", True)),
+            ("ws 64x128/s2/skip/dqcast", t, (None, None, 1, True, True, "fast", True, False, False, True, "", True))]
+    if d <= 64:
+        out += [("ws 128x128/s2/dqfirst/dqcast", (128, 128, 256, 2),
+                 (None, None, 1, True, True, "fast", True, False, True, False, "", True))]
     return _chosen(out, only)
+
+
+def _dq_cast(opts) -> bool:
+    """Whether a variant's main kernel casts dQ itself (two more arguments, no postprocess)."""
+    return len(opts) > 11 and bool(opts[11])
 
 
 def _chosen(variants: list, only: str) -> list:
@@ -160,7 +173,7 @@ def _func(job):
         return bwd.build_bwd(cfg, tiles=Tiles(*tiles), dq_bulk=opts[0], overlap=opts[1], split=opts[2], ws=opts[3],
                              lpt=opts[4], branch=opts[6], swap=opts[7], dq_first=opts[8] if len(opts) > 8 else False,
                              skip_halves=opts[9] if len(opts) > 9 else False,
-                             prefetch=opts[10] if len(opts) > 10 else "")
+                             prefetch=opts[10] if len(opts) > 10 else "", dq_cast=_dq_cast(opts))
     return build_prim_func(kind, cfg)
 
 
@@ -212,7 +225,10 @@ class _Problem:
                                                self.o, self.lse)
         self.fwd()
 
-    def backward(self, prec, main, split=1):
+    def backward(self, prec, main, split=1, cast_rows=0):
+        """dq, dk, dv, dsink of one backward with the main kernel ``main``; ``cast_rows`` (its row blocks'
+        rows, 0 for none): ``main`` casts dQ itself (``dQ`` and a zeroed ``DqCount`` after dV, no
+        postprocess)."""
         import torch
 
         q, k, v, do, rows, d = self.q, self.k, self.v, self.do, self.rows, self.d
@@ -233,6 +249,10 @@ class _Problem:
             main(q, k, v, do, self.lse, delta, self.win, self.scale, acc, dkv[0], dkv[1])
             post(dkv[0], dk)
             post(dkv[1], dv)
+        elif cast_rows:
+            count = torch.zeros(1, H, -(-self.n // cast_rows), dtype=torch.int32, device="cuda")
+            main(q, k, v, do, self.lse, delta, self.win, self.scale, acc, dk, dv, dq, count)
+            return dq, dk, dv, dsink
         else:
             main(q, k, v, do, self.lse, delta, self.win, self.scale, acc, dk, dv)
         post(acc, dq)
@@ -259,7 +279,7 @@ def _probe_worker(name, jobs, out):
         out.put((job, "start"))
         try:
             main = kern(job[0], job[3], job[4], job[5])
-            prob.backward(job[5][5], main, job[5][2])
+            prob.backward(job[5][5], main, job[5][2], job[4][0] if _dq_cast(job[5]) else 0)
             torch.cuda.synchronize()
         except Exception as exc:
             out.put((job, f"{type(exc).__name__}: {str(exc)[-300:]}"))
@@ -447,15 +467,21 @@ def main() -> int:
                 row["kernels"][f"main {label}"] = f"RUN FAILED ({fault})"
                 continue
             split, prec = opts[2], opts[5]
-            got = backward(prec, main, split)
+            cast_rows = tiles[0] if _dq_cast(opts) else 0
+            got = backward(prec, main, split, cast_rows)
             errs = [float((g.double() - r.double()).norm() / r.double().norm()) for g, r in zip(got, ref)]
             if not all(e <= MAX_REL_L2 for e in errs):  # NaN fails too
                 row["kernels"][f"main {label}"] = ("WRONG: relL2 vs strict dq/dk/dv/dsink "
                                                         + " ".join(f"{e:.1e}" for e in errs))
                 continue
             outs = (acc, dkv[0], dkv[1]) if split > 1 else (acc, dk, dv)
-            ms = do_bench(lambda: main(q, k, v, do, lse, delta, win, scale, *outs), return_mode="median")
-            total = do_bench(lambda: backward(prec, main, split), return_mode="median")
+            if cast_rows:  # dQ and the counts, zeroed for every call (the row "main" includes that fill)
+                count = torch.zeros(1, H, -(-n // cast_rows), dtype=torch.int32, device="cuda")
+                ms = do_bench(lambda: (count.zero_(), main(q, k, v, do, lse, delta, win, scale, *outs, dq, count)),
+                              return_mode="median")
+            else:
+                ms = do_bench(lambda: main(q, k, v, do, lse, delta, win, scale, *outs), return_mode="median")
+            total = do_bench(lambda: backward(prec, main, split, cast_rows), return_mode="median")
             row["kernels"][f"main {label}"] = ms
             row["kernels"][f"  bwd total {label}"] = total
             row["kernels"][f"  fwd+bwd TFLOP/s {label}"] = flops_fb / ((fwd_ms + total) * 1e-3) / 1e12

@@ -307,7 +307,7 @@ def _build_preprocess_strict(cfg: KernelConfig, branch: bool, lpt: bool, t):
 
 
 def build_bwd(cfg: KernelConfig, tiles=None, dq_bulk=None, overlap=None, split=None, ws=None, lpt=True,
-              branch=None, swap=None, dq_first=None, skip_halves=False, prefetch=""):
+              branch=None, swap=None, dq_first=None, skip_halves=False, prefetch="", dq_cast=False):
     """The main backward. The options default to the tile table's choices and exist for
     tools/bwd_variants.py, which times alternatives: ``tiles`` (``bwd_tiles(cfg)``); ``dq_bulk``,
     dQ tiles added by one bulk (TMA) reduce-add from shared memory instead of per-thread atomics
@@ -339,6 +339,8 @@ def build_bwd(cfg: KernelConfig, tiles=None, dq_bulk=None, overlap=None, split=N
     ``skip_halves`` (ws only, ``bwd_ws.build_bwd_ws``; off by default, not measured yet): a consumer
     warpgroup skips the row blocks its half of the keys cannot see. ``prefetch`` (ws only, likewise):
     the next row block's S^T and dP^T ("sdp") or S^T ("s") issued before this block's softmax.
+    ``dq_cast`` (ws only, likewise): dQ cast in the kernel by the last add of each row block, no
+    postprocess (two more arguments, ``dQ`` and a zeroed ``DqCount``).
     """
     t = tiles or bwd_tiles(cfg)
     ws = bwd_ws(cfg) if ws is None else ws
@@ -352,9 +354,9 @@ def build_bwd(cfg: KernelConfig, tiles=None, dq_bulk=None, overlap=None, split=N
                          "configuration and head_dim == head_dim_v")
     if ws:
         dq_first = bwd_dq_first(cfg) if dq_first is None else dq_first
-        return build_bwd_ws(cfg, t, split, lpt, branch, dq_first, skip_halves, prefetch)
-    if skip_halves or prefetch:
-        raise ValueError("skip_halves=True and prefetch apply to the warp-specialized kernel (ws) only")
+        return build_bwd_ws(cfg, t, split, lpt, branch, dq_first, skip_halves, prefetch, dq_cast)
+    if skip_halves or prefetch or dq_cast:
+        raise ValueError("skip_halves=True, prefetch and dq_cast=True apply to the warp-specialized kernel (ws) only")
     if not lpt:
         raise ValueError("lpt=False applies to the warp-specialized kernel (ws) only: TileLang's pipelined kernel "
                          "runs in launch order (or, swap=True, longest first from its grid)")

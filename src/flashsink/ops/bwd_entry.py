@@ -30,15 +30,18 @@ def main_bwd_shapes(cfg, split: int) -> SimpleNamespace:
     )
 
 
-def main_bwd_entry(cfg, s: SimpleNamespace, body, block_n: int):
+def main_bwd_entry(cfg, s: SimpleNamespace, body, block_n: int, dq_cast: bool = False):
     """The kernel ``flashsink_bwd`` (``flashsink_bwd_varlen`` for thd) over the tensors of
     ``s`` (:func:`main_bwd_shapes`): ``body`` runs over the KV tiles of ``block_n`` rows and the
-    sequences (its last two arguments, ``schedule.grid``'s)."""
+    sequences (its last two arguments, ``schedule.grid``'s). ``dq_cast`` (``bwd_ws.build_bwd_ws``'s
+    option): two more parameters, ``dQ`` (q's shape and dtype, written by the kernel) and ``DqCount``
+    (int32 ``[batch, heads, row blocks]``, zeroed by the caller), passed to ``body`` last."""
     layout, dtype, accum = cfg.layout, cfg.dtype, "float32"
     q_shape, k_shape, v_shape, o_shape, st_shape = s.q_shape, s.k_shape, s.v_shape, s.o_shape, s.st_shape
     acc_shape, dk_shape, dv_shape, dkv_dtype, with_dq = s.acc_shape, s.dk_shape, s.dv_shape, s.dkv_dtype, s.with_dq
     seq_kv, batch = s.seq_kv, s.batch
     cu, longest, n_cu = varlen_params(layout)
+    n_rb = T.dynamic("n_rb")
 
     @kernel("flashsink_bwd", layout)
     def flashsink_bwd(
@@ -56,8 +59,11 @@ def main_bwd_entry(cfg, s: SimpleNamespace, body, block_n: int):
         dQAcc: optional(with_dq, T.Tensor(acc_shape, accum)),
         dK: T.Tensor(dk_shape, dkv_dtype),
         dV: T.Tensor(dv_shape, dkv_dtype),
+        dQ: optional(dq_cast, T.Tensor(q_shape, dtype)),
+        DqCount: optional(dq_cast, T.Tensor([batch, s.heads, n_rb], "int32")),
     ):
+        cast = (dQ, DqCount) if dq_cast else ()
         body(Q, K, V, dO, LSE, Delta, CuQ, CuK, window, scale, dQAcc, dK, dV,
-             *grid(layout, seq_kv, n_cu, batch, block_n))
+             *grid(layout, seq_kv, n_cu, batch, block_n), *cast)
 
     return flashsink_bwd

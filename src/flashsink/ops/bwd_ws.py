@@ -21,10 +21,10 @@ barriers between the two consumers per tile (docs/perf.md, v6).
 
 import tilelang.language as T
 
-from .block_range import full_row_blocks_for_keys, row_blocks_for_keys
+from .block_range import full_row_blocks_for_keys, kv_blocks_for_rows, row_blocks_for_keys
 from .config import KernelConfig
 from .bwd_entry import main_bwd_entry, main_bwd_shapes
-from .layout import acc_tile, prologue_load, sequence, stat_tile, store_rows, tile
+from .layout import acc_tile, index, prologue_load, sequence, stat_tile, store_rows, tile
 from .schedule import by_work, locate
 from .mask import branch_tile, in_blocks, select_visible
 from .softmax import LOG2E
@@ -37,6 +37,8 @@ PRODUCER_REGS, CONSUMER_REGS = 24, 240
 CONSUMER_THREADS = 256
 #: the named barrier the consumers meet at (0 is __syncthreads; TileLang's own partial syncs use 3)
 CONSUMER_BARRIER = 1
+#: ``dq_cast``: the named barrier of the producer's dQ warp (its second warp, 32 threads)
+DQ_BARRIER = 2
 
 
 @T.macro
@@ -54,7 +56,7 @@ def _stage_packed_stats(LSE, Delta, lse_r, delta_r, s, head, row, p, bm: int):
 
 
 def build_bwd_ws(cfg: KernelConfig, t, split: int, lpt: bool = True, branch: bool = True, dq_first: bool = False,
-                 skip_halves: bool = False, prefetch: str = ""):
+                 skip_halves: bool = False, prefetch: str = "", dq_cast: bool = False):
     """The warp-specialized main backward for ``tiles`` ``t`` (``t.threads`` consumer threads,
     256; ``t.stages`` ring slots) and ``split`` programs per KV tile (see ``bwd.build_bwd``), issued
     longest first unless ``lpt`` is False (``schedule.by_work``). ``branch``: the per-element mask only
@@ -80,11 +82,29 @@ def build_bwd_ws(cfg: KernelConfig, t, split: int, lpt: bool = True, branch: boo
     fp32 fragments over 256 threads). ``"s"``, the next block's S^T only (32 more registers, for
     D128's tiles where "sdp" spills): this block's dP^T is issued at its start and runs through its
     P, as without the option. The next block's slot is waited on one block earlier, so it wants 3
-    ring slots. Not with ``skip_halves``."""
+    ring slots. Not with ``skip_halves``.
+
+    ``dq_cast`` (an option for tools/bwd_variants.py, not measured yet): dQ's cast fused in, no
+    postprocess. The kernel takes two more arguments (``bwd_entry.main_bwd_entry``): ``dQ``, which it
+    writes, and ``DqCount``, one int32 per (batch, head, row block), zeroed by the caller. The
+    producer's first warp then only loads the ring; its second warp adds each dQ tile into the fp32
+    accumulator as before, waits for the add to complete (one tile later: the bulk group after it may
+    still run), counts it in ``DqCount`` (an acq_rel atomic) and, if it was the row block's last add
+    (the count reaches the number of KV tiles that see the block, ``block_range.kv_blocks_for_rows``),
+    loads the finished fp32 rows back by TMA (L2-resident: the adds just landed there) and writes dQ in
+    the input dtype. The other two producer warps idle. FlashAttention-3's deterministic dQ orders its
+    bulk adds through a counter the same way (complete, then a release increment). Saves the
+    postprocess (golden: 48.6 us, 134 MB read and 67 MB written, v15's profile) where the casts fit in
+    the producer's slack. Fast precision, padded layouts, ``split == 1``; every row block must be seen
+    by some KV tile (``seq_q <= seq_kv`` when causal): the library's host keeps the postprocess until
+    this is measured."""
     if prefetch not in ("", "s", "sdp"):
         raise ValueError(f"prefetch must be '', 's' or 'sdp', got {prefetch!r}")
     if prefetch and skip_halves:
         raise ValueError("prefetch cannot be combined with skip_halves=True")
+    if dq_cast and (cfg.precision != "fast" or cfg.layout == "thd" or split != 1 or cfg.deterministic):
+        raise NotImplementedError(f"dq_cast supports fast precision, padded layouts (bhsd, bshd), split=1 and "
+                                  f"non-deterministic configurations; got {cfg.short()}, split={split}")
     ahead, ahead_dp = prefetch != "", prefetch == "sdp"  # (booleans: the kernel's build-time conditions)
     if not cfg.hopper or t.threads != CONSUMER_THREADS or t.stages < 1:
         raise NotImplementedError(f"the warp-specialized main backward supports Hopper (sm_90a) "
@@ -148,7 +168,42 @@ def build_bwd_ws(cfg: KernelConfig, t, split: int, lpt: bool = True, branch: boo
         T.barrier_arrive(dq_full)
 
     @T.macro
-    def body(Q, K, V, dO, LSE, Delta, CuQ, CuK, window, scale, dQAcc, dK, dV, n_tiles, n_seqs):
+    def count_and_cast(dQAcc, dQ, DqCount, cast_s, cast_full, last_s, n_cast, t, pending: int, b, head0, lo_blk,
+                       n_rows, sq, sk, window, tx):
+        """``dq_cast``, the producer's dQ warp: tile ``t``'s add, once complete (``pending``: bulk groups
+        issued after it that may still run), counted in ``DqCount``; if it was its row block's last, the
+        block's fp32 rows loaded back (TMA) and written to dQ in the input dtype."""
+        # the tile's coordinates once, into local variables (24 registers per producer thread: as
+        # expressions TileLang would inline them, divisions included, at every use)
+        head = T.alloc_var("int32")
+        rb = T.alloc_var("int32")
+        row0 = T.alloc_var("int32")
+        head = head0 + t // n_rows
+        rb = lo_blk + t % n_rows
+        row0 = rb * bm
+        if tx == CONSUMER_THREADS + 32:
+            T.tma_store_wait(pending, read=False)
+            seen_by = T.alloc_var("int32")
+            lo = T.alloc_var("int32")
+            hi = T.alloc_var("int32")
+            lo, hi = kv_blocks_for_rows(row0, bm, bn, sq, sk, window, cfg.causal)
+            seen_by = hi - lo  # the KV tiles whose adds the block receives
+            last_s[0] = T.if_then_else(
+                T.atomic_add(DqCount[b, head, rb], 1, memory_order="acq_rel", return_prev=True) + 1 == seen_by, 1, 0)
+        T.sync_threads(DQ_BARRIER, 32)
+        if last_s[0] == 1:
+            if tx == CONSUMER_THREADS + 32:
+                T.tma_copy(acc_tile(dQAcc, layout, b, head, row0, bm), cast_s, barrier=cast_full)
+                T.barrier_arrive(cast_full)
+            T.mbarrier_wait_parity(cast_full, n_cast[0] & 1)
+            for i, j in T.Parallel(bm, dim):
+                if row0 + i < sq:
+                    dQ[index(layout, b, head, row0 + i, j)] = T.Cast(dtype, cast_s[i, j])
+            n_cast[0] = n_cast[0] + 1
+        T.sync_threads(DQ_BARRIER, 32)  # last_s and cast_s read by the whole warp before the next tile's
+
+    @T.macro
+    def body(Q, K, V, dO, LSE, Delta, CuQ, CuK, window, scale, dQAcc, dK, dV, n_tiles, n_seqs, dQ=None, DqCount=None):
         with T.Kernel(n_tiles * heads_kv * split, n_seqs, threads=CONSUMER_THREADS + 128) as (p, b):
             # the program's coordinates and row-block ranges are computed once, into local variables:
             # as expressions TileLang inlines them (divisions included) wherever they are used, and
@@ -177,7 +232,8 @@ def build_bwd_ws(cfg: KernelConfig, t, split: int, lpt: bool = True, branch: boo
             ds_l = None if fast else T.alloc_fragment([bn, bm], dtype)
             dk = T.alloc_fragment([bn, dim], accum)
             dv = T.alloc_fragment([bn, dim_v], accum)
-            full = T.alloc_barrier(arrive_count=[128] * stages)  # slot loaded (producer + TMA bytes)
+            loaders = 32 if dq_cast else 128  # the producer threads that arrive at a slot's loads
+            full = T.alloc_barrier(arrive_count=[loaders] * stages)  # slot loaded (producer + TMA bytes)
             empty = T.alloc_barrier(arrive_count=[CONSUMER_THREADS] * stages)  # slot read by both consumers
             if with_dq:
                 # dS^T of two consecutive tiles: a consumer writes tile it+1's while the other may
@@ -187,7 +243,12 @@ def build_bwd_ws(cfg: KernelConfig, t, split: int, lpt: bool = True, branch: boo
                 dq = T.alloc_fragment([bm, dim], accum)
                 dq_s = T.alloc_shared([bm, dim], accum)
                 dq_full = T.alloc_barrier(arrive_count=CONSUMER_THREADS)  # dq_s written
-                dq_empty = T.alloc_barrier(arrive_count=128)  # dq_s added into dQAcc
+                dq_empty = T.alloc_barrier(arrive_count=32 if dq_cast else 128)  # dq_s added into dQAcc
+                if dq_cast:
+                    cast_s = T.alloc_shared([bm, dim], accum)  # a finished row block of dQAcc, back from L2
+                    cast_full = T.alloc_barrier(arrive_count=1)  # cast_s loaded
+                    last_s = T.alloc_shared([1], "int32")  # whether the add just counted was the block's last
+                    n_cast = T.alloc_local([1], "int32")  # cast_full's phase
 
             if packed:  # KV tiles along the keys' cu_seqlens (padded: as launched, TIR as before)
                 b, bx = locate(layout, CuK, bx, b, bn)
@@ -211,32 +272,53 @@ def build_bwd_ws(cfg: KernelConfig, t, split: int, lpt: bool = True, branch: boo
 
             if tx >= CONSUMER_THREADS:
                 T.set_max_nreg(PRODUCER_REGS, 0)
-                for it in T.serial(n_it):
-                    s = it % stages
-                    head = head0 + it // n_rows
-                    row0 = (lo_blk + it % n_rows) * bm
-                    T.mbarrier_wait_parity(empty[s], ((it // stages) & 1) ^ 1)
-                    T.tma_copy(tile(Q, layout, b, head, q_base + row0, bm), q_r[s, :, :], barrier=full[s])
-                    T.tma_copy(tile(dO, layout, b, head, q_base + row0, bm), do_r[s, :, :], barrier=full[s])
-                    if not packed:
-                        T.tma_copy(stat_tile(LSE, layout, b, head, row0, bm), lse_r[s, :], barrier=full[s])
-                        T.tma_copy(stat_tile(Delta, layout, b, head, row0, bm), delta_r[s, :], barrier=full[s])
-                    else:
-                        _stage_packed_stats(LSE, Delta, lse_r, delta_r, s, head, q_base + row0, tx - CONSUMER_THREADS, bm)
-                    T.barrier_arrive(full[s])
-                    if with_dq:
-                        if it > 0:  # the previous tile's dQ, while the consumers work on this one
-                            prev = it - 1
-                            T.mbarrier_wait_parity(dq_full, prev & 1)
-                            T.atomic_add(acc_tile(dQAcc, layout, b, head0 + prev // n_rows, q_base + (lo_blk + prev % n_rows) * bm, bm),
+                # dq_cast: the first producer warp loads the ring, the second writes dQ (below); without
+                # it every producer thread runs this loop, which also adds dQ (a build-time True: one path)
+                loads_here = tx < CONSUMER_THREADS + 32 if dq_cast else True
+                adds_here = with_dq and not dq_cast
+                if loads_here:
+                    for it in T.serial(n_it):
+                        s = it % stages
+                        head = head0 + it // n_rows
+                        row0 = (lo_blk + it % n_rows) * bm
+                        T.mbarrier_wait_parity(empty[s], ((it // stages) & 1) ^ 1)
+                        T.tma_copy(tile(Q, layout, b, head, q_base + row0, bm), q_r[s, :, :], barrier=full[s])
+                        T.tma_copy(tile(dO, layout, b, head, q_base + row0, bm), do_r[s, :, :], barrier=full[s])
+                        if not packed:
+                            T.tma_copy(stat_tile(LSE, layout, b, head, row0, bm), lse_r[s, :], barrier=full[s])
+                            T.tma_copy(stat_tile(Delta, layout, b, head, row0, bm), delta_r[s, :], barrier=full[s])
+                        else:
+                            _stage_packed_stats(LSE, Delta, lse_r, delta_r, s, head, q_base + row0, tx - CONSUMER_THREADS, bm)
+                        T.barrier_arrive(full[s])
+                        if adds_here:
+                            if it > 0:  # the previous tile's dQ, while the consumers work on this one
+                                prev = it - 1
+                                T.mbarrier_wait_parity(dq_full, prev & 1)
+                                T.atomic_add(acc_tile(dQAcc, layout, b, head0 + prev // n_rows, q_base + (lo_blk + prev % n_rows) * bm, bm),
+                                             dq_s, annotations={"use_tma": 1})
+                                T.barrier_arrive(dq_empty)
+                    if adds_here:
+                        if n_it > 0:
+                            last = n_it - 1
+                            T.mbarrier_wait_parity(dq_full, last & 1)
+                            T.atomic_add(acc_tile(dQAcc, layout, b, head0 + last // n_rows, q_base + (lo_blk + last % n_rows) * bm, bm),
+                                         dq_s, annotations={"use_tma": 1})
+                if dq_cast:
+                    if tx >= CONSUMER_THREADS + 32 and tx < CONSUMER_THREADS + 64:
+                        # each tile's dQ added as it is handed over; the add before it counted once
+                        # complete (one bulk group may still run: the one just issued), and cast
+                        n_cast[0] = 0
+                        for it in T.serial(n_it):
+                            T.mbarrier_wait_parity(dq_full, it & 1)
+                            T.atomic_add(acc_tile(dQAcc, layout, b, head0 + it // n_rows, q_base + (lo_blk + it % n_rows) * bm, bm),
                                          dq_s, annotations={"use_tma": 1})
                             T.barrier_arrive(dq_empty)
-                if with_dq:
-                    if n_it > 0:
-                        last = n_it - 1
-                        T.mbarrier_wait_parity(dq_full, last & 1)
-                        T.atomic_add(acc_tile(dQAcc, layout, b, head0 + last // n_rows, q_base + (lo_blk + last % n_rows) * bm, bm),
-                                     dq_s, annotations={"use_tma": 1})
+                            if it > 0:
+                                count_and_cast(dQAcc, dQ, DqCount, cast_s, cast_full, last_s, n_cast, it - 1, 1, b,
+                                               head0, lo_blk, n_rows, sq, sk, window, tx)
+                        if n_it > 0:
+                            count_and_cast(dQAcc, dQ, DqCount, cast_s, cast_full, last_s, n_cast, n_it - 1, 0, b,
+                                           head0, lo_blk, n_rows, sq, sk, window, tx)
             else:
                 T.set_max_nreg(CONSUMER_REGS, 1)
                 T.clear(dk)
@@ -355,7 +437,7 @@ def build_bwd_ws(cfg: KernelConfig, t, split: int, lpt: bool = True, branch: boo
                     store_rows(dK, layout, b, kv_head, k_base, key0, sk, k_s, bn, dim)
                     store_rows(dV, layout, b, kv_head, k_base, key0, sk, v_s, bn, dim_v)
 
-    flashsink_bwd = main_bwd_entry(cfg, shapes, body, bn)
+    flashsink_bwd = main_bwd_entry(cfg, shapes, body, bn, dq_cast=dq_cast)
 
     # Every shared-memory hand-off here is ordered by hand (mbarriers, the consumers' named
     # barrier): TileLang's automatic syncs would add three consumer meetings per tile.
