@@ -298,3 +298,17 @@ def test_dq_cast_refusals():
                        (_cfg(), 2)):
         with pytest.raises(NotImplementedError, match="dq_cast supports"):
             bwd.build_bwd(cfg, ws=True, split=split, dq_cast=True)
+
+
+def test_dq_cast_follows_the_config(monkeypatch):
+    """``build_bwd``'s default ``dq_cast`` is ``config.bwd_dq_cast``: off (DQ_CAST) until measured; on, the
+    unsplit fast kernel casts dQ (its two more parameters) and the split, strict and thd kernels do not."""
+    from flashsink.ops import config
+
+    cfg = _cfg("float16", 128)
+    assert not config.bwd_dq_cast(cfg) and "DqCount" not in _params(bwd.build_bwd(cfg))
+    monkeypatch.setattr(config, "DQ_CAST", True)
+    assert _params(bwd.build_bwd(cfg))[-2:] == ["dQ", "DqCount"]
+    assert "DqCount" not in _params(bwd.build_bwd_split(cfg))
+    for other in (_cfg(d=64, precision="strict"), _cfg(layout="thd"), _cfg(deterministic=True)):
+        assert not config.bwd_dq_cast(other) and "DqCount" not in _params(bwd.build_bwd(other))

@@ -68,6 +68,20 @@ def test_split_main_backward_compiles():
     assert "wgmma" in src and src.count("AtomicAdd") >= 2
 
 
+@pytest.mark.l1
+def test_main_backward_with_dq_cast_compiles(monkeypatch):
+    """config.DQ_CAST on (off until measured, docs/perf.md v17): the unsplit fast main backward casts dQ
+    itself (bwd_ws.build_bwd_ws(dq_cast=True)): its counts' acq_rel atomic, the fp32 rows' TMA load back
+    and the dQ stores build for sm_90a."""
+    from flashsink.ops import config
+
+    monkeypatch.setattr(config, "DQ_CAST", True)
+    cfg = _cfg("sm_90a", "bwd", precision="fast", dtype="float16", head_dim=128, head_dim_v=128)
+    assert config.bwd_dq_cast(cfg)
+    src = compile_kernel("bwd", cfg).get_kernel_source()
+    assert "AtomicAddRet" in src and "DqCount" in src and "half_t* __restrict__ dQ" in src
+
+
 @pytest.mark.l2
 def test_deterministic_main_kernel_compiles():
     """The deterministic main backward (no dQ atomics, per-program sink partials)."""

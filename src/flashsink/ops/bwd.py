@@ -30,8 +30,8 @@ import tilelang.language as T
 from .block_range import full_kv_blocks_for_rows, full_row_blocks_for_keys, kv_blocks_for_rows, row_blocks_for_keys
 from .bwd_entry import main_bwd_entry, main_bwd_shapes
 from .bwd_ws import build_bwd_ws
-from .config import (ROW_BLOCK, KernelConfig, bwd_branch, bwd_dq_bulk, bwd_dq_first, bwd_overlap, bwd_split, bwd_swap,
-                     bwd_tiles, bwd_ws, dq_tiles, pre_branch, pre_lpt, pre_o32_tiles, pre_tiles)
+from .config import (ROW_BLOCK, KernelConfig, bwd_branch, bwd_dq_bulk, bwd_dq_cast, bwd_dq_first, bwd_overlap, bwd_split,
+                     bwd_swap, bwd_tiles, bwd_ws, dq_tiles, pre_branch, pre_lpt, pre_o32_tiles, pre_tiles)
 from .layout import (acc_tile, clear_acc_rows, kernel, optional, prologue_load, qkv_shapes, row_runs, sequence, stage_stat,
                      staged_stat, stat_at, stat_shape, stat_tile, store_rows, store_stat, tile, varlen_params)
 from .schedule import grid, grid_coords, grid_dims, locate
@@ -307,7 +307,7 @@ def _build_preprocess_strict(cfg: KernelConfig, branch: bool, lpt: bool, t):
 
 
 def build_bwd(cfg: KernelConfig, tiles=None, dq_bulk=None, overlap=None, split=None, ws=None, lpt=True,
-              branch=None, swap=None, dq_first=None, skip_halves=False, prefetch="", dq_cast=False):
+              branch=None, swap=None, dq_first=None, skip_halves=False, prefetch="", dq_cast=None):
     """The main backward. The options default to the tile table's choices and exist for
     tools/bwd_variants.py, which times alternatives: ``tiles`` (``bwd_tiles(cfg)``); ``dq_bulk``,
     dQ tiles added by one bulk (TMA) reduce-add from shared memory instead of per-thread atomics
@@ -339,8 +339,9 @@ def build_bwd(cfg: KernelConfig, tiles=None, dq_bulk=None, overlap=None, split=N
     ``skip_halves`` (ws only, ``bwd_ws.build_bwd_ws``; off by default, not measured yet): a consumer
     warpgroup skips the row blocks its half of the keys cannot see. ``prefetch`` (ws only, likewise):
     the next row block's S^T and dP^T ("sdp") or S^T ("s") issued before this block's softmax.
-    ``dq_cast`` (ws only, likewise): dQ cast in the kernel by the last add of each row block, no
-    postprocess (two more arguments, ``dQ`` and a zeroed ``DqCount``).
+    ``dq_cast`` (ws only, ``config.bwd_dq_cast(cfg)`` for the unsplit kernel, off until measured): dQ
+    cast in the kernel by the last add of each row block, no postprocess (two more arguments, ``dQ``
+    and a zeroed ``DqCount``).
     """
     t = tiles or bwd_tiles(cfg)
     ws = bwd_ws(cfg) if ws is None else ws
@@ -352,6 +353,8 @@ def build_bwd(cfg: KernelConfig, tiles=None, dq_bulk=None, overlap=None, split=N
     if cfg.groups % split or (split > 1 and (cfg.deterministic or cfg.head_dim != cfg.head_dim_v)):
         raise ValueError(f"split={split} needs a divisor of groups={cfg.groups}, a non-deterministic "
                          "configuration and head_dim == head_dim_v")
+    if dq_cast is None:
+        dq_cast = ws and split == 1 and bwd_dq_cast(cfg)
     if ws:
         dq_first = bwd_dq_first(cfg) if dq_first is None else dq_first
         return build_bwd_ws(cfg, t, split, lpt, branch, dq_first, skip_halves, prefetch, dq_cast)
@@ -501,7 +504,7 @@ def build_bwd_split(cfg: KernelConfig):
     """The main backward with a GQA group's query heads over ``config.bwd_split(cfg)`` programs per
     KV tile (fp32 dK/dV accumulators): for problems whose KV tiles see many rows, where the unsplit
     kernel has too few programs (``interface._backward`` chooses)."""
-    return build_bwd(cfg, split=bwd_split(cfg))
+    return build_bwd(cfg, split=bwd_split(cfg), dq_cast=False)  # (its launch casts with the postprocess)
 
 
 def build_dq(cfg: KernelConfig):

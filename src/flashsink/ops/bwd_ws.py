@@ -96,8 +96,9 @@ def build_bwd_ws(cfg: KernelConfig, t, split: int, lpt: bool = True, branch: boo
     bulk adds through a counter the same way (complete, then a release increment). Saves the
     postprocess (golden: 48.6 us, 134 MB read and 67 MB written, v15's profile) where the casts fit in
     the producer's slack. Fast precision, padded layouts, ``split == 1``; every row block must be seen
-    by some KV tile (``seq_q <= seq_kv`` when causal): the library's host keeps the postprocess until
-    this is measured."""
+    by some KV tile (``seq_q <= seq_kv`` when causal; ``interface._backward`` zeroes the rows that see
+    no key). The library runs it where ``config.bwd_dq_cast`` says, off (``config.DQ_CAST``) until
+    measured."""
     if prefetch not in ("", "s", "sdp"):
         raise ValueError(f"prefetch must be '', 's' or 'sdp', got {prefetch!r}")
     if prefetch and skip_halves:

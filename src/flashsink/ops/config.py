@@ -193,6 +193,22 @@ def bwd_dq_first(cfg: KernelConfig) -> bool:
             and cfg.layout != "thd")
 
 
+#: whether :func:`bwd_dq_cast` answers yes where it can: off until the option is measured on the H200
+#: (tools/bwd_variants.py's ".../dqcast" rows, docs/perf.md v17); turning it on is the whole switch
+DQ_CAST = False
+
+
+def bwd_dq_cast(cfg: KernelConfig) -> bool:
+    """Whether the unsplit fast main backward casts dQ itself (``bwd_ws.build_bwd_ws(dq_cast=True)``:
+    each row block's last add, counted, loads the finished fp32 rows back and writes dQ), so no
+    postprocess runs after it (``interface._backward``; the split kernel keeps the postprocess).
+    Where it can: the hand warp-specialized kernel, fast precision, padded layouts, not deterministic.
+    Built, not measured yet (docs/perf.md v17: predicted golden -35..-45 us, gpt-oss SWA -15..-20 us of
+    the backward): :data:`DQ_CAST` is off until tools/bwd_variants.py says it wins."""
+    return (DQ_CAST and bwd_ws(cfg) and cfg.precision == "fast" and not cfg.deterministic
+            and cfg.layout != "thd")
+
+
 def bwd_branch(cfg: KernelConfig, ws: bool) -> bool:
     """Whether the main backward skips its per-element mask (two selects per element, P and dS)
     on wholly visible row blocks, as the forward's ``"branch"`` does: the hand warp-specialized

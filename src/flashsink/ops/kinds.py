@@ -17,8 +17,8 @@ import importlib
 from typing import Callable, Optional
 
 from .config import (
-    KVCACHE_HEAD_DIMS, SPLIT_ROWS, KernelConfig, bwd_split, bwd_tiles, dq_tiles, fwd_fold, fwd_o32, fwd_o32_tiles,
-    fwd_tiles, pre_o32_tiles, pre_tiles, split_tiles,
+    KVCACHE_HEAD_DIMS, SPLIT_ROWS, KernelConfig, bwd_dq_cast, bwd_split, bwd_tiles, dq_tiles, fwd_fold, fwd_o32,
+    fwd_o32_tiles, fwd_tiles, pre_o32_tiles, pre_tiles, split_tiles,
 )
 
 
@@ -39,6 +39,12 @@ def _split_kv(cfg: KernelConfig) -> bool:
 
 def _has_split(cfg: KernelConfig) -> bool:
     return bwd_split(cfg) > 1
+
+
+def _postprocess(cfg: KernelConfig) -> bool:
+    # the fp32 accumulators' cast: after the atomic main backwards, unless the unsplit one casts dQ
+    # itself (config.bwd_dq_cast) and the configuration has no split kernel
+    return not cfg.deterministic and (not bwd_dq_cast(cfg) or _has_split(cfg))
 
 
 def _kvcache(cfg: KernelConfig) -> bool:
@@ -93,7 +99,7 @@ KINDS: dict = {
     "bwd": Kind("bwd.build_bwd", bwd_tiles, _always, build_s=8.0),
     "bwd_split": Kind("bwd.build_bwd_split", bwd_tiles, _has_split, builds=_has_split, build_s=8.0),
     "dq": Kind("bwd.build_dq", dq_tiles, lambda cfg: cfg.deterministic, build_s=6.0),
-    "postprocess": Kind("bwd.build_postprocess", None, lambda cfg: not cfg.deterministic,
+    "postprocess": Kind("bwd.build_postprocess", None, _postprocess,
                         ignores=("deterministic", "precision"), build_s=2.5),
     "fwd_split": Kind("fwd_split.build_fwd_split", split_tiles, _split_kv, ignores=("deterministic", "precision"),
                       route="decode", builds=_split_kernel, build_s=16.0),
