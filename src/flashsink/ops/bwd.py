@@ -31,7 +31,7 @@ from .block_range import full_kv_blocks_for_rows, full_row_blocks_for_keys, kv_b
 from .bwd_entry import main_bwd_entry, main_bwd_shapes
 from .bwd_ws import build_bwd_ws
 from .config import (ROW_BLOCK, KernelConfig, bwd_branch, bwd_dq_bulk, bwd_dq_cast, bwd_dq_first, bwd_overlap, bwd_split,
-                     bwd_swap, bwd_tiles, bwd_ws, dq_tiles, pre_branch, pre_lpt, pre_o32_tiles, pre_tiles)
+                     bwd_swap, bwd_tiles, bwd_ws, bwd_ws_options, dq_tiles, pre_branch, pre_lpt, pre_o32_tiles, pre_tiles)
 from .layout import (acc_tile, clear_acc_rows, kernel, optional, prologue_load, qkv_shapes, row_runs, sequence, stage_stat,
                      staged_stat, stat_at, stat_shape, stat_tile, store_rows, store_stat, tile, varlen_params)
 from .schedule import grid, grid_coords, grid_dims, locate
@@ -307,7 +307,7 @@ def _build_preprocess_strict(cfg: KernelConfig, branch: bool, lpt: bool, t):
 
 
 def build_bwd(cfg: KernelConfig, tiles=None, dq_bulk=None, overlap=None, split=None, ws=None, lpt=True,
-              branch=None, swap=None, dq_first=None, skip_halves=False, prefetch="", dq_cast=None):
+              branch=None, swap=None, dq_first=None, skip_halves=None, prefetch=None, dq_cast=None):
     """The main backward. The options default to the tile table's choices and exist for
     tools/bwd_variants.py, which times alternatives: ``tiles`` (``bwd_tiles(cfg)``); ``dq_bulk``,
     dQ tiles added by one bulk (TMA) reduce-add from shared memory instead of per-thread atomics
@@ -336,8 +336,9 @@ def build_bwd(cfg: KernelConfig, tiles=None, dq_bulk=None, overlap=None, split=N
     before dK's, its hand-off during dK's.
     ``branch`` (``config.bwd_branch(cfg)``): the per-element mask only on the row blocks that are
     not wholly visible (``block_range.full_row_blocks_for_keys``), as the forward's ``"branch"``.
-    ``skip_halves`` (ws only, ``bwd_ws.build_bwd_ws``; off by default, not measured yet): a consumer
-    warpgroup skips the row blocks its half of the keys cannot see. ``prefetch`` (ws only, likewise):
+    ``skip_halves`` (ws only, ``bwd_ws.build_bwd_ws``; default ``config.bwd_ws_options(cfg)``, off until
+    measured): a consumer warpgroup skips the row blocks its half of the keys cannot see. ``prefetch`` (ws
+    only, likewise):
     the next row block's S^T and dP^T ("sdp") or S^T ("s") issued before this block's softmax.
     ``dq_cast`` (ws only, ``config.bwd_dq_cast(cfg)`` for the unsplit kernel, off until measured): dQ
     cast in the kernel by the last add of each row block, no postprocess (two more arguments, ``dQ``
@@ -355,6 +356,9 @@ def build_bwd(cfg: KernelConfig, tiles=None, dq_bulk=None, overlap=None, split=N
                          "configuration and head_dim == head_dim_v")
     if dq_cast is None:
         dq_cast = ws and split == 1 and bwd_dq_cast(cfg)
+    opts = bwd_ws_options(cfg) if ws else {"skip_halves": False, "prefetch": ""}
+    skip_halves = opts["skip_halves"] if skip_halves is None else skip_halves
+    prefetch = opts["prefetch"] if prefetch is None else prefetch
     if ws:
         dq_first = bwd_dq_first(cfg) if dq_first is None else dq_first
         return build_bwd_ws(cfg, t, split, lpt, branch, dq_first, skip_halves, prefetch, dq_cast)

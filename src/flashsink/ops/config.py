@@ -193,6 +193,14 @@ def bwd_dq_first(cfg: KernelConfig) -> bool:
             and cfg.layout != "thd")
 
 
+def bwd_ws_options(cfg: KernelConfig) -> dict:
+    """The hand warp-specialized main backward's ``skip_halves`` and ``prefetch``
+    (``bwd_ws.build_bwd_ws``) for the library's kernels: both off until measured (tools/bwd_variants.py's
+    ".../skip" and ".../prefetch-*" rows, docs/perf.md v16). Turning one on is a change here; ``prefetch``
+    waits for the next block's ring slot one block early, so it wants 3 stages in :func:`bwd_tiles`."""
+    return {"skip_halves": False, "prefetch": ""}
+
+
 #: whether :func:`bwd_dq_cast` answers yes where it can: off until the option is measured on the H200
 #: (tools/bwd_variants.py's ".../dqcast" rows, docs/perf.md v17); turning it on is the whole switch
 DQ_CAST = False
