@@ -24,7 +24,7 @@ import tilelang.language as T
 from .block_range import full_row_blocks_for_keys, kv_blocks_for_rows, row_blocks_for_keys
 from .config import KernelConfig
 from .bwd_entry import main_bwd_entry, main_bwd_shapes
-from .layout import acc_tile, index, prologue_load, sequence, stat_tile, store_rows, tile
+from .layout import acc_tile, prologue_load, sequence, stat_tile, store_rows, tile
 from .schedule import by_work, locate
 from .mask import branch_tile, in_blocks, select_visible
 from .softmax import LOG2E
@@ -197,9 +197,7 @@ def build_bwd_ws(cfg: KernelConfig, t, split: int, lpt: bool = True, branch: boo
                 T.tma_copy(acc_tile(dQAcc, layout, b, head, row0, bm), cast_s, barrier=cast_full)
                 T.barrier_arrive(cast_full)
             T.mbarrier_wait_parity(cast_full, n_cast[0] & 1)
-            for i, j in T.Parallel(bm, dim):
-                if row0 + i < sq:
-                    dQ[index(layout, b, head, row0 + i, j)] = T.Cast(dtype, cast_s[i, j])
+            store_rows(dQ, layout, b, head, 0, row0, sq, cast_s, bm, dim)
             n_cast[0] = n_cast[0] + 1
         T.sync_threads(DQ_BARRIER, 32)  # last_s and cast_s read by the whole warp before the next tile's
 
