@@ -129,17 +129,19 @@ def test_library_forward_is_ws_where_config_says(cfg, want):
 
 
 @pytest.mark.parametrize("cfg,opts", [
-    (_cfg(d=64), {"epilogue": "regs", "q_slots": 2}),
-    (_cfg("float16", 64, "bshd", sinks=False), {"epilogue": "regs", "q_slots": 2}),
-    (_cfg("float16", 64, "thd"), {"epilogue": "regs", "q_slots": 2}),
-    (_cfg(d=64, causal=False), {"epilogue": "regs", "q_slots": 2}),
+    (_cfg(d=64), {"epilogue": "regs", "q_slots": 2, "pack_gqa": True}),
+    (_cfg("float16", 64, "bshd", sinks=False), {"epilogue": "regs", "q_slots": 2, "pack_gqa": True}),
+    (_cfg("float16", 64, "thd"), {"epilogue": "regs", "q_slots": 2, "pack_gqa": True}),
+    (_cfg(d=64, causal=False), {"epilogue": "regs", "q_slots": 2, "pack_gqa": True}),
+    (_cfg(d=64, groups=1), {"epilogue": "regs", "q_slots": 2, "pack_gqa": False}),
     (_cfg(d=128), {"epilogue": "smem", "q_slots": 1}),
     (_cfg(d=32), {"epilogue": "smem", "q_slots": 1}),  # not fwd_ws.py's kernel
     (_cfg(d=64, arch="sm_80"), {"epilogue": "smem", "q_slots": 1}),
 ])
 def test_the_forward_options_follow_the_head_dim(cfg, opts):
-    """config.fwd_ws_options: head dim 64's forward stores o from registers and double-buffers Q
-    (measured faster there on causal and windowed problems, docs/perf.md v15), 128's keeps the staged
+    """config.fwd_ws_options: head dim 64's forward stores o from registers, double-buffers Q
+    (measured faster there on causal and windowed problems, docs/perf.md v15) and packs a GQA group
+    into one tile where it fits (docs/perf.md v18), 128's keeps the staged
     epilogue and one Q slot; the kinds fwd and fwd_unfolded are that kernel at the forward's own tiles,
     strict's fwd_o32 keeps the defaults; one forward per configuration, whatever the window."""
     import dataclasses
@@ -192,8 +194,8 @@ def test_exp2_fma_option_builds_and_leaves_the_default_alone():
     assert _params(fma) == _params(lib) and _dtypes(fma) == _dtypes(lib)
     coeff = repr(float(_EXP2_POLY[-1]))[:8]
     assert coeff in fma.script() and coeff not in lib.script() and "reinterpret" in fma.script()
-    assert build_fwd_ws(cfg, Tiles(192, 128, 384, 2), fold=True, fma_every=0, epilogue="regs", q_slots=2).script() \
-        == lib.script()
+    assert build_fwd_ws(cfg, Tiles(192, 128, 384, 2), fold=True, fma_every=0, epilogue="regs", q_slots=2,
+                        pack_gqa=True).script() == lib.script()
 
 
 def test_exp2_fma_arithmetic():
@@ -311,6 +313,36 @@ def test_pack_gqa_option_packs_a_group_into_one_tile():
     assert "Sinks[head_1 + i // 24]" in text
     assert "i % 24" in text and "h_1: T.int32 = head[0] * 8" in text and "LSE[b_2, h_1 + i // 24, s0 + i % 24]" in text
     assert "heads // 8" in text  # the tiles run over the KV heads
+
+
+@pytest.mark.parametrize("cfg,packs", [
+    (_cfg(d=64), True),  # gpt-oss: 8 heads of 24 positions in 192 rows
+    (_cfg(d=64, layout="thd"), True),  # packed batches pack too (measured: varlen)
+    (_cfg(d=64, groups=4, causal=False), True),
+    (_cfg(d=64, groups=1), False),  # no group
+    (_cfg(d=64, groups=5), False),  # 192 rows are no whole number of heads
+    (_cfg(d=64, groups=16), False),  # 12 rows a head
+    (_cfg(d=128), False),  # D128: not packable (and golden's tiles would not shrink)
+])
+def test_library_forward_packs_gqa_where_it_fits(cfg, packs):
+    """The library's forward (``fwd.build_fwd``, options from ``config.fwd_ws_options``) is the packed
+    kernel where ``config.pack_gqa_fits`` (measured on the H200, docs/perf.md v18: o and lse bitwise
+    equal to the unpacked kernel, gpt-oss SWA 1.11x, varlen 1.36-1.39x), TIR for TIR, and the unpacked
+    one elsewhere; custom tiles that cannot pack fall back instead of refusing."""
+    from flashsink.ops.config import fwd_tiles, fwd_ws_options, pack_gqa_fits
+    from flashsink.ops.fwd_ws import build_fwd_ws
+
+    tiles = fwd_tiles(cfg)
+    opts = fwd_ws_options(cfg)
+    assert opts.get("pack_gqa", False) is packs and pack_gqa_fits(cfg, tiles.block_m) is packs
+    lib = fwd.build_fwd(cfg).script()
+    base = {"epilogue": "regs", "q_slots": 2} if cfg.head_dim == 64 else {}
+    assert lib == build_fwd_ws(cfg, tiles, fold=True, pack_gqa=packs, **base).script()
+    if packs:
+        assert lib != build_fwd_ws(cfg, tiles, fold=True, pack_gqa=False, **base).script()
+        # 128 rows: 16 positions of 8 heads or 32 of 4; 160 rows: 40 of 4, but 20 of 8 (no whole atoms)
+        assert fwd_ws_options(cfg, Tiles(128, 128, 256, 2))["pack_gqa"] is (cfg.groups in (4, 8))
+        assert fwd_ws_options(cfg, Tiles(160, 128, 320, 2))["pack_gqa"] is (cfg.groups == 4)
 
 
 @pytest.mark.parametrize("cfg,bm", [

@@ -261,23 +261,41 @@ def fwd_ws(cfg: KernelConfig) -> bool:
     return cfg.hopper and cfg.head_dim == cfg.head_dim_v and cfg.head_dim in (64, 128)
 
 
-def fwd_ws_options(cfg: KernelConfig) -> dict:
-    """``fwd_ws.build_fwd_ws``'s ``epilogue`` and ``q_slots`` for the forward (the kinds ``fwd`` and
-    ``fwd_unfolded``; strict's ``fwd_o32`` keeps the defaults). Head dim 64: ``epilogue="regs"`` (o
-    stored from each thread's registers, no barrier of every consumer thread at a tile's end) and
-    ``q_slots=2`` (the next query tile's Q loads while this one computes). Measured on the H200 in one
-    run (tools/fwd_variants.py, docs/perf.md v15), 192x128 tiles, o and lse bitwise equal to the
-    previous kernel: gpt-oss SWA (bf16 D64 W128 N4096 H64/8) 0.1207 -> 0.1027 ms, also under the
-    0.1052 of the 128-row tiles that windows up to 128 keys ran until then (the kind ``fwd_window``,
-    gone with this: one forward per configuration again); causal D64 N8192 1.3016 -> 1.2776. Head
-    dim 128 keeps the staged epilogue and one Q slot: there both options measured slower (golden
-    0.1236 -> 0.1402 with "regs", 0.1250 with two slots; causal D128 N4096 0.5105 -> 0.5141 .. 0.5317).
+def pack_gqa_fits(cfg: KernelConfig, block_m: int) -> bool:
+    """Whether ``fwd_ws.build_fwd_ws(pack_gqa=True)`` can pack a GQA group's query heads into one
+    ``block_m``-row tile: head dim 64 (a Q row is one 128-byte swizzle row; at 128 TileLang 0.1.15's TMA
+    lowering refuses the sub-tile), a group of at least two heads that divides ``block_m`` into whole
+    8-row swizzle atoms (at gpt-oss's 192 rows: groups 2, 3, 4, 6, 8, 12, 24)."""
+    g = cfg.groups
+    return cfg.head_dim == 64 and g >= 2 and block_m % g == 0 and (block_m // g) % 8 == 0
 
-    Built and not measured yet (tools/fwd_variants.py rows, docs/perf.md v15-v16): ``pack_gqa`` (a GQA
-    group's heads in one tile) and ``wg_ranges`` (each consumer warpgroup over its own KV tiles), both
-    aimed at windows, where most of a tile's products are masked out."""
+
+def fwd_ws_options(cfg: KernelConfig, tiles: Tiles | None = None) -> dict:
+    """``fwd_ws.build_fwd_ws``'s ``epilogue``, ``q_slots`` and ``pack_gqa`` for the forward (the kinds
+    ``fwd`` and ``fwd_unfolded``; strict's ``fwd_o32`` keeps the defaults), for ``tiles`` (default
+    :func:`fwd_tiles`). Head dim 64: ``epilogue="regs"`` (o stored from each thread's registers, no
+    barrier of every consumer thread at a tile's end) and ``q_slots=2`` (the next query tile's Q loads
+    while this one computes). Measured on the H200 in one run (tools/fwd_variants.py, docs/perf.md
+    v15), 192x128 tiles, o and lse bitwise equal to the previous kernel: gpt-oss SWA (bf16 D64 W128
+    N4096 H64/8) 0.1207 -> 0.1027 ms, also under the 0.1052 of the 128-row tiles that windows up to 128
+    keys ran until then (the kind ``fwd_window``, gone with this: one forward per configuration
+    again); causal D64 N8192 1.3016 -> 1.2776. Head dim 128 keeps the staged epilogue and one Q slot:
+    there both options measured slower (golden 0.1236 -> 0.1402 with "regs", 0.1250 with two slots;
+    causal D128 N4096 0.5105 -> 0.5141 .. 0.5317).
+
+    ``pack_gqa`` (a GQA group's query heads in one tile, so one K/V tile serves the group and a tile
+    spans fewer positions: fewer KV tiles under a window, fewer wasted rows at a short sequence's
+    end) where :func:`pack_gqa_fits`. Measured on the H200 in one run (tools/fwd_variants.py,
+    docs/perf.md v18), 192x128 tiles, o and lse bitwise equal to the unpacked kernel: gpt-oss SWA
+    0.1039 -> 0.0938 ms, varlen W128 (64 sequences, 32768 tokens) 0.9331 -> 0.6736, varlen full
+    1.3530 -> 0.9929, causal D64 N8192 1.2584 -> 1.2605 (the same within noise).
+
+    ``wg_ranges`` stays off: measured slower everywhere but under a window with 64-key tiles (gpt-oss
+    SWA 0.1039 -> 0.0911 at 192x64, behind ``pack_gqa``'s 0.0938 only by 3%; causal D64 N8192 1.26 ->
+    2.10, golden 0.1250 -> 0.1461), and it cannot combine with ``pack_gqa``."""
     if fwd_ws(cfg) and cfg.head_dim == 64:
-        return {"epilogue": "regs", "q_slots": 2}
+        bm = (tiles or fwd_tiles(cfg)).block_m
+        return {"epilogue": "regs", "q_slots": 2, "pack_gqa": pack_gqa_fits(cfg, bm)}
     return {"epilogue": "smem", "q_slots": 1}
 
 

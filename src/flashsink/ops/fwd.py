@@ -52,8 +52,8 @@ def build_fwd(cfg: KernelConfig, tiles: Tiles | None = None, mask: str | None = 
     ``ws`` (default ``config.fwd_ws(cfg)``, unless a ``mask`` other than ``"branch"`` or
     ``fold_scale=True`` asks for the pipelined kernel's options): ``fwd_ws.py``'s hand warp-specialized
     Hopper kernel (its mask is always ``"branch"``; its scale folded where ``config.fwd_fold(cfg)``,
-    unless ``fold_scale=False``: the kind ``fwd_unfolded``, for a scale <= 0; its epilogue and Q slots
-    ``config.fwd_ws_options(cfg)``).
+    unless ``fold_scale=False``: the kind ``fwd_unfolded``, for a scale <= 0; its epilogue, Q slots and GQA packing
+    ``config.fwd_ws_options(cfg, tiles)``).
     """
     if ws is None:
         ws = fwd_ws(cfg) and mask in (None, "branch") and not fold_scale
@@ -61,7 +61,8 @@ def build_fwd(cfg: KernelConfig, tiles: Tiles | None = None, mask: str | None = 
         if mask not in (None, "branch"):
             raise ValueError(f"the warp-specialized forward masks with 'branch'; got mask={mask!r}")
         fold = fwd_fold(cfg) if fold_scale is None else fold_scale
-        return build_fwd_ws(cfg, tiles or fwd_tiles(cfg), fold=fold, **fwd_ws_options(cfg))
+        t = tiles or fwd_tiles(cfg)
+        return build_fwd_ws(cfg, t, fold=fold, **fwd_ws_options(cfg, t))
     fold_scale = bool(fold_scale)
     mask = fwd_mask(cfg) if mask is None else mask
     if mask not in FWD_MASKS:

@@ -25,7 +25,7 @@ import tilelang.language as T
 
 from . import softmax
 from .block_range import full_kv_blocks_for_rows, kv_blocks_for_rows
-from .config import KernelConfig, Tiles
+from .config import KernelConfig, Tiles, pack_gqa_fits
 from .fwd_entry import fwd_entry, fwd_shapes
 from .layout import sequence, store_rows, store_stat, tile
 from .mask import branch_logits
@@ -97,8 +97,8 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
     one, the next Q is loaded only once both consumer warpgroups have issued this tile's last S
     product, and its latency falls on the tile boundary (short tiles: windows).
 
-    ``pack_gqa`` (an option for tools/fwd_variants.py, not measured yet; FlashAttention-4's default on
-    Hopper): a tile holds the ``groups`` query heads of one KV head, ``block_m / groups`` positions of
+    ``pack_gqa`` (``config.fwd_ws_options``: on at head dim 64 where ``config.pack_gqa_fits``, measured
+    on the H200, docs/perf.md v18; FlashAttention-4's default on Hopper): a tile holds the ``groups`` query heads of one KV head, ``block_m / groups`` positions of
     each, head after head (row ``i``: head ``h0 + i // P``, position ``p0 + i % P``), so one K/V tile
     serves the whole group. Under a narrow window a tile then spans fewer keys: at W=128 and 192 rows
     of 8 heads, 24 positions see 151 keys (2-3 KV tiles of 128) where 192 positions see 319 (3),
@@ -379,15 +379,14 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
 
 def _pack_rows(cfg: KernelConfig, bm: int) -> int:
     """Positions per packed tile (``pack_gqa``): ``bm / groups``, a whole number of 8-row swizzle atoms."""
-    g = cfg.groups
     # head dim 64: a Q row is one 128-byte swizzle row, so one head's rows are a contiguous run of the
     # buffer (at 128, TileLang 0.1.15's TMA lowering refuses the sub-tile: "plain SMEM layout is not a
     # bijection"; 16 positions x 8 heads would not cut golden's KV tiles anyway, docs/perf.md v15)
-    if cfg.head_dim != 64 or g < 2 or bm % g or (bm // g) % 8:
+    if not pack_gqa_fits(cfg, bm):
         raise NotImplementedError(
             f"pack_gqa packs a GQA group's heads into {bm}-row tiles at head dim 64 where groups divides "
-            f"{bm} into whole groups of 8 rows; got head dim {cfg.head_dim}, groups {g}")
-    return bm // g
+            f"{bm} into whole groups of 8 rows; got head dim {cfg.head_dim}, groups {cfg.groups}")
+    return bm // cfg.groups
 
 
 def _row_tiles(m_tiles, lse, layout: str, pack):
