@@ -216,7 +216,16 @@ def test_compile_error_pickles():
 # ----------------------------------------------------------------------------------------------
 # retries and temporary files (the compile step replaced, so nothing is really compiled)
 
-def _flaky_jit(failures, made):
+class _Kernel(str):
+    """What a compile returns, as far as ``_compile_with_retries`` reads it: its CUDA source."""
+
+    def get_kernel_source(self):
+        return self.source
+
+    source = "__global__ void k() { if (tl::tl_shuffle_elect<128>()) {} }"
+
+
+def _flaky_jit(failures, made, kernel=None):
     calls = []
 
     def jit(func, cfg, args):
@@ -227,7 +236,7 @@ def _flaky_jit(failures, made):
         made.append(path)
         if len(calls) <= len(failures):
             raise failures[len(calls) - 1]
-        return "kernel"
+        return kernel or _Kernel("kernel")
 
     return jit, calls
 
@@ -292,6 +301,24 @@ def test_real_errors_are_not_retried(tmp_path, monkeypatch):
     assert len(calls) == 1 and info.value.attempts == 1
     assert "expected a ';'" in info.value.stderr_tail and "Killed in the source" not in info.value.stderr_tail
     assert not any(os.path.exists(p) for p in made)
+
+
+@pytest.mark.l0
+def test_a_kernel_that_would_hang_is_a_compile_error(tmp_path, monkeypatch):
+    """A kernel whose CUDA elects a lane under a branch of fewer than 32 threads (``elect.sync`` waits
+    for lanes that never come: the H200 hang of the first dq_cast kernel, docs/perf.md v18) fails its
+    compile, not retried, instead of hanging at its first launch; elections over whole warps, warpgroups
+    and the block (0) pass."""
+    assert C.narrow_elections("tl_shuffle_elect<0>() tl_shuffle_elect<32>() tl_shuffle_elect<384>()") == []
+    assert C.narrow_elections("tl::tl_shuffle_elect<1>() tl::tl_shuffle_elect<16>() tl_shuffle_elect<1>") == [1, 16]
+    root = diskcache.ensure_cache_dir(tmp_path / "cache")
+    hang = _Kernel("kernel")
+    hang.source = "if (threadIdx.x == 288) { if (tl::tl_shuffle_elect<1>()) { tl::tma_load(); } }"
+    jit, calls = _flaky_jit([], [], kernel=hang)
+    monkeypatch.setattr(C, "_jit", jit)
+    with pytest.raises(CompileError) as info:
+        C._compile_with_retries("bwd", CFG, None, None, root)
+    assert len(calls) == 1 and "fewer than a warp" in info.value.stderr_tail and "[1]" in info.value.stderr_tail
 
 
 # ----------------------------------------------------------------------------------------------

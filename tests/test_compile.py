@@ -80,6 +80,11 @@ def test_main_backward_with_dq_cast_compiles(monkeypatch):
     assert config.bwd_dq_cast(cfg)
     src = compile_kernel("bwd", cfg).get_kernel_source()
     assert "AtomicAddRet" in src and "DqCount" in src and "half_t* __restrict__ dQ" in src
+    # the rows' load back is issued by the dQ warp as a whole (one lane elected of 32): elected under
+    # its one counting thread, the first build hung on the H200 (docs/perf.md v18)
+    from flashsink.ops.compile import narrow_elections
+
+    assert narrow_elections(src) == [] and "tl_shuffle_elect<32>" in src
 
 
 @pytest.mark.l2

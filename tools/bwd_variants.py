@@ -182,10 +182,12 @@ def _load(job, build=_func):
     the PrimFunc (tools/fwd_variants.py passes its own)."""
     import tilelang
 
-    from flashsink.ops.compile import pass_configs
+    from flashsink.ops.compile import check_source, pass_configs
 
-    return tilelang.compile(build(job), target={"kind": "cuda", "arch": "sm_90a"}, execution_backend="tvm_ffi",
-                            pass_configs=pass_configs())
+    kernel = tilelang.compile(build(job), target={"kind": "cuda", "arch": "sm_90a"}, execution_backend="tvm_ffi",
+                              pass_configs=pass_configs())
+    check_source(kernel.get_kernel_source() or "")  # a variant that would hang fails here, not after 60 s
+    return kernel
 
 
 def _compile(job, build=_func):

@@ -193,9 +193,13 @@ def build_bwd_ws(cfg: KernelConfig, t, split: int, lpt: bool = True, branch: boo
                 T.atomic_add(DqCount[b, head, rb], 1, memory_order="acq_rel", return_prev=True) + 1 == seen_by, 1, 0)
         T.sync_threads(DQ_BARRIER, 32)
         if last_s[0] == 1:
-            if tx == CONSUMER_THREADS + 32:
-                T.tma_copy(acc_tile(dQAcc, layout, b, head, row0, bm), cast_s, barrier=cast_full)
-                T.barrier_arrive(cast_full)
+            # the whole warp reaches the copy: TileLang issues it from one lane it elects with elect.sync,
+            # which needs every lane of the warp (issued under ``tx == ...`` alone, the elected lane
+            # waited for the other 31 at elect.sync while they waited on cast_full: the hang the H200
+            # showed, docs/perf.md v18); the elected lane's expect_tx precedes its own arrival, and the
+            # phase needs all 32 arrivals
+            T.tma_copy(acc_tile(dQAcc, layout, b, head, row0, bm), cast_s, barrier=cast_full)
+            T.barrier_arrive(cast_full)
             T.mbarrier_wait_parity(cast_full, n_cast[0] & 1)
             store_rows(dQ, layout, b, head, 0, row0, sq, cast_s, bm, dim)
             n_cast[0] = n_cast[0] + 1
@@ -245,7 +249,7 @@ def build_bwd_ws(cfg: KernelConfig, t, split: int, lpt: bool = True, branch: boo
                 dq_empty = T.alloc_barrier(arrive_count=32 if dq_cast else 128)  # dq_s added into dQAcc
                 if dq_cast:
                     cast_s = T.alloc_shared([bm, dim], accum)  # a finished row block of dQAcc, back from L2
-                    cast_full = T.alloc_barrier(arrive_count=1)  # cast_s loaded
+                    cast_full = T.alloc_barrier(arrive_count=32)  # cast_s loaded (the dQ warp + TMA bytes)
                     last_s = T.alloc_shared([1], "int32")  # whether the add just counted was the block's last
                     n_cast = T.alloc_local([1], "int32")  # cast_full's phase
 

@@ -30,6 +30,7 @@ import logging
 import multiprocessing as mp
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -238,13 +239,38 @@ def _jit(func, cfg, args: _CompileArgs):
     )
 
 
+_ELECT = re.compile(r"tl_shuffle_elect<(\d+)>")
+
+
+def narrow_elections(source: str) -> list[int]:
+    """The lane elections in a kernel's CUDA source that run under fewer threads than a warp:
+    TileLang issues a bulk copy (TMA) or barrier setup from one lane it picks with
+    ``tl::tl_shuffle_elect<extent>``, ``elect.sync`` over the full warp, where ``extent`` is the number
+    of threads of the branch around it. Under a branch of fewer than 32 threads (``if tx == ...``
+    around a ``T.tma_copy``) the elected lane waits at ``elect.sync`` for lanes that never come: the
+    kernel hangs (the H200 showed it, docs/perf.md v18). 0 means the whole block and is fine."""
+    return sorted({int(n) for n in _ELECT.findall(source) if 0 < int(n) < 32})
+
+
+def check_source(source: str) -> None:
+    """Raise ``RuntimeError`` if ``source`` (a kernel's CUDA) would hang: :func:`narrow_elections`."""
+    narrow = narrow_elections(source)
+    if narrow:
+        raise RuntimeError(
+            f"the kernel elects a lane under a branch of {narrow} thread(s), fewer than a warp: elect.sync "
+            f"would wait for the warp's other lanes and hang. Issue its bulk copies (T.tma_copy) from a "
+            f"branch of whole warps (the copy elects one lane itself)")
+
+
 def _compile_with_retries(kind: str, cfg, func, args: _CompileArgs, root: Path):
     attempt = 0
     while True:
         attempt += 1
         try:
             with diskcache.private_tmp(root):
-                return _jit(func, cfg, args)
+                kernel = _jit(func, cfg, args)
+            check_source(kernel.get_kernel_source() or "")
+            return kernel
         except Exception as exc:
             if attempt <= COMPILE_RETRIES and is_transient(exc):
                 log.warning(
