@@ -82,6 +82,13 @@ def _variants(d: int) -> list:
     # with the forward's own options (regs/q2) and without them; head dim 64 only (fwd_ws._pack_rows)
     if d == 64:
         out += [(f"ws/fold/{o} 192x128/s2", own, "branch", False, o) for o in ("regs/q2/pack", "pack")]
+        # packed (the library's D64 forward since v18) over 64-key tiles: 24 positions at W=128 see 151
+        # keys, 3-4 tiles of 64 (192-256 keys a row) against 2-3 of 128 (256-384); and 128-row tiles
+        # (16 positions a head, two consumer warpgroups). Wins under windows only would need a kind of
+        # their own (the window is a runtime value)
+        out += [(f"ws/fold/regs/q2/pack 192x64/s{st}", (192, 64, 384, st), "branch", False, "regs/q2/pack")
+                for st in (3, 4)]
+        out.append(("ws/fold/regs/q2/pack 128x128/s2", (128, 128, 256, 2), "branch", False, "regs/q2/pack"))
     # each consumer warpgroup over the KV tiles its own 64 rows see (build_fwd_ws(wg_ranges=True)), with
     # 64-key tiles: at W=128 a warpgroup then computes 192 keys per row where a tile of 128 (192) rows over
     # 128-key tiles computes 256 (384); the forward's own options, 2-4 ring slots (64-key slots are small).
