@@ -20,7 +20,7 @@ import torch  # noqa: E402
 
 from flashsink.ops import schedule  # noqa: E402
 from flashsink.ops.compile import build_prim_func  # noqa: E402
-from flashsink.ops.config import KernelConfig, bwd_ws, fwd_ws  # noqa: E402
+from flashsink.ops.config import KernelConfig, bwd_ws, fwd_tiles, fwd_ws, pack_gqa_fits  # noqa: E402
 
 pytestmark = pytest.mark.l0
 
@@ -144,7 +144,11 @@ def test_packed_kernels_launch_the_schedule(kind, over):
     text = build_prim_func(kind, cfg).script()
     assert "while " in text
     if kind == "fwd" and fwd_ws(cfg):
-        assert re.search(r"m_tiles: T.int32 = seq_q // (128|192) \+ \(n_cu - 1\)", text)  # the slots it loops over
+        # the slots it loops over: tiles of block_m positions, or at head dim 64 (a GQA group packed into
+        # one tile, config.pack_gqa_fits) of block_m / groups positions: 192 / 8
+        bm = fwd_tiles(cfg).block_m
+        rows = bm // cfg.groups if pack_gqa_fits(cfg, bm) else bm
+        assert rows == 24 and f"m_tiles: T.int32 = seq_q // {rows} + (n_cu - 1)" in text
         return
     by_work = kind in BY_WORK and bwd_ws(cfg)
     last = "blockIdx.y" if by_work else "blockIdx.z"
