@@ -322,7 +322,7 @@ def test_pack_gqa_option_packs_a_group_into_one_tile():
     (_cfg(d=64, groups=1), False),  # no group
     (_cfg(d=64, groups=5), False),  # 192 rows are no whole number of heads
     (_cfg(d=64, groups=16), False),  # 12 rows a head
-    (_cfg(d=128), False),  # D128: not packable (and golden's tiles would not shrink)
+    (_cfg(d=128), False),  # D128: packable (two boxes a head), not on: golden's tiles would not shrink
 ])
 def test_library_forward_packs_gqa_where_it_fits(cfg, packs):
     """The library's forward (``fwd.build_fwd``, options from ``config.fwd_ws_options``) is the packed
@@ -334,7 +334,8 @@ def test_library_forward_packs_gqa_where_it_fits(cfg, packs):
 
     tiles = fwd_tiles(cfg)
     opts = fwd_ws_options(cfg)
-    assert opts.get("pack_gqa", False) is packs and pack_gqa_fits(cfg, tiles.block_m) is packs
+    assert opts.get("pack_gqa", False) is packs
+    assert pack_gqa_fits(cfg, tiles.block_m) is (packs or cfg.head_dim == 128)
     lib = fwd.build_fwd(cfg).script()
     base = {"epilogue": "regs", "q_slots": 2} if cfg.head_dim == 64 else {}
     assert lib == build_fwd_ws(cfg, tiles, fold=True, pack_gqa=packs, **base).script()
@@ -349,7 +350,7 @@ def test_library_forward_packs_gqa_where_it_fits(cfg, packs):
     (_cfg(d=64, groups=1), 192),  # no group to pack
     (_cfg(d=64, groups=5), 192),  # 192 rows are no whole number of heads
     (_cfg(d=64, groups=16), 192),  # 12 rows a head: not whole 8-row swizzle atoms
-    (_cfg(d=128), 128),  # a head's rows are not a contiguous run of D128's swizzled buffer
+    (_cfg(d=128, groups=3), 128),  # nor at D128
 ])
 def test_pack_gqa_refuses_what_it_cannot_pack(cfg, bm):
     from flashsink.ops.fwd_ws import build_fwd_ws
@@ -372,6 +373,25 @@ def test_pack_gqa_compiles_for_hopper():
                             pass_configs=pass_configs())
     src = kern.get_kernel_source()
     assert src.count("expect_transaction(3072)") == 1 and "for (int g = 0; g < 8; ++g)" in src
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (compiles for sm_90a without a GPU)")
+def test_pack_gqa_compiles_at_head_dim_128():
+    """At head dim 128 (tools/fwd_variants.py's ".../pack 128x128", golden's tiles) a head's 16 rows
+    are two TMA boxes, one per 64-column half of the swizzled Q buffer (a [16, 128] box is no bijection
+    for TileLang 0.1.15's lowering): 8 heads x 2 boxes of 2048 bytes, each half's rows at
+    ``hc * 8192 + g * 1024`` elements; nvcc builds it, and no lane is elected under a narrow branch."""
+    import tilelang
+
+    from flashsink.ops.compile import narrow_elections, pass_configs
+    from flashsink.ops.fwd_ws import build_fwd_ws
+
+    func = build_fwd_ws(_cfg("float16", 128), Tiles(128, 128, 256, 2), fold=True, pack_gqa=True)
+    kern = tilelang.compile(func, target={"kind": "cuda", "arch": "sm_90a"}, execution_backend="tvm_ffi",
+                            pass_configs=pass_configs())
+    src = kern.get_kernel_source()
+    assert src.count("expect_transaction(2048)") == 1 and "for (int hc = 0; hc < 2; ++hc)" in src
+    assert "((hc * 8192) + (g * 1024))" in src and narrow_elections(src) == []
 
 
 def test_pack_gqa_on_packed_batches():

@@ -79,7 +79,7 @@ def _variants(d: int) -> list:
             for t in dict.fromkeys([own, (128, 128, 256, 2)]) for o in ("regs", "q2", "regs/q2")]
     # a GQA group's heads packed into one tile (build_fwd_ws(pack_gqa=True), FA4's default on Hopper): at
     # W=128 a tile of 24 positions x 8 heads spans 2-3 KV tiles where 192 positions span 3 (perf.md v15);
-    # with the forward's own options (regs/q2) and without them; head dim 64 only (fwd_ws._pack_rows)
+    # with the forward's own options (regs/q2) and without them; head dims 64 and 128 (fwd_ws._pack_rows)
     if d == 64:
         out += [(f"ws/fold/{o} 192x128/s2", own, "branch", False, o) for o in ("regs/q2/pack", "pack")]
         # packed (the library's D64 forward since v18) over 64-key tiles: 24 positions at W=128 see 151
@@ -89,6 +89,8 @@ def _variants(d: int) -> list:
         out += [(f"ws/fold/regs/q2/pack 192x64/s{st}", (192, 64, 384, st), "branch", False, "regs/q2/pack")
                 for st in (3, 4)]
         out.append(("ws/fold/regs/q2/pack 128x128/s2", (128, 128, 256, 2), "branch", False, "regs/q2/pack"))
+    elif d == 128:  # golden: two boxes a head; its tiles span as many KV tiles, only K/V loads fall
+        out.append(("ws/fold/pack 128x128/s2", own, "branch", False, "pack"))
     # each consumer warpgroup over the KV tiles its own 64 rows see (build_fwd_ws(wg_ranges=True)), with
     # 64-key tiles: at W=128 a warpgroup then computes 192 keys per row where a tile of 128 (192) rows over
     # 128-key tiles computes 256 (384); the forward's own options, 2-4 ring slots (64-key slots are small).

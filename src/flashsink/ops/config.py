@@ -263,11 +263,11 @@ def fwd_ws(cfg: KernelConfig) -> bool:
 
 def pack_gqa_fits(cfg: KernelConfig, block_m: int) -> bool:
     """Whether ``fwd_ws.build_fwd_ws(pack_gqa=True)`` can pack a GQA group's query heads into one
-    ``block_m``-row tile: head dim 64 (a Q row is one 128-byte swizzle row; at 128 TileLang 0.1.15's TMA
-    lowering refuses the sub-tile), a group of at least two heads that divides ``block_m`` into whole
-    8-row swizzle atoms (at gpt-oss's 192 rows: groups 2, 3, 4, 6, 8, 12, 24)."""
+    ``block_m``-row tile: head dims 64 and 128 (a head's rows are one TMA box per 64 columns), a group of
+    at least two heads that divides ``block_m`` into whole 8-row swizzle atoms (at gpt-oss's 192 rows:
+    groups 2, 3, 4, 6, 8, 12, 24). The library packs at head dim 64 (:func:`fwd_ws_options`)."""
     g = cfg.groups
-    return cfg.head_dim == 64 and g >= 2 and block_m % g == 0 and (block_m // g) % 8 == 0
+    return cfg.head_dim in (64, 128) and g >= 2 and block_m % g == 0 and (block_m // g) % 8 == 0
 
 
 def fwd_ws_options(cfg: KernelConfig, tiles: Tiles | None = None) -> dict:
@@ -285,7 +285,9 @@ def fwd_ws_options(cfg: KernelConfig, tiles: Tiles | None = None) -> dict:
 
     ``pack_gqa`` (a GQA group's query heads in one tile, so one K/V tile serves the group and a tile
     spans fewer positions: fewer KV tiles under a window, fewer wasted rows at a short sequence's
-    end) where :func:`pack_gqa_fits`. Measured on the H200 in one run (tools/fwd_variants.py,
+    end) at head dim 64 where :func:`pack_gqa_fits`. Head dim 128 can pack too (tools/fwd_variants.py's
+    ".../pack 128x128" row), not measured yet: at golden's 128-row tiles and W=128 a tile of 16
+    positions still spans 2 KV tiles, so only the K/V loads per group fall (8 to 1). Measured on the H200 in one run (tools/fwd_variants.py,
     docs/perf.md v18), 192x128 tiles, o and lse bitwise equal to the unpacked kernel: gpt-oss SWA
     0.1039 -> 0.0938 ms, varlen W128 (64 sequences, 32768 tokens) 0.9331 -> 0.6736, varlen full
     1.3530 -> 0.9929, causal D64 N8192 1.2584 -> 1.2605 (the same within noise).

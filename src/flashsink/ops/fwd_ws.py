@@ -107,7 +107,7 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
     over the statistics' padded rows, so every lse row (padding included) is written as without it.
     Packed batches (thd) pack the same way: the varlen tile scheduler (``schedule.py``) hands out
     tiles of ``P`` positions of one sequence, so a short sequence's last tile also wastes fewer rows.
-    Head dim 64 only (``_pack_rows``).
+    Head dims 64 and 128 (``_pack_rows``; at 128 a head's rows are two boxes, one per 64-column half).
 
     ``wg_ranges`` (an option for tools/fwd_variants.py, not measured yet): each consumer warpgroup runs
     only over the KV tiles its own 64 rows see, a contiguous run inside the tile's range, and releases
@@ -210,9 +210,17 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
                                        barrier=_q_slot(q_full, q_done, q_slots))
                         else:  # the group's heads, one box of `pack` rows each
                             for g in T.unroll(groups):
-                                T.tma_copy(tile(Q, layout, b, head * groups + g, q_base + bx * pack, pack),
-                                           _q_rows(q_s, q_done, q_slots, g * pack, pack),
-                                           barrier=_q_slot(q_full, q_done, q_slots))
+                                if dim == 64:
+                                    T.tma_copy(tile(Q, layout, b, head * groups + g, q_base + bx * pack, pack),
+                                               _q_rows(q_s, q_done, q_slots, g * pack, pack),
+                                               barrier=_q_slot(q_full, q_done, q_slots))
+                                else:  # one box per 64 columns: a [pack, 128] box of the swizzled buffer is
+                                    # no bijection for TileLang 0.1.15's TMA lowering, its 64-column halves are
+                                    for hc in T.unroll(dim // 64):
+                                        T.tma_copy(tile(Q, layout, b, head * groups + g, q_base + bx * pack, pack,
+                                                        hc * 64, 64),
+                                                   _q_rows(q_s, q_done, q_slots, g * pack, pack, hc * 64, 64),
+                                                   barrier=_q_slot(q_full, q_done, q_slots))
                         T.barrier_arrive(_q_slot(q_full, q_done, q_slots))
                         q_done = q_done + 1
                     for it in T.serial(hi - lo):
@@ -379,13 +387,13 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
 
 def _pack_rows(cfg: KernelConfig, bm: int) -> int:
     """Positions per packed tile (``pack_gqa``): ``bm / groups``, a whole number of 8-row swizzle atoms."""
-    # head dim 64: a Q row is one 128-byte swizzle row, so one head's rows are a contiguous run of the
-    # buffer (at 128, TileLang 0.1.15's TMA lowering refuses the sub-tile: "plain SMEM layout is not a
-    # bijection"; 16 positions x 8 heads would not cut golden's KV tiles anyway, docs/perf.md v15)
+    # head dim 64: a Q row is one 128-byte swizzle row, so one head's rows are one box; at 128 each
+    # head's rows are two boxes, one per 64-column half of the buffer (the library packs at 64 only:
+    # config.fwd_ws_options; 16 positions x 8 heads do not cut golden's KV tiles, docs/perf.md v15)
     if not pack_gqa_fits(cfg, bm):
         raise NotImplementedError(
-            f"pack_gqa packs a GQA group's heads into {bm}-row tiles at head dim 64 where groups divides "
-            f"{bm} into whole groups of 8 rows; got head dim {cfg.head_dim}, groups {cfg.groups}")
+            f"pack_gqa packs a GQA group's heads into {bm}-row tiles at head dims 64 and 128 where groups "
+            f"divides {bm} into whole groups of 8 rows; got head dim {cfg.head_dim}, groups {cfg.groups}")
     return bm // cfg.groups
 
 
@@ -407,11 +415,13 @@ def _first_head(head, groups: int, pack):
     return head if pack is None else head * groups
 
 
-def _q_rows(q_s, q_done, q_slots: int, r0: int, n: int):
-    """Rows ``r0 .. r0+n`` of the Q buffer's slot for the ``q_done``-th tile (a packed tile's head)."""
+def _q_rows(q_s, q_done, q_slots: int, r0: int, n: int, c0=None, nc=None):
+    """Rows ``r0 .. r0+n`` of the Q buffer's slot for the ``q_done``-th tile (a packed tile's head);
+    columns ``c0 .. c0+nc`` of them if given."""
+    cols = slice(None) if c0 is None else slice(c0, c0 + nc)
     if q_slots == 1:
-        return q_s[r0 : r0 + n, :]
-    return q_s[q_done % q_slots, r0 : r0 + n, :]
+        return q_s[r0 : r0 + n, cols]
+    return q_s[q_done % q_slots, r0 : r0 + n, cols]
 
 
 def _q_slot(x, q_done, q_slots: int):

@@ -101,13 +101,15 @@ def sequence(layout, cu_seqlens, b, seq):
     return 0, seq
 
 
-def tile(x, layout, b, h, s0, n):
-    """The ``[n, dim]`` region of rows ``s0 .. s0+n`` of head ``h`` (``s0`` includes the base)."""
+def tile(x, layout, b, h, s0, n, c0=None, nc=None):
+    """The ``[n, dim]`` region of rows ``s0 .. s0+n`` of head ``h`` (``s0`` includes the base); columns
+    ``c0 .. c0+nc`` of it if given."""
+    cols = slice(None) if c0 is None else slice(c0, c0 + nc)
     if layout == "bhsd":
-        return x[b, h, s0 : s0 + n, :]
+        return x[b, h, s0 : s0 + n, cols]
     if layout == "thd":
-        return x[s0 : s0 + n, h, :]
-    return x[b, s0 : s0 + n, h, :]
+        return x[s0 : s0 + n, h, cols]
+    return x[b, s0 : s0 + n, h, cols]
 
 
 def stat_tile(x, layout, b, h, r0, n):
