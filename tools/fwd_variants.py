@@ -91,6 +91,11 @@ def _variants(d: int) -> list:
         out.append(("ws/fold/regs/q2/pack 128x128/s2", (128, 128, 256, 2), "branch", False, "regs/q2/pack"))
     elif d == 128:  # golden: two boxes a head; its tiles span as many KV tiles, only K/V loads fall
         out.append(("ws/fold/pack 128x128/s2", own, "branch", False, "pack"))
+        # ... with the register epilogue and Q double-buffered (D64's options), and over 64-key tiles:
+        # 16 positions at W=128 see 143 keys, 3-4 tiles of 64 (~205 keys a row) against 2 of 128 (256)
+        out.append(("ws/fold/regs/q2/pack 128x128/s2", own, "branch", False, "regs/q2/pack"))
+        out += [(f"ws/fold/{o} 128x64/s{st}", (128, 64, 256, st), "branch", False, o)
+                for o in ("pack", "regs/q2/pack") for st in (2, 3)]
     # each consumer warpgroup over the KV tiles its own 64 rows see (build_fwd_ws(wg_ranges=True)), with
     # 64-key tiles: at W=128 a warpgroup then computes 192 keys per row where a tile of 128 (192) rows over
     # 128-key tiles computes 256 (384); the forward's own options, 2-4 ring slots (64-key slots are small).
