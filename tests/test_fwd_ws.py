@@ -143,7 +143,7 @@ def test_the_forward_options_follow_the_head_dim(cfg, opts):
     (measured faster there on causal and windowed problems, docs/perf.md v15) and packs a GQA group
     into one tile where it fits (docs/perf.md v18), 128's keeps the staged
     epilogue and one Q slot; the kinds fwd and fwd_unfolded are that kernel at the forward's own tiles,
-    strict's fwd_o32 keeps the defaults; one forward per configuration, whatever the window."""
+    strict's fwd_o32 keeps the defaults; a narrow window's kind (fwd_window) is the next test's."""
     import dataclasses
 
     from flashsink.ops.compile import build_prim_func
@@ -152,7 +152,8 @@ def test_the_forward_options_follow_the_head_dim(cfg, opts):
     from flashsink.ops.kinds import KINDS
 
     assert fwd_ws_options(cfg) == opts
-    assert [k for k in KINDS if k.startswith("fwd")] == ["fwd", "fwd_unfolded", "fwd_o32", "fwd_split", "fwd_kvcache"]
+    assert [k for k in KINDS if k.startswith("fwd")] == ["fwd", "fwd_unfolded", "fwd_window", "fwd_o32", "fwd_split",
+                                                         "fwd_kvcache"]
     if not fwd_ws(cfg):
         return
     t = fwd_tiles(cfg)
@@ -164,20 +165,60 @@ def test_the_forward_options_follow_the_head_dim(cfg, opts):
             strict, fwd_o32_tiles(strict), fold=True, o32=True, epilogue="smem", q_slots=1).script()
 
 
+@pytest.mark.parametrize("cfg,tiles", [
+    (_cfg(d=64), Tiles(192, 64, 384, 3)),
+    (_cfg("float16", 64, "bshd", sinks=False), Tiles(192, 64, 384, 3)),
+    (_cfg("bfloat16", 64, "thd"), Tiles(192, 64, 384, 3)),
+    (_cfg("float16", 128), Tiles(128, 64, 256, 3)),
+    (_cfg("float16", 128, "bshd", groups=2), Tiles(128, 64, 256, 3)),
+    (_cfg("bfloat16", 128, "thd", groups=4), None),  # packed batches at 128: ptxas spills 76 bytes
+    (_cfg(d=64, groups=1), None),  # nothing to pack
+    (_cfg(d=64, groups=5), None),  # 192 rows are no whole groups of 5
+    (_cfg(d=128, groups=32), None),  # 4 positions a head: less than one 8-row swizzle atom
+    (_cfg(d=64, causal=False), None),  # a window needs the causal mask
+    (_cfg(d=32), None),  # not fwd_ws.py's kernel
+    (_cfg(d=64, arch="sm_80"), None),
+])
+def test_fwd_window_is_the_packed_forward_with_64_key_tiles(cfg, tiles):
+    """config.fwd_window_tiles: a window of at most WINDOW_TILES_MAX keys runs the kind ``fwd_window``
+    where a GQA group packs into the forward's rows: 64-key tiles, three ring slots, the group packed
+    (head dim 64 with its forward's register epilogue and two Q slots, 128 with the staged epilogue and
+    one), folded as the forward is; elsewhere the kind is not built and the forward's tiles stand."""
+    from flashsink.ops.compile import build_prim_func
+    from flashsink.ops.config import WINDOW_TILES_MAX, fwd_fold, fwd_tiles, fwd_window_tiles, fwd_windowed
+    from flashsink.ops.fwd_ws import build_fwd_ws
+    from flashsink.ops.kinds import KINDS, kinds_for
+
+    assert WINDOW_TILES_MAX == 128
+    want = tiles is not None
+    assert fwd_windowed(cfg) == want
+    assert ("fwd_window" in kinds_for(cfg)) == want and KINDS["fwd_window"].builds(cfg) == want
+    if not want:
+        assert fwd_window_tiles(cfg) == fwd_tiles(cfg)
+        return
+    assert fwd_window_tiles(cfg) == tiles
+    opts = ({"epilogue": "regs", "q_slots": 2} if cfg.head_dim == 64 else {"epilogue": "smem", "q_slots": 1})
+    text = build_prim_func("fwd_window", cfg).script()
+    assert text == build_fwd_ws(cfg, tiles, fold=fwd_fold(cfg), pack_gqa=True, **opts).script()
+    assert f'"tl.launch_threads": [{tiles.block_m * 2 + 128}, 1, 1]' in text  # the consumers and the producer
+    assert text != build_prim_func("fwd", cfg).script()
+
+
 @pytest.mark.parametrize("window,scale,want", [
-    (128, 0.125, "fwd"), (1, 0.125, "fwd"), (129, 0.125, "fwd"), (1 << 30, 0.125, "fwd"),
+    (128, 0.125, "fwd_window"), (1, 0.125, "fwd_window"), (129, 0.125, "fwd"), (1 << 30, 0.125, "fwd"),
     (128, -0.125, "fwd_unfolded"), (1 << 30, 0.0, "fwd_unfolded"),
 ])
-def test_the_forward_kind_follows_the_scale(window, scale, want):
-    """interface._fwd_kind: a scale <= 0 takes the unfolded forward, whatever the window; every other
-    call the forward (head dims 64 and 128 alike; no windowed kind since docs/perf.md v15). sm_80 has
-    one forward, unfolded. (``window`` is what a call would give: the choice does not read it.)"""
+def test_the_forward_kind_follows_window_and_scale(window, scale, want):
+    """interface._fwd_kind: a scale <= 0 takes the unfolded forward, whatever the window; a window of at
+    most WINDOW_TILES_MAX keys the windowed tiles where the group packs (gpt-oss's 8 heads at head dims
+    64 and 128); else the forward. A group that does not pack has no windowed kind; sm_80 has one
+    forward, unfolded."""
     from flashsink.ops.interface import _fwd_kind
 
-    assert window > 0
-    assert _fwd_kind(_cfg(d=64), scale) == want
-    assert _fwd_kind(_cfg(d=128), scale) == want
-    assert _fwd_kind(_cfg(d=64, arch="sm_80"), scale) == "fwd"
+    assert _fwd_kind(_cfg(d=64), window, scale) == want
+    assert _fwd_kind(_cfg(d=128), window, scale) == want
+    assert _fwd_kind(_cfg(d=64, groups=1), window, scale) == want.replace("fwd_window", "fwd")
+    assert _fwd_kind(_cfg(d=64, arch="sm_80"), window, scale) == "fwd"
 
 
 def test_exp2_fma_option_builds_and_leaves_the_default_alone():

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.l0
 
 
 #: the forward's kinds: one launch protocol (``interface._fwd_kind`` picks one per call)
-FORWARDS = ("fwd", "fwd_unfolded")
+FORWARDS = ("fwd", "fwd_unfolded", "fwd_window")
 
 
 class Launch:
@@ -126,7 +126,8 @@ def test_dense_forward_launch(monkeypatch, launches, arch, case):
     o, lse = interface._forward(q, k, v, sinks32, cfg, spec, window)
     (fw,) = launches
     assert fw.kind == "fwd" and fw.cfg == cfg and len(fw.args) == 8
-    assert fw.launched == "fwd"  # one forward whatever the window (config.fwd_ws_options)
+    # a window of at most 128 keys takes the windowed tiles where the group packs (config.fwd_window_tiles)
+    assert fw.launched == ("fwd_window" if window <= config.WINDOW_TILES_MAX and config.fwd_windowed(cfg) else "fwd")
     a = fw.args
     for got, want in zip(a[:4], (q, k, v, sinks32)):
         assert same(got, want)

@@ -72,7 +72,7 @@ def checked(monkeypatch):
                         assert a.shape[axis] == n, (
                             f"{kind} {name}: shape {list(a.shape)}, the kernel ({cfg.short()}) has {n} at axis {axis}")
                     assert a.dtype == dtype, f"{kind} {name}: {a.dtype}, the kernel's is {dtype}"
-                if kind in ("fwd", "fwd_unfolded", "merge_splits"):
+                if kind in ("fwd", "fwd_unfolded", "fwd_window", "merge_splits"):
                     args[-1].fill_(0.5)  # lse: finite, so the backward's inputs are ordinary
                 seen.append((kind, cfg))
 
@@ -133,7 +133,7 @@ def test_dense_launches_match_the_kernels(monkeypatch, checked, case, precision,
     if o32:
         assert kinds[:2] == ["fwd_o32", "preprocess_o32"] and "preprocess" not in kinds, kinds
     else:
-        assert kinds[0] in ("fwd", "fwd_split") and "preprocess" in kinds, kinds
+        assert kinds[0] in ("fwd", "fwd_window", "fwd_split") and "preprocess" in kinds, kinds
     if sq >= 2048 and precision == "fast" and not deterministic and d > 128:
         assert "bwd_split" in kinds  # the case meant to cover it does
     if sq == 1:
@@ -173,7 +173,7 @@ def test_varlen_launches_match_the_kernels(monkeypatch, checked, case, precision
         assert o.shape == q.shape
         grads = torch.autograd.grad(o, leaves, do)
     assert [tuple(x.shape) for x in grads] == [tuple(x.shape) for x in leaves]
-    assert [kind for kind, _ in checked][0] == "fwd"
+    assert [kind for kind, _ in checked][0] in ("fwd", "fwd_window")
 
 
 def test_the_checker_catches_a_wrong_head_dim(checked):

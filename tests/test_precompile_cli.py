@@ -15,9 +15,9 @@ def test_dry_run_plans_the_product(capsys):
     out = capsys.readouterr().out
     assert rc == 0
     # 2 archs x 2 dtypes x 2 tiles (80 runs on the 128 tile) x 2 ratios x 2 sink modes x 2 (det or not),
-    # each 4 kernels, plus the split-KV forward and its merge on sm_90a (one forward per configuration,
-    # whatever the window)
-    assert "64 configurations, 320 kernels" in out  # no bwd_split where the ws main backward runs (D64/D128 Hopper)
+    # each 4 kernels, plus the split-KV forward and its merge on sm_90a, plus the windowed forward on
+    # sm_90a where a GQA group packs (groups 8: config.fwd_window_tiles), 16 configurations
+    assert "64 configurations, 336 kernels" in out  # no bwd_split where the ws main backward runs (D64/D128 Hopper)
     assert "sm_80-float16-D128x128-G8-causal-nosink-bhsd-det" in out and " dq" in out and " fwd_split" in out
     assert not any(line.startswith("sm_80") and "fwd_split" in line for line in out.splitlines())
 
@@ -28,8 +28,8 @@ def test_dry_run_varlen_adds_the_packed_kernels(capsys):
     out = capsys.readouterr().out
     assert rc == 0
     assert "sm_90a-bfloat16-D64x64-G8-causal-sink-thd" in out
-    # bhsd: 4 + split-KV and merge (the ws main backward runs unsplit); thd: 4
-    assert "2 configurations, 10 kernels" in out
+    # bhsd: 4 + the windowed forward + split-KV and merge (the ws main backward runs unsplit); thd: 5
+    assert "2 configurations, 12 kernels" in out
 
 
 @pytest.mark.l0
@@ -89,7 +89,7 @@ def test_fwd_split_on_sm80_is_refused_up_front(capsys):
 def test_dry_run_counts_what_is_built(capsys):
     # repeated options plan each configuration (and kind) once, as precompile builds each once
     assert main(["precompile", "--dry-run", "--dtype", "bf16", "--head-dim", "64", "--groups", "8", "8"]) == 0
-    assert "1 configurations, 6 kernels" in capsys.readouterr().out
+    assert "1 configurations, 7 kernels" in capsys.readouterr().out
     assert main(["precompile", "--dry-run", "--dtype", "bf16", "--head-dim", "64", "--groups", "8",
                  "--kinds", "fwd", "fwd"]) == 0
     assert "1 configurations, 1 kernels" in capsys.readouterr().out

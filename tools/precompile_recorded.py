@@ -12,8 +12,8 @@ def recorded_pairs(path: str) -> list:
     """(kind, config) of each recorded kernel, and with a recorded forward the rest of its
     configuration's forward and backward (a test that records the forward may stop before its
     backward); not the kinds of a configuration seen only through a lone kernel (merge_splits' float32
-    partials are no fwd's dtype). A kind since removed (``fwd_window``, an older run's) is read as the
-    forward that replaced it."""
+    partials are no fwd's dtype). A forward kind since removed (an older run's) is read as ``fwd``;
+    ``fwd_window`` (removed in docs/perf.md v15, back in v19) is a forward like ``fwd``."""
     from flashsink.ops.config import KernelConfig
     from flashsink.ops.kinds import KINDS
     from flashsink.ops.precompile import kinds_for
@@ -28,7 +28,8 @@ def recorded_pairs(path: str) -> list:
                     kind = "fwd"
                 recorded.append((kind, KernelConfig(**d)))
     recorded = list(dict.fromkeys(recorded))
-    return list(dict.fromkeys(recorded + [(k, c) for kind, c in recorded if kind == "fwd" for k in kinds_for(c)]))
+    return list(dict.fromkeys(recorded + [(k, c) for kind, c in recorded if kind in ("fwd", "fwd_window")
+                                        for k in kinds_for(c)]))
 
 
 if __name__ == "__main__":

@@ -270,7 +270,41 @@ def pack_gqa_fits(cfg: KernelConfig, block_m: int) -> bool:
     return cfg.head_dim in (64, 128) and g >= 2 and block_m % g == 0 and (block_m // g) % 8 == 0
 
 
-def fwd_ws_options(cfg: KernelConfig, tiles: Tiles | None = None) -> dict:
+#: the widest window that launches the forward's windowed tiles (the kind ``fwd_window``,
+#: :func:`fwd_window_tiles`): the window measured (gpt-oss's 128); wider windows keep :func:`fwd_tiles`
+WINDOW_TILES_MAX = 128
+
+
+def fwd_window_tiles(cfg: KernelConfig) -> Tiles:
+    """Forward tiles for a window of at most :data:`WINDOW_TILES_MAX` keys (the kind ``fwd_window``):
+    64-key tiles, three K/V ring slots, a GQA group packed into the tile (:func:`fwd_ws_options` with
+    ``window=True``), where the group packs (:func:`pack_gqa_fits`); elsewhere :func:`fwd_tiles`.
+    A packed tile of P positions sees W + P - 1 keys: at W=128, 24 positions (D64's 192 rows, 8 heads)
+    see 151 keys, 3-4 tiles of 64 (~215 keys a row computed) against 2-3 of 128 (~282); 16 positions
+    (D128's 128 rows) see 143, ~205 keys against 256. Measured on the H200 in one run
+    (tools/fwd_variants.py, docs/perf.md v19): gpt-oss SWA (bf16 D64 W128 N4096 H64/8) 0.0936 -> 0.0787 ms
+    (FA4 0.0827), golden (fp16 D128 W128) 0.1238 -> 0.1102 (FA4 0.1181), varlen W128 (64 sequences,
+    32768 tokens, thd) 0.6697 -> 0.6174; o within one rounding of the forward's (the key tiles split the
+    sums differently: relative L2 1.2e-3 bf16, 1.5e-4 fp16; lse 3e-8). Slower on full causal attention
+    (causal D64 N8192 1.2506 -> 1.4997: four times the softmax passes of 128-key tiles), hence a kind of
+    its own chosen by the call's window (a runtime value). Causal configurations only (a window needs
+    the causal mask); at head dim 128 padded layouts only (ptxas sm_90a: the packed thd kernel spills
+    76 bytes of registers, the bhsd one 8, D64's none; not measured on the GPU)."""
+    if fwd_ws(cfg) and cfg.causal and (cfg.head_dim == 64 or cfg.layout != "thd"):
+        t = Tiles(192, 64, 384, 3) if cfg.head_dim == 64 else Tiles(128, 64, 256, 3)
+        if pack_gqa_fits(cfg, t.block_m):
+            return t
+    return fwd_tiles(cfg)
+
+
+@functools.lru_cache(maxsize=None)
+def fwd_windowed(cfg: KernelConfig) -> bool:
+    """Whether a call with a window of at most :data:`WINDOW_TILES_MAX` keys launches ``fwd_window``:
+    where its tiles differ from the forward's. (Cached: asked on every call.)"""
+    return fwd_window_tiles(cfg) != fwd_tiles(cfg)
+
+
+def fwd_ws_options(cfg: KernelConfig, tiles: Tiles | None = None, window: bool = False) -> dict:
     """``fwd_ws.build_fwd_ws``'s ``epilogue``, ``q_slots`` and ``pack_gqa`` for the forward (the kinds
     ``fwd`` and ``fwd_unfolded``; strict's ``fwd_o32`` keeps the defaults), for ``tiles`` (default
     :func:`fwd_tiles`). Head dim 64: ``epilogue="regs"`` (o stored from each thread's registers, no
@@ -285,12 +319,16 @@ def fwd_ws_options(cfg: KernelConfig, tiles: Tiles | None = None) -> dict:
 
     ``pack_gqa`` (a GQA group's query heads in one tile, so one K/V tile serves the group and a tile
     spans fewer positions: fewer KV tiles under a window, fewer wasted rows at a short sequence's
-    end) at head dim 64 where :func:`pack_gqa_fits`. Head dim 128 can pack too (tools/fwd_variants.py's
-    ".../pack 128x128" row), not measured yet: at golden's 128-row tiles and W=128 a tile of 16
-    positions still spans 2 KV tiles, so only the K/V loads per group fall (8 to 1). Measured on the H200 in one run (tools/fwd_variants.py,
+    end) at head dim 64 where :func:`pack_gqa_fits`. Head dim 128 packs under a window only (the kind
+    ``fwd_window``): at its forward's 128x128 tiles packing measured no gain (golden 0.1238 -> 0.1257
+    ms, docs/perf.md v19; 16 positions still span 2 KV tiles, only the K/V loads per group fall). Measured on the H200 in one run (tools/fwd_variants.py,
     docs/perf.md v18), 192x128 tiles, o and lse bitwise equal to the unpacked kernel: gpt-oss SWA
     0.1039 -> 0.0938 ms, varlen W128 (64 sequences, 32768 tokens) 0.9331 -> 0.6736, varlen full
     1.3530 -> 0.9929, causal D64 N8192 1.2584 -> 1.2605 (the same within noise).
+
+    ``window``: the options of the kind ``fwd_window`` (:func:`fwd_window_tiles`): head dim 64's as
+    above; at 128 the staged epilogue and one Q slot (measured faster there than "regs" and two slots
+    with the windowed tiles too: golden 0.1102 against 0.1181 ms, docs/perf.md v19), packed.
 
     ``wg_ranges`` stays off: measured slower everywhere but under a window with 64-key tiles (gpt-oss
     SWA 0.1039 -> 0.0911 at 192x64, behind ``pack_gqa``'s 0.0938 only by 3%; causal D64 N8192 1.26 ->
@@ -298,6 +336,8 @@ def fwd_ws_options(cfg: KernelConfig, tiles: Tiles | None = None) -> dict:
     if fwd_ws(cfg) and cfg.head_dim == 64:
         bm = (tiles or fwd_tiles(cfg)).block_m
         return {"epilogue": "regs", "q_slots": 2, "pack_gqa": pack_gqa_fits(cfg, bm)}
+    if window and fwd_windowed(cfg):  # head dim 128's windowed tiles pack (fwd_window_tiles)
+        return {"epilogue": "smem", "q_slots": 1, "pack_gqa": True}
     return {"epilogue": "smem", "q_slots": 1}
 
 

@@ -11,7 +11,9 @@ import tilelang.language as T
 
 from . import softmax
 from .block_range import full_kv_blocks_for_rows, kv_blocks_for_rows
-from .config import KernelConfig, Tiles, fwd_fold, fwd_mask, fwd_o32_tiles, fwd_tiles, fwd_ws, fwd_ws_options
+from .config import (
+    KernelConfig, Tiles, fwd_fold, fwd_mask, fwd_o32_tiles, fwd_tiles, fwd_window_tiles, fwd_ws, fwd_ws_options,
+)
 from .fwd_entry import fwd_entry, fwd_shapes
 from .fwd_ws import build_fwd_ws
 from .layout import prologue_load, sequence, store_rows, store_stat, tile
@@ -33,6 +35,14 @@ def build_fwd_o32(cfg: KernelConfig):
     """Strict's forward when a backward follows (``config.fwd_o32``): two-term P @ V, and the output
     also in fp32 (``fwd_ws.build_fwd_ws``'s ``o32``) for the backward's Delta."""
     return build_fwd_ws(cfg, fwd_o32_tiles(cfg), fold=True, o32=True)
+
+
+def build_fwd_window(cfg: KernelConfig):
+    """The forward with a narrow window's tiles (``config.fwd_window_tiles``: 64-key tiles, a GQA group
+    packed into each), the kind a call with ``window <= config.WINDOW_TILES_MAX`` launches where those
+    tiles differ from the forward's (``config.fwd_windowed``)."""
+    t = fwd_window_tiles(cfg)
+    return build_fwd_ws(cfg, t, fold=fwd_fold(cfg), **fwd_ws_options(cfg, t, window=True))
 
 
 def build_fwd(cfg: KernelConfig, tiles: Tiles | None = None, mask: str | None = None, fold_scale: bool | None = None,

@@ -20,8 +20,8 @@ from . import decode
 from .compile import get_kernel
 from .kinds import KINDS
 from .config import (
-    BWD_SPLIT_MIN_ROWS, HEAD_DIM_RULE, LOG2E, NO_WINDOW, PRECISIONS, ROW_PAD, SUPPORTED_DTYPES,
-    KernelConfig, arch_of, bwd_dq_cast, bwd_split, bwd_tiles, fwd_fold, fwd_o32, kernel_head_dim,
+    BWD_SPLIT_MIN_ROWS, HEAD_DIM_RULE, LOG2E, NO_WINDOW, PRECISIONS, ROW_PAD, SUPPORTED_DTYPES, WINDOW_TILES_MAX,
+    KernelConfig, arch_of, bwd_dq_cast, bwd_split, bwd_tiles, fwd_fold, fwd_o32, fwd_windowed, kernel_head_dim,
 )
 from .config import padded_rows as _padded_rows, varlen_rows  # noqa: F401  (the ops' and tests' names)
 
@@ -159,16 +159,19 @@ def _forward(q, k, v, sinks32, cfg, spec, window, cu_seqlens=None, o32=False):
         o_f32 = torch.empty(o.shape, dtype=torch.float32, device=q.device)
         get_kernel("fwd_o32", cfg)(q, k, v, sinks32, *seq, window, scale * LOG2E, o, lse, o_f32)
         return o, lse, o_f32
-    get_kernel(_fwd_kind(cfg, scale), cfg)(q, k, v, sinks32, *seq, window, scale * LOG2E, o, lse)
+    get_kernel(_fwd_kind(cfg, window, scale), cfg)(q, k, v, sinks32, *seq, window, scale * LOG2E, o, lse)
     return (o, lse, None) if o32 else (o, lse)
 
 
-def _fwd_kind(cfg, scale: float) -> str:
+def _fwd_kind(cfg, window: int, scale: float) -> str:
     """The forward kernel for a call: ``fwd_unfolded`` for a scale <= 0 where the forward folds the scale
     (``config.fwd_fold``: the running maximum is then over unscaled logits, right for a positive scale
-    only); else ``fwd``, whatever the window."""
+    only; whatever the window); ``fwd_window`` for a window of at most WINDOW_TILES_MAX keys where it
+    has tiles of its own (``config.fwd_windowed``); else ``fwd``."""
     if scale <= 0 and fwd_fold(cfg):
         return "fwd_unfolded"
+    if window <= WINDOW_TILES_MAX and fwd_windowed(cfg):
+        return "fwd_window"
     return "fwd"
 
 

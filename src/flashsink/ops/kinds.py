@@ -18,7 +18,7 @@ from typing import Callable, Optional
 
 from .config import (
     KVCACHE_HEAD_DIMS, SPLIT_ROWS, KernelConfig, bwd_dq_cast, bwd_split, bwd_tiles, dq_tiles, fwd_fold, fwd_o32,
-    fwd_o32_tiles, fwd_tiles, pre_o32_tiles, pre_tiles, split_tiles,
+    fwd_o32_tiles, fwd_tiles, fwd_window_tiles, fwd_windowed, pre_o32_tiles, pre_tiles, split_tiles,
 )
 
 
@@ -90,6 +90,11 @@ KINDS: dict = {
     # launched by a call with scale <= 0 only, so built on the first such call, not ahead
     "fwd_unfolded": Kind("fwd.build_fwd_unfolded", fwd_tiles, _never, ignores=("deterministic", "precision"),
                          builds=fwd_fold, build_s=16.0),
+    # the forward with a narrow window's tiles (config.fwd_window_tiles: 64-key tiles, a GQA group packed),
+    # where they differ from "fwd"'s: launched by calls with window <= config.WINDOW_TILES_MAX (gpt-oss's
+    # sliding layers share their configuration with the full ones, so a first use builds both forwards)
+    "fwd_window": Kind("fwd.build_fwd_window", fwd_window_tiles, fwd_windowed, ignores=("deterministic", "precision"),
+                       builds=fwd_windowed, build_s=16.0),
     # strict's forward when a backward follows, and that backward's Delta pass (config.fwd_o32): two-term
     # P @ V and the output in fp32 too, read by a memory-bound Delta instead of recomputing P and dP
     "fwd_o32": Kind("fwd.build_fwd_o32", fwd_o32_tiles, fwd_o32, ignores=("deterministic",), builds=fwd_o32,
