@@ -195,6 +195,8 @@ def test_fwd_window_is_the_packed_forward_with_64_key_tiles(cfg, tiles):
     assert ("fwd_window" in kinds_for(cfg)) == want and KINDS["fwd_window"].builds(cfg) == want
     if not want:
         assert fwd_window_tiles(cfg) == fwd_tiles(cfg)
+        with pytest.raises(NotImplementedError, match="fwd_window.*sm_90a.*kind fwd"):
+            build_prim_func("fwd_window", cfg)
         return
     assert fwd_window_tiles(cfg) == tiles
     opts = ({"epilogue": "regs", "q_slots": 2} if cfg.head_dim == 64 else {"epilogue": "smem", "q_slots": 1})

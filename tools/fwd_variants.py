@@ -89,6 +89,10 @@ def _variants(d: int) -> list:
         out += [(f"ws/fold/regs/q2/pack 192x64/s{st}", (192, 64, 384, st), "branch", False, "regs/q2/pack")
                 for st in (3, 4)]
         out.append(("ws/fold/regs/q2/pack 128x128/s2", (128, 128, 256, 2), "branch", False, "regs/q2/pack"))
+        # the windowed kind's neighbours (config.fwd_window_tiles is 192x64/s3 regs/q2/pack since v19): 128
+        # rows (16 positions see 143 keys at W=128, 3-4 tiles of 64) and one Q slot
+        out.append(("ws/fold/regs/q2/pack 128x64/s3", (128, 64, 256, 3), "branch", False, "regs/q2/pack"))
+        out.append(("ws/fold/regs/pack 192x64/s3", (192, 64, 384, 3), "branch", False, "regs/pack"))
     elif d == 128:  # golden: two boxes a head; its tiles span as many KV tiles, only K/V loads fall
         out.append(("ws/fold/pack 128x128/s2", own, "branch", False, "pack"))
         # ... with the register epilogue and Q double-buffered (D64's options), and over 64-key tiles:

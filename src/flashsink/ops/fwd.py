@@ -12,7 +12,8 @@ import tilelang.language as T
 from . import softmax
 from .block_range import full_kv_blocks_for_rows, kv_blocks_for_rows
 from .config import (
-    KernelConfig, Tiles, fwd_fold, fwd_mask, fwd_o32_tiles, fwd_tiles, fwd_window_tiles, fwd_ws, fwd_ws_options,
+    KernelConfig, Tiles, fwd_fold, fwd_mask, fwd_o32_tiles, fwd_tiles, fwd_window_tiles, fwd_windowed, fwd_ws,
+    fwd_ws_options,
 )
 from .fwd_entry import fwd_entry, fwd_shapes
 from .fwd_ws import build_fwd_ws
@@ -41,6 +42,11 @@ def build_fwd_window(cfg: KernelConfig):
     """The forward with a narrow window's tiles (``config.fwd_window_tiles``: 64-key tiles, a GQA group
     packed into each), the kind a call with ``window <= config.WINDOW_TILES_MAX`` launches where those
     tiles differ from the forward's (``config.fwd_windowed``)."""
+    if not fwd_windowed(cfg):
+        raise NotImplementedError(
+            "the windowed forward (kind fwd_window) builds on Hopper (sm_90a) for causal configurations with "
+            "equal head dims 64, or 128 in padded layouts, whose GQA group packs into its row tiles "
+            f"(config.pack_gqa_fits); got {cfg.short()}: its windows run the forward (kind fwd)")
     t = fwd_window_tiles(cfg)
     return build_fwd_ws(cfg, t, fold=fwd_fold(cfg), **fwd_ws_options(cfg, t, window=True))
 
