@@ -344,6 +344,17 @@ def _eager_fwd_o32(q, window, layout, deterministic, precision) -> bool:
     return config.fwd_o32(interface.kernel_config(spec, q.device, deterministic, precision))
 
 
+def _traced_fwd_window(q, k, window, layout, deterministic, precision) -> bool:
+    """Whether the traced route's forward (the op ``flashsink::fwd``, no fp32 O) is the kind ``fwd_window``
+    for ``q``'s problem: 64-key tiles (``config.fwd_window_tiles``), where ``fwd_o32`` runs 128-key ones,
+    so each row's sums split differently and lse is within one rounding, not bitwise."""
+    from flashsink.ops import config, interface
+
+    spec = validate_attention(q, k, k, None, window=window, causal=True, scale=None, layout=layout)
+    cfg = interface.kernel_config(spec, q.device, deterministic, precision)
+    return interface._fwd_kind(cfg, interface.kernel_window(window), float(spec.scale)) == "fwd_window"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: "H{}-HK{}-D{}-W{}-{}-{}{}-{}".format(
     c[0], c[1], c[2], c[3], c[4], "sink" if c[5] else "nosink", "-det" if c[6] else "", c[7]))
@@ -353,7 +364,8 @@ def test_kernels_fullgraph_dynamic_gpu(counter, case):
     fast gate for "fast") against the float64 reference, and against the eager kernels (the standard; lse
     bitwise, and o bitwise where both routes run the same forward kernel: strict's eager forward with
     gradients on Hopper is ``fwd_o32``, two-term P @ V, whose o is within one rounding of the traced
-    route's, ``config.fwd_o32``)."""
+    route's, ``config.fwd_o32``; under a window of at most 128 keys the traced route's forward is
+    ``fwd_window``, over 64-key tiles, so its lse too is within one rounding of ``fwd_o32``'s)."""
     h, hk, d, window, layout, sinks, det, precision = case
 
     def fn(q, k, v, s):
@@ -379,8 +391,12 @@ def test_kernels_fullgraph_dynamic_gpu(counter, case):
             _assert_all(_judge(f"{label}@{n}", names, got, expected, lowp, torch.bfloat16, precision))
         _assert_all([testing.check_precision(f"compiled-vs-eager {nm}@{n}", c, e, torch.bfloat16)
                      for nm, c, e in zip(names, comp, eager)])
-        assert torch.equal(comp[1], eager[1])
-        assert torch.equal(comp[0], eager[0]) or _eager_fwd_o32(inp["q"], window, layout, det, precision)
+        o32 = _eager_fwd_o32(inp["q"], window, layout, det, precision)
+        # lse bitwise where both routes sum each row over the same key tiles (eager fwd_o32 against a traced
+        # fwd_window does not: 128-key against 64-key tiles; both are judged above)
+        assert torch.equal(comp[1], eager[1]) or (o32 and _traced_fwd_window(inp["q"], inp["k"], window, layout,
+                                                                              det, precision))
+        assert torch.equal(comp[0], eager[0]) or o32
     assert counter.frame_count == 1
     ops = _flashsink_ops(counter)
     assert any("flashsink.fwd" in t for t in ops), f"the kernels' op is not in the graph: {sorted(_ops_in(counter))}"
