@@ -336,23 +336,17 @@ GPU_CASES = [
 ]
 
 
-def _eager_fwd_o32(q, window, layout, deterministic, precision) -> bool:
-    """Whether flashsink.attention's eager route runs ``fwd_o32`` for ``q``'s problem with gradients."""
-    from flashsink.ops import config, interface
-
-    spec = validate_attention(q, q, q, None, window=window, causal=True, scale=None, layout=layout)
-    return config.fwd_o32(interface.kernel_config(spec, q.device, deterministic, precision))
-
-
-def _traced_fwd_window(q, k, window, layout, deterministic, precision) -> bool:
-    """Whether the traced route's forward (the op ``flashsink::fwd``, no fp32 O) is the kind ``fwd_window``
-    for ``q``'s problem: 64-key tiles (``config.fwd_window_tiles``), where ``fwd_o32`` runs 128-key ones,
-    so each row's sums split differently and lse is within one rounding, not bitwise."""
+def _forward_routes(q, k, window, layout, deterministic, precision) -> tuple:
+    """``(eager fwd_o32, traced fwd_window)`` for the problem of ``q`` and ``k``: whether flashsink.attention's
+    eager route with gradients runs ``fwd_o32`` (``config.fwd_o32``: 128-key tiles, two-term P @ V), and
+    whether the traced route's op (no fp32 O) runs ``fwd_window`` (``interface._fwd_kind``: 64-key tiles,
+    so each row's sums split differently and lse is within one rounding of ``fwd_o32``'s, not bitwise)."""
     from flashsink.ops import config, interface
 
     spec = validate_attention(q, k, k, None, window=window, causal=True, scale=None, layout=layout)
     cfg = interface.kernel_config(spec, q.device, deterministic, precision)
-    return interface._fwd_kind(cfg, interface.kernel_window(window), float(spec.scale)) == "fwd_window"
+    return (config.fwd_o32(cfg),
+            interface._fwd_kind(cfg, interface.kernel_window(window), float(spec.scale)) == "fwd_window")
 
 
 @pytest.mark.gpu
@@ -391,11 +385,10 @@ def test_kernels_fullgraph_dynamic_gpu(counter, case):
             _assert_all(_judge(f"{label}@{n}", names, got, expected, lowp, torch.bfloat16, precision))
         _assert_all([testing.check_precision(f"compiled-vs-eager {nm}@{n}", c, e, torch.bfloat16)
                      for nm, c, e in zip(names, comp, eager)])
-        o32 = _eager_fwd_o32(inp["q"], window, layout, det, precision)
+        o32, windowed = _forward_routes(inp["q"], inp["k"], window, layout, det, precision)
         # lse bitwise where both routes sum each row over the same key tiles (eager fwd_o32 against a traced
         # fwd_window does not: 128-key against 64-key tiles; both are judged above)
-        assert torch.equal(comp[1], eager[1]) or (o32 and _traced_fwd_window(inp["q"], inp["k"], window, layout,
-                                                                              det, precision))
+        assert torch.equal(comp[1], eager[1]) or (o32 and windowed)
         assert torch.equal(comp[0], eager[0]) or o32
     assert counter.frame_count == 1
     ops = _flashsink_ops(counter)

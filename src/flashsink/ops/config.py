@@ -265,7 +265,8 @@ def pack_gqa_fits(cfg: KernelConfig, block_m: int) -> bool:
     """Whether ``fwd_ws.build_fwd_ws(pack_gqa=True)`` can pack a GQA group's query heads into one
     ``block_m``-row tile: head dims 64 and 128 (a head's rows are one TMA box per 64 columns), a group of
     at least two heads that divides ``block_m`` into whole 8-row swizzle atoms (at gpt-oss's 192 rows:
-    groups 2, 3, 4, 6, 8, 12, 24). The library packs at head dim 64 (:func:`fwd_ws_options`)."""
+    groups 2, 3, 4, 6, 8, 12, 24). The library packs at head dim 64, and at 128 under a window (the kind
+    ``fwd_window``: :func:`fwd_ws_options`, :func:`fwd_window_tiles`)."""
     g = cfg.groups
     return cfg.head_dim in (64, 128) and g >= 2 and block_m % g == 0 and (block_m // g) % 8 == 0
 
@@ -312,8 +313,8 @@ def fwd_ws_options(cfg: KernelConfig, tiles: Tiles | None = None, window: bool =
     while this one computes). Measured on the H200 in one run (tools/fwd_variants.py, docs/perf.md
     v15), 192x128 tiles, o and lse bitwise equal to the previous kernel: gpt-oss SWA (bf16 D64 W128
     N4096 H64/8) 0.1207 -> 0.1027 ms, also under the 0.1052 of the 128-row tiles that windows up to 128
-    keys ran until then (the kind ``fwd_window``, gone with this: one forward per configuration
-    again); causal D64 N8192 1.3016 -> 1.2776. Head dim 128 keeps the staged epilogue and one Q slot:
+    keys ran until then (v12-v14's ``fwd_window``, removed then; the kind is back since v19 with packed
+    64-key tiles, :func:`fwd_window_tiles`); causal D64 N8192 1.3016 -> 1.2776. Head dim 128 keeps the staged epilogue and one Q slot:
     there both options measured slower (golden 0.1236 -> 0.1402 with "regs", 0.1250 with two slots;
     causal D128 N4096 0.5105 -> 0.5141 .. 0.5317).
 
@@ -321,8 +322,8 @@ def fwd_ws_options(cfg: KernelConfig, tiles: Tiles | None = None, window: bool =
     spans fewer positions: fewer KV tiles under a window, fewer wasted rows at a short sequence's
     end) at head dim 64 where :func:`pack_gqa_fits`. Head dim 128 packs under a window only (the kind
     ``fwd_window``): at its forward's 128x128 tiles packing measured no gain (golden 0.1238 -> 0.1257
-    ms, docs/perf.md v19; 16 positions still span 2 KV tiles, only the K/V loads per group fall). Measured on the H200 in one run (tools/fwd_variants.py,
-    docs/perf.md v18), 192x128 tiles, o and lse bitwise equal to the unpacked kernel: gpt-oss SWA
+    ms, docs/perf.md v19; 16 positions still span 2 KV tiles, only the K/V loads per group fall).
+    Measured on the H200 in one run (tools/fwd_variants.py, docs/perf.md v18), 192x128 tiles, o and lse bitwise equal to the unpacked kernel: gpt-oss SWA
     0.1039 -> 0.0938 ms, varlen W128 (64 sequences, 32768 tokens) 0.9331 -> 0.6736, varlen full
     1.3530 -> 0.9929, causal D64 N8192 1.2584 -> 1.2605 (the same within noise).
 

@@ -98,7 +98,8 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
     product, and its latency falls on the tile boundary (short tiles: windows).
 
     ``pack_gqa`` (``config.fwd_ws_options``: on at head dim 64 where ``config.pack_gqa_fits``, measured
-    on the H200, docs/perf.md v18; FlashAttention-4's default on Hopper): a tile holds the ``groups`` query heads of one KV head, ``block_m / groups`` positions of
+    on the H200, docs/perf.md v18, and at 128 in the windowed kind ``fwd_window``, v19;
+    FlashAttention-4's default on Hopper): a tile holds the ``groups`` query heads of one KV head, ``block_m / groups`` positions of
     each, head after head (row ``i``: head ``h0 + i // P``, position ``p0 + i % P``), so one K/V tile
     serves the whole group. Under a narrow window a tile then spans fewer keys: at W=128 and 192 rows
     of 8 heads, 24 positions see 151 keys (2-3 KV tiles of 128) where 192 positions see 319 (3),
@@ -388,8 +389,8 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
 def _pack_rows(cfg: KernelConfig, bm: int) -> int:
     """Positions per packed tile (``pack_gqa``): ``bm / groups``, a whole number of 8-row swizzle atoms."""
     # head dim 64: a Q row is one 128-byte swizzle row, so one head's rows are one box; at 128 each
-    # head's rows are two boxes, one per 64-column half of the buffer (the library packs at 64 only:
-    # config.fwd_ws_options; 16 positions x 8 heads do not cut golden's KV tiles, docs/perf.md v15)
+    # head's rows are two boxes, one per 64-column half of the buffer (the library packs at 128 under a
+    # window only, the kind fwd_window: config.fwd_ws_options)
     if not pack_gqa_fits(cfg, bm):
         raise NotImplementedError(
             f"pack_gqa packs a GQA group's heads into {bm}-row tiles at head dims 64 and 128 where groups "
