@@ -129,21 +129,22 @@ def test_library_forward_is_ws_where_config_says(cfg, want):
 
 
 @pytest.mark.parametrize("cfg,opts", [
-    (_cfg(d=64), {"epilogue": "regs", "q_slots": 2, "pack_gqa": True}),
-    (_cfg("float16", 64, "bshd", sinks=False), {"epilogue": "regs", "q_slots": 2, "pack_gqa": True}),
-    (_cfg("float16", 64, "thd"), {"epilogue": "regs", "q_slots": 2, "pack_gqa": True}),
-    (_cfg(d=64, causal=False), {"epilogue": "regs", "q_slots": 2, "pack_gqa": True}),
-    (_cfg(d=64, groups=1), {"epilogue": "regs", "q_slots": 2, "pack_gqa": False}),
-    (_cfg(d=128), {"epilogue": "smem", "q_slots": 1}),
-    (_cfg(d=32), {"epilogue": "smem", "q_slots": 1}),  # not fwd_ws.py's kernel
-    (_cfg(d=64, arch="sm_80"), {"epilogue": "smem", "q_slots": 1}),
+    (_cfg(d=64), {"epilogue": "regs", "q_slots": 2, "pack_gqa": True, "pin_wait": True}),
+    (_cfg("float16", 64, "bshd", sinks=False), {"epilogue": "regs", "q_slots": 2, "pack_gqa": True, "pin_wait": True}),
+    (_cfg("float16", 64, "thd"), {"epilogue": "regs", "q_slots": 2, "pack_gqa": True, "pin_wait": True}),
+    (_cfg(d=64, causal=False), {"epilogue": "regs", "q_slots": 2, "pack_gqa": True, "pin_wait": True}),
+    (_cfg(d=64, groups=1), {"epilogue": "regs", "q_slots": 2, "pack_gqa": False, "pin_wait": True}),
+    (_cfg(d=128), {"epilogue": "smem", "q_slots": 1, "pin_wait": True}),
+    (_cfg(d=32), {"epilogue": "smem", "q_slots": 1, "pin_wait": True}),  # not fwd_ws.py's kernel
+    (_cfg(d=64, arch="sm_80"), {"epilogue": "smem", "q_slots": 1, "pin_wait": True}),
 ])
 def test_the_forward_options_follow_the_head_dim(cfg, opts):
     """config.fwd_ws_options: head dim 64's forward stores o from registers, double-buffers Q
     (measured faster there on causal and windowed problems, docs/perf.md v15) and packs a GQA group
     into one tile where it fits (docs/perf.md v18), 128's keeps the staged
     epilogue and one Q slot; the kinds fwd and fwd_unfolded are that kernel at the forward's own tiles,
-    strict's fwd_o32 keeps the defaults; a narrow window's kind (fwd_window) is the next test's."""
+    strict's fwd_o32 keeps the defaults; every kind keeps the wait for P V after the softmax
+    (``pin_wait``, config.FWD_PIN_WAIT); a narrow window's kind (fwd_window) is the next test's."""
     import dataclasses
 
     from flashsink.ops.compile import build_prim_func
@@ -162,7 +163,7 @@ def test_the_forward_options_follow_the_head_dim(cfg, opts):
     strict = dataclasses.replace(cfg, precision="strict")
     if fwd_o32(strict):
         assert build_prim_func("fwd_o32", strict).script() == build_fwd_ws(
-            strict, fwd_o32_tiles(strict), fold=True, o32=True, epilogue="smem", q_slots=1).script()
+            strict, fwd_o32_tiles(strict), fold=True, o32=True, epilogue="smem", q_slots=1, pin_wait=True).script()
 
 
 @pytest.mark.parametrize("cfg,tiles", [
@@ -200,6 +201,7 @@ def test_fwd_window_is_the_packed_forward_with_64_key_tiles(cfg, tiles):
         return
     assert fwd_window_tiles(cfg) == tiles
     opts = ({"epilogue": "regs", "q_slots": 2} if cfg.head_dim == 64 else {"epilogue": "smem", "q_slots": 1})
+    opts["pin_wait"] = True
     text = build_prim_func("fwd_window", cfg).script()
     assert text == build_fwd_ws(cfg, tiles, fold=fwd_fold(cfg), pack_gqa=True, **opts).script()
     assert f'"tl.launch_threads": [{tiles.block_m * 2 + 128}, 1, 1]' in text  # the consumers and the producer
@@ -238,7 +240,7 @@ def test_exp2_fma_option_builds_and_leaves_the_default_alone():
     coeff = repr(float(_EXP2_POLY[-1]))[:8]
     assert coeff in fma.script() and coeff not in lib.script() and "reinterpret" in fma.script()
     assert build_fwd_ws(cfg, Tiles(192, 128, 384, 2), fold=True, fma_every=0, epilogue="regs", q_slots=2,
-                        pack_gqa=True).script() == lib.script()
+                        pack_gqa=True, pin_wait=True).script() == lib.script()
 
 
 def test_exp2_fma_arithmetic():
@@ -381,6 +383,7 @@ def test_library_forward_packs_gqa_where_it_fits(cfg, packs):
     assert pack_gqa_fits(cfg, tiles.block_m) is (packs or cfg.head_dim == 128)
     lib = fwd.build_fwd(cfg).script()
     base = {"epilogue": "regs", "q_slots": 2} if cfg.head_dim == 64 else {}
+    base["pin_wait"] = True
     assert lib == build_fwd_ws(cfg, tiles, fold=True, pack_gqa=packs, **base).script()
     if packs:
         assert lib != build_fwd_ws(cfg, tiles, fold=True, pack_gqa=False, **base).script()
@@ -500,3 +503,43 @@ def test_wg_ranges_refuses_pack_and_o32():
         build_fwd_ws(_cfg(d=64), Tiles(192, 64, 384, 3), fold=True, wg_ranges=True, pack_gqa=True)
     with pytest.raises(ValueError, match="wg_ranges"):
         build_fwd_ws(_cfg(d=64, ), Tiles(128, 64, 256, 3), fold=True, wg_ranges=True, o32=True)
+
+
+def _waits_after_pins(text: str) -> list:
+    """For each ``T.wait_wgmma(0)`` of a kernel's TIR, whether the line before it stores ``l`` to ``l_pin``."""
+    lines = [line.strip() for line in text.splitlines()]
+    return [lines[i - 1].startswith("T.copy(T.region(l[0]") and "l_pin[0]" in lines[i - 1]
+            for i, line in enumerate(lines) if line == "T.wait_wgmma(0)"]
+
+
+@pytest.mark.parametrize("d,tiles,opts", [
+    (128, Tiles(128, 128, 256, 2), {}),
+    (64, Tiles(192, 128, 384, 2), {"epilogue": "regs", "q_slots": 2, "pack_gqa": True}),
+    (64, Tiles(192, 64, 384, 3), {"epilogue": "regs", "q_slots": 2, "pack_gqa": True}),
+    (128, Tiles(128, 128, 256, 2), {"o32": True}),
+    (64, Tiles(192, 64, 384, 3), {"wg_ranges": True}),
+])
+def test_pin_wait_option_stores_l_before_each_wait_for_pv(d, tiles, opts):
+    """``build_fwd_ws(pin_wait=True)``: one shared buffer of the tile's rows more, and the normalizer ``l``
+    stored to it right before the wait for the previous tile's P V product, the one wait that follows a
+    softmax (ptxas otherwise hoists that wait above the softmax, docs/perf.md v20); the other waits
+    (the first tile's S, the last tile's P V) stay as they are, and so does everything else: the option
+    off is what build_fwd_ws builds unasked, TIR for TIR."""
+    from flashsink.ops.fwd_ws import build_fwd_ws
+
+    precision = "strict" if opts.get("o32") else "fast"
+    cfg = KernelConfig("sm_90a", "bfloat16", d, d, 8, True, True, "bhsd", False, precision)
+    plain = build_fwd_ws(cfg, tiles, fold=True, **opts)
+    assert plain.script() == build_fwd_ws(cfg, tiles, fold=True, pin_wait=False, **opts).script()
+    func = build_fwd_ws(cfg, tiles, fold=True, pin_wait=True, **opts)
+    assert _params(func) == _params(plain) and _dtypes(func) == _dtypes(plain)
+    text = func.script()
+    alloc = [line.strip() for line in text.splitlines() if "l_pin = " in line]
+    assert alloc == [f'l_pin = T.sblock_alloc_buffer(({tiles.block_m},), scope="shared.dyn")']
+    pinned, unpinned = _waits_after_pins(text), _waits_after_pins(plain.script())
+    assert len(pinned) == len(unpinned) >= 3 and not any(unpinned) and "l_pin" not in plain.script()
+    # the main loop's wait (and, with wg_ranges, its own loop's) is pinned; the first S and the last P V are not
+    assert sum(pinned) == 1 and not pinned[0] and not pinned[-1]
+    # the rest of the kernel is the plain one's: drop the pin's two lines and the texts agree
+    kept = [line for line in text.splitlines() if "l_pin" not in line]
+    assert kept == plain.script().splitlines()

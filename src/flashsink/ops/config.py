@@ -305,6 +305,15 @@ def fwd_windowed(cfg: KernelConfig) -> bool:
     return fwd_window_tiles(cfg) != fwd_tiles(cfg)
 
 
+#: ``fwd_ws.build_fwd_ws``'s ``pin_wait`` in every forward kind of that kernel (fwd, fwd_unfolded, fwd_window,
+#: fwd_o32): the wait for each tile's P V product kept after its softmax. Without it ptxas (CUDA 13.0, sm_90a)
+#: hoists that wait above the row maximum and the exponentials in every one of them (cuobjdump -sass,
+#: docs/perf.md v20), so the softmax never runs beside the product that FlashAttention-3's intra-warpgroup
+#: overlap issues for it. Predicted: the causal forwards +5..10%, the windowed ones (whose mask already ran
+#: beside the product) a few percent; tools/fwd_variants.py's ".../pin" rows time each kind with and without.
+FWD_PIN_WAIT = True
+
+
 def fwd_ws_options(cfg: KernelConfig, tiles: Tiles | None = None, window: bool = False) -> dict:
     """``fwd_ws.build_fwd_ws``'s ``epilogue``, ``q_slots`` and ``pack_gqa`` for the forward (the kinds
     ``fwd`` and ``fwd_unfolded``; strict's ``fwd_o32`` keeps the defaults), for ``tiles`` (default
@@ -331,15 +340,18 @@ def fwd_ws_options(cfg: KernelConfig, tiles: Tiles | None = None, window: bool =
     above; at 128 the staged epilogue and one Q slot (measured faster there than "regs" and two slots
     with the windowed tiles too: golden 0.1102 against 0.1181 ms, docs/perf.md v19), packed.
 
+    ``pin_wait``: :data:`FWD_PIN_WAIT` everywhere.
+
     ``wg_ranges`` stays off: measured slower everywhere but under a window with 64-key tiles (gpt-oss
     SWA 0.1039 -> 0.0911 at 192x64, behind ``pack_gqa``'s 0.0938 only by 3%; causal D64 N8192 1.26 ->
     2.10, golden 0.1250 -> 0.1461), and it cannot combine with ``pack_gqa``."""
+    pin = {"pin_wait": FWD_PIN_WAIT}
     if fwd_ws(cfg) and cfg.head_dim == 64:
         bm = (tiles or fwd_tiles(cfg)).block_m
-        return {"epilogue": "regs", "q_slots": 2, "pack_gqa": pack_gqa_fits(cfg, bm)}
+        return {"epilogue": "regs", "q_slots": 2, "pack_gqa": pack_gqa_fits(cfg, bm), **pin}
     if window and fwd_windowed(cfg):  # head dim 128's windowed tiles pack (fwd_window_tiles)
-        return {"epilogue": "smem", "q_slots": 1, "pack_gqa": True}
-    return {"epilogue": "smem", "q_slots": 1}
+        return {"epilogue": "smem", "q_slots": 1, "pack_gqa": True, **pin}
+    return {"epilogue": "smem", "q_slots": 1, **pin}
 
 
 def fwd_o32(cfg: KernelConfig) -> bool:

@@ -12,7 +12,7 @@ import tilelang.language as T
 from . import softmax
 from .block_range import full_kv_blocks_for_rows, kv_blocks_for_rows
 from .config import (
-    KernelConfig, Tiles, fwd_fold, fwd_mask, fwd_o32_tiles, fwd_tiles, fwd_window_tiles, fwd_windowed, fwd_ws,
+    FWD_PIN_WAIT, KernelConfig, Tiles, fwd_fold, fwd_mask, fwd_o32_tiles, fwd_tiles, fwd_window_tiles, fwd_windowed, fwd_ws,
     fwd_ws_options,
 )
 from .fwd_entry import fwd_entry, fwd_shapes
@@ -35,7 +35,7 @@ def build_fwd_unfolded(cfg: KernelConfig):
 def build_fwd_o32(cfg: KernelConfig):
     """Strict's forward when a backward follows (``config.fwd_o32``): two-term P @ V, and the output
     also in fp32 (``fwd_ws.build_fwd_ws``'s ``o32``) for the backward's Delta."""
-    return build_fwd_ws(cfg, fwd_o32_tiles(cfg), fold=True, o32=True)
+    return build_fwd_ws(cfg, fwd_o32_tiles(cfg), fold=True, o32=True, pin_wait=FWD_PIN_WAIT)
 
 
 def build_fwd_window(cfg: KernelConfig):

@@ -56,7 +56,7 @@ def consumer_regs(n_consumers: int) -> int:
 
 def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS, pingpong: bool = True,
                  fold: bool = False, fma_every: int = 0, o32: bool = False, epilogue: str = "smem",
-                 q_slots: int = 1, pack_gqa: bool = False, wg_ranges: bool = False):
+                 q_slots: int = 1, pack_gqa: bool = False, wg_ranges: bool = False, pin_wait: bool = False):
     """The warp-specialized forward for tiles ``t``: ``t.block_m`` a multiple of 64 (one consumer
     warpgroup per 64 rows, ``t.threads`` their threads, ``block_m * 2``; the kernel runs 128 more,
     the producer's), ``t.stages`` ring slots for K and V.
@@ -117,7 +117,16 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
     tiles at W=128 a 64-row warpgroup sees 3 KV tiles (192 keys per row) where a 128-row tile spans
     4 and a 192-row tile 5, so the products and softmax passes per row fall by a quarter (golden's
     128x64) and by two fifths (gpt-oss's 192x64), against 256 and 384 keys per row with 128-key
-    tiles. Not with ``pack_gqa`` (a packed tile's warpgroups see the same keys) or ``o32``."""
+    tiles. Not with ``pack_gqa`` (a packed tile's warpgroups see the same keys) or ``o32``.
+
+    ``pin_wait``: each KV tile's softmax ends with a shared-memory store of its normalizer ``l``
+    (:func:`_pin`), placed before the wait for the previous tile's P V product. ptxas schedules a
+    ``wgmma.wait_group`` (SASS ``WARPGROUP.DEPBAR``) as early as its basic block allows, and nothing in
+    the softmax depends on it, so without the store it hoists the wait to the top of the softmax's block,
+    right after the mask: the tile's row maximum, exponentials and sums then run after P V has finished
+    instead of beside it, which undoes the intra-warpgroup overlap above (cuobjdump -sass of the sm_90a
+    cubins, every forward kind, docs/perf.md v20). It keeps shared-memory stores before the wait, and the
+    store needs ``l``, the last value of the softmax's chain."""
     if wg_ranges and (pack_gqa or o32):
         raise ValueError("wg_ranges=True cannot be combined with pack_gqa or o32 (a packed tile's warpgroups see "
                          "the same keys; o32's two-term products are not scheduled per warpgroup)")
@@ -166,6 +175,7 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
             row_sum = T.alloc_fragment([bm], accum)
             l = T.alloc_fragment([bm], accum)
             lse = T.alloc_fragment([bm], accum)
+            l_pin = T.alloc_shared([bm], accum) if pin_wait else None  # written, never read: _pin
             q_full = T.alloc_barrier(arrive_count=128 if q_slots == 1 else [128] * q_slots)  # Q landed
             q_empty = T.alloc_barrier(arrive_count=consumers if q_slots == 1 else [consumers] * q_slots)  # Q read
             k_full = T.alloc_barrier(arrive_count=[128] * stages)
@@ -288,6 +298,7 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
                                 softmax.new_max(acc_s, m, m_prev, alpha, row_sum, bm, scale_log2 if fold else None)
                                 softmax.exp_sum(acc_s, m, alpha, row_sum, l, bm, bn, scale_log2 if fold else None, fma_every)
                                 if with_pv:
+                                    _pin(l, l_pin)
                                     T.wait_wgmma(0)
                                     T.barrier_arrive(v_empty[sp])
                                     softmax.rescale(acc_o, alpha, bm, dim_v)
@@ -347,6 +358,7 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
                                           cfg.causal, pack)
                             softmax.new_max(acc_s, m, m_prev, alpha, row_sum, bm, scale_log2 if fold else None)
                             softmax.exp_sum(acc_s, m, alpha, row_sum, l, bm, bn, scale_log2 if fold else None, fma_every)
+                            _pin(l, l_pin)
                             T.wait_wgmma(0)
                             T.barrier_arrive(v_empty[sp])
                             softmax.rescale(acc_o, alpha, bm, dim_v)
@@ -454,6 +466,14 @@ def _locate(i, m_tiles, heads, n_seqs, CuQ, CuK, seq_q, seq_kv, window, bm: int,
     k_base, sk = sequence(layout, CuK, b, seq_kv)
     lo, hi = kv_blocks_for_rows(bx * bm, bm, bn, sq, sk, window, causal)
     return bx, head, b, q_base, sq, k_base, sk, lo, hi
+
+
+@T.macro
+def _pin(l, l_pin):
+    """``build_fwd_ws``'s ``pin_wait``: the normalizer stored to shared memory (never read back), so that
+    ptxas keeps the wait that follows after the softmax that computed it; nothing without the option."""
+    if l_pin is not None:
+        T.copy(l, l_pin)
 
 
 @T.macro
