@@ -129,14 +129,14 @@ def test_library_forward_is_ws_where_config_says(cfg, want):
 
 
 @pytest.mark.parametrize("cfg,opts", [
-    (_cfg(d=64), {"epilogue": "regs", "q_slots": 2, "pack_gqa": True, "pin_wait": True}),
-    (_cfg("float16", 64, "bshd", sinks=False), {"epilogue": "regs", "q_slots": 2, "pack_gqa": True, "pin_wait": True}),
-    (_cfg("float16", 64, "thd"), {"epilogue": "regs", "q_slots": 2, "pack_gqa": True, "pin_wait": True}),
-    (_cfg(d=64, causal=False), {"epilogue": "regs", "q_slots": 2, "pack_gqa": True, "pin_wait": True}),
-    (_cfg(d=64, groups=1), {"epilogue": "regs", "q_slots": 2, "pack_gqa": False, "pin_wait": True}),
-    (_cfg(d=128), {"epilogue": "smem", "q_slots": 1, "pin_wait": True}),
-    (_cfg(d=32), {"epilogue": "smem", "q_slots": 1, "pin_wait": True}),  # not fwd_ws.py's kernel
-    (_cfg(d=64, arch="sm_80"), {"epilogue": "smem", "q_slots": 1, "pin_wait": True}),
+    (_cfg(d=64), {"epilogue": "regs", "q_slots": 2, "pack_gqa": True, "pin_wait": True, "mask_limits": True}),
+    (_cfg("float16", 64, "bshd", sinks=False), {"epilogue": "regs", "q_slots": 2, "pack_gqa": True, "pin_wait": True, "mask_limits": True}),
+    (_cfg("float16", 64, "thd"), {"epilogue": "regs", "q_slots": 2, "pack_gqa": True, "pin_wait": True, "mask_limits": True}),
+    (_cfg(d=64, causal=False), {"epilogue": "regs", "q_slots": 2, "pack_gqa": True, "pin_wait": True, "mask_limits": True}),
+    (_cfg(d=64, groups=1), {"epilogue": "regs", "q_slots": 2, "pack_gqa": False, "pin_wait": True, "mask_limits": True}),
+    (_cfg(d=128), {"epilogue": "smem", "q_slots": 1, "pin_wait": True, "mask_limits": True}),
+    (_cfg(d=32), {"epilogue": "smem", "q_slots": 1, "pin_wait": True, "mask_limits": True}),  # not fwd_ws.py's kernel
+    (_cfg(d=64, arch="sm_80"), {"epilogue": "smem", "q_slots": 1, "pin_wait": True, "mask_limits": True}),
 ])
 def test_the_forward_options_follow_the_head_dim(cfg, opts):
     """config.fwd_ws_options: head dim 64's forward stores o from registers, double-buffers Q
@@ -163,7 +163,8 @@ def test_the_forward_options_follow_the_head_dim(cfg, opts):
     strict = dataclasses.replace(cfg, precision="strict")
     if fwd_o32(strict):
         assert build_prim_func("fwd_o32", strict).script() == build_fwd_ws(
-            strict, fwd_o32_tiles(strict), fold=True, o32=True, epilogue="smem", q_slots=1, pin_wait=True).script()
+            strict, fwd_o32_tiles(strict), fold=True, o32=True, epilogue="smem", q_slots=1, pin_wait=True,
+            mask_limits=True).script()
 
 
 @pytest.mark.parametrize("cfg,tiles", [
@@ -201,7 +202,7 @@ def test_fwd_window_is_the_packed_forward_with_64_key_tiles(cfg, tiles):
         return
     assert fwd_window_tiles(cfg) == tiles
     opts = ({"epilogue": "regs", "q_slots": 2} if cfg.head_dim == 64 else {"epilogue": "smem", "q_slots": 1})
-    opts["pin_wait"] = True
+    opts["pin_wait"] = opts["mask_limits"] = True
     text = build_prim_func("fwd_window", cfg).script()
     assert text == build_fwd_ws(cfg, tiles, fold=fwd_fold(cfg), pack_gqa=True, **opts).script()
     assert f'"tl.launch_threads": [{tiles.block_m * 2 + 128}, 1, 1]' in text  # the consumers and the producer
@@ -240,7 +241,7 @@ def test_exp2_fma_option_builds_and_leaves_the_default_alone():
     coeff = repr(float(_EXP2_POLY[-1]))[:8]
     assert coeff in fma.script() and coeff not in lib.script() and "reinterpret" in fma.script()
     assert build_fwd_ws(cfg, Tiles(192, 128, 384, 2), fold=True, fma_every=0, epilogue="regs", q_slots=2,
-                        pack_gqa=True, pin_wait=True).script() == lib.script()
+                        pack_gqa=True, pin_wait=True, mask_limits=True).script() == lib.script()
 
 
 def test_exp2_fma_arithmetic():
@@ -383,7 +384,7 @@ def test_library_forward_packs_gqa_where_it_fits(cfg, packs):
     assert pack_gqa_fits(cfg, tiles.block_m) is (packs or cfg.head_dim == 128)
     lib = fwd.build_fwd(cfg).script()
     base = {"epilogue": "regs", "q_slots": 2} if cfg.head_dim == 64 else {}
-    base["pin_wait"] = True
+    base["pin_wait"] = base["mask_limits"] = True
     assert lib == build_fwd_ws(cfg, tiles, fold=True, pack_gqa=packs, **base).script()
     if packs:
         assert lib != build_fwd_ws(cfg, tiles, fold=True, pack_gqa=False, **base).script()
@@ -543,3 +544,65 @@ def test_pin_wait_option_stores_l_before_each_wait_for_pv(d, tiles, opts):
     # the rest of the kernel is the plain one's: drop the pin's two lines and the texts agree
     kept = [line for line in text.splitlines() if "l_pin" not in line]
     assert kept == plain.script().splitlines()
+
+
+def test_key_limits_mask_exactly_the_invisible_keys():
+    """``mask.key_limits``, the row limits ``mask_limits``'s kernels compare each column with: key ``key0 + j``
+    passes ``lo < j <= hi`` exactly where ``visibility``'s test (``mask.visible``, the per-element mask it
+    replaces) says it is visible: causal and full, windows from 1 to none, rows past the sequence (a tile's
+    padding), keys past it, seq_q below, equal to and above seq_kv (bottom-right alignment), tiles anywhere."""
+    import itertools
+    import random
+
+    from flashsink.ops.config import NO_WINDOW
+    from flashsink.ops.mask import key_limits, visible
+
+    def select(cond, a, b):
+        return a if cond else b
+
+    rng = random.Random(0)
+    checked = 0
+    for causal, (sq, sk), window in itertools.product((True, False), ((37, 37), (19, 53), (53, 19), (1, 64)),
+                                                       (1, 3, 16, 128, NO_WINDOW)):
+        for _ in range(6):
+            key0 = rng.randrange(0, sk + 16)
+            for row in range(0, sq + 9):
+                hi, lo = key_limits(row, key0, sq, sk, window, causal, select)
+                for j in range(64):
+                    key = key0 + j
+                    assert (lo < j <= hi) == bool(visible(row, key, sq, sk, window, causal)), \
+                        (causal, sq, sk, window, key0, row, j, hi, lo)
+                    checked += 1
+    assert checked > 500_000
+
+
+@pytest.mark.parametrize("d,tiles,opts", [
+    (64, Tiles(192, 64, 384, 3), {"epilogue": "regs", "q_slots": 2, "pack_gqa": True}),
+    (128, Tiles(128, 128, 256, 2), {}),
+    (64, Tiles(192, 64, 384, 3), {"wg_ranges": True}),
+])
+def test_mask_limits_option_masks_through_row_limits(d, tiles, opts):
+    """``build_fwd_ws(mask_limits=True)`` (config.FWD_MASK_LIMITS, on in every forward kind): two int32 row
+    fragments more, filled on each masked tile from ``mask.key_limits`` less the thread's column offset
+    in the wgmma accumulator, and the per-element select compares the column with them instead of
+    re-deriving the row's visibility; the wholly visible tiles' branch is unchanged, and the option off is
+    what build_fwd_ws builds unasked."""
+    from flashsink.ops.fwd_ws import build_fwd_ws
+
+    cfg = _cfg(d=d)
+    plain = build_fwd_ws(cfg, tiles, fold=True, **opts)
+    assert plain.script() == build_fwd_ws(cfg, tiles, fold=True, mask_limits=False, **opts).script()
+    func = build_fwd_ws(cfg, tiles, fold=True, mask_limits=True, **opts)
+    assert _params(func) == _params(plain) and _dtypes(func) == _dtypes(plain)
+    text, old = func.script(), plain.script()
+    frags = [line.strip() for line in text.splitlines() if '"int32", scope="local.fragment"' in line]
+    assert frags == [f'key_{n} = T.sblock_alloc_buffer(({tiles.block_m},), "int32", scope="local.fragment")'
+                     for n in ("hi", "lo")]
+    # the per-element test no longer holds sequence ends (`sq`, `sk`): only the limits do
+    def selects(script):
+        return [line for line in script.splitlines() if "acc_s[i, j] = T.if_then_else(" in line]
+
+    assert len(selects(text)) == len(selects(old)) >= 1
+    assert all("key_hi[i]" in line and "sk" not in line for line in selects(text))
+    assert all("sk" in line for line in selects(old))
+    assert text.count("% 4") > old.count("% 4")  # the thread's column offset

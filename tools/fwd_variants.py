@@ -111,14 +111,14 @@ def _variants(d: int) -> list:
     if d <= 64:  # and over D64's own 128-key tiles: at W=128 each warpgroup of a 192-row tile sees 2 of its 3
         out.append(("ws/fold/regs/q2/wgr 192x128/s2", own, "branch", False, "regs/q2/wgr"))
     # the wait for P V kept after the softmax (build_fwd_ws(pin_wait=True); ptxas hoists it above the softmax
-    # otherwise, docs/perf.md v20): the forward's own kernel, the windowed kind's and strict's o32, each
-    # beside the same kernel without the option
+    # otherwise) and the mask by per-row key limits (mask_limits=True), both the library's since docs/perf.md
+    # v20: the forward's own kernel, the windowed kind's and strict's o32, each with neither, either and both
     mine = ("regs/q2/pack", own) if d <= 64 else ("", own)
     win = ("regs/q2/pack", (192, 64, 384, 3)) if d <= 64 else ("pack", (128, 64, 256, 3))
     for o, t in (mine, win, ("o32", (128, 128, 256, 2))):
         o = o or "fold"
         label = "ws/" + "fold/" * (o != "fold") + o + " " + "x".join(map(str, t[:2])) + f"/s{t[3]}"
-        out += [(label, t, "branch", False, o), (label.replace(" ", "/pin ", 1), t, "branch", False, o + "/pin")]
+        out += [(label.replace(" ", f"{x} ", 1), t, "branch", False, o + x) for x in ("", "/pin", "/lim", "/pin/lim")]
     return out
 
 
@@ -134,7 +134,7 @@ def _func(job):
     if tiles is None and mask == "select" and not fold and not ws:
         return build_prim_func("fwd", cfg)  # the library's kernel
     opts = ws.split("/") if isinstance(ws, str) else []
-    if opts and set(opts) <= {"np", "nopp", "fold", "fma8", "fma4", "o32", "regs", "q2", "pack", "wgr", "pin"}:
+    if opts and set(opts) <= {"np", "nopp", "fold", "fma8", "fma4", "o32", "regs", "q2", "pack", "wgr", "pin", "lim"}:
         from flashsink.ops.fwd_ws import PERSISTENT_CTAS, build_fwd_ws
 
         fma = next((int(o[3:]) for o in opts if o.startswith("fma")), 0)
@@ -142,7 +142,7 @@ def _func(job):
                             pingpong="nopp" not in opts, fold=not {"np", "nopp"} & set(opts), fma_every=fma,
                             o32="o32" in opts, epilogue="regs" if "regs" in opts else "smem",
                             q_slots=2 if "q2" in opts else 1, pack_gqa="pack" in opts, wg_ranges="wgr" in opts,
-                            pin_wait="pin" in opts)
+                            pin_wait="pin" in opts, mask_limits="lim" in opts)
     if ws is True:  # fwd_ws.py's kernel unfolded, smem epilogue, one Q slot (not config.fwd_ws_options)
         from flashsink.ops.fwd_ws import build_fwd_ws
 

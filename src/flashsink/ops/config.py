@@ -312,6 +312,12 @@ def fwd_windowed(cfg: KernelConfig) -> bool:
 #: overlap issues for it. Predicted: the causal forwards +5..10%, the windowed ones (whose mask already ran
 #: beside the product) a few percent; tools/fwd_variants.py's ".../pin" rows time each kind with and without.
 FWD_PIN_WAIT = True
+#: ``fwd_ws.build_fwd_ws``'s ``mask_limits`` in the same kinds: a masked tile's logits compared with each row's
+#: key limits, worked out once per row (``mask.limit_logits``), instead of the visibility test per element; the
+#: same slots masked. SASS of gpt-oss SWA's windowed kernel (docs/perf.md v20): the main loop's instructions
+#: between the two waits 345 -> 305 (the mask ~160 -> ~106: two compares with immediates and a select per
+#: logit). Predicted: the windowed kinds (most tiles masked) a few percent; the causal ones unchanged.
+FWD_MASK_LIMITS = True
 
 
 def fwd_ws_options(cfg: KernelConfig, tiles: Tiles | None = None, window: bool = False) -> dict:
@@ -340,12 +346,12 @@ def fwd_ws_options(cfg: KernelConfig, tiles: Tiles | None = None, window: bool =
     above; at 128 the staged epilogue and one Q slot (measured faster there than "regs" and two slots
     with the windowed tiles too: golden 0.1102 against 0.1181 ms, docs/perf.md v19), packed.
 
-    ``pin_wait``: :data:`FWD_PIN_WAIT` everywhere.
+    ``pin_wait`` and ``mask_limits``: :data:`FWD_PIN_WAIT` and :data:`FWD_MASK_LIMITS` everywhere.
 
     ``wg_ranges`` stays off: measured slower everywhere but under a window with 64-key tiles (gpt-oss
     SWA 0.1039 -> 0.0911 at 192x64, behind ``pack_gqa``'s 0.0938 only by 3%; causal D64 N8192 1.26 ->
     2.10, golden 0.1250 -> 0.1461), and it cannot combine with ``pack_gqa``."""
-    pin = {"pin_wait": FWD_PIN_WAIT}
+    pin = {"pin_wait": FWD_PIN_WAIT, "mask_limits": FWD_MASK_LIMITS}
     if fwd_ws(cfg) and cfg.head_dim == 64:
         bm = (tiles or fwd_tiles(cfg)).block_m
         return {"epilogue": "regs", "q_slots": 2, "pack_gqa": pack_gqa_fits(cfg, bm), **pin}

@@ -12,8 +12,8 @@ import tilelang.language as T
 from . import softmax
 from .block_range import full_kv_blocks_for_rows, kv_blocks_for_rows
 from .config import (
-    FWD_PIN_WAIT, KernelConfig, Tiles, fwd_fold, fwd_mask, fwd_o32_tiles, fwd_tiles, fwd_window_tiles, fwd_windowed, fwd_ws,
-    fwd_ws_options,
+    FWD_MASK_LIMITS, FWD_PIN_WAIT, KernelConfig, Tiles, fwd_fold, fwd_mask, fwd_o32_tiles, fwd_tiles,
+    fwd_window_tiles, fwd_windowed, fwd_ws, fwd_ws_options,
 )
 from .fwd_entry import fwd_entry, fwd_shapes
 from .fwd_ws import build_fwd_ws
@@ -35,7 +35,8 @@ def build_fwd_unfolded(cfg: KernelConfig):
 def build_fwd_o32(cfg: KernelConfig):
     """Strict's forward when a backward follows (``config.fwd_o32``): two-term P @ V, and the output
     also in fp32 (``fwd_ws.build_fwd_ws``'s ``o32``) for the backward's Delta."""
-    return build_fwd_ws(cfg, fwd_o32_tiles(cfg), fold=True, o32=True, pin_wait=FWD_PIN_WAIT)
+    return build_fwd_ws(cfg, fwd_o32_tiles(cfg), fold=True, o32=True, pin_wait=FWD_PIN_WAIT,
+                        mask_limits=FWD_MASK_LIMITS)
 
 
 def build_fwd_window(cfg: KernelConfig):

@@ -56,7 +56,8 @@ def consumer_regs(n_consumers: int) -> int:
 
 def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS, pingpong: bool = True,
                  fold: bool = False, fma_every: int = 0, o32: bool = False, epilogue: str = "smem",
-                 q_slots: int = 1, pack_gqa: bool = False, wg_ranges: bool = False, pin_wait: bool = False):
+                 q_slots: int = 1, pack_gqa: bool = False, wg_ranges: bool = False, pin_wait: bool = False,
+                 mask_limits: bool = False):
     """The warp-specialized forward for tiles ``t``: ``t.block_m`` a multiple of 64 (one consumer
     warpgroup per 64 rows, ``t.threads`` their threads, ``block_m * 2``; the kernel runs 128 more,
     the producer's), ``t.stages`` ring slots for K and V.
@@ -126,7 +127,12 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
     right after the mask: the tile's row maximum, exponentials and sums then run after P V has finished
     instead of beside it, which undoes the intra-warpgroup overlap above (cuobjdump -sass of the sm_90a
     cubins, every forward kind, docs/perf.md v20). It keeps shared-memory stores before the wait, and the
-    store needs ``l``, the last value of the softmax's chain."""
+    store needs ``l``, the last value of the softmax's chain.
+
+    ``mask_limits`` (an option for tools/fwd_variants.py, not measured yet): a masked tile's logits by
+    each row's key limits, worked out once per row (``mask.limit_logits``), instead of the visibility
+    test per element (``mask.mask_logits``): the same slots masked, fewer instructions per logit; most
+    of a narrow window's tiles are masked ones."""
     if wg_ranges and (pack_gqa or o32):
         raise ValueError("wg_ranges=True cannot be combined with pack_gqa or o32 (a packed tile's warpgroups see "
                          "the same keys; o32's two-term products are not scheduled per warpgroup)")
@@ -176,6 +182,13 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
             l = T.alloc_fragment([bm], accum)
             lse = T.alloc_fragment([bm], accum)
             l_pin = T.alloc_shared([bm], accum) if pin_wait else None  # written, never read: _pin
+            # mask_limits: each row's last visible and last hidden key, relative to the tile's first
+            if mask_limits:
+                key_hi = T.alloc_fragment([bm], "int32")
+                key_lo = T.alloc_fragment([bm], "int32")
+                limits = (key_hi, key_lo)
+            else:
+                limits = None
             q_full = T.alloc_barrier(arrive_count=128 if q_slots == 1 else [128] * q_slots)  # Q landed
             q_empty = T.alloc_barrier(arrive_count=consumers if q_slots == 1 else [consumers] * q_slots)  # Q read
             k_full = T.alloc_barrier(arrive_count=[128] * stages)
@@ -294,7 +307,7 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
                                     T.wait_wgmma(0)
                                 T.barrier_arrive(k_empty[s])
                                 branch_logits(acc_s, row0, kb * bn, sq, sk, window, scale_log2, fold, (own_flo, own_fhi), kb,
-                                              cfg.causal)
+                                              cfg.causal, None, limits)
                                 softmax.new_max(acc_s, m, m_prev, alpha, row_sum, bm, scale_log2 if fold else None)
                                 softmax.exp_sum(acc_s, m, alpha, row_sum, l, bm, bn, scale_log2 if fold else None, fma_every)
                                 if with_pv:
@@ -332,7 +345,7 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
                             T.wait_wgmma(0)
                             T.barrier_arrive(k_empty[s0])
                             branch_logits(acc_s, row0, lo * bn, sq, sk, window, scale_log2, fold, (flo, fhi), lo,
-                                          cfg.causal, pack)
+                                          cfg.causal, pack, limits)
                             softmax.new_max(acc_s, m, m_prev, alpha, row_sum, bm, scale_log2 if fold else None)
                             softmax.exp_sum(acc_s, m, alpha, row_sum, l, bm, bn, scale_log2 if fold else None, fma_every)
                             _keep_p(acc_s, p, p_lo, bm, bn, o32)
@@ -355,7 +368,7 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
                             T.barrier_arrive(k_empty[s])
                             kb = lo + it
                             branch_logits(acc_s, row0, kb * bn, sq, sk, window, scale_log2, fold, (flo, fhi), kb,
-                                          cfg.causal, pack)
+                                          cfg.causal, pack, limits)
                             softmax.new_max(acc_s, m, m_prev, alpha, row_sum, bm, scale_log2 if fold else None)
                             softmax.exp_sum(acc_s, m, alpha, row_sum, l, bm, bn, scale_log2 if fold else None, fma_every)
                             _pin(l, l_pin)

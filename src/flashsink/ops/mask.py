@@ -38,6 +38,43 @@ def mask_logits(acc_s, row0, key0, sq, sk, window, scale_log2, fold_scale: bool,
         )
 
 
+def key_limits(row, key0, seq_q, seq_kv, window, causal: bool, select):
+    """``(hi, lo)`` of query ``row`` relative to key ``key0``: key ``key0 + j`` is visible (:func:`visible`)
+    exactly where ``lo < j <= hi``. ``select(cond, a, b)``: ``T.if_then_else`` in a kernel (Python's
+    conditional in the tests)."""
+    if causal:
+        pos = position(row, seq_q, seq_kv)
+        # a row inside its sequence has its last key inside it too (bottom-right alignment)
+        return select(row < seq_q, last_key(pos) - key0, -1), window_edge(pos, window) - key0
+    return select(row < seq_q, seq_kv - 1 - key0, -1), -1
+
+
+@T.macro
+def limit_logits(acc_s, limits, row0, key0, sq, sk, window, scale_log2, fold_scale: bool, causal: bool,
+                 pack: int | None = None):
+    """:func:`mask_logits` through each row's key limits: ``hi``, the last key the row sees, and ``lo``, the
+    last one its window hides, both relative to the tile's first key ``key0`` and worked out once per row
+    (``limits``: two int32 fragments of the tile's rows); each element then compares its column with the
+    two (where :func:`visible` re-derives the row's position and tests both sequence ends per element:
+    ~5 instructions per logit in the SASS, against 3 here). The same slots are masked: a row past the
+    sequence sees nothing (``hi = -1``), a causal row's last key is inside its sequence."""
+    key_hi, key_lo = limits
+    # both sides less the thread's column offset in the wgmma accumulator (2 * (lane % 4)): the column
+    # then folds to a constant per register and each test is one compare with an immediate (any other
+    # offset would give the same answers)
+    off = 2 * (T.get_thread_binding() % 4)
+    for i in T.Parallel(acc_s.shape[0]):
+        last, hidden = key_limits(tile_row(row0, i, pack), key0, sq, sk, window, causal, T.if_then_else)
+        key_hi[i] = last - off
+        key_lo[i] = hidden - off
+    for i, j in T.Parallel(acc_s.shape[0], acc_s.shape[1]):
+        acc_s[i, j] = T.if_then_else(
+            (j - off <= key_hi[i]) & (j - off > key_lo[i]),
+            acc_s[i, j] if fold_scale else acc_s[i, j] * scale_log2,
+            -T.infinity("float32"),
+        )
+
+
 @T.macro
 def scale_logits(acc_s, scale_log2, fold_scale: bool):
     """A wholly visible tile: only the scale (nothing when it is folded into the exponent)."""
@@ -48,14 +85,18 @@ def scale_logits(acc_s, scale_log2, fold_scale: bool):
 
 @T.macro
 def branch_logits(acc_s, row0, key0, sq, sk, window, scale_log2, fold_scale: bool, full, kb, causal: bool,
-                  pack: int | None = None):
+                  pack: int | None = None, limits=None):
     """:func:`mask_logits` where KV block ``kb`` is not wholly visible, else only the scale
     (:func:`scale_logits`): ``full`` (flo, fhi) is the tile's wholly visible blocks
-    (``block_range.full_kv_blocks_for_rows``), bound once per tile; the branch is per tile."""
+    (``block_range.full_kv_blocks_for_rows``), bound once per tile; the branch is per tile. ``limits``
+    (two int32 row fragments): the mask by :func:`limit_logits` instead."""
     if in_blocks(kb, full):
         scale_logits(acc_s, scale_log2, fold_scale)
     else:
-        mask_logits(acc_s, row0, key0, sq, sk, window, scale_log2, fold_scale, None, kb, causal, pack)
+        if limits is None:
+            mask_logits(acc_s, row0, key0, sq, sk, window, scale_log2, fold_scale, None, kb, causal, pack)
+        else:
+            limit_logits(acc_s, limits, row0, key0, sq, sk, window, scale_log2, fold_scale, causal, pack)
 
 
 @T.macro
