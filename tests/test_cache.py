@@ -556,3 +556,28 @@ def test_cache_info_missing_and_unsafe(tmp_path, capsys):
     assert main(["cache", "info", "--dir", str(root)]) == 2
     assert "UNSAFE" in capsys.readouterr().err
     assert main(["cache", "clear", "--yes", "--dir", str(root)]) == 2
+
+
+def test_key_holds_its_own_kinds_tiles_only(monkeypatch):
+    """compile.cache_key: the tiles entry is the kind's own tile function's answer (none for a kind of fixed
+    blocks), so changing another kind's tile function leaves the key, and every kernel cached or bundled
+    under it, as it was; changing its own is a new key."""
+    import dataclasses
+
+    from flashsink.ops import compile as comp
+    from flashsink.ops import kinds
+    from flashsink.ops.config import KernelConfig, Tiles
+
+    cfg = KernelConfig("sm_90a", "bfloat16", 64, 64, 8, True, True, "bhsd")
+    func = comp.build_prim_func("merge_splits", cfg)
+    args = comp._compile_args(func)
+
+    def key(kind):
+        return comp.cache_key(kind, kinds.canonical(kind, cfg), func, args)
+
+    assert key("fwd")["tiles"] == {"fwd_tiles": dataclasses.asdict(kinds.KINDS["fwd"].tiles(cfg))}
+    assert key("merge_splits")["tiles"] == {}
+    before = {k: key(k) for k in ("fwd", "bwd", "merge_splits")}
+    monkeypatch.setitem(kinds.KINDS, "bwd", dataclasses.replace(kinds.KINDS["bwd"], tiles=lambda c: Tiles(8, 8, 32, 1)))
+    assert key("fwd") == before["fwd"] and key("merge_splits") == before["merge_splits"]
+    assert key("bwd") != before["bwd"]

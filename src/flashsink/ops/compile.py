@@ -159,15 +159,18 @@ def versions() -> dict:
     }
 
 
-def _tiles(cfg) -> dict:
-    """Every tile choice made for ``cfg`` (each kind's tile function, by name)."""
-    out = {}
-    for fn in sorted(kinds.tile_functions(), key=lambda f: f.__name__):
-        try:
-            out[fn.__name__] = dataclasses.asdict(fn(cfg))
-        except Exception as exc:  # a table that does not cover this config
-            out[fn.__name__] = f"n/a ({type(exc).__name__})"
-    return out
+def _tiles(kind: str, cfg) -> dict:
+    """The tile choice kind ``kind`` makes for ``cfg`` (its tile function, by name; none for a kind of fixed
+    blocks). Only its own: the TIR's hash already covers every size the kernel was built with, and a key
+    that held every kind's choice (as until v20) made any change to one tile function a new key for
+    every kernel, so every cached kernel and CPU-built bundle had to be compiled again."""
+    fn = kinds.check_kind(kind).tiles
+    if fn is None:
+        return {}
+    try:
+        return {fn.__name__: dataclasses.asdict(fn(cfg))}
+    except Exception as exc:  # a table that does not cover this config
+        return {fn.__name__: f"n/a ({type(exc).__name__})"}
 
 
 def cache_key(kind: str, cfg, func, args: _CompileArgs) -> dict:
@@ -178,7 +181,7 @@ def cache_key(kind: str, cfg, func, args: _CompileArgs) -> dict:
         "kind": kind,
         "config_type": type(cfg).__qualname__,
         "config": config,
-        "tiles": _tiles(cfg),
+        "tiles": _tiles(kind, cfg),
         "tir_sha256": hashlib.sha256(func.script(show_meta=True).encode()).hexdigest(),
         "target": cfg.target(),
         "execution_backend": EXECUTION_BACKEND,

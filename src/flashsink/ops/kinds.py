@@ -153,11 +153,6 @@ def canonical(name: str, cfg: KernelConfig) -> KernelConfig:
     return dataclasses.replace(cfg, **ignored) if ignored else cfg
 
 
-def tile_functions() -> tuple:
-    """Every tile function a kind uses (each once)."""
-    return tuple(dict.fromkeys(k.tiles for k in KINDS.values() if k.tiles is not None))
-
-
 def check_kind(name: str) -> Kind:
     kind = KINDS.get(name)
     if kind is None:
