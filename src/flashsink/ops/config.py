@@ -351,13 +351,13 @@ def fwd_ws_options(cfg: KernelConfig, tiles: Tiles | None = None, window: bool =
     ``wg_ranges`` stays off: measured slower everywhere but under a window with 64-key tiles (gpt-oss
     SWA 0.1039 -> 0.0911 at 192x64, behind ``pack_gqa``'s 0.0938 only by 3%; causal D64 N8192 1.26 ->
     2.10, golden 0.1250 -> 0.1461), and it cannot combine with ``pack_gqa``."""
-    pin = {"pin_wait": FWD_PIN_WAIT, "mask_limits": FWD_MASK_LIMITS}
+    both = {"pin_wait": FWD_PIN_WAIT, "mask_limits": FWD_MASK_LIMITS}
     if fwd_ws(cfg) and cfg.head_dim == 64:
         bm = (tiles or fwd_tiles(cfg)).block_m
-        return {"epilogue": "regs", "q_slots": 2, "pack_gqa": pack_gqa_fits(cfg, bm), **pin}
+        return {"epilogue": "regs", "q_slots": 2, "pack_gqa": pack_gqa_fits(cfg, bm), **both}
     if window and fwd_windowed(cfg):  # head dim 128's windowed tiles pack (fwd_window_tiles)
-        return {"epilogue": "smem", "q_slots": 1, "pack_gqa": True, **pin}
-    return {"epilogue": "smem", "q_slots": 1, **pin}
+        return {"epilogue": "smem", "q_slots": 1, "pack_gqa": True, **both}
+    return {"epilogue": "smem", "q_slots": 1, **both}
 
 
 def fwd_o32(cfg: KernelConfig) -> bool:

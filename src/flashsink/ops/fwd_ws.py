@@ -129,7 +129,7 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
     cubins, every forward kind, docs/perf.md v20). It keeps shared-memory stores before the wait, and the
     store needs ``l``, the last value of the softmax's chain.
 
-    ``mask_limits`` (an option for tools/fwd_variants.py, not measured yet): a masked tile's logits by
+    ``mask_limits`` (``config.FWD_MASK_LIMITS``, not measured on the GPU yet): a masked tile's logits by
     each row's key limits, worked out once per row (``mask.limit_logits``), instead of the visibility
     test per element (``mask.mask_logits``): the same slots masked, fewer instructions per logit; most
     of a narrow window's tiles are masked ones."""
