@@ -119,6 +119,10 @@ def _variants(d: int) -> list:
         o = o or "fold"
         label = "ws/" + "fold/" * (o != "fold") + o + " " + "x".join(map(str, t[:2])) + f"/s{t[3]}"
         out += [(label.replace(" ", f"{x} ", 1), t, "branch", False, o + x) for x in ("", "/pin", "/lim", "/pin/lim")]
+    # one column group in 8 of exponentials on the FMA pipe again, now that the softmax runs beside P V
+    # (v11 lost 16% with it, when ptxas kept the softmax after the product's wait)
+    if d <= 64:
+        out.append(("ws/fold/regs/q2/pack/pin/lim/fma8 192x128/s2", own, "branch", False, "regs/q2/pack/pin/lim/fma8"))
     return out
 
 
