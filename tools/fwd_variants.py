@@ -123,6 +123,11 @@ def _variants(d: int) -> list:
     # (v11 lost 16% with it, when ptxas kept the softmax after the product's wait)
     if d <= 64:
         out.append(("ws/fold/regs/q2/pack/pin/lim/fma8 192x128/s2", own, "branch", False, "regs/q2/pack/pin/lim/fma8"))
+    # the output's rescale only where a warp's rows moved their pivot by more than 2**8 (lazy_rescale=8)
+    for o, t in (mine, win):
+        o = o or "fold"
+        label = "ws/" + "fold/" * (o != "fold") + o + "/pin/lim/lazy " + "x".join(map(str, t[:2])) + f"/s{t[3]}"
+        out.append((label, t, "branch", False, o + "/pin/lim/lazy"))
     return out
 
 
@@ -138,7 +143,7 @@ def _func(job):
     if tiles is None and mask == "select" and not fold and not ws:
         return build_prim_func("fwd", cfg)  # the library's kernel
     opts = ws.split("/") if isinstance(ws, str) else []
-    if opts and set(opts) <= {"np", "nopp", "fold", "fma8", "fma4", "o32", "regs", "q2", "pack", "wgr", "pin", "lim"}:
+    if opts and set(opts) <= {"np", "nopp", "fold", "fma8", "fma4", "o32", "regs", "q2", "pack", "wgr", "pin", "lim", "lazy"}:
         from flashsink.ops.fwd_ws import PERSISTENT_CTAS, build_fwd_ws
 
         fma = next((int(o[3:]) for o in opts if o.startswith("fma")), 0)
@@ -146,7 +151,8 @@ def _func(job):
                             pingpong="nopp" not in opts, fold=not {"np", "nopp"} & set(opts), fma_every=fma,
                             o32="o32" in opts, epilogue="regs" if "regs" in opts else "smem",
                             q_slots=2 if "q2" in opts else 1, pack_gqa="pack" in opts, wg_ranges="wgr" in opts,
-                            pin_wait="pin" in opts, mask_limits="lim" in opts)
+                            pin_wait="pin" in opts, mask_limits="lim" in opts,
+                            lazy_rescale=8.0 if "lazy" in opts else 0.0)
     if ws is True:  # fwd_ws.py's kernel unfolded, smem epilogue, one Q slot (not config.fwd_ws_options)
         from flashsink.ops.fwd_ws import build_fwd_ws
 

@@ -57,7 +57,7 @@ def consumer_regs(n_consumers: int) -> int:
 def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS, pingpong: bool = True,
                  fold: bool = False, fma_every: int = 0, o32: bool = False, epilogue: str = "smem",
                  q_slots: int = 1, pack_gqa: bool = False, wg_ranges: bool = False, pin_wait: bool = False,
-                 mask_limits: bool = False):
+                 mask_limits: bool = False, lazy_rescale: float = 0.0):
     """The warp-specialized forward for tiles ``t``: ``t.block_m`` a multiple of 64 (one consumer
     warpgroup per 64 rows, ``t.threads`` their threads, ``block_m * 2``; the kernel runs 128 more,
     the producer's), ``t.stages`` ring slots for K and V.
@@ -132,7 +132,15 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
     ``mask_limits`` (``config.FWD_MASK_LIMITS``, not measured on the GPU yet): a masked tile's logits by
     each row's key limits, worked out once per row (``mask.limit_logits``), instead of the visibility
     test per element (``mask.mask_logits``): the same slots masked, fewer instructions per logit; most
-    of a narrow window's tiles are masked ones."""
+    of a narrow window's tiles are masked ones.
+
+    ``lazy_rescale`` (> 0, an option for tools/fwd_variants.py): the softmax's pivot moves only where a
+    row's maximum exceeds it by more than ``2**lazy_rescale`` (``softmax.new_max(lazy=..)``), and a warp
+    skips the output's rescale when none of its rows moved (``softmax.rescale_lazy``): after a row's
+    first tiles most tiles skip ``dim_v / 2`` multiplies per thread on the path between one tile's P V
+    product and the next. FlashAttention-4's conditional rescaling (it uses 8). Not with ``o32``."""
+    if lazy_rescale and o32:
+        raise ValueError("lazy_rescale cannot be combined with o32 (strict's forward keeps the exact maximum)")
     if wg_ranges and (pack_gqa or o32):
         raise ValueError("wg_ranges=True cannot be combined with pack_gqa or o32 (a packed tile's warpgroups see "
                          "the same keys; o32's two-term products are not scheduled per warpgroup)")
@@ -182,6 +190,7 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
             l = T.alloc_fragment([bm], accum)
             lse = T.alloc_fragment([bm], accum)
             l_pin = T.alloc_shared([bm], accum) if pin_wait else None  # written, never read: _pin
+            need = T.alloc_local([1], "int32") if lazy_rescale else None  # rescale_lazy's vote
             # mask_limits: each row's last visible and last hidden key, relative to the tile's first
             if mask_limits:
                 key_hi = T.alloc_fragment([bm], "int32")
@@ -308,13 +317,13 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
                                 T.barrier_arrive(k_empty[s])
                                 branch_logits(acc_s, row0, kb * bn, sq, sk, window, scale_log2, fold, (own_flo, own_fhi), kb,
                                               cfg.causal, None, limits)
-                                softmax.new_max(acc_s, m, m_prev, alpha, row_sum, bm, scale_log2 if fold else None)
+                                softmax.new_max(acc_s, m, m_prev, alpha, row_sum, bm, scale_log2 if fold else None, lazy_rescale)
                                 softmax.exp_sum(acc_s, m, alpha, row_sum, l, bm, bn, scale_log2 if fold else None, fma_every)
                                 if with_pv:
                                     _pin(l, l_pin)
                                     T.wait_wgmma(0)
                                     T.barrier_arrive(v_empty[sp])
-                                    softmax.rescale(acc_o, alpha, bm, dim_v)
+                                    _rescale(acc_o, alpha, need, bm, dim_v)
                                 _keep_p(acc_s, p, p_lo, bm, bn, o32)
                                 if kb == own_hi - 1:
                                     # this warpgroup's last tile: its P V now, so that its V slot is free before the
@@ -346,7 +355,7 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
                             T.barrier_arrive(k_empty[s0])
                             branch_logits(acc_s, row0, lo * bn, sq, sk, window, scale_log2, fold, (flo, fhi), lo,
                                           cfg.causal, pack, limits)
-                            softmax.new_max(acc_s, m, m_prev, alpha, row_sum, bm, scale_log2 if fold else None)
+                            softmax.new_max(acc_s, m, m_prev, alpha, row_sum, bm, scale_log2 if fold else None, lazy_rescale)
                             softmax.exp_sum(acc_s, m, alpha, row_sum, l, bm, bn, scale_log2 if fold else None, fma_every)
                             _keep_p(acc_s, p, p_lo, bm, bn, o32)
                         for it in T.serial(1, T.max(n, 1)):
@@ -369,12 +378,12 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
                             kb = lo + it
                             branch_logits(acc_s, row0, kb * bn, sq, sk, window, scale_log2, fold, (flo, fhi), kb,
                                           cfg.causal, pack, limits)
-                            softmax.new_max(acc_s, m, m_prev, alpha, row_sum, bm, scale_log2 if fold else None)
+                            softmax.new_max(acc_s, m, m_prev, alpha, row_sum, bm, scale_log2 if fold else None, lazy_rescale)
                             softmax.exp_sum(acc_s, m, alpha, row_sum, l, bm, bn, scale_log2 if fold else None, fma_every)
                             _pin(l, l_pin)
                             T.wait_wgmma(0)
                             T.barrier_arrive(v_empty[sp])
-                            softmax.rescale(acc_o, alpha, bm, dim_v)
+                            _rescale(acc_o, alpha, need, bm, dim_v)
                             _keep_p(acc_s, p, p_lo, bm, bn, o32)
                         if n > 0:
                             # every S product read Q: the next tile's may land
@@ -479,6 +488,16 @@ def _locate(i, m_tiles, heads, n_seqs, CuQ, CuK, seq_q, seq_kv, window, bm: int,
     k_base, sk = sequence(layout, CuK, b, seq_kv)
     lo, hi = kv_blocks_for_rows(bx * bm, bm, bn, sq, sk, window, causal)
     return bx, head, b, q_base, sq, k_base, sk, lo, hi
+
+
+@T.macro
+def _rescale(acc_o, alpha, need, bm: int, dim_v: int):
+    """The output to the softmax's new pivot: every row (``need`` None), or only where a warp's rows moved
+    (``build_fwd_ws``'s ``lazy_rescale``)."""
+    if need is None:
+        softmax.rescale(acc_o, alpha, bm, dim_v)
+    else:
+        softmax.rescale_lazy(acc_o, alpha, need, bm, dim_v)
 
 
 @T.macro

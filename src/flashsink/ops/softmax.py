@@ -52,9 +52,15 @@ def update(acc_s, acc_o, m, m_prev, alpha, row_sum, l, block_m: int, block_n: in
 
 
 @T.macro
-def new_max(acc_s, m, m_prev, alpha, row_sum, block_m: int, scale_log2=None):
+def new_max(acc_s, m, m_prev, alpha, row_sum, block_m: int, scale_log2=None, lazy: float = 0.0):
     """The first half of :func:`update`: the running maximum ``m`` over one more tile (the old one
-    kept in ``m_prev``) and ``alpha``, the factor that rescales what was summed under the old one."""
+    kept in ``m_prev``) and ``alpha``, the factor that rescales what was summed under the old one.
+
+    ``lazy`` (> 0, base-2 units): ``m`` is the pivot of the exponentials rather than the maximum; it
+    moves only where the new maximum exceeds it by more than ``lazy``, so the tile's probabilities are
+    at most ``2**lazy`` and most tiles leave ``alpha`` at exactly 1 (FlashAttention-4's conditional
+    rescaling: the caller then skips the output's rescale, :func:`rescale_lazy`). Exact: the sums and the
+    output carry the same pivot, which the LSE adds back."""
     T.copy(m, m_prev)
     if scale_log2 is None:
         T.reduce_max(acc_s, m, dim=1, clear=False)
@@ -65,6 +71,10 @@ def new_max(acc_s, m, m_prev, alpha, row_sum, block_m: int, scale_log2=None):
             m[i] = T.max(m[i], row_sum[i] * scale_log2)
         # A row with no visible key so far (no sink) keeps m = -inf: pivot on 0 instead.
         m[i] = T.if_then_else(m[i] == -T.infinity("float32"), 0.0, m[i])
+        if lazy > 0:
+            # the old pivot while the maximum is within 2**lazy of it (also -inf -> finite moves: inf > lazy;
+            # a NaN maximum keeps the old pivot, and the NaN logits still reach the sums)
+            m[i] = T.if_then_else(m[i] - m_prev[i] > lazy, m[i], m_prev[i])
         # an unchanged maximum rescales by exactly 1, also when it is +inf (a +inf sink):
         # exp2(inf - inf) would turn the whole row into NaN where the reference gives o = 0
         alpha[i] = T.if_then_else(m_prev[i] == m[i], 1.0, T.exp2(m_prev[i] - m[i]))
@@ -75,6 +85,19 @@ def rescale(acc_o, alpha, block_m: int, dim_v: int):
     """The output accumulated so far, to the new maximum (``alpha`` of :func:`new_max`)."""
     for i, j in T.Parallel(block_m, dim_v):
         acc_o[i, j] *= alpha[i]
+
+
+@T.macro
+def rescale_lazy(acc_o, alpha, need, block_m: int, dim_v: int):
+    """:func:`rescale` where a row's ``alpha`` is not 1, skipped by a whole warp when none of its rows moved
+    its pivot (``new_max(lazy=..)``): ``need`` (a per-thread int32 variable) is set from the thread's rows,
+    then voted on, so the branch is uniform in the warp."""
+    need[0] = 0
+    for i in T.Parallel(block_m):
+        need[0] = need[0] | T.Cast("int32", alpha[i] != 1.0)
+    if T.any_sync(need[0]):
+        for i, j in T.Parallel(block_m, dim_v):
+            acc_o[i, j] *= alpha[i]
 
 
 #: adding 1.5 * 2**23 to a float32 of magnitude below 2**22 rounds it to an integer, which the sum then
