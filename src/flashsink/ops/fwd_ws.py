@@ -190,7 +190,7 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
             l = T.alloc_fragment([bm], accum)
             lse = T.alloc_fragment([bm], accum)
             l_pin = T.alloc_shared([bm], accum) if pin_wait else None  # written, never read: _pin
-            need = T.alloc_local([1], "int32") if lazy_rescale else None  # rescale_lazy's vote
+            need = T.alloc_local([1], "int32") if lazy_rescale > 0 else None  # rescale_lazy's vote
             # mask_limits: each row's last visible and last hidden key, relative to the tile's first
             if mask_limits:
                 key_hi = T.alloc_fragment([bm], "int32")
