@@ -606,3 +606,34 @@ def test_mask_limits_option_masks_through_row_limits(d, tiles, opts):
     assert all("key_hi[i]" in line and "sk" not in line for line in selects(text))
     assert all("sk" in line for line in selects(old))
     assert text.count("% 4") > old.count("% 4")  # the thread's column offset
+
+
+@pytest.mark.parametrize("d,tiles,opts", [
+    (128, Tiles(128, 128, 256, 2), {}),
+    (64, Tiles(192, 128, 384, 2), {"epilogue": "regs", "q_slots": 2, "pack_gqa": True, "pin_wait": True}),
+    (64, Tiles(192, 64, 384, 3), {"epilogue": "regs", "q_slots": 2, "pack_gqa": True, "mask_limits": True}),
+])
+def test_lazy_rescale_option_moves_the_pivot_past_its_threshold_and_votes(d, tiles, opts):
+    """``build_fwd_ws(lazy_rescale=8)``: every KV tile's pivot moves only where the new maximum passes the
+    old one by more than 8 (base 2), and the output's rescale after the P V wait runs under a warp's vote
+    (``T.any_sync`` of the thread's rows' ``alpha != 1``); the option off is what build_fwd_ws builds
+    unasked, and strict's o32 refuses it."""
+    from flashsink.ops.fwd_ws import build_fwd_ws
+
+    cfg = KernelConfig("sm_90a", "bfloat16", d, d, 8, True, True, "bhsd", False, "fast")
+    plain = build_fwd_ws(cfg, tiles, fold=True, **opts).script()
+    assert plain == build_fwd_ws(cfg, tiles, fold=True, lazy_rescale=0.0, **opts).script()
+    text = build_fwd_ws(cfg, tiles, fold=True, lazy_rescale=8.0, **opts).script()
+    lines = [line.strip() for line in text.splitlines()]
+    pivot = "m[i] = T.if_then_else(m[i] - m_prev[i] > T.float32(8.0), m[i], m_prev[i])"
+    # the first KV tile's softmax and the main loop's
+    assert lines.count(pivot) == 2 and "any_sync" not in plain and "m_prev[i] > " not in plain
+    votes = [i for i, line in enumerate(lines) if line.startswith("if T.any_sync(") and "need[0]" in line]
+    assert len(votes) == 1  # the main loop's rescale (the first tile has no output to rescale)
+    assert lines[votes[0] - 3:votes[0] - 1] == ["need[0] = 0", f"for i in T.parallel({tiles.block_m}):"]
+    assert "alpha[i] != T.float32(1.0)" in lines[votes[0] - 1]
+    assert lines[votes[0] + 3] == "acc_o[i, j] = acc_o[i, j] * alpha[i]"
+    assert text.count("rescale") == plain.count("rescale")
+    strict = KernelConfig("sm_90a", "bfloat16", d, d, 8, True, True, "bhsd", False, "strict")
+    with pytest.raises(ValueError, match="lazy_rescale"):
+        build_fwd_ws(strict, Tiles(128, 128, 256, 2), fold=True, o32=True, lazy_rescale=8.0)
