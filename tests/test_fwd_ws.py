@@ -11,6 +11,7 @@ import pytest
 pytest.importorskip("tilelang")
 
 from flashsink.ops import fwd  # noqa: E402
+from flashsink.ops.config import FWD_PIN_WAIT as PIN  # noqa: E402
 from flashsink.ops.config import KernelConfig, Tiles  # noqa: E402
 from flashsink.ops.fwd_ws import consumer_regs  # noqa: E402
 
@@ -129,22 +130,23 @@ def test_library_forward_is_ws_where_config_says(cfg, want):
 
 
 @pytest.mark.parametrize("cfg,opts", [
-    (_cfg(d=64), {"epilogue": "regs", "q_slots": 2, "pack_gqa": True, "pin_wait": True, "mask_limits": True}),
-    (_cfg("float16", 64, "bshd", sinks=False), {"epilogue": "regs", "q_slots": 2, "pack_gqa": True, "pin_wait": True, "mask_limits": True}),
-    (_cfg("float16", 64, "thd"), {"epilogue": "regs", "q_slots": 2, "pack_gqa": True, "pin_wait": True, "mask_limits": True}),
-    (_cfg(d=64, causal=False), {"epilogue": "regs", "q_slots": 2, "pack_gqa": True, "pin_wait": True, "mask_limits": True}),
-    (_cfg(d=64, groups=1), {"epilogue": "regs", "q_slots": 2, "pack_gqa": False, "pin_wait": True, "mask_limits": True}),
-    (_cfg(d=128), {"epilogue": "smem", "q_slots": 1, "pin_wait": True, "mask_limits": True}),
-    (_cfg(d=32), {"epilogue": "smem", "q_slots": 1, "pin_wait": True, "mask_limits": True}),  # not fwd_ws.py's kernel
-    (_cfg(d=64, arch="sm_80"), {"epilogue": "smem", "q_slots": 1, "pin_wait": True, "mask_limits": True}),
+    (_cfg(d=64), {"epilogue": "regs", "q_slots": 2, "pack_gqa": True, "pin_wait": PIN, "mask_limits": True}),
+    (_cfg("float16", 64, "bshd", sinks=False), {"epilogue": "regs", "q_slots": 2, "pack_gqa": True, "pin_wait": PIN, "mask_limits": True}),
+    (_cfg("float16", 64, "thd"), {"epilogue": "regs", "q_slots": 2, "pack_gqa": True, "pin_wait": PIN, "mask_limits": True}),
+    (_cfg(d=64, causal=False), {"epilogue": "regs", "q_slots": 2, "pack_gqa": True, "pin_wait": PIN, "mask_limits": True}),
+    (_cfg(d=64, groups=1), {"epilogue": "regs", "q_slots": 2, "pack_gqa": False, "pin_wait": PIN, "mask_limits": True}),
+    (_cfg(d=128), {"epilogue": "smem", "q_slots": 1, "pin_wait": PIN, "mask_limits": True}),
+    (_cfg(d=32), {"epilogue": "smem", "q_slots": 1, "pin_wait": PIN, "mask_limits": True}),  # not fwd_ws.py's kernel
+    (_cfg(d=64, arch="sm_80"), {"epilogue": "smem", "q_slots": 1, "pin_wait": PIN, "mask_limits": True}),
 ])
 def test_the_forward_options_follow_the_head_dim(cfg, opts):
     """config.fwd_ws_options: head dim 64's forward stores o from registers, double-buffers Q
     (measured faster there on causal and windowed problems, docs/perf.md v15) and packs a GQA group
     into one tile where it fits (docs/perf.md v18), 128's keeps the staged
     epilogue and one Q slot; the kinds fwd and fwd_unfolded are that kernel at the forward's own tiles,
-    strict's fwd_o32 keeps the defaults; every kind keeps the wait for P V after the softmax
-    (``pin_wait``, config.FWD_PIN_WAIT); a narrow window's kind (fwd_window) is the next test's."""
+    strict's fwd_o32 keeps the defaults; every kind takes ``pin_wait`` from config.FWD_PIN_WAIT (off since
+    docs/perf.md v21: measured slower) and the row limits' mask; a narrow window's kind (fwd_window) is the
+    next test's."""
     import dataclasses
 
     from flashsink.ops.compile import build_prim_func
@@ -163,7 +165,7 @@ def test_the_forward_options_follow_the_head_dim(cfg, opts):
     strict = dataclasses.replace(cfg, precision="strict")
     if fwd_o32(strict):
         assert build_prim_func("fwd_o32", strict).script() == build_fwd_ws(
-            strict, fwd_o32_tiles(strict), fold=True, o32=True, epilogue="smem", q_slots=1, pin_wait=True,
+            strict, fwd_o32_tiles(strict), fold=True, o32=True, epilogue="smem", q_slots=1, pin_wait=PIN,
             mask_limits=True).script()
 
 
@@ -202,7 +204,7 @@ def test_fwd_window_is_the_packed_forward_with_64_key_tiles(cfg, tiles):
         return
     assert fwd_window_tiles(cfg) == tiles
     opts = ({"epilogue": "regs", "q_slots": 2} if cfg.head_dim == 64 else {"epilogue": "smem", "q_slots": 1})
-    opts["pin_wait"] = opts["mask_limits"] = True
+    opts["pin_wait"], opts["mask_limits"] = PIN, True
     text = build_prim_func("fwd_window", cfg).script()
     assert text == build_fwd_ws(cfg, tiles, fold=fwd_fold(cfg), pack_gqa=True, **opts).script()
     assert f'"tl.launch_threads": [{tiles.block_m * 2 + 128}, 1, 1]' in text  # the consumers and the producer
@@ -241,7 +243,7 @@ def test_exp2_fma_option_builds_and_leaves_the_default_alone():
     coeff = repr(float(_EXP2_POLY[-1]))[:8]
     assert coeff in fma.script() and coeff not in lib.script() and "reinterpret" in fma.script()
     assert build_fwd_ws(cfg, Tiles(192, 128, 384, 2), fold=True, fma_every=0, epilogue="regs", q_slots=2,
-                        pack_gqa=True, pin_wait=True, mask_limits=True).script() == lib.script()
+                        pack_gqa=True, pin_wait=PIN, mask_limits=True).script() == lib.script()
 
 
 def test_exp2_fma_arithmetic():
@@ -384,7 +386,7 @@ def test_library_forward_packs_gqa_where_it_fits(cfg, packs):
     assert pack_gqa_fits(cfg, tiles.block_m) is (packs or cfg.head_dim == 128)
     lib = fwd.build_fwd(cfg).script()
     base = {"epilogue": "regs", "q_slots": 2} if cfg.head_dim == 64 else {}
-    base["pin_wait"] = base["mask_limits"] = True
+    base["pin_wait"], base["mask_limits"] = PIN, True
     assert lib == build_fwd_ws(cfg, tiles, fold=True, pack_gqa=packs, **base).script()
     if packs:
         assert lib != build_fwd_ws(cfg, tiles, fold=True, pack_gqa=False, **base).script()

@@ -170,3 +170,11 @@ def test_cpu_bundle_lists_the_suite_the_recorded_and_the_bench_kernels(tmp_path,
     for cfg in (golden, dataclasses.replace(golden, precision="strict"),
                 dataclasses.replace(golden, deterministic=True)):
         assert {(k, cfg) for k in kinds_for(cfg)} <= set(pairs), cfg.short()
+    # without an argument: the suite's own recorded configurations, committed beside the tool
+    monkeypatch.setattr("sys.argv", ["precompile_cpu_bundle.py", "--jobs", "3"])
+    assert tool.main() == 0
+    from precompile_recorded import recorded_pairs
+
+    committed = recorded_pairs(tool.RECORDED)
+    assert committed and set(committed) <= set(got["pairs"])
+    assert not {(k, rec) for k in kinds_for(rec)} <= set(got["pairs"])  # the temporary file's: not read

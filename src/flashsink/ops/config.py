@@ -306,17 +306,19 @@ def fwd_windowed(cfg: KernelConfig) -> bool:
 
 
 #: ``fwd_ws.build_fwd_ws``'s ``pin_wait`` in every forward kind of that kernel (fwd, fwd_unfolded, fwd_window,
-#: fwd_o32): the wait for each tile's P V product kept after its softmax. Without it ptxas (CUDA 13.0, sm_90a)
-#: hoists that wait above the row maximum and the exponentials in every one of them (cuobjdump -sass,
-#: docs/perf.md v20), so the softmax never runs beside the product that FlashAttention-3's intra-warpgroup
-#: overlap issues for it. Predicted: the causal forwards +5..10%, the windowed ones (whose mask already ran
-#: beside the product) a few percent; tools/fwd_variants.py's ".../pin" rows time each kind with and without.
-FWD_PIN_WAIT = True
+#: fwd_o32): the wait for each tile's P V product kept after its softmax by a shared-memory store. Without it
+#: ptxas (CUDA 13.0, sm_90a) hoists that wait above the row maximum and the exponentials (cuobjdump -sass,
+#: docs/perf.md v20). **Off**: measured on the H200 in one run (tools/fwd_variants.py, docs/perf.md v21) it
+#: lost where it was predicted to win: causal D64 N8192 1.2635 -> 1.3289 ms (+5.2%), golden's windowed
+#: kind 0.1100 -> 0.1138 (+3.5%), gpt-oss SWA's 0.0779 -> 0.0791, causal D128 N4096 0.5168 -> 0.5107
+#: (-1.2%, inside that run's spread); o and lse bitwise the same.
+FWD_PIN_WAIT = False
 #: ``fwd_ws.build_fwd_ws``'s ``mask_limits`` in the same kinds: a masked tile's logits compared with each row's
 #: key limits, worked out once per row (``mask.limit_logits``), instead of the visibility test per element; the
 #: same slots masked. SASS of gpt-oss SWA's windowed kernel (docs/perf.md v20): the main loop's instructions
-#: between the two waits 345 -> 305 (the mask ~160 -> ~106: two compares with immediates and a select per
-#: logit). Predicted: the windowed kinds (most tiles masked) a few percent; the causal ones unchanged.
+#: between the two waits 345 -> 305. Measured on the H200 (docs/perf.md v21, o and lse bitwise the same):
+#: golden's windowed kind 0.1100 -> 0.1071 ms (-2.6%), gpt-oss SWA's 0.0779 -> 0.0763 (-2.1%), causal D64
+#: N8192 1.2635 -> 1.2554, causal D128 N4096 0.5168 -> 0.5196 (both inside the run's spread).
 FWD_MASK_LIMITS = True
 
 

@@ -127,9 +127,10 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
     right after the mask: the tile's row maximum, exponentials and sums then run after P V has finished
     instead of beside it, which undoes the intra-warpgroup overlap above (cuobjdump -sass of the sm_90a
     cubins, every forward kind, docs/perf.md v20). It keeps shared-memory stores before the wait, and the
-    store needs ``l``, the last value of the softmax's chain.
+    store needs ``l``, the last value of the softmax's chain. Off by default (``config.FWD_PIN_WAIT``):
+    measured slower on the H200 (docs/perf.md v21: causal D64 +5%, golden's windowed kind +3.5%).
 
-    ``mask_limits`` (``config.FWD_MASK_LIMITS``, not measured on the GPU yet): a masked tile's logits by
+    ``mask_limits`` (``config.FWD_MASK_LIMITS``; windowed kinds -2..3% on the H200, docs/perf.md v21): a masked tile's logits by
     each row's key limits, worked out once per row (``mask.limit_logits``), instead of the visibility
     test per element (``mask.mask_logits``): the same slots masked, fewer instructions per logit; most
     of a narrow window's tiles are masked ones.
@@ -138,7 +139,10 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
     row's maximum exceeds it by more than ``2**lazy_rescale`` (``softmax.new_max(lazy=..)``), and a warp
     skips the output's rescale when none of its rows moved (``softmax.rescale_lazy``): after a row's
     first tiles most tiles skip ``dim_v / 2`` multiplies per thread on the path between one tile's P V
-    product and the next. FlashAttention-4's conditional rescaling (it uses 8). Not with ``o32``."""
+    product and the next. FlashAttention-4's conditional rescaling (it uses 8). Not with ``o32``. Measured
+    with ``pin_wait`` only (docs/perf.md v21): against pin_wait + mask_limits, causal D64 1.3300 -> 1.2644 ms,
+    golden's windowed kind 0.1121 -> 0.1092, gpt-oss SWA's 0.0761 -> 0.0756, causal D128 0.5096 -> 0.5206;
+    o within one more rounding (bf16 relative L2 ~3e-3 against the exact pivot's ~1e-3 between tilings)."""
     if lazy_rescale and o32:
         raise ValueError("lazy_rescale cannot be combined with o32 (strict's forward keeps the exact maximum)")
     if wg_ranges and (pack_gqa or o32):
