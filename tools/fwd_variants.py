@@ -129,11 +129,13 @@ def _variants(d: int) -> list:
     # (v11 lost 16% with it, when ptxas kept the softmax after the product's wait)
     if d <= 64:
         out.append(("ws/fold/regs/q2/pack/pin/lim/fma8 192x128/s2", own, "branch", False, "regs/q2/pack/pin/lim/fma8"))
-    # the output's rescale only where a warp's rows moved their pivot by more than 2**8 (lazy_rescale=8)
+    # the output's rescale only where a warp's rows moved their pivot by more than 2**8 (lazy_rescale=8), with
+    # and (the library's options since v21) without pin_wait
     for o, t in (mine, win):
         o = o or "fold"
-        label = "ws/" + "fold/" * (o != "fold") + o + "/pin/lim/lazy " + "x".join(map(str, t[:2])) + f"/s{t[3]}"
-        out.append((label, t, "branch", False, o + "/pin/lim/lazy"))
+        for x in ("/pin/lim/lazy", "/lim/lazy"):
+            label = "ws/" + "fold/" * (o != "fold") + o + x + " " + "x".join(map(str, t[:2])) + f"/s{t[3]}"
+            out.append((label, t, "branch", False, o + x))
     return out
 
 
