@@ -636,6 +636,8 @@ def test_lazy_rescale_option_moves_the_pivot_past_its_threshold_and_votes(d, til
     assert "alpha[i] != T.float32(1.0)" in lines[votes[0] - 1]
     assert lines[votes[0] + 3] == "acc_o[i, j] = acc_o[i, j] * alpha[i]"
     assert text.count("rescale") == plain.count("rescale")
+    with pytest.raises(ValueError, match="lazy_rescale must be 0 .* got -1.0"):
+        build_fwd_ws(cfg, tiles, fold=True, lazy_rescale=-1.0, **opts)
     strict = KernelConfig("sm_90a", "bfloat16", d, d, 8, True, True, "bhsd", False, "strict")
     with pytest.raises(ValueError, match="lazy_rescale"):
         build_fwd_ws(strict, Tiles(128, 128, 256, 2), fold=True, o32=True, lazy_rescale=8.0)

@@ -121,21 +121,21 @@ def _variants(d: int) -> list:
     # v20: the forward's own kernel, the windowed kind's and strict's o32, each with neither, either and both
     mine = ("regs/q2/pack", own) if d <= 64 else ("", own)
     win = ("regs/q2/pack", (192, 64, 384, 3)) if d <= 64 else ("pack", (128, 64, 256, 3))
+    def ws_row(o, t):
+        """The row of fwd_ws.py's kernel with options ``o`` ("a/b/..": the fold always) at tiles ``t``."""
+        return ("ws/" + "fold/" * (not o.startswith("fold")) + o + " " + "x".join(map(str, t[:2])) + f"/s{t[3]}",
+                t, "branch", False, o)
+
     for o, t in (mine, win, ("o32", (128, 128, 256, 2))):
         o = o or "fold"
-        label = "ws/" + "fold/" * (o != "fold") + o + " " + "x".join(map(str, t[:2])) + f"/s{t[3]}"
-        out += [(label.replace(" ", f"{x} ", 1), t, "branch", False, o + x) for x in ("", "/pin", "/lim", "/pin/lim")]
+        out += [ws_row(o + x, t) for x in ("", "/pin", "/lim", "/pin/lim")]
     # one column group in 8 of exponentials on the FMA pipe again, now that the softmax runs beside P V
     # (v11 lost 16% with it, when ptxas kept the softmax after the product's wait)
     if d <= 64:
         out.append(("ws/fold/regs/q2/pack/pin/lim/fma8 192x128/s2", own, "branch", False, "regs/q2/pack/pin/lim/fma8"))
     # the output's rescale only where a warp's rows moved their pivot by more than 2**8 (lazy_rescale=8), with
     # and (the library's options since v21) without pin_wait
-    for o, t in (mine, win):
-        o = o or "fold"
-        for x in ("/pin/lim/lazy", "/lim/lazy"):
-            label = "ws/" + "fold/" * (o != "fold") + o + x + " " + "x".join(map(str, t[:2])) + f"/s{t[3]}"
-            out.append((label, t, "branch", False, o + x))
+    out += [ws_row((o or "fold") + x, t) for o, t in (mine, win) for x in ("/pin/lim/lazy", "/lim/lazy")]
     return out
 
 

@@ -52,8 +52,7 @@ def main() -> int:
 
     from flashsink.ops.precompile import precompile
 
-    recorded = args.recorded or (RECORDED if os.path.exists(RECORDED) else None)
-    pairs = suite_pairs(ARCH) + (recorded_pairs(recorded) if recorded else [])
+    pairs = suite_pairs(ARCH) + recorded_pairs(args.recorded or RECORDED)
     pairs += _bench()
     pairs = list(dict.fromkeys(pairs))
     print(f"{len(pairs)} kernels for {ARCH} into {os.environ.get('FLASHSINK_CACHE_DIR', 'the default cache')}",

@@ -137,12 +137,14 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
 
     ``lazy_rescale`` (> 0, an option for tools/fwd_variants.py): the softmax's pivot moves only where a
     row's maximum exceeds it by more than ``2**lazy_rescale`` (``softmax.new_max(lazy=..)``), and a warp
-    skips the output's rescale when none of its rows moved (``softmax.rescale_lazy``): after a row's
+    skips the output's rescale when none of its rows moved (``softmax.rescale``'s ``need``): after a row's
     first tiles most tiles skip ``dim_v / 2`` multiplies per thread on the path between one tile's P V
     product and the next. FlashAttention-4's conditional rescaling (it uses 8). Not with ``o32``. Measured
     with ``pin_wait`` only (docs/perf.md v21): against pin_wait + mask_limits, causal D64 1.3300 -> 1.2644 ms,
     golden's windowed kind 0.1121 -> 0.1092, gpt-oss SWA's 0.0761 -> 0.0756, causal D128 0.5096 -> 0.5206;
     o within one more rounding (bf16 relative L2 ~3e-3 against the exact pivot's ~1e-3 between tilings)."""
+    if lazy_rescale < 0:
+        raise ValueError(f"lazy_rescale must be 0 (off) or a positive threshold in base 2, got {lazy_rescale!r}")
     if lazy_rescale and o32:
         raise ValueError("lazy_rescale cannot be combined with o32 (strict's forward keeps the exact maximum)")
     if wg_ranges and (pack_gqa or o32):
@@ -194,7 +196,7 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
             l = T.alloc_fragment([bm], accum)
             lse = T.alloc_fragment([bm], accum)
             l_pin = T.alloc_shared([bm], accum) if pin_wait else None  # written, never read: _pin
-            need = T.alloc_local([1], "int32") if lazy_rescale > 0 else None  # rescale_lazy's vote
+            need = T.alloc_local([1], "int32") if lazy_rescale > 0 else None  # softmax.rescale's vote (lazy_rescale)
             # mask_limits: each row's last visible and last hidden key, relative to the tile's first
             if mask_limits:
                 key_hi = T.alloc_fragment([bm], "int32")
@@ -327,7 +329,7 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
                                     _pin(l, l_pin)
                                     T.wait_wgmma(0)
                                     T.barrier_arrive(v_empty[sp])
-                                    _rescale(acc_o, alpha, need, bm, dim_v)
+                                    softmax.rescale(acc_o, alpha, bm, dim_v, need)
                                 _keep_p(acc_s, p, p_lo, bm, bn, o32)
                                 if kb == own_hi - 1:
                                     # this warpgroup's last tile: its P V now, so that its V slot is free before the
@@ -387,7 +389,7 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
                             _pin(l, l_pin)
                             T.wait_wgmma(0)
                             T.barrier_arrive(v_empty[sp])
-                            _rescale(acc_o, alpha, need, bm, dim_v)
+                            softmax.rescale(acc_o, alpha, bm, dim_v, need)
                             _keep_p(acc_s, p, p_lo, bm, bn, o32)
                         if n > 0:
                             # every S product read Q: the next tile's may land
@@ -492,16 +494,6 @@ def _locate(i, m_tiles, heads, n_seqs, CuQ, CuK, seq_q, seq_kv, window, bm: int,
     k_base, sk = sequence(layout, CuK, b, seq_kv)
     lo, hi = kv_blocks_for_rows(bx * bm, bm, bn, sq, sk, window, causal)
     return bx, head, b, q_base, sq, k_base, sk, lo, hi
-
-
-@T.macro
-def _rescale(acc_o, alpha, need, bm: int, dim_v: int):
-    """The output to the softmax's new pivot: every row (``need`` None), or only where a warp's rows moved
-    (``build_fwd_ws``'s ``lazy_rescale``)."""
-    if need is None:
-        softmax.rescale(acc_o, alpha, bm, dim_v)
-    else:
-        softmax.rescale_lazy(acc_o, alpha, need, bm, dim_v)
 
 
 @T.macro

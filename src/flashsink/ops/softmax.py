@@ -59,7 +59,7 @@ def new_max(acc_s, m, m_prev, alpha, row_sum, block_m: int, scale_log2=None, laz
     ``lazy`` (> 0, base-2 units): ``m`` is the pivot of the exponentials rather than the maximum; it
     moves only where the new maximum exceeds it by more than ``lazy``, so the tile's probabilities are
     at most ``2**lazy`` and most tiles leave ``alpha`` at exactly 1 (FlashAttention-4's conditional
-    rescaling: the caller then skips the output's rescale, :func:`rescale_lazy`). Exact: the sums and the
+    rescaling: the caller then skips the output's rescale, :func:`rescale` with ``need``). Exact: the sums and the
     output carry the same pivot, which the LSE adds back."""
     T.copy(m, m_prev)
     if scale_log2 is None:
@@ -81,23 +81,22 @@ def new_max(acc_s, m, m_prev, alpha, row_sum, block_m: int, scale_log2=None, laz
 
 
 @T.macro
-def rescale(acc_o, alpha, block_m: int, dim_v: int):
-    """The output accumulated so far, to the new maximum (``alpha`` of :func:`new_max`)."""
-    for i, j in T.Parallel(block_m, dim_v):
-        acc_o[i, j] *= alpha[i]
+def rescale(acc_o, alpha, block_m: int, dim_v: int, need=None):
+    """The output accumulated so far, to the new maximum (``alpha`` of :func:`new_max`).
 
-
-@T.macro
-def rescale_lazy(acc_o, alpha, need, block_m: int, dim_v: int):
-    """:func:`rescale` where a row's ``alpha`` is not 1, skipped by a whole warp when none of its rows moved
-    its pivot (``new_max(lazy=..)``): ``need`` (a per-thread int32 variable) is set from the thread's rows,
-    then voted on, so the branch is uniform in the warp."""
-    need[0] = 0
-    for i in T.Parallel(block_m):
-        need[0] = need[0] | T.Cast("int32", alpha[i] != 1.0)
-    if T.any_sync(need[0]):
+    ``need`` (a per-thread int32 buffer of one element, with ``new_max(lazy=..)``): set from the thread's
+    rows' ``alpha != 1`` and voted on by the warp, so that a warp none of whose rows moved its pivot skips
+    the multiplies on a uniform branch."""
+    if need is None:
         for i, j in T.Parallel(block_m, dim_v):
             acc_o[i, j] *= alpha[i]
+    else:
+        need[0] = 0
+        for i in T.Parallel(block_m):
+            need[0] = need[0] | T.Cast("int32", alpha[i] != 1.0)
+        if T.any_sync(need[0]):
+            for i, j in T.Parallel(block_m, dim_v):
+                acc_o[i, j] *= alpha[i]
 
 
 #: adding 1.5 * 2**23 to a float32 of magnitude below 2**22 rounds it to an integer, which the sum then
