@@ -127,10 +127,10 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
     right after the mask: the tile's row maximum, exponentials and sums then run after P V has finished
     instead of beside it, which undoes the intra-warpgroup overlap above (cuobjdump -sass of the sm_90a
     cubins, every forward kind, docs/perf.md v20). It keeps shared-memory stores before the wait, and the
-    store needs ``l``, the last value of the softmax's chain. Off by default (``config.FWD_PIN_WAIT``):
-    measured slower on the H200 (docs/perf.md v21: causal D64 +5%, golden's windowed kind +3.5%).
+    store needs ``l``, the last value of the softmax's chain. Off by default: measured slower
+    (``config.FWD_PIN_WAIT`` has the numbers).
 
-    ``mask_limits`` (``config.FWD_MASK_LIMITS``; windowed kinds -2..3% on the H200, docs/perf.md v21): a masked tile's logits by
+    ``mask_limits`` (on by default, ``config.FWD_MASK_LIMITS`` has the measurement): a masked tile's logits by
     each row's key limits, worked out once per row (``mask.limit_logits``), instead of the visibility
     test per element (``mask.mask_logits``): the same slots masked, fewer instructions per logit; most
     of a narrow window's tiles are masked ones.
