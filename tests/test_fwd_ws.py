@@ -641,3 +641,21 @@ def test_lazy_rescale_option_moves_the_pivot_past_its_threshold_and_votes(d, til
     strict = KernelConfig("sm_90a", "bfloat16", d, d, 8, True, True, "bhsd", False, "strict")
     with pytest.raises(ValueError, match="lazy_rescale"):
         build_fwd_ws(strict, Tiles(128, 128, 256, 2), fold=True, o32=True, lazy_rescale=8.0)
+
+
+@pytest.mark.parametrize("d, tiles", [(128, Tiles(128, 128, 256, 2)), (64, Tiles(192, 128, 384, 2))])
+def test_snake_option_changes_only_the_order_of_the_persistent_tiles(d, tiles):
+    """``build_fwd_ws(snake=True)`` (the default): the producer's and the consumers' loops over the persistent
+    program's tiles take ``schedule.persistent_tile``'s snake order and ``persistent_steps``' count of turns;
+    ``snake=False`` is round-robin (tile ``cta + step * n_ctas``); nothing else differs. Which tile each
+    turn takes is tests/test_schedule.py's."""
+    from flashsink.ops.fwd_ws import build_fwd_ws
+
+    cfg = _cfg(d=d)
+    snake = build_fwd_ws(cfg, tiles, fold=True).script()
+    assert snake == build_fwd_ws(cfg, tiles, fold=True, snake=True).script()
+    rr = build_fwd_ws(cfg, tiles, fold=True, snake=False).script()
+    turn, steps = "(bx + step % 2 * (n_ctas - 1 - 2 * bx))", " - total // n_ctas % 2 * (n_ctas - bx * 2 - 1)"
+    assert snake.count(f"for step in range((total + n_ctas - bx{steps} - 1) // n_ctas):") == 2
+    assert snake.count(turn) >= 2 and "step % 2" not in rr
+    assert snake.replace(turn, "bx").replace(steps, "") == rr

@@ -136,6 +136,11 @@ def _variants(d: int) -> list:
     # the output's rescale only where a warp's rows moved their pivot by more than 2**8 (lazy_rescale=8), with
     # and (the library's options since v21) without pin_wait
     out += [ws_row((o or "fold") + x, t) for o, t in (mine, win) for x in ("/pin/lim/lazy", "/lim/lazy")]
+    # the persistent programs in round-robin (build_fwd_ws(snake=False), the order until docs/perf.md v23)
+    # against the snake, the library's since then: the same kernels otherwise
+    out += [ws_row((o or "fold") + "/lim/rr", t) for o, t in (mine, win)]
+    if d == 128:  # FlashAttention-4's causal forward at D128 on Hopper: a GQA group packed into 128x128 tiles
+        out += [ws_row("pack/lim" + x, own) for x in ("", "/lazy")]
     return out
 
 
@@ -151,7 +156,7 @@ def _func(job):
     if tiles is None and mask == "select" and not fold and not ws:
         return build_prim_func("fwd", cfg)  # the library's kernel
     opts = ws.split("/") if isinstance(ws, str) else []
-    if opts and set(opts) <= {"np", "nopp", "fold", "fma8", "fma4", "o32", "regs", "q2", "pack", "wgr", "pin", "lim", "lazy"}:
+    if opts and set(opts) <= {"np", "nopp", "fold", "fma8", "fma4", "o32", "regs", "q2", "pack", "wgr", "pin", "lim", "lazy", "rr"}:
         from flashsink.ops.fwd_ws import PERSISTENT_CTAS, build_fwd_ws
 
         fma = next((int(o[3:]) for o in opts if o.startswith("fma")), 0)
@@ -160,7 +165,7 @@ def _func(job):
                             o32="o32" in opts, epilogue="regs" if "regs" in opts else "smem",
                             q_slots=2 if "q2" in opts else 1, pack_gqa="pack" in opts, wg_ranges="wgr" in opts,
                             pin_wait="pin" in opts, mask_limits="lim" in opts,
-                            lazy_rescale=8.0 if "lazy" in opts else 0.0)
+                            lazy_rescale=8.0 if "lazy" in opts else 0.0, snake="rr" not in opts)
     if ws is True:  # fwd_ws.py's kernel unfolded, smem epilogue, one Q slot (not config.fwd_ws_options)
         from flashsink.ops.fwd_ws import build_fwd_ws
 

@@ -29,7 +29,7 @@ from .config import KernelConfig, Tiles, pack_gqa_fits
 from .fwd_entry import fwd_entry, fwd_shapes
 from .layout import sequence, store_rows, store_stat, tile
 from .mask import branch_logits
-from .schedule import locate
+from .schedule import locate, persistent_steps, persistent_tile
 from .split import split as two_terms
 
 #: registers per thread of the producer warpgroup (setmaxnreg); the consumers share the rest of
@@ -57,15 +57,20 @@ def consumer_regs(n_consumers: int) -> int:
 def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS, pingpong: bool = True,
                  fold: bool = False, fma_every: int = 0, o32: bool = False, epilogue: str = "smem",
                  q_slots: int = 1, pack_gqa: bool = False, wg_ranges: bool = False, pin_wait: bool = False,
-                 mask_limits: bool = False, lazy_rescale: float = 0.0):
+                 mask_limits: bool = False, lazy_rescale: float = 0.0, snake: bool = True):
     """The warp-specialized forward for tiles ``t``: ``t.block_m`` a multiple of 64 (one consumer
     warpgroup per 64 rows, ``t.threads`` their threads, ``block_m * 2``; the kernel runs 128 more,
     the producer's), ``t.stages`` ring slots for K and V.
 
-    ``ctas``: a persistent grid of at most that many programs, each looping over the tiles
-    ``cta, cta + ctas, ..`` of the (row tile, head, sequence) space, the causal row tiles longest
+    ``ctas``: a persistent grid of at most that many programs, each looping over its tiles of the
+    (row tile, head, sequence) space (one per round of ``ctas`` tiles: ``snake``), the causal row tiles longest
     first, so the producer loads a tile's Q, K and V while the consumers finish the previous one
     and no program pays a launch and an empty pipeline per tile; None: one program per tile.
+
+    ``snake`` (the default; False for tools/fwd_variants.py's "/rr" rows): the persistent programs take
+    every other round of tiles in reverse (``schedule.persistent_tile``), so the programs that take a
+    round's longest causal tiles take the next round's shortest; round-robin left the first programs
+    ~4-6% more work than the mean on gpt-oss's causal problems (a model, the function's docstring).
 
     ``pingpong``: the consumer warpgroups take turns to issue their products (FlashAttention-3's
     scheduler barriers), so one's softmax runs while the other's GEMMs have the tensor cores.
@@ -236,9 +241,10 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
 
             if tx >= consumers:
                 T.set_max_nreg(PRODUCER_REGS, 0)
-                for step in T.serial(T.ceildiv(total - cta, n_ctas)):
+                for step in T.serial(persistent_steps(cta, total, n_ctas, snake)):
                     bx, head, b, q_base, sq, k_base, sk, lo, hi = _locate(
-                        cta + step * n_ctas, _row_tiles(m_tiles, LSE, layout, pack), _units(heads, groups, pack),
+                        persistent_tile(cta, step, n_ctas, snake), _row_tiles(m_tiles, LSE, layout, pack),
+                        _units(heads, groups, pack),
                         n_seqs, CuQ, CuK, seq_q, seq_kv, window, rows, bn, layout, cfg.causal)
                     kv_head = head // groups if pack is None else head
                     # a tile that visits no keys loads nothing (its consumers wait for nothing)
@@ -278,9 +284,10 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
                 T.set_max_nreg(regs, 1)
                 if pingpong:
                     _pingpong_start(wg)
-                for step in T.serial(T.ceildiv(total - cta, n_ctas)):
+                for step in T.serial(persistent_steps(cta, total, n_ctas, snake)):
                     bx, head, b, q_base, sq, k_base, sk, lo, hi = _locate(
-                        cta + step * n_ctas, _row_tiles(m_tiles, LSE, layout, pack), _units(heads, groups, pack),
+                        persistent_tile(cta, step, n_ctas, snake), _row_tiles(m_tiles, LSE, layout, pack),
+                        _units(heads, groups, pack),
                         n_seqs, CuQ, CuK, seq_q, seq_kv, window, rows, bn, layout, cfg.causal)
                     row0 = bx * rows  # the tile's first query position
                     flo, fhi = full_kv_blocks_for_rows(lo, hi, row0, rows, bn, sq, sk, window, cfg.causal)
