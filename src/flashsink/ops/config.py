@@ -339,7 +339,8 @@ def fwd_ws_options(cfg: KernelConfig, tiles: Tiles | None = None, window: bool =
     spans fewer positions: fewer KV tiles under a window, fewer wasted rows at a short sequence's
     end) at head dim 64 where :func:`pack_gqa_fits`. Head dim 128 packs under a window only (the kind
     ``fwd_window``): at its forward's 128x128 tiles packing measured no gain (golden 0.1238 -> 0.1257
-    ms, docs/perf.md v19; 16 positions still span 2 KV tiles, only the K/V loads per group fall).
+    ms, docs/perf.md v19; 16 positions still span 2 KV tiles, only the K/V loads per group fall), nor on
+    causal D128 N4096, where FlashAttention-4 packs (0.4962 -> 0.5071 ms, v23, H100, one run).
     Measured on the H200 in one run (tools/fwd_variants.py, docs/perf.md v18), 192x128 tiles, o and lse bitwise equal to the unpacked kernel: gpt-oss SWA
     0.1039 -> 0.0938 ms, varlen W128 (64 sequences, 32768 tokens) 0.9331 -> 0.6736, varlen full
     1.3530 -> 0.9929, causal D64 N8192 1.2584 -> 1.2605 (the same within noise).

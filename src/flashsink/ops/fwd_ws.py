@@ -71,6 +71,8 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
     every other round of tiles in reverse (``schedule.persistent_tile``), so the programs that take a
     round's longest causal tiles take the next round's shortest; round-robin left the first programs
     ~4-6% more work than the mean on gpt-oss's causal problems (a model, the function's docstring).
+    Measured on an H100 in one run (docs/perf.md v23): causal D128 N4096 0.5159 -> 0.4962 ms, causal D64
+    N8192 1.2433 -> 1.2117, windowed problems unchanged; o and lse bitwise the same.
 
     ``pingpong``: the consumer warpgroups take turns to issue their products (FlashAttention-3's
     scheduler barriers), so one's softmax runs while the other's GEMMs have the tensor cores.
@@ -144,10 +146,11 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
     row's maximum exceeds it by more than ``2**lazy_rescale`` (``softmax.new_max(lazy=..)``), and a warp
     skips the output's rescale when none of its rows moved (``softmax.rescale``'s ``need``): after a row's
     first tiles most tiles skip ``dim_v / 2`` multiplies per thread on the path between one tile's P V
-    product and the next. FlashAttention-4's conditional rescaling (it uses 8). Not with ``o32``. Measured
-    with ``pin_wait`` only (docs/perf.md v21): against pin_wait + mask_limits, causal D64 1.3300 -> 1.2644 ms,
-    golden's windowed kind 0.1121 -> 0.1092, gpt-oss SWA's 0.0761 -> 0.0756, causal D128 0.5096 -> 0.5206;
-    o within one more rounding (bf16 relative L2 ~3e-3 against the exact pivot's ~1e-3 between tilings)."""
+    product and the next. FlashAttention-4's conditional rescaling (it uses 8). Not with ``o32``. With
+    ``pin_wait`` it made up what the pin cost (docs/perf.md v21); without it, against the library's
+    options (v23, H100, one run), it loses: causal D64 N8192 1.2117 -> 1.2603 ms, causal D128 N4096 0.4962 ->
+    0.5016; o within one more rounding (bf16 relative L2 ~3e-3 against the exact pivot's ~1e-3 between
+    tilings). So it stays an option."""
     if lazy_rescale < 0:
         raise ValueError(f"lazy_rescale must be 0 (off) or a positive threshold in base 2, got {lazy_rescale!r}")
     if lazy_rescale and o32:
