@@ -195,3 +195,33 @@ def test_kvcache_gathers_through_a_shared_page_table(arch):
     loads = [line for line in src.splitlines() if re.search(r"[(*]\s*\(?(K|V) \+", line)]
     assert loads and all("pg_s" in line and "off_s" in line for line in loads), loads
     assert not any(re.search(r"[/%] *\(?(\(int64_t\))?page_size", line) for line in loads), loads
+
+
+@pytest.mark.l1
+def test_kvcache_prefetch_loads_the_next_tile_into_registers():
+    """``build_fwd_kvcache(prefetch=True)`` (the default): each key tile's K/V rows are gathered into
+    registers (``k_r``, ``v_r``) one step ahead and stored to shared memory at the next step's start, so
+    their loads are in flight during this tile's products and softmax; ``prefetch=False`` gathers
+    straight into shared memory. The same gather either way (``gather``'s zeros and NaN keys); the
+    GPU suite checks the outputs."""
+    import re
+
+    import tilelang
+
+    from flashsink.ops.compile import pass_configs
+    from flashsink.ops.fwd_kvcache import build_fwd_kvcache
+
+    cfg = _cfg("sm_90a", "fwd_kvcache", layout="bshd")
+    assert build_fwd_kvcache(cfg).script() == build_fwd_kvcache(cfg, prefetch=True).script()
+    plain = build_fwd_kvcache(cfg, prefetch=False).script()
+    assert "k_r" not in plain and "v_r" not in plain
+    src = tilelang.compile(build_fwd_kvcache(cfg), target={"kind": "cuda", "arch": "sm_90a"},
+                           execution_backend="tvm_ffi", pass_configs=pass_configs()).get_kernel_source()
+    loop = [line.strip() for line in src[src.index("for (int kb"):].splitlines()]
+    # inside the key loop: shared K/V written from the registers first, then the next tile's rows
+    # written into them (from the cache's loads, through the gather's zero / NaN choices)
+    to_shared = [i for i, line in enumerate(loop) if re.match(r"\*\(uint4\*\)\(\(\(bfloat16_t\*\)(k_s|v_s)\)", line)]
+    to_regs = [i for i, line in enumerate(loop) if re.match(r"\*\(uint4\*\)\((k_r|v_r) \+", line)]
+    assert len(to_shared) == 2 and len(to_regs) == 2 and max(to_shared) < min(to_regs)
+    assert all(re.search(r"= \*\(uint4\*\)\((k_r|v_r) \+", loop[i]) for i in to_shared)
+    assert sum(bool(re.search(r"\*\(uint4\*\)\((K|V) \+", line)) for line in loop) == 2

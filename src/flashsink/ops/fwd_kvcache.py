@@ -37,13 +37,22 @@ NAN = float("nan")
 PAST_END, BAD_PAGE = -1, -2
 
 
-def build_fwd_kvcache(cfg: KernelConfig):
+def build_fwd_kvcache(cfg: KernelConfig, prefetch: bool = True):
     """The kernel. Why the shared page table: when each 16-byte load derived its row's page from the
     block table inside the load's address, the code generator computed it in 64-bit integers (the
     cache's flat index is 64-bit), several 64-bit divisions by ``page_size`` per load, each a called
     routine (sm_90a SASS: 160 call sites; 40 with the table, none in the key loop); that kernel moved
     290-330 GB/s on the H200 against 720-1000 with the table (decode B=8, 4k-64k keys; docs/perf.md
-    v13), with the same partials bitwise."""
+    v13), with the same partials bitwise.
+
+    ``prefetch`` (the default): the key loop gathers the next tile's K/V rows into registers before this
+    tile's products and softmax, and stores them to shared memory at the next step's start, so the
+    gather's loads are in flight while the tile computes. Without it each tile's gather is a plain load
+    that the products wait for (``T.Pipelined`` does not make a conditional gather asynchronous:
+    TileLang 0.1.15 emits the same code for it, docs/perf.md v22), and ``attention_kvcache`` moved
+    680-960 GB/s where ``attention``'s split-KV decode moves 1,240-2,520 on the same keys (v23, H100).
+    The same gather either way, so the same partials; 64 more registers per thread for the two tiles
+    (ptxas: 241 at sm_90a, 187 at sm_80, no spills)."""
     t = split_tiles(cfg)
     bm, bn = t.block_m, t.block_n
     dim, dim_v, groups = cfg.head_dim, cfg.head_dim_v, cfg.groups
@@ -91,6 +100,18 @@ def build_fwd_kvcache(cfg: KernelConfig):
                 PAST_END,
             )
 
+    @T.macro
+    def gather(K, V, pg_s, off_s, kv_head, k_to, v_to):
+        """The tile's key and value rows (``resolve``'s pages) into ``k_to`` and ``v_to``: zeros past a
+        row's length, NaN keys from a page outside the cache."""
+        for r, d in T.Parallel(bn, dim):
+            k_to[r, d] = T.if_then_else(
+                pg_s[r] >= 0, K[pg_s[r], off_s[r], kv_head, d],
+                T.if_then_else(pg_s[r] == PAST_END, T.cast(0, dtype), T.cast(NAN, dtype)),
+            )
+        for r, d in T.Parallel(bn, dim_v):
+            v_to[r, d] = T.if_then_else(pg_s[r] >= 0, V[pg_s[r], off_s[r], kv_head, d], T.cast(0, dtype))
+
     @T.prim_func
     def flashsink_fwd_kvcache(
         Q: T.Tensor([batch, seq_q, heads, dim], dtype),
@@ -118,6 +139,9 @@ def build_fwd_kvcache(cfg: KernelConfig):
             lse = T.alloc_fragment([bm], accum)
             pg_s = T.alloc_shared([bn], "int32")  # each key row's page (or PAST_END / BAD_PAGE)
             off_s = T.alloc_shared([bn], "int32")  # and its row in the page
+            if prefetch:  # the next tile's key and value rows, loaded while this tile computes
+                k_r = T.alloc_fragment([bn, dim], dtype)
+                v_r = T.alloc_fragment([bn, dim_v], dtype)
 
             # truncated division (C's / and %) wherever the operands are >= 0: floor division's sign
             # fix-ups are otherwise repeated in every expression that uses the result
@@ -141,18 +165,26 @@ def build_fwd_kvcache(cfg: KernelConfig):
             my_lo = T.min(hi, lo + split * per)
             my_hi = T.min(hi, my_lo + per)
 
-            for kb in T.serial(my_lo, my_hi):
-                key0 = kb * bn
-                resolve(BlockTable, pg_s, off_s, b, key0, seq_kv, page_size, max_pages, num_pages)
-                for r, d in T.Parallel(bn, dim):
-                    k_s[r, d] = T.if_then_else(
-                        pg_s[r] >= 0, K[pg_s[r], off_s[r], kv_head, d],
-                        T.if_then_else(pg_s[r] == PAST_END, T.cast(0, dtype), T.cast(NAN, dtype)),
-                    )
-                for r, d in T.Parallel(bn, dim_v):
-                    v_s[r, d] = T.if_then_else(pg_s[r] >= 0, V[pg_s[r], off_s[r], kv_head, d], T.cast(0, dtype))
-                scores(q_s, k_s, acc_s, p0, key0, seq_kv, window, scale_log2)
-                accumulate(acc_s, p, v_s, acc_o, m, m_prev, alpha, row_sum, l)
+            if prefetch:
+                # the first tile's rows into registers; each step then stores them to shared memory and
+                # issues the next tile's loads before its products and softmax, which hide their latency
+                if my_lo < my_hi:
+                    resolve(BlockTable, pg_s, off_s, b, my_lo * bn, seq_kv, page_size, max_pages, num_pages)
+                    gather(K, V, pg_s, off_s, kv_head, k_r, v_r)
+                for kb in T.serial(my_lo, my_hi):
+                    T.copy(k_r, k_s)
+                    T.copy(v_r, v_s)
+                    if kb + 1 < my_hi:
+                        resolve(BlockTable, pg_s, off_s, b, (kb + 1) * bn, seq_kv, page_size, max_pages, num_pages)
+                        gather(K, V, pg_s, off_s, kv_head, k_r, v_r)
+                    scores(q_s, k_s, acc_s, p0, kb * bn, seq_kv, window, scale_log2)
+                    accumulate(acc_s, p, v_s, acc_o, m, m_prev, alpha, row_sum, l)
+            else:
+                for kb in T.serial(my_lo, my_hi):
+                    resolve(BlockTable, pg_s, off_s, b, kb * bn, seq_kv, page_size, max_pages, num_pages)
+                    gather(K, V, pg_s, off_s, kv_head, k_s, v_s)
+                    scores(q_s, k_s, acc_s, p0, kb * bn, seq_kv, window, scale_log2)
+                    accumulate(acc_s, p, v_s, acc_o, m, m_prev, alpha, row_sum, l)
 
             softmax.finalize(acc_o, m, l, lse, bm, dim_v)
             for r, d in T.Parallel(bm, dim_v):
