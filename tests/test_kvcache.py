@@ -176,3 +176,24 @@ def test_values_checked_on_the_host_off_cuda(fn):
     fn(q, k, k, torch.tensor([12, 0], dtype=torch.int32))
     with pytest.raises(ValueError, match=r"cache_seqlens\[0\] = 13 must be in \[0, 12\] \(S_max"):
         fn(q, k, k, torch.tensor([13, 0], dtype=torch.int32))
+
+
+def test_split_count_aims_at_programs_per_sm_with_four_key_tiles_each():
+    """``kvcache.n_splits_for``: about ``PROGRAMS_PER_SM`` programs per SM (decode-paged B=8, H_kv=8: 64
+    programs a split), capped so that every split has at least four key tiles of the capacity."""
+    from types import SimpleNamespace
+
+    from flashsink.ops.config import Tiles
+    from flashsink.ops.kvcache import PROGRAMS_PER_SM, n_splits_for
+
+    tiles = Tiles(64, 128, 128, 2)
+
+    def spec(batch, capacity, seq_q=1):
+        return SimpleNamespace(groups=8, seq_q=seq_q, batch=batch, kv_heads=8, capacity=capacity)
+
+    assert PROGRAMS_PER_SM == 4
+    assert n_splits_for(spec(8, 65536), tiles, 132) == 9  # ceil(4 * 132 / 64)
+    assert n_splits_for(spec(8, 4096), tiles, 132) == 8  # 32 key tiles, four each
+    assert n_splits_for(spec(8, 300), tiles, 132) == 1  # 3 key tiles
+    assert n_splits_for(spec(64, 65536), tiles, 132) == 2  # 512 programs a split
+    assert n_splits_for(spec(8, 65536, seq_q=64), tiles, 132) == 2  # 8 row tiles of 64 packed rows

@@ -39,8 +39,8 @@ def main() -> int:
     ap.add_argument("--lengths", default="4096,16384,65536")
     ap.add_argument("--page-size", type=int, default=256)
     ap.add_argument("--splits-x", default="1,2,4",
-                    help="key splits per row as multiples of ops/kvcache.n_splits_for's (about two waves of "
-                         "programs; a latency-bound gather may want more programs in flight)")
+                    help="key splits per row as multiples of ops/kvcache.n_splits_for's (about PROGRAMS_PER_SM programs "
+                         "per SM; a latency-bound gather may want more programs in flight)")
     args = ap.parse_args()
     multiples = [int(x) for x in args.splits_x.split(",")]
 

@@ -74,14 +74,21 @@ def _no_sinks(heads: int, device):
     return t
 
 
+#: programs per SM the split count aims for (``n_splits_for``): four, twice the two that fit at once with the
+#: kernel's prefetch registers (241 a thread). Measured on an H100 (tools/kvcache_variants.py, docs/perf.md v23),
+#: decode-paged B=8: twice the splits of two programs per SM ran the kernel 1.16-1.23x faster at 4k-64k keys
+#: (0.0605 -> 0.0515 ms at 4k, 0.6635 -> 0.5398 at 64k).
+PROGRAMS_PER_SM = 4
+
+
 def n_splits_for(spec, tiles, sm_count: int) -> int:
-    """Splits of each row's keys: enough programs for about two waves, at least four key tiles
-    each, sized by the capacity (the lengths stay on the device); a shorter row's splits just get
+    """Splits of each row's keys: enough programs for about ``PROGRAMS_PER_SM`` per SM, at least four key
+    tiles each, sized by the capacity (the lengths stay on the device); a shorter row's splits just get
     fewer tiles, and a split with none writes lse = -inf, which the merge ignores."""
     m_tiles = -(-spec.groups * spec.seq_q // tiles.block_m)
     programs = m_tiles * spec.batch * spec.kv_heads
     blocks = -(-spec.capacity // tiles.block_n)
-    return max(1, min(math.ceil(2 * sm_count / programs), blocks // 4))
+    return max(1, min(math.ceil(PROGRAMS_PER_SM * sm_count / programs), blocks // 4))
 
 
 def kernel_attention_kvcache(spec, q, k_cache, v_cache, cache_seqlens, block_table, sinks, *, return_lse):
