@@ -5,7 +5,7 @@ The split-KV kernel of ``fwd_split.py`` with the keys read through a block table
 - key ``j`` of batch row ``b`` is row ``j % page_size`` of page ``BlockTable[b, j // page_size]``.
   Each key tile's rows are first resolved to (page, row in the page), once per key and in 32-bit
   integers, into a shared-memory table; the K and V loads then gather their rows through it (V with K,
-  before the products, so that their latencies overlap). One kernel serves every page size (a runtime
+  one tile ahead into registers, so that their latencies overlap the tile before: ``prefetch``). One kernel serves every page size (a runtime
   value, like the lengths) and a key tile may span several pages. (A tile copy per page would need
   ``page_size`` to be a multiple of the tile and a kernel per page-size class; TMA needs an affine
   tile.) A contiguous cache ``[B, S_max, H_kv, D]`` is the same kernel with B pages of S_max rows and
