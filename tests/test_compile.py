@@ -202,7 +202,7 @@ def test_kvcache_prefetch_loads_the_next_tile_into_registers():
     """``build_fwd_kvcache(prefetch=True)`` (the default): each key tile's K/V rows are gathered into
     registers (``k_r``, ``v_r``) one step ahead and stored to shared memory at the next step's start, so
     their loads are in flight during this tile's products and softmax; ``prefetch=False`` gathers
-    straight into shared memory. The same gather either way (``gather``'s zeros and NaN keys); the
+    straight into shared memory. The same gather either way (``fetch``'s zeros and NaN keys); the
     GPU suite checks the outputs."""
     import re
 

@@ -1,9 +1,12 @@
 """The library's forward and FlashAttention-4's on one problem, each run three times (the first compiles), for
 a profiler to attach to and compare the two kernels side by side:
 
-    ncu -k "regex:flashsink_fwd|FlashAttentionForward|flash_fwd" --launch-skip 2 --launch-count 2 \\
+    ncu -k "regex:flashsink_fwd|FlashAttentionForward" --launch-count 6 \\
         --section SpeedOfLight --section SchedulerStats --section WarpStateStats --section InstructionStats \\
         python tools/ncu_fwd_pair.py
+
+(six launches: the library's three, then FA4's three; FA4's kernel is named
+``kernel_cutlass_kernel_flash_attncuteflash_fwd_sm90FlashAttentionForwardSm90_...``).
 
 ``NCU_SHAPE`` B,H,HKV,N,D[,W] (default 1,64,8,4096,128: causal bf16 D128, where the library's forward is
 0.90x FA4's, docs/perf.md v22). FA4 must be importable (``source .fa4/setup.sh`` on the GPU host); without

@@ -101,9 +101,10 @@ def build_fwd_kvcache(cfg: KernelConfig, prefetch: bool = True):
             )
 
     @T.macro
-    def gather(K, V, pg_s, off_s, kv_head, k_to, v_to):
-        """The tile's key and value rows (``resolve``'s pages) into ``k_to`` and ``v_to``: zeros past a
-        row's length, NaN keys from a page outside the cache."""
+    def fetch(BlockTable, K, V, pg_s, off_s, b, kv_head, key0, seq_kv, page_size, max_pages, num_pages, k_to, v_to):
+        """The key tile from ``key0``: its rows resolved to pages (``resolve``), then its key and value rows
+        gathered into ``k_to`` and ``v_to``: zeros past a row's length, NaN keys from a page outside the cache."""
+        resolve(BlockTable, pg_s, off_s, b, key0, seq_kv, page_size, max_pages, num_pages)
         for r, d in T.Parallel(bn, dim):
             k_to[r, d] = T.if_then_else(
                 pg_s[r] >= 0, K[pg_s[r], off_s[r], kv_head, d],
@@ -169,20 +170,20 @@ def build_fwd_kvcache(cfg: KernelConfig, prefetch: bool = True):
                 # the first tile's rows into registers; each step then stores them to shared memory and
                 # issues the next tile's loads before its products and softmax, which hide their latency
                 if my_lo < my_hi:
-                    resolve(BlockTable, pg_s, off_s, b, my_lo * bn, seq_kv, page_size, max_pages, num_pages)
-                    gather(K, V, pg_s, off_s, kv_head, k_r, v_r)
+                    fetch(BlockTable, K, V, pg_s, off_s, b, kv_head, my_lo * bn, seq_kv, page_size, max_pages,
+                          num_pages, k_r, v_r)
                 for kb in T.serial(my_lo, my_hi):
                     T.copy(k_r, k_s)
                     T.copy(v_r, v_s)
                     if kb + 1 < my_hi:
-                        resolve(BlockTable, pg_s, off_s, b, (kb + 1) * bn, seq_kv, page_size, max_pages, num_pages)
-                        gather(K, V, pg_s, off_s, kv_head, k_r, v_r)
+                        fetch(BlockTable, K, V, pg_s, off_s, b, kv_head, (kb + 1) * bn, seq_kv, page_size,
+                              max_pages, num_pages, k_r, v_r)
                     scores(q_s, k_s, acc_s, p0, kb * bn, seq_kv, window, scale_log2)
                     accumulate(acc_s, p, v_s, acc_o, m, m_prev, alpha, row_sum, l)
             else:
                 for kb in T.serial(my_lo, my_hi):
-                    resolve(BlockTable, pg_s, off_s, b, kb * bn, seq_kv, page_size, max_pages, num_pages)
-                    gather(K, V, pg_s, off_s, kv_head, k_s, v_s)
+                    fetch(BlockTable, K, V, pg_s, off_s, b, kv_head, kb * bn, seq_kv, page_size, max_pages,
+                          num_pages, k_s, v_s)
                     scores(q_s, k_s, acc_s, p0, kb * bn, seq_kv, window, scale_log2)
                     accumulate(acc_s, p, v_s, acc_o, m, m_prev, alpha, row_sum, l)
 

@@ -86,17 +86,20 @@ def persistent_tile(cta, step, n_ctas, snake: bool = True):
     (windows, no mask) are unaffected.
 
     Plain arithmetic, so the same function runs on Python ints (the tests) and in a kernel."""
-    pos = cta + (step % 2) * (n_ctas - 1 - 2 * cta) if snake else cta
-    return step * n_ctas + pos
+    return step * n_ctas + _place(cta, step, n_ctas, snake)
 
 
 def persistent_steps(cta, total, n_ctas, snake: bool = True):
     """How many turns program ``cta`` of :func:`persistent_tile`'s ``n_ctas`` (at most ``total``) takes
     over ``total`` tiles: every full round's, and the last round's where its place in that round is
     below the round's ``total % n_ctas`` tiles."""
-    last = total // n_ctas  # the round that may be partial
-    pos = persistent_tile(cta, last, n_ctas, snake) - last * n_ctas
+    pos = _place(cta, total // n_ctas, n_ctas, snake)  # its place in the round that may be partial
     return (total - pos + n_ctas - 1) // n_ctas
+
+
+def _place(cta, step, n_ctas, snake: bool):
+    """Program ``cta``'s place in round ``step`` of :func:`persistent_tile`."""
+    return cta + (step % 2) * (n_ctas - 1 - 2 * cta) if snake else cta
 
 
 def by_work(p, n_tiles, heads, longest_last: bool, lpt: bool = True):
