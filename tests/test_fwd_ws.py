@@ -135,15 +135,16 @@ def test_library_forward_is_ws_where_config_says(cfg, want):
     (_cfg("float16", 64, "thd"), {"epilogue": "regs", "q_slots": 2, "pack_gqa": True, "pin_wait": PIN, "mask_limits": True}),
     (_cfg(d=64, causal=False), {"epilogue": "regs", "q_slots": 2, "pack_gqa": True, "pin_wait": PIN, "mask_limits": True}),
     (_cfg(d=64, groups=1), {"epilogue": "regs", "q_slots": 2, "pack_gqa": False, "pin_wait": PIN, "mask_limits": True}),
-    (_cfg(d=128), {"epilogue": "smem", "q_slots": 1, "pin_wait": PIN, "mask_limits": True}),
+    (_cfg(d=128), {"epilogue": "wg", "q_slots": 1, "pin_wait": PIN, "mask_limits": True}),
+    (_cfg("float16", 128, "thd"), {"epilogue": "wg", "q_slots": 1, "pin_wait": PIN, "mask_limits": True}),
     (_cfg(d=32), {"epilogue": "smem", "q_slots": 1, "pin_wait": PIN, "mask_limits": True}),  # not fwd_ws.py's kernel
     (_cfg(d=64, arch="sm_80"), {"epilogue": "smem", "q_slots": 1, "pin_wait": PIN, "mask_limits": True}),
 ])
 def test_the_forward_options_follow_the_head_dim(cfg, opts):
     """config.fwd_ws_options: head dim 64's forward stores o from registers, double-buffers Q
     (measured faster there on causal and windowed problems, docs/perf.md v15) and packs a GQA group
-    into one tile where it fits (docs/perf.md v18), 128's keeps the staged
-    epilogue and one Q slot; the kinds fwd and fwd_unfolded are that kernel at the forward's own tiles,
+    into one tile where it fits (docs/perf.md v18), 128's stages each consumer warpgroup's rows of o and
+    stores them 16 bytes a thread (epilogue "wg", docs/perf.md v24) with one Q slot; the kinds fwd and fwd_unfolded are that kernel at the forward's own tiles,
     strict's fwd_o32 keeps the defaults; every kind takes ``pin_wait`` from config.FWD_PIN_WAIT (off since
     docs/perf.md v21: measured slower) and the row limits' mask; a narrow window's kind (fwd_window) is the
     next test's."""
@@ -185,9 +186,10 @@ def test_the_forward_options_follow_the_head_dim(cfg, opts):
 ])
 def test_fwd_window_is_the_packed_forward_with_64_key_tiles(cfg, tiles):
     """config.fwd_window_tiles: a window of at most WINDOW_TILES_MAX keys runs the kind ``fwd_window``
-    where a GQA group packs into the forward's rows: 64-key tiles, three ring slots, the group packed
-    (head dim 64 with its forward's register epilogue and two Q slots, 128 with the staged epilogue and
-    one), folded as the forward is; elsewhere the kind is not built and the forward's tiles stand."""
+    where a GQA group packs into the forward's rows: 64-key tiles, three ring slots, the group packed,
+    each consumer warpgroup storing its own rows 16 bytes a thread (epilogue "wg", docs/perf.md v24; head
+    dim 64 with two Q slots, 128 with one), folded as the forward is; elsewhere the kind is not built and
+    the forward's tiles stand."""
     from flashsink.ops.compile import build_prim_func
     from flashsink.ops.config import WINDOW_TILES_MAX, fwd_fold, fwd_tiles, fwd_window_tiles, fwd_windowed
     from flashsink.ops.fwd_ws import build_fwd_ws
@@ -203,7 +205,7 @@ def test_fwd_window_is_the_packed_forward_with_64_key_tiles(cfg, tiles):
             build_prim_func("fwd_window", cfg)
         return
     assert fwd_window_tiles(cfg) == tiles
-    opts = ({"epilogue": "regs", "q_slots": 2} if cfg.head_dim == 64 else {"epilogue": "smem", "q_slots": 1})
+    opts = {"epilogue": "wg", "q_slots": 2 if cfg.head_dim == 64 else 1}
     opts["pin_wait"], opts["mask_limits"] = PIN, True
     text = build_prim_func("fwd_window", cfg).script()
     assert text == build_fwd_ws(cfg, tiles, fold=fwd_fold(cfg), pack_gqa=True, **opts).script()
@@ -326,7 +328,7 @@ def test_double_buffered_q_option(epilogue):
     """``build_fwd_ws(q_slots=2)`` (head dim 64's forward since docs/perf.md v15): Q gets a second
     shared buffer and a second pair of barriers, each tile's slot and phase from the count of query tiles
     gone through (``q_done % 2``, ``(q_done // 2) & 1``), as the K/V rings do; the same launch. One slot is
-    what build_fwd_ws builds unasked, TIR for TIR; other slot counts are refused."""
+    what build_fwd_ws builds unasked, TIR for TIR; slot counts other than 1-3 are refused."""
     from flashsink.ops.fwd_ws import build_fwd_ws
 
     cfg, tiles = _cfg(d=64), Tiles(128, 128, 256, 2)
@@ -339,7 +341,72 @@ def test_double_buffered_q_option(epilogue):
     assert "(2, 128, 64)" in q_alloc
     assert "q_done[0] % 2" in text and "q_done[0] // 2" in text and "q_done[0] % 2" not in one.script()
     with pytest.raises(ValueError, match="q_slots"):
-        build_fwd_ws(cfg, tiles, q_slots=3)
+        build_fwd_ws(cfg, tiles, q_slots=4)
+
+
+@pytest.mark.parametrize("d,tiles,opts", [
+    (64, Tiles(192, 64, 384, 3), {"q_slots": 2, "pack_gqa": True}),  # gpt-oss SWA's windowed kernel
+    (128, Tiles(128, 64, 256, 3), {"pack_gqa": True}),  # golden's
+    (128, Tiles(128, 128, 256, 2), {}),  # the D128 forward's
+])
+def test_warpgroup_epilogue_option(d, tiles, opts):
+    """``build_fwd_ws(epilogue="wg")`` (the windowed kind and head dim 128's forward since docs/perf.md v24):
+    the staged epilogue's shared buffer, swizzled, but each consumer warpgroup meets only its own 128
+    threads around its rows (barrier STORE_BARRIER + wg, twice a tile), never the others (no barrier of
+    every consumer thread) and still takes the ping-pong's turns; the same launch."""
+    from flashsink.ops.fwd_ws import CONSUMER_BARRIER, PINGPONG_BARRIER, STORE_BARRIER, build_fwd_ws
+
+    cfg = _cfg(d=d)
+    func = build_fwd_ws(cfg, tiles, fold=True, epilogue="wg", **opts)
+    smem = build_fwd_ws(cfg, tiles, fold=True, epilogue="smem", **opts)
+    assert _params(func) == _params(smem) and _dtypes(func) == _dtypes(smem)
+    text = func.script()
+    assert f'tvm_storage_sync("shared", {STORE_BARRIER} + wg, 128)' in text
+    assert text.count(f'tvm_storage_sync("shared", {STORE_BARRIER} + wg, 128)') == 2
+    assert f'tvm_storage_sync("shared", {CONSUMER_BARRIER}, {tiles.block_m * 2})' not in text
+    assert text.count(f'tvm_storage_sync("shared", {PINGPONG_BARRIER} + wg, 256)') == 2
+    assert 'sblock_alloc_buffer((%d, %d), "bfloat16", data=o_s' % (tiles.block_m, d) in text
+    assert "for v in T.vectorized(8):" in text  # 16 bytes a store
+    assert PINGPONG_BARRIER + tiles.block_m // 64 <= STORE_BARRIER and STORE_BARRIER + tiles.block_m // 64 <= 16
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (compiles for sm_90a without a GPU)")
+def test_warpgroup_epilogue_stores_16_bytes_a_thread():
+    """nvcc accepts gpt-oss SWA's windowed kernel with the "wg" epilogue, and its stores of o are 16 bytes
+    wide (where the register epilogue's are 4: half a 32-byte sector, docs/perf.md v24)."""
+    import tilelang
+
+    from flashsink.ops.compile import pass_configs
+    from flashsink.ops.fwd_ws import build_fwd_ws
+
+    func = build_fwd_ws(_cfg(d=64, layout="bshd"), Tiles(192, 64, 384, 3), fold=True, epilogue="wg", q_slots=2,
+                        pack_gqa=True)
+    kern = tilelang.compile(func, target={"kind": "cuda", "arch": "sm_90a"}, execution_backend="tvm_ffi",
+                            pass_configs=pass_configs())
+    src = kern.get_kernel_source()
+    assert "*(uint4*)(O + " in src and "*(uint1*)(O + " not in src
+    assert "ptx_stmatrix" in src  # the accumulator to the swizzled buffer
+
+
+@pytest.mark.parametrize("slots", [2, 3])
+def test_q_ahead_option(slots):
+    """``build_fwd_ws(q_ahead=True)`` (an option for tools/fwd_variants.py, measured slower, docs/perf.md v24):
+    the producer loads the next tile's Q before this tile's K and V, and the first tile's before the loop,
+    so each step visits up to two tiles' coordinates; the consumers are unchanged. Off is what build_fwd_ws
+    builds unasked; one Q slot is refused (the next tile's Q would wait for this tile's last S product)."""
+    from flashsink.ops.fwd_ws import build_fwd_ws
+
+    cfg, tiles = _cfg(d=64), Tiles(192, 64, 384, 3)
+    func = build_fwd_ws(cfg, tiles, fold=True, epilogue="wg", q_slots=slots, pack_gqa=True, q_ahead=True)
+    off = build_fwd_ws(cfg, tiles, fold=True, epilogue="wg", q_slots=slots, pack_gqa=True)
+    assert off.script() == build_fwd_ws(cfg, tiles, fold=True, epilogue="wg", q_slots=slots, pack_gqa=True,
+                                        q_ahead=False).script()
+    assert _params(func) == _params(off) and _dtypes(func) == _dtypes(off)
+    text = func.script()
+    assert "q_step" in text and "q_step" not in off.script()
+    assert f"q_done[0] % {slots}" in text
+    with pytest.raises(ValueError, match="q_ahead"):
+        build_fwd_ws(cfg, tiles, q_slots=1, q_ahead=True)
 
 
 def test_pack_gqa_option_packs_a_group_into_one_tile():
@@ -385,7 +452,7 @@ def test_library_forward_packs_gqa_where_it_fits(cfg, packs):
     assert opts.get("pack_gqa", False) is packs
     assert pack_gqa_fits(cfg, tiles.block_m) is (packs or cfg.head_dim == 128)
     lib = fwd.build_fwd(cfg).script()
-    base = {"epilogue": "regs", "q_slots": 2} if cfg.head_dim == 64 else {}
+    base = {"epilogue": "regs", "q_slots": 2} if cfg.head_dim == 64 else {"epilogue": "wg"}
     base["pin_wait"], base["mask_limits"] = PIN, True
     assert lib == build_fwd_ws(cfg, tiles, fold=True, pack_gqa=packs, **base).script()
     if packs:

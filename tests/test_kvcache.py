@@ -191,9 +191,10 @@ def test_split_count_aims_at_programs_per_sm_with_four_key_tiles_each():
     def spec(batch, capacity, seq_q=1):
         return SimpleNamespace(groups=8, seq_q=seq_q, batch=batch, kv_heads=8, capacity=capacity)
 
-    assert PROGRAMS_PER_SM == 4
-    assert n_splits_for(spec(8, 65536), tiles, 132) == 9  # ceil(4 * 132 / 64)
+    assert PROGRAMS_PER_SM == 8
+    assert n_splits_for(spec(8, 65536), tiles, 132) == 17  # ceil(8 * 132 / 64)
+    assert n_splits_for(spec(8, 16384), tiles, 132) == 17  # 128 key tiles: the cap (32) does not bind
     assert n_splits_for(spec(8, 4096), tiles, 132) == 8  # 32 key tiles, four each
     assert n_splits_for(spec(8, 300), tiles, 132) == 1  # 3 key tiles
-    assert n_splits_for(spec(64, 65536), tiles, 132) == 2  # 512 programs a split
-    assert n_splits_for(spec(8, 65536, seq_q=64), tiles, 132) == 2  # 8 row tiles of 64 packed rows
+    assert n_splits_for(spec(64, 65536), tiles, 132) == 3  # 512 programs a split: ceil(1056 / 512)
+    assert n_splits_for(spec(8, 65536, seq_q=64), tiles, 132) == 3  # 8 row tiles of 64 packed rows

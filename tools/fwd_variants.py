@@ -141,6 +141,15 @@ def _variants(d: int) -> list:
     out += [ws_row((o or "fold") + "/lim/rr", t) for o, t in (mine, win)]
     if d == 128:  # FlashAttention-4's causal forward at D128 on Hopper: a GQA group packed into 128x128 tiles
         out += [ws_row("pack/lim" + x, own) for x in ("", "/lazy")]
+    # each consumer warpgroup's rows of o staged in shared memory and stored 16 bytes a thread (epilogue="wg"),
+    # and the next tile's Q loaded before this tile's K and V (q_ahead: two or three Q slots), docs/perf.md v24
+    if d <= 64:
+        out += [ws_row(x, t) for t in (own, win[1]) for x in
+                ("regs/q2/pack/lim/qa", "regs/q3/pack/lim/qa", "wg/q2/pack/lim", "wg/q2/pack/lim/qa",
+                 "wg/q3/pack/lim/qa")]
+    else:
+        out += [ws_row(x, own) for x in ("wg/lim",)]
+        out += [ws_row(x, win[1]) for x in ("q2/pack/lim/qa", "wg/pack/lim", "wg/q2/pack/lim/qa")]
     return out
 
 
@@ -156,14 +165,16 @@ def _func(job):
     if tiles is None and mask == "select" and not fold and not ws:
         return build_prim_func("fwd", cfg)  # the library's kernel
     opts = ws.split("/") if isinstance(ws, str) else []
-    if opts and set(opts) <= {"np", "nopp", "fold", "fma8", "fma4", "o32", "regs", "q2", "pack", "wgr", "pin", "lim", "lazy", "rr"}:
+    if opts and set(opts) <= {"np", "nopp", "fold", "fma8", "fma4", "o32", "regs", "wg", "q2", "q3", "qa", "pack", "wgr",
+                              "pin", "lim", "lazy", "rr"}:
         from flashsink.ops.fwd_ws import PERSISTENT_CTAS, build_fwd_ws
 
         fma = next((int(o[3:]) for o in opts if o.startswith("fma")), 0)
         return build_fwd_ws(cfg, Tiles(*tiles), ctas=None if "np" in opts else PERSISTENT_CTAS,
                             pingpong="nopp" not in opts, fold=not {"np", "nopp"} & set(opts), fma_every=fma,
-                            o32="o32" in opts, epilogue="regs" if "regs" in opts else "smem",
-                            q_slots=2 if "q2" in opts else 1, pack_gqa="pack" in opts, wg_ranges="wgr" in opts,
+                            o32="o32" in opts, epilogue=next((e for e in ("regs", "wg") if e in opts), "smem"),
+                            q_slots=3 if "q3" in opts else 2 if "q2" in opts else 1, q_ahead="qa" in opts,
+                            pack_gqa="pack" in opts, wg_ranges="wgr" in opts,
                             pin_wait="pin" in opts, mask_limits="lim" in opts,
                             lazy_rescale=8.0 if "lazy" in opts else 0.0, snake="rr" not in opts)
     if ws is True:  # fwd_ws.py's kernel unfolded, smem epilogue, one Q slot (not config.fwd_ws_options)

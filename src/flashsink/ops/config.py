@@ -349,6 +349,15 @@ def fwd_ws_options(cfg: KernelConfig, tiles: Tiles | None = None, window: bool =
     above; at 128 the staged epilogue and one Q slot (measured faster there than "regs" and two slots
     with the windowed tiles too: golden 0.1102 against 0.1181 ms, docs/perf.md v19), packed.
 
+    ``epilogue="wg"`` (each consumer warpgroup stages its own rows and stores them 16 bytes a thread,
+    ``fwd_ws.build_fwd_ws``) in the kind ``fwd_window`` at head dims 64 and 128 and in every head dim 128
+    forward. Measured on an H100 in one run (tools/fwd_variants.py, docs/perf.md v24), o and lse bitwise
+    the same as the epilogue it replaces: gpt-oss SWA's windowed kernel 0.0783 -> 0.0659 ms (from "regs"),
+    golden's 0.1107 -> 0.0956 (from "smem"), golden on the 128x128 tiles of windows over 128 keys 0.1219 ->
+    0.1101, causal D128 N4096 0.4863 -> 0.4852 (the same). Causal D64 N8192 keeps "regs": 1.2370 -> 1.2645
+    with "wg". ``q_ahead`` (the next tile's Q before this tile's K and V) stays off: SWA 0.0659 -> 0.0717 with
+    it, causal D64 1.2370 -> 1.2770 (three Q slots: 0.0671, 1.2265).
+
     ``pin_wait`` and ``mask_limits``: :data:`FWD_PIN_WAIT` and :data:`FWD_MASK_LIMITS` everywhere.
 
     ``wg_ranges`` stays off: measured slower everywhere but under a window with 64-key tiles (gpt-oss
@@ -357,10 +366,12 @@ def fwd_ws_options(cfg: KernelConfig, tiles: Tiles | None = None, window: bool =
     both = {"pin_wait": FWD_PIN_WAIT, "mask_limits": FWD_MASK_LIMITS}
     if fwd_ws(cfg) and cfg.head_dim == 64:
         bm = (tiles or fwd_tiles(cfg)).block_m
-        return {"epilogue": "regs", "q_slots": 2, "pack_gqa": pack_gqa_fits(cfg, bm), **both}
+        epilogue = "wg" if window and fwd_windowed(cfg) else "regs"
+        return {"epilogue": epilogue, "q_slots": 2, "pack_gqa": pack_gqa_fits(cfg, bm), **both}
+    epilogue = "wg" if cfg.head_dim == 128 else "smem"
     if window and fwd_windowed(cfg):  # head dim 128's windowed tiles pack (fwd_window_tiles)
-        return {"epilogue": "smem", "q_slots": 1, "pack_gqa": True, **both}
-    return {"epilogue": "smem", "q_slots": 1, **both}
+        return {"epilogue": epilogue, "q_slots": 1, "pack_gqa": True, **both}
+    return {"epilogue": epilogue, "q_slots": 1, **both}
 
 
 def fwd_o32(cfg: KernelConfig) -> bool:

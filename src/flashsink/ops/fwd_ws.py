@@ -22,12 +22,13 @@ Masking as ``fwd.py``'s ``"branch"``: only the KV tiles that are not wholly visi
 """
 
 import tilelang.language as T
+from tilelang.layout import make_swizzled_layout
 
 from . import softmax
 from .block_range import full_kv_blocks_for_rows, kv_blocks_for_rows
 from .config import KernelConfig, Tiles, pack_gqa_fits
 from .fwd_entry import fwd_entry, fwd_shapes
-from .layout import sequence, store_rows, store_stat, tile
+from .layout import sequence, store_rows, store_rows_vec, store_stat, tile
 from .mask import branch_logits
 from .schedule import locate, persistent_steps, persistent_tile
 from .split import split as two_terms
@@ -45,6 +46,9 @@ CONSUMER_BARRIER = 1
 PERSISTENT_CTAS = 132
 #: the first of the consumers' scheduler barriers (one per consumer warpgroup; ids up to 15)
 PINGPONG_BARRIER = 4
+#: the first of the barriers each consumer warpgroup meets alone around its rows of the staged output
+#: (``epilogue="wg"``; one per consumer warpgroup, after the scheduler barriers)
+STORE_BARRIER = 8
 
 
 def consumer_regs(n_consumers: int) -> int:
@@ -57,7 +61,8 @@ def consumer_regs(n_consumers: int) -> int:
 def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS, pingpong: bool = True,
                  fold: bool = False, fma_every: int = 0, o32: bool = False, epilogue: str = "smem",
                  q_slots: int = 1, pack_gqa: bool = False, wg_ranges: bool = False, pin_wait: bool = False,
-                 mask_limits: bool = False, lazy_rescale: float = 0.0, snake: bool = True):
+                 mask_limits: bool = False, lazy_rescale: float = 0.0, snake: bool = True,
+                 q_ahead: bool = False):
     """The warp-specialized forward for tiles ``t``: ``t.block_m`` a multiple of 64 (one consumer
     warpgroup per 64 rows, ``t.threads`` their threads, ``block_m * 2``; the kernel runs 128 more,
     the producer's), ``t.stages`` ring slots for K and V.
@@ -94,16 +99,37 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
     standard (float64 emulation, fp16 D64 N1024: dsink relative L2 1.7e-3, 2 of 4 heads outside the
     tolerance); with two, dsink's error is 1e-7 to 3e-6, as with the exact Delta (docs/perf.md v13).
 
-    ``epilogue`` (``config.fwd_ws_options``: "regs" at head dim 64, "smem" at 128): "smem" stages each tile's o in
+    ``epilogue`` (``config.fwd_ws_options``: "regs" at head dim 64, "wg" at 128 and in the windowed kind
+    ``fwd_window``, "smem" elsewhere): "smem" stages each tile's o in
     shared memory between two barriers of every consumer thread, then stores it row by row; "regs"
     stores o from each thread's registers (cast to the input dtype), so the consumer warpgroups never
     wait for each other at a tile's end. With 2-3 KV tiles per query tile (windows of 128 keys) that
     wait, twice per tile, realigns the ping-pong's two warpgroups at every tile (docs/perf.md v14, measured in v15).
 
+    ``epilogue="wg"``: each consumer warpgroup stages its own 64 rows of o in shared memory between two
+    barriers of its own 128 threads (``STORE_BARRIER + wg``; the warpgroups never wait for each other),
+    then stores them 16 bytes a thread (``layout.store_rows_vec``): whole rows per warp, where "regs"
+    writes 4 bytes of a row a store, half a 32-byte sector, and queues 16 stores a thread per tile. ncu
+    on gpt-oss SWA's windowed kernel (docs/perf.md v24): 48% of the kernel's L2 sectors were those
+    halves, and the stores' queue held up the next tile's first instructions. Measured on an H100 in one
+    run (tools/fwd_variants.py, docs/perf.md v24), o and lse bitwise the same: SWA's windowed kernel
+    0.0783 -> 0.0659 ms (from "regs"), golden's 0.1107 -> 0.0956 (from "smem"), causal D128 the same, causal
+    D64 N8192 1.2370 -> 1.2645 (from "regs", which it keeps).
+
     ``q_slots`` (``config.fwd_ws_options``: 2 at head dim 64, 1 at 128): 2 gives Q a second buffer, so
     the producer loads the next query tile's Q while the consumers still compute on this one's; with
     one, the next Q is loaded only once both consumer warpgroups have issued this tile's last S
-    product, and its latency falls on the tile boundary (short tiles: windows).
+    product, and its latency falls on the tile boundary (short tiles: windows). 3: a third buffer, for
+    ``q_ahead``.
+
+    ``q_ahead``: the producer loads the next tile's Q before this tile's K and V (the first tile's before
+    its loop), where otherwise it comes after them: with few KV tiles per query tile (windows) the ring
+    then holds the producer back until the consumers are nearly through the tile, and the next Q lands
+    late (ncu, docs/perf.md v24: the consumers' wait for Q was the largest single stall of the SWA
+    kernel's tile prologue). With two slots the load waits for the previous tile's last S product; with
+    three, for the one before that. An option for tools/fwd_variants.py: measured slower (H100, v24, against
+    the "wg" epilogue without it): SWA's windowed kernel 0.0659 -> 0.0717 ms with two slots, 0.0671 with
+    three (not profiled; a guess: the early load holds back the producer's K/V loads of this tile).
 
     ``pack_gqa`` (``config.fwd_ws_options``: on at head dim 64 where ``config.pack_gqa_fits``, measured
     on the H200, docs/perf.md v18, and at 128 in the windowed kind ``fwd_window``, v19;
@@ -158,10 +184,13 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
     if wg_ranges and (pack_gqa or o32):
         raise ValueError("wg_ranges=True cannot be combined with pack_gqa or o32 (a packed tile's warpgroups see "
                          "the same keys; o32's two-term products are not scheduled per warpgroup)")
-    if q_slots not in (1, 2):
-        raise ValueError(f"q_slots must be 1 or 2, got {q_slots!r}")
-    if epilogue not in ("smem", "regs"):
-        raise ValueError(f"epilogue must be 'smem' or 'regs', got {epilogue!r}")
+    if q_slots not in (1, 2, 3):
+        raise ValueError(f"q_slots must be 1, 2 or 3, got {q_slots!r}")
+    if q_ahead and q_slots < 2:
+        raise ValueError("q_ahead=True needs q_slots of 2 or 3 (with one slot the next tile's Q would wait for this "
+                         "tile's last S product, which waits for K tiles the producer has not loaded yet)")
+    if epilogue not in ("smem", "regs", "wg"):
+        raise ValueError(f"epilogue must be 'smem', 'regs' or 'wg', got {epilogue!r}")
     if o32 and cfg.precision != "strict":
         raise ValueError(f"o32=True is strict's forward (two-term P @ V, fp32 O for the backward); got {cfg.short()}")
     if not cfg.hopper or t.block_m % ROWS_PER_CONSUMER or t.stages < 1:
@@ -186,8 +215,10 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
             q_s = T.alloc_shared([bm, dim] if q_slots == 1 else [q_slots, bm, dim], dtype)
             k_r = T.alloc_shared([stages, bn, dim], dtype)  # the rings the producer fills
             v_r = T.alloc_shared([stages, bn, dim_v], dtype)
-            if epilogue == "smem":
+            if epilogue in ("smem", "wg"):
                 o_s = T.alloc_shared([bm, dim_v], dtype)
+                if epilogue == "wg":  # swizzled: the accumulator's rows, 128 bytes apart, land in different banks
+                    T.annotate_layout({o_s: make_swizzled_layout(o_s)})
             else:
                 o_r = T.alloc_fragment([bm, dim_v], dtype)  # o in the input dtype, stored from registers
             acc_s = T.alloc_fragment([bm, bn], accum)  # logits, then probabilities
@@ -244,33 +275,32 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
 
             if tx >= consumers:
                 T.set_max_nreg(PRODUCER_REGS, 0)
-                for step in T.serial(persistent_steps(cta, total, n_ctas, snake)):
+                steps = persistent_steps(cta, total, n_ctas, snake)
+                for step in T.serial(steps):
+                    if q_ahead:
+                        # the next tile's Q before this tile's K and V (at the first step, the first tile's too)
+                        for j in T.serial(1 + (step == 0)):
+                            q_step = step + j + (step > 0)
+                            if q_step < steps:
+                                bx, head, b, q_base, sq, k_base, sk, lo, hi = _locate(
+                                    persistent_tile(cta, q_step, n_ctas, snake), _row_tiles(m_tiles, LSE, layout, pack),
+                                    _units(heads, groups, pack),
+                                    n_seqs, CuQ, CuK, seq_q, seq_kv, window, rows, bn, layout, cfg.causal)
+                                if hi > lo:
+                                    _load_q(Q, layout, b, head, q_base, bx, q_s, q_full, q_empty, q_done, q_slots, bm,
+                                            pack, groups, dim)
+                                    q_done = q_done + 1
                     bx, head, b, q_base, sq, k_base, sk, lo, hi = _locate(
                         persistent_tile(cta, step, n_ctas, snake), _row_tiles(m_tiles, LSE, layout, pack),
                         _units(heads, groups, pack),
                         n_seqs, CuQ, CuK, seq_q, seq_kv, window, rows, bn, layout, cfg.causal)
                     kv_head = head // groups if pack is None else head
                     # a tile that visits no keys loads nothing (its consumers wait for nothing)
-                    if hi > lo:
-                        T.mbarrier_wait_parity(_q_slot(q_empty, q_done, q_slots), _q_phase(q_done, q_slots) ^ 1)
-                        if pack is None:
-                            T.tma_copy(tile(Q, layout, b, head, q_base + bx * bm, bm), _q_slot(q_s, q_done, q_slots),
-                                       barrier=_q_slot(q_full, q_done, q_slots))
-                        else:  # the group's heads, one box of `pack` rows each
-                            for g in T.unroll(groups):
-                                if dim == 64:
-                                    T.tma_copy(tile(Q, layout, b, head * groups + g, q_base + bx * pack, pack),
-                                               _q_rows(q_s, q_done, q_slots, g * pack, pack),
-                                               barrier=_q_slot(q_full, q_done, q_slots))
-                                else:  # one box per 64 columns: a [pack, 128] box of the swizzled buffer is
-                                    # no bijection for TileLang 0.1.15's TMA lowering, its 64-column halves are
-                                    for hc in T.unroll(dim // 64):
-                                        T.tma_copy(tile(Q, layout, b, head * groups + g, q_base + bx * pack, pack,
-                                                        hc * 64, 64),
-                                                   _q_rows(q_s, q_done, q_slots, g * pack, pack, hc * 64, 64),
-                                                   barrier=_q_slot(q_full, q_done, q_slots))
-                        T.barrier_arrive(_q_slot(q_full, q_done, q_slots))
-                        q_done = q_done + 1
+                    if not q_ahead:
+                        if hi > lo:
+                            _load_q(Q, layout, b, head, q_base, bx, q_s, q_full, q_empty, q_done, q_slots, bm, pack,
+                                    groups, dim)
+                            q_done = q_done + 1
                     for it in T.serial(hi - lo):
                         c = kv_done + it
                         s = c % stages
@@ -419,6 +449,12 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
                         T.sync_threads(CONSUMER_BARRIER, consumers)  # o_s whole before the rows are stored
                         store_rows(O, layout, b, _first_head(head, groups, pack), q_base, row0, sq, o_s, bm, dim_v,
                                    pack)
+                    elif epilogue == "wg":  # this warpgroup's rows, by its own threads
+                        T.sync_threads(STORE_BARRIER + wg, 128)  # its rows of o_s read by the last tile's stores
+                        T.copy(acc_o, o_s)
+                        T.sync_threads(STORE_BARRIER + wg, 128)  # ... and whole before they are stored
+                        store_rows_vec(O, layout, b, _first_head(head, groups, pack), q_base, row0, sq, o_s,
+                                       wg * ROWS_PER_CONSUMER, ROWS_PER_CONSUMER, dim_v, tx % 128, 128, pack)
                     else:  # (the buffer's name is part of the kernel's text: the default keeps "o_s")
                         T.copy(acc_o, o_r)
                         store_rows(O, layout, b, _first_head(head, groups, pack), q_base, row0, sq, o_r, bm, dim_v,
@@ -504,6 +540,30 @@ def _locate(i, m_tiles, heads, n_seqs, CuQ, CuK, seq_q, seq_kv, window, bm: int,
     k_base, sk = sequence(layout, CuK, b, seq_kv)
     lo, hi = kv_blocks_for_rows(bx * bm, bm, bn, sq, sk, window, causal)
     return bx, head, b, q_base, sq, k_base, sk, lo, hi
+
+
+@T.macro
+def _load_q(Q, layout: str, b, head, q_base, bx, q_s, q_full, q_empty, q_done, q_slots: int, bm: int, pack,
+            groups: int, dim: int):
+    """The producer's load of a query tile's Q into the slot of the ``q_done``-th tile, once the consumers
+    have released it: one box, or (``pack``) one box of ``pack`` rows per head of the group."""
+    T.mbarrier_wait_parity(_q_slot(q_empty, q_done, q_slots), _q_phase(q_done, q_slots) ^ 1)
+    if pack is None:
+        T.tma_copy(tile(Q, layout, b, head, q_base + bx * bm, bm), _q_slot(q_s, q_done, q_slots),
+                   barrier=_q_slot(q_full, q_done, q_slots))
+    else:  # the group's heads, one box of `pack` rows each
+        for g in T.unroll(groups):
+            if dim == 64:
+                T.tma_copy(tile(Q, layout, b, head * groups + g, q_base + bx * pack, pack),
+                           _q_rows(q_s, q_done, q_slots, g * pack, pack),
+                           barrier=_q_slot(q_full, q_done, q_slots))
+            else:  # one box per 64 columns: a [pack, 128] box of the swizzled buffer is
+                # no bijection for TileLang 0.1.15's TMA lowering, its 64-column halves are
+                for hc in T.unroll(dim // 64):
+                    T.tma_copy(tile(Q, layout, b, head * groups + g, q_base + bx * pack, pack, hc * 64, 64),
+                               _q_rows(q_s, q_done, q_slots, g * pack, pack, hc * 64, 64),
+                               barrier=_q_slot(q_full, q_done, q_slots))
+    T.barrier_arrive(_q_slot(q_full, q_done, q_slots))
 
 
 @T.macro

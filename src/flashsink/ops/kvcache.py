@@ -74,11 +74,12 @@ def _no_sinks(heads: int, device):
     return t
 
 
-#: programs per SM the split count aims for (``n_splits_for``): four, twice the two that fit at once with the
-#: kernel's prefetch registers (241 a thread). Measured on an H100 (tools/kvcache_variants.py, docs/perf.md v23),
-#: decode-paged B=8: twice the splits of two programs per SM ran the kernel 1.16-1.23x faster at 4k-64k keys
-#: (0.0605 -> 0.0515 ms at 4k, 0.6635 -> 0.5398 at 64k).
-PROGRAMS_PER_SM = 4
+#: programs per SM the split count aims for (``n_splits_for``): eight, four times the two that fit at once with
+#: the kernel's prefetch registers (241 a thread), so that the programs of a long row's last round are short.
+#: Measured on an H100 (tools/kvcache_variants.py, the kernel alone, decode-paged B=8): v23, 2 -> 4 per SM ran
+#: 1.16-1.23x faster at 4k-64k keys; v24, 4 (9 splits) -> 8 (18): 16k 0.1565 -> 0.1424 ms, 64k 0.5810 -> 0.5243
+#: (16 per SM, 36 splits: 0.1555 and 0.4965). At 4k the cap of four key tiles a split holds it at 8 splits.
+PROGRAMS_PER_SM = 8
 
 
 def n_splits_for(spec, tiles, sm_count: int) -> int:

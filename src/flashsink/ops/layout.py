@@ -190,6 +190,27 @@ def store_rows(x, layout: str, b, h, base, s0, seq, src, rows: int, cols: int, p
 
 
 @T.macro
+def store_rows_vec(x, layout: str, b, h, base, s0, seq, src, r0: int, rows: int, cols: int, lt, threads: int,
+                   pack=None):
+    """:func:`store_rows` for rows ``r0 .. r0+rows`` of ``src`` (shared memory) by ``threads`` threads whose
+    index among them is ``lt``, 16 bytes a store: a row's ``cols`` elements are ``cols / 8`` runs of 8, and
+    consecutive threads take consecutive runs, so a warp writes whole rows (full 32-byte sectors) where a
+    wgmma accumulator's own layout gives each thread 4 bytes of a row (half a sector a store)."""
+    runs = cols // 8
+    for k in T.unroll(rows * runs // threads):
+        i = r0 + (k * threads + lt) // runs
+        c = (k * threads + lt) % runs * 8
+        if tile_row(s0, i, pack) < seq:
+            for v in T.vectorized(8):
+                if layout == "bhsd":
+                    x[b, tile_head(h, i, pack), tile_row(base + s0, i, pack), c + v] = src[i, c + v]
+                elif layout == "thd":
+                    x[tile_row(base + s0, i, pack), tile_head(h, i, pack), c + v] = src[i, c + v]
+                else:
+                    x[b, tile_row(base + s0, i, pack), tile_head(h, i, pack), c + v] = src[i, c + v]
+
+
+@T.macro
 def store_stat(x, layout: str, b, h, base, s0, seq, src, rows: int, pack=None):
     """Write the per-row statistic ``src`` of rows ``s0 .. s0+rows``. Padded layouts own their
     padding rows, so the whole tile is copied (packed GQA tiles, :func:`tile_row`: row by row, up to

@@ -1,0 +1,69 @@
+"""The windowed forward's time against its window, to split its cost into a part per query tile and a
+part per KV tile (a least-squares line through the points), in one device call:
+
+    source .gpu/setup.sh && python tools/window_sweep.py [--shape 1,64,8,4096,64] [--windows 16,32,64,96,128]
+
+Each window's KV tiles per query tile come from the kernel's own block ranges (``block_range``) for the
+tiles ``config`` chooses, so the fit's x axis is what the kernel visits, not an estimate. Times are
+``triton.testing.do_bench`` medians of the eager forward (bf16, sinks, bshd)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+
+def kv_tiles_per_row_tile(n: int, window: int, rows: int, bn: int) -> float:
+    """Mean KV tiles a row tile of ``rows`` positions visits under a causal window (``block_range``'s rule)."""
+    total = tiles = 0
+    for r0 in range(0, n, rows):
+        r1 = min(r0 + rows, n) - 1
+        lo = max(r0 - window + 1, 0) // bn
+        hi = r1 // bn + 1
+        total += hi - lo
+        tiles += 1
+    return total / tiles
+
+
+def main() -> int:
+    import torch
+    import triton.testing
+
+    import flashsink
+    from flashsink.ops.config import KernelConfig, fwd_window_tiles
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="1,64,8,4096,64", help="B,H,H_kv,N,D")
+    ap.add_argument("--windows", default="16,32,48,64,80,96,112,128")
+    args = ap.parse_args()
+    b, h, hkv, n, d = (int(x) for x in args.shape.split(","))
+    cfg = KernelConfig(arch="sm_90a", dtype="bfloat16", head_dim=d, head_dim_v=d, groups=h // hkv, causal=True,
+                       has_sinks=True, layout="bshd", deterministic=False, precision="fast")
+    t = fwd_window_tiles(cfg)
+    rows = t.block_m // (h // hkv)  # packed: positions per tile
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(b, n, hh, d, device="cuda", dtype=torch.bfloat16) for hh in (h, hkv, hkv))
+    sinks = torch.randn(h, device="cuda", dtype=torch.float32)
+    xs, ys = [], []
+    print(f"tiles {t}; {rows} positions per row tile; {math.ceil(n / rows) * hkv * b} row tiles")
+    print(f"{'window':>6} {'kv tiles/row tile':>18} {'ms':>8}")
+    for w in (int(x) for x in args.windows.split(",")):
+        fn = lambda: flashsink.attention(q, k, v, sinks, window=w, layout="bshd")  # noqa: E731
+        fn()
+        ms = triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
+        x = kv_tiles_per_row_tile(n, w, rows, t.block_n)
+        xs.append(x)
+        ys.append(ms)
+        print(f"{w:>6} {x:>18.3f} {ms:>8.4f}")
+    k_ = len(xs)
+    mx, my = sum(xs) / k_, sum(ys) / k_
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    icpt = my - slope * mx
+    tiles = math.ceil(n / rows) * hkv * b
+    print(f"fit: ms = {icpt:.4f} + {slope:.4f} * kv_tiles  (per row tile on each of 132 SMs: "
+          f"{icpt / (tiles / 132) * 1e3:.2f} us fixed, {slope / (tiles / 132) * 1e3:.2f} us per KV tile)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
