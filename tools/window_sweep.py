@@ -30,7 +30,7 @@ def main() -> int:
     import triton.testing
 
     import flashsink
-    from flashsink.ops.config import KernelConfig, fwd_window_tiles
+    from flashsink.ops.config import KernelConfig, fwd_window_tiles, fwd_windowed
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="1,64,8,4096,64", help="B,H,H_kv,N,D")
@@ -39,6 +39,9 @@ def main() -> int:
     b, h, hkv, n, d = (int(x) for x in args.shape.split(","))
     cfg = KernelConfig(arch="sm_90a", dtype="bfloat16", head_dim=d, head_dim_v=d, groups=h // hkv, causal=True,
                        has_sinks=True, layout="bshd", deterministic=False, precision="fast")
+    if not fwd_windowed(cfg):
+        ap.error(f"{args.shape}: no windowed kind here (config.fwd_windowed: Hopper head dims 64/128 whose GQA group "
+                 f"packs), so the windows would not share one kernel's tiles")
     t = fwd_window_tiles(cfg)
     rows = t.block_m // (h // hkv)  # packed: positions per tile
     torch.manual_seed(0)
