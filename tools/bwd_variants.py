@@ -135,6 +135,18 @@ def _chosen(variants: list, only: str) -> list:
     return [v for v in variants if not keys or any(v[0] == k[1:] if k.startswith("=") else k in v[0] for k in keys)]
 
 
+
+def _variants_arg(ap, only: str) -> str:
+    """``--variants`` as :func:`_chosen` takes it: "all" (the default) for every variant; an empty list is
+    refused, since on a GPU host it would compile every variant there (docs/perf.md v24: a list read with
+    ``$(cat file)`` from a file that did not travel cost a device call)."""
+    if only.strip() == "all":
+        return ""
+    if not [k for k in only.split(",") if k.strip()]:
+        ap.error(f"--variants is empty ({only!r}); name the variants, or 'all' for every one of them")
+    return only
+
+
 #: variants of the strict preprocess (label, build_preprocess options), chosen by --variants as the main
 #: backward's are: "/branch", P without the per-element mask on wholly visible KV tiles; "/lpt", the
 #: query tiles with the most keys first (bwd.build_preprocess)
@@ -366,12 +378,13 @@ def main() -> int:
     ap.add_argument("--problems", default=",".join(PROBLEMS))
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--variants", default="",
+    ap.add_argument("--variants", default="all",
                     help="comma-separated substrings: only the variants whose label contains one (e.g. ws,s3); "
-                         "'=label': that label exactly")
+                         "'=label': that label exactly; 'all' (the default): every variant")
     ap.add_argument("--profile-run", action="store_true",
                     help="for ncu: compile and launch only the library's fast kernels, once each, no timing")
     args = ap.parse_args()
+    args.variants = _variants_arg(ap, args.variants)
     names = [n for n in args.problems.split(",") if n]
 
     jobs = []

@@ -31,7 +31,7 @@ import math
 import os
 import sys
 
-from bwd_variants import HK, PROBLEMS, H, _cfg, _chosen, _load, compile_all
+from bwd_variants import HK, PROBLEMS, H, _cfg, _chosen, _load, _variants_arg, compile_all
 
 DEFAULT = "default*"
 #: packed batches (thd): the bench's varlen preset (gpt-oss shapes, ``flashsink.bench.problems``' lengths);
@@ -268,10 +268,11 @@ def main() -> int:
     ap.add_argument("--problems", default=",".join(PROBLEMS))
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--variants", default="",
+    ap.add_argument("--variants", default="all",
                     help="comma-separated: the variants whose label contains one of them, or '=label' exactly, as "
-                         f"tools/bwd_variants.py's (default: all; {DEFAULT!r} always runs, it is the reference)")
+                         f"tools/bwd_variants.py's ('all', the default: every one; {DEFAULT!r} always runs, it is the reference)")
     args = ap.parse_args()
+    args.variants = _variants_arg(ap, args.variants)
 
     def variants(d):
         return _chosen(_variants(d), args.variants)
