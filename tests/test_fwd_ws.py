@@ -139,6 +139,7 @@ def test_library_forward_is_ws_where_config_says(cfg, want):
     (_cfg("float16", 128, "thd"), {"epilogue": "wg", "q_slots": 1, "pin_wait": PIN, "mask_limits": True}),
     (_cfg(d=32), {"epilogue": "smem", "q_slots": 1, "pin_wait": PIN, "mask_limits": True}),  # not fwd_ws.py's kernel
     (_cfg(d=64, arch="sm_80"), {"epilogue": "smem", "q_slots": 1, "pin_wait": PIN, "mask_limits": True}),
+    (_cfg(d=128, arch="sm_80"), {"epilogue": "smem", "q_slots": 1, "pin_wait": PIN, "mask_limits": True}),
 ])
 def test_the_forward_options_follow_the_head_dim(cfg, opts):
     """config.fwd_ws_options: head dim 64's forward stores o from registers, double-buffers Q
@@ -368,6 +369,15 @@ def test_warpgroup_epilogue_option(d, tiles, opts):
     assert 'sblock_alloc_buffer((%d, %d), "bfloat16", data=o_s' % (tiles.block_m, d) in text
     assert "for v in T.vectorized(8):" in text  # 16 bytes a store
     assert PINGPONG_BARRIER + tiles.block_m // 64 <= STORE_BARRIER and STORE_BARRIER + tiles.block_m // 64 <= 16
+
+
+def test_warpgroup_epilogue_refuses_head_dims_it_cannot_tile():
+    """A warpgroup's 64 rows in 16-byte runs over 128 threads: value head dims that are multiples of 16."""
+    from flashsink.ops.fwd_ws import build_fwd_ws
+
+    cfg = KernelConfig("sm_90a", "bfloat16", 64, 40, 8, True, True, "bhsd")
+    with pytest.raises(NotImplementedError, match="multiples of 16; got 40"):
+        build_fwd_ws(cfg, Tiles(128, 64, 256, 2), epilogue="wg")
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (compiles for sm_90a without a GPU)")

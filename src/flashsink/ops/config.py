@@ -368,7 +368,7 @@ def fwd_ws_options(cfg: KernelConfig, tiles: Tiles | None = None, window: bool =
         bm = (tiles or fwd_tiles(cfg)).block_m
         epilogue = "wg" if window and fwd_windowed(cfg) else "regs"
         return {"epilogue": epilogue, "q_slots": 2, "pack_gqa": pack_gqa_fits(cfg, bm), **both}
-    epilogue = "wg" if cfg.head_dim == 128 else "smem"
+    epilogue = "wg" if fwd_ws(cfg) and cfg.head_dim == 128 else "smem"
     if window and fwd_windowed(cfg):  # head dim 128's windowed tiles pack (fwd_window_tiles)
         return {"epilogue": epilogue, "q_slots": 1, "pack_gqa": True, **both}
     return {"epilogue": epilogue, "q_slots": 1, **both}

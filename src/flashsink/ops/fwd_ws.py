@@ -191,6 +191,9 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
                          "tile's last S product, which waits for K tiles the producer has not loaded yet)")
     if epilogue not in ("smem", "regs", "wg"):
         raise ValueError(f"epilogue must be 'smem', 'regs' or 'wg', got {epilogue!r}")
+    if epilogue == "wg" and cfg.head_dim_v % 16:
+        raise NotImplementedError(f"epilogue='wg' stores a warpgroup's 64 rows 16 bytes a thread, 128 threads at a time: "
+                                  f"value head dims that are multiples of 16; got {cfg.head_dim_v}")
     if o32 and cfg.precision != "strict":
         raise ValueError(f"o32=True is strict's forward (two-term P @ V, fp32 O for the backward); got {cfg.short()}")
     if not cfg.hopper or t.block_m % ROWS_PER_CONSUMER or t.stages < 1:
