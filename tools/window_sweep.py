@@ -30,7 +30,7 @@ def main() -> int:
     import triton.testing
 
     import flashsink
-    from flashsink.ops.config import KernelConfig, fwd_window_tiles, fwd_windowed
+    from flashsink.ops.config import WINDOW_TILES_MAX, KernelConfig, fwd_window_tiles, fwd_windowed
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="1,64,8,4096,64", help="B,H,H_kv,N,D")
@@ -42,6 +42,11 @@ def main() -> int:
     if not fwd_windowed(cfg):
         ap.error(f"{args.shape}: no windowed kind here (config.fwd_windowed: Hopper head dims 64/128 whose GQA group "
                  f"packs), so the windows would not share one kernel's tiles")
+    windows = [int(x) for x in args.windows.split(",") if x]
+    if len(set(windows)) < 2 or not all(1 <= w <= WINDOW_TILES_MAX for w in windows):
+        ap.error(f"--windows: at least two different windows of 1..{WINDOW_TILES_MAX} keys (the windowed kind's), "
+                 f"got {args.windows!r}")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     t = fwd_window_tiles(cfg)
     rows = t.block_m // (h // hkv)  # packed: positions per tile
     torch.manual_seed(0)
@@ -50,7 +55,7 @@ def main() -> int:
     xs, ys = [], []
     print(f"tiles {t}; {rows} positions per row tile; {math.ceil(n / rows) * hkv * b} row tiles")
     print(f"{'window':>6} {'kv tiles/row tile':>18} {'ms':>8}")
-    for w in (int(x) for x in args.windows.split(",")):
+    for w in windows:
         fn = lambda: flashsink.attention(q, k, v, sinks, window=w, layout="bshd")  # noqa: E731
         fn()
         ms = triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
@@ -63,8 +68,8 @@ def main() -> int:
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
     icpt = my - slope * mx
     tiles = math.ceil(n / rows) * hkv * b
-    print(f"fit: ms = {icpt:.4f} + {slope:.4f} * kv_tiles  (per row tile on each of 132 SMs: "
-          f"{icpt / (tiles / 132) * 1e3:.2f} us fixed, {slope / (tiles / 132) * 1e3:.2f} us per KV tile)")
+    print(f"fit: ms = {icpt:.4f} + {slope:.4f} * kv_tiles  (per row tile on each of {sms} SMs: "
+          f"{icpt / (tiles / sms) * 1e3:.2f} us fixed, {slope / (tiles / sms) * 1e3:.2f} us per KV tile)")
     return 0
 
 
