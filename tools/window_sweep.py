@@ -14,15 +14,13 @@ import math
 
 
 def kv_tiles_per_row_tile(n: int, window: int, rows: int, bn: int) -> float:
-    """Mean KV tiles a row tile of ``rows`` positions visits under a causal window (``block_range``'s rule)."""
-    total = tiles = 0
-    for r0 in range(0, n, rows):
-        r1 = min(r0 + rows, n) - 1
-        lo = max(r0 - window + 1, 0) // bn
-        hi = r1 // bn + 1
-        total += hi - lo
-        tiles += 1
-    return total / tiles
+    """Mean KV tiles a row tile of ``rows`` positions visits under a causal window: the kernel's own
+    ``block_range.kv_blocks_for_rows`` (plain arithmetic on Python ints)."""
+    from flashsink.ops.block_range import kv_blocks_for_rows
+
+    spans = [int(hi) - int(lo) for lo, hi in (kv_blocks_for_rows(r0, rows, bn, n, n, window, True)
+                                             for r0 in range(0, n, rows))]
+    return sum(spans) / len(spans)
 
 
 def main() -> int:

@@ -138,6 +138,12 @@ def index(layout, b, h, s, d):
     return (b, h, s, d) if layout == "bhsd" else (b, s, h, d)
 
 
+def element(layout, b, h, s, d):
+    """The index of element ``d`` of row ``s`` (base included) of head ``h`` in a q/k/v/o-shaped tensor of
+    any layout: :func:`index` for the padded ones, ``(s, h, d)`` for thd."""
+    return (s, h, d) if layout == "thd" else index(layout, b, h, s, d)
+
+
 def padded_shape(layout, batch, heads, seq, dim):
     """The shape of a padded-layout tensor, in :func:`index`'s order."""
     return list(index(layout, batch, heads, seq, dim))
@@ -181,12 +187,7 @@ def store_rows(x, layout: str, b, h, base, s0, seq, src, rows: int, cols: int, p
     GQA tile (:func:`tile_row`, :func:`tile_head`)."""
     for i, j in T.Parallel(rows, cols):
         if tile_row(s0, i, pack) < seq:
-            if layout == "bhsd":
-                x[b, tile_head(h, i, pack), tile_row(base + s0, i, pack), j] = src[i, j]
-            elif layout == "thd":
-                x[tile_row(base + s0, i, pack), tile_head(h, i, pack), j] = src[i, j]
-            else:
-                x[b, tile_row(base + s0, i, pack), tile_head(h, i, pack), j] = src[i, j]
+            x[element(layout, b, tile_head(h, i, pack), tile_row(base + s0, i, pack), j)] = src[i, j]
 
 
 @T.macro
@@ -202,12 +203,7 @@ def store_rows_vec(x, layout: str, b, h, base, s0, seq, src, r0: int, rows: int,
         c = (k * threads + lt) % runs * 8
         if tile_row(s0, i, pack) < seq:
             for v in T.vectorized(8):
-                if layout == "bhsd":
-                    x[b, tile_head(h, i, pack), tile_row(base + s0, i, pack), c + v] = src[i, c + v]
-                elif layout == "thd":
-                    x[tile_row(base + s0, i, pack), tile_head(h, i, pack), c + v] = src[i, c + v]
-                else:
-                    x[b, tile_row(base + s0, i, pack), tile_head(h, i, pack), c + v] = src[i, c + v]
+                x[element(layout, b, tile_head(h, i, pack), tile_row(base + s0, i, pack), c + v)] = src[i, c + v]
 
 
 @T.macro
