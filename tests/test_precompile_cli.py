@@ -1,7 +1,9 @@
 """`flashsink precompile`: the configurations it plans, its errors, and one real build (no GPU)."""
 
 import io
+import os
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -178,3 +180,44 @@ def test_cpu_bundle_lists_the_suite_the_recorded_and_the_bench_kernels(tmp_path,
     committed = recorded_pairs(tool.RECORDED)
     assert committed and set(committed) <= set(got["pairs"])
     assert not {(k, rec) for k in kinds_for(rec)} <= set(got["pairs"])  # the temporary file's: not read
+
+
+@pytest.mark.parametrize("layout", ["folder", "contents", "dot"])
+def test_the_bundle_unpacks_into_the_cache_whatever_its_root(tmp_path, layout):
+    """tools/unpack_kernel_bundle.sh: an archive of the cache folder (``tar -cJf .fscache.tar.xz
+    .fscache``, the tool's docstring) and one of its contents both land in FLASHSINK_CACHE_DIR/kernels
+    (2026-12-05: the first kind unpacked into .fscache/.fscache and the suite compiled every kernel on
+    the device); an archive with no kernels says so."""
+    import subprocess
+    import tarfile
+
+    if shutil.which("bash") is None or shutil.which("xz") is None:
+        pytest.skip("needs bash and xz")
+    src = tmp_path / "src" / ".fscache" / "kernels" / "fwd-0123"
+    src.mkdir(parents=True)
+    (src / "params.json").write_text("{}")
+    work = tmp_path / "work"
+    work.mkdir()
+    with tarfile.open(work / ".fscache.tar.xz", "w:xz") as tar:
+        if layout == "folder":
+            tar.add(tmp_path / "src" / ".fscache", arcname=".fscache")
+        elif layout == "contents":
+            tar.add(tmp_path / "src" / ".fscache" / "kernels", arcname="kernels")
+        else:
+            tar.add(tmp_path / "src" / ".fscache", arcname=".")
+    script = Path(__file__).resolve().parents[1] / "tools" / "unpack_kernel_bundle.sh"
+    env = {"PATH": os.environ["PATH"], "FLASHSINK_CACHE_DIR": str(work / ".fscache")}
+    run = subprocess.run(["bash", "-c", f"set -uo pipefail; source {script}"], cwd=work, env=env,
+                         capture_output=True, text=True, check=True)
+    assert (work / ".fscache" / "kernels" / "fwd-0123" / "params.json").read_text() == "{}"
+    assert "1 entries unpacked" in run.stdout and not (work / ".fscache" / ".fscache").exists()
+    # a second source finds the cache there and leaves it alone
+    again = subprocess.run(["bash", "-c", f"source {script}"], cwd=work, env=env, capture_output=True, text=True)
+    assert again.stdout == "" and again.returncode == 0
+    if layout == "folder":  # no kernels at all: a warning, not silence
+        shutil.rmtree(work / ".fscache")
+        with tarfile.open(work / ".fscache.tar.xz", "w:xz") as tar:
+            tar.add(src / "params.json", arcname="params.json")
+        empty = subprocess.run(["bash", "-c", f"source {script}"], cwd=work, env=env, capture_output=True,
+                               text=True)
+        assert "WARNING" in empty.stderr and "no kernels" in empty.stderr

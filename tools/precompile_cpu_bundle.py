@@ -2,7 +2,9 @@
 FLASHSINK_CACHE_DIR, so a fresh GPU machine loads them instead of compiling them:
 
     FLASHSINK_CACHE_DIR=$PWD/.fscache python tools/precompile_cpu_bundle.py [--jobs N] [recorded.jsonl]
-    tar -cJf .fscache.tar.xz .fscache        # ~20 KB a kernel; carry it with .gpu
+    tar -cJf .fscache.tar.xz -C .fscache kernels   # ~20 KB a kernel; carry it with .gpu
+
+(tools/unpack_kernel_bundle.sh also takes an archive of the folder itself, ``tar -cJf .fscache.tar.xz .fscache``.)
 
 What it builds: every kernel of the GPU suite's matrix (tools/precompile_gpu_cases.py's list), the
 kernels a previous suite run recorded (tools/precompile_recorded.py's input: the suite leaves
