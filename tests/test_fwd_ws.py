@@ -419,6 +419,66 @@ def test_q_ahead_option(slots):
         build_fwd_ws(cfg, tiles, q_slots=1, q_ahead=True)
 
 
+@pytest.mark.parametrize("epilogue", ["wg", "regs", "smem"])
+def test_chain_option(epilogue):
+    """``build_fwd_ws(chain=True)`` (an option for tools/fwd_variants.py, not measured yet, docs/perf.md v25):
+    a tile's last P V is issued with the next tile's first S in that tile's turn, and its epilogue runs after
+    the next tile's first softmax; the consumers take one more step, which flushes the last tile. Every
+    product is followed by its wait unconditionally (ptxas serializes the wgmma pipeline otherwise); the
+    launch is the same, and off it is the kernel built without it, TIR for TIR."""
+    from flashsink.ops.fwd_ws import build_fwd_ws
+
+    cfg, tiles = _cfg(d=64), Tiles(192, 64, 384, 3)
+    opts = dict(fold=True, epilogue=epilogue, q_slots=2, pack_gqa=True, mask_limits=True)
+    func = build_fwd_ws(cfg, tiles, chain=True, **opts)
+    off = build_fwd_ws(cfg, tiles, **opts)
+    assert off.script() == build_fwd_ws(cfg, tiles, chain=False, **opts).script()
+    assert _params(func) == _params(off) and _dtypes(func) == _dtypes(off)
+    text, plain = func.script(), off.script()
+    assert "pend_pv" in text and "m_pend" in text and "pend_pv" not in plain
+    # the first S and the pending P V in one turn, then S's wait only; the pending product's wait after the
+    # softmax is unconditional (the flush issues it alone)
+    assert text.count("T.wait_wgmma(1)") == 2 and plain.count("T.wait_wgmma(1)") == 1
+    assert text.count("T.wgmma_gemm(") == 5 and plain.count("T.wgmma_gemm(") == 4
+    assert "if pend_pv[0] != 0:" in text and "if pend[0] != 0:" in text
+    # one epilogue in either kernel (the pending tile's, or off this tile's), with the same barriers
+    for needle in ("LSE[", "O[", "tvm_storage_sync"):
+        assert text.count(needle) == plain.count(needle), needle
+
+
+@pytest.mark.parametrize("opts,match", [
+    ({"o32": True}, "chain=True supports"),
+    ({"wg_ranges": True, "pack_gqa": False}, "chain=True supports"),
+])
+def test_chain_refuses_what_it_cannot_pend(opts, match):
+    from flashsink.ops.fwd_ws import build_fwd_ws
+
+    cfg = KernelConfig("sm_90a", "bfloat16", 64, 64, 8, True, True, "bhsd",
+                       precision="strict" if opts.get("o32") else "fast")
+    with pytest.raises(NotImplementedError, match=match):
+        build_fwd_ws(cfg, Tiles(192, 64, 384, 3), fold=True, chain=True, **opts)
+    with pytest.raises(NotImplementedError, match="stages=1"):
+        build_fwd_ws(_cfg(d=64), Tiles(192, 64, 384, 1), fold=True, chain=True)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (compiles for sm_90a without a GPU)")
+def test_chain_compiles_for_hopper():
+    """nvcc accepts gpt-oss SWA's windowed kernel with ``chain``; the pending P V is in the CUDA twice (with the
+    next tile's first S, and alone where a tile has no keys or the program ends)."""
+    import tilelang
+
+    from flashsink.ops.compile import pass_configs
+    from flashsink.ops.fwd_ws import build_fwd_ws
+
+    func = build_fwd_ws(_cfg(d=64, layout="bshd"), Tiles(192, 64, 384, 3), fold=True, epilogue="wg", q_slots=2,
+                        pack_gqa=True, mask_limits=True, chain=True)
+    kern = tilelang.compile(func, target={"kind": "cuda", "arch": "sm_90a"}, execution_backend="tvm_ffi",
+                            pass_configs=pass_configs())
+    src = kern.get_kernel_source()
+    assert src.count("tl::wgmma_rs<") == 3  # the pending P V (twice) and the loop's
+    assert "pend_pv" in src and "*(uint4*)(O + " in src
+
+
 def test_pack_gqa_option_packs_a_group_into_one_tile():
     """``build_fwd_ws(pack_gqa=True)`` (tools/fwd_variants.py's ".../pack", to be measured): a tile is
     the GQA group's heads, ``block_m / groups`` positions each, head after head. Q arrives as one box

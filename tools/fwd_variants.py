@@ -150,6 +150,14 @@ def _variants(d: int) -> list:
     else:
         out += [ws_row(x, own) for x in ("wg/lim",)]
         out += [ws_row(x, win[1]) for x in ("q2/pack/lim/qa", "wg/pack/lim", "wg/q2/pack/lim/qa")]
+    # the row tiles back to back (build_fwd_ws(chain=True), docs/perf.md v25): a tile's last P V issued with the
+    # next tile's first S, its epilogue after that tile's first softmax; the windowed kind's options with it,
+    # and the forward's own (causal: one row tile in ~43 KV tiles, so little to gain there)
+    if d <= 64:
+        out += [ws_row(x, win[1]) for x in ("wg/q2/pack/lim/chain", "wg/q3/pack/lim/chain")]
+        out += [ws_row("regs/q2/pack/lim/chain", own)]
+    else:
+        out += [ws_row(x, win[1]) for x in ("wg/pack/lim/chain", "wg/q2/pack/lim/chain")]
     return out
 
 
@@ -166,7 +174,7 @@ def _func(job):
         return build_prim_func("fwd", cfg)  # the library's kernel
     opts = ws.split("/") if isinstance(ws, str) else []
     if opts and set(opts) <= {"np", "nopp", "fold", "fma8", "fma4", "o32", "regs", "wg", "q2", "q3", "qa", "pack", "wgr",
-                              "pin", "lim", "lazy", "rr"}:
+                              "pin", "lim", "lazy", "rr", "chain"}:
         from flashsink.ops.fwd_ws import PERSISTENT_CTAS, build_fwd_ws
 
         fma = next((int(o[3:]) for o in opts if o.startswith("fma")), 0)
@@ -176,7 +184,8 @@ def _func(job):
                             q_slots=3 if "q3" in opts else 2 if "q2" in opts else 1, q_ahead="qa" in opts,
                             pack_gqa="pack" in opts, wg_ranges="wgr" in opts,
                             pin_wait="pin" in opts, mask_limits="lim" in opts,
-                            lazy_rescale=8.0 if "lazy" in opts else 0.0, snake="rr" not in opts)
+                            lazy_rescale=8.0 if "lazy" in opts else 0.0, snake="rr" not in opts,
+                            chain="chain" in opts)
     if ws is True:  # fwd_ws.py's kernel unfolded, smem epilogue, one Q slot (not config.fwd_ws_options)
         from flashsink.ops.fwd_ws import build_fwd_ws
 

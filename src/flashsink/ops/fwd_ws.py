@@ -62,7 +62,7 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
                  fold: bool = False, fma_every: int = 0, o32: bool = False, epilogue: str = "smem",
                  q_slots: int = 1, pack_gqa: bool = False, wg_ranges: bool = False, pin_wait: bool = False,
                  mask_limits: bool = False, lazy_rescale: float = 0.0, snake: bool = True,
-                 q_ahead: bool = False):
+                 q_ahead: bool = False, chain: bool = False):
     """The warp-specialized forward for tiles ``t``: ``t.block_m`` a multiple of 64 (one consumer
     warpgroup per 64 rows, ``t.threads`` their threads, ``block_m * 2``; the kernel runs 128 more,
     the producer's), ``t.stages`` ring slots for K and V.
@@ -131,6 +131,23 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
     the "wg" epilogue without it): SWA's windowed kernel 0.0659 -> 0.0717 ms with two slots, 0.0671 with
     three (not profiled; a guess: the early load holds back the producer's K/V loads of this tile).
 
+    ``chain`` (an option for tools/fwd_variants.py, not measured yet, docs/perf.md v25): the persistent
+    consumers' row tiles run back to back. A tile's last P V product is not issued at its end but with the
+    next tile's first S product, in that tile's ping-pong turn; the next tile's first softmax then runs
+    while it computes, and only after that is the tile finished (its maximum and normalizer set aside
+    for it, normalized, stored). Without it each tile starts with a softmax that nothing overlaps and
+    ends waiting for its last product, once per row tile; v24's profile of gpt-oss SWA put ~650 of its
+    7,763 samples in the first tile's softmax, and 55% of that kernel's time is per row tile. One more
+    step at the end issues the last tile's pending product alone, as a tile without keys does. The
+    pending product is issued on every tile's first step, with nothing pending too (a program's first
+    tile, or after a tile without keys: its sum is then dropped), because ptxas keeps the wgmma pipeline
+    asynchronous only where each wait follows its products unconditionally (with the product under a
+    condition it reported C7514 and serialized them). Not with ``o32`` (its second term) or
+    ``wg_ranges``, and with at least 2 ring slots (the pending V slot is then never the next tile's first).
+    The turns per tile are unchanged, and the pending V's slot is released by the next tile's first step,
+    which waits for nothing the producer loads after it. gpt-oss SWA's windowed kernel (bshd): 128
+    registers, no spills, like the default.
+
     ``pack_gqa`` (``config.fwd_ws_options``: on at head dim 64 where ``config.pack_gqa_fits``, measured
     on the H200, docs/perf.md v18, and at 128 in the windowed kind ``fwd_window``, v19;
     FlashAttention-4's default on Hopper): a tile holds the ``groups`` query heads of one KV head, ``block_m / groups`` positions of
@@ -189,6 +206,10 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
     if q_ahead and q_slots < 2:
         raise ValueError("q_ahead=True needs q_slots of 2 or 3 (with one slot the next tile's Q would wait for this "
                          "tile's last S product, which waits for K tiles the producer has not loaded yet)")
+    if chain and (o32 or wg_ranges or t.stages < 2):
+        raise NotImplementedError(f"chain=True supports the single-term forward over one KV range per tile with at "
+                                  f"least 2 ring slots (its pending V slot must not be the next tile's first); got "
+                                  f"o32={o32}, wg_ranges={wg_ranges}, stages={t.stages}")
     if epilogue not in ("smem", "regs", "wg"):
         raise ValueError(f"epilogue must be 'smem', 'regs' or 'wg', got {epilogue!r}")
     if epilogue == "wg" and cfg.head_dim_v % 16:
@@ -272,6 +293,18 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
                 own_hi = T.alloc_var("int32")
                 own_flo = T.alloc_var("int32")
                 own_fhi = T.alloc_var("int32")
+            if chain:
+                # the pending tile (a consumer's): its output waits for its last P V, issued with the next tile's
+                # first S, and for its epilogue, after that tile's first softmax; one more step flushes the last
+                pend = T.alloc_var("int32", init=0)  # a tile's output is pending
+                pend_pv = T.alloc_var("int32", init=0)  # ... and its last P V is not issued yet
+                p_b = T.alloc_var("int32", init=0)
+                p_head = T.alloc_var("int32", init=0)
+                p_q_base = T.alloc_var("int32", init=0)
+                p_row0 = T.alloc_var("int32", init=0)
+                p_sq = T.alloc_var("int32", init=0)
+                m_pend = T.alloc_fragment([bm], accum)
+                l_pend = T.alloc_fragment([bm], accum)
             tx = T.get_thread_binding()
             wg = tx // 128  # the consumer warpgroup
 
@@ -284,7 +317,7 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
                         # the next tile's Q before this tile's K and V (at the first step, the first tile's too)
                         for j in T.serial(1 + (step == 0)):
                             q_step = step + j + (step > 0)
-                            if q_step < steps:
+                            if q_step < persistent_steps(cta, total, n_ctas, snake):
                                 bx, head, b, q_base, sq, k_base, sk, lo, hi = _locate(
                                     persistent_tile(cta, q_step, n_ctas, snake), _row_tiles(m_tiles, LSE, layout, pack),
                                     _units(heads, groups, pack),
@@ -320,16 +353,33 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
                 T.set_max_nreg(regs, 1)
                 if pingpong:
                     _pingpong_start(wg)
-                for step in T.serial(persistent_steps(cta, total, n_ctas, snake)):
-                    bx, head, b, q_base, sq, k_base, sk, lo, hi = _locate(
-                        persistent_tile(cta, step, n_ctas, snake), _row_tiles(m_tiles, LSE, layout, pack),
-                        _units(heads, groups, pack),
-                        n_seqs, CuQ, CuK, seq_q, seq_kv, window, rows, bn, layout, cfg.causal)
+                if chain:  # nothing is pending at the first step: the state it sets aside is never read
+                    T.fill(acc_o, 0)
+                    T.fill(p, 0)
+                    T.fill(m, 0)
+                    T.fill(l, 0)
+                for step in T.serial(persistent_steps(cta, total, n_ctas, snake) + 1 if chain
+                                     else persistent_steps(cta, total, n_ctas, snake)):
+                    if chain:
+                        if step < persistent_steps(cta, total, n_ctas, snake):
+                            bx, head, b, q_base, sq, k_base, sk, lo, hi = _locate(
+                                persistent_tile(cta, step, n_ctas, snake), _row_tiles(m_tiles, LSE, layout, pack),
+                                _units(heads, groups, pack),
+                                n_seqs, CuQ, CuK, seq_q, seq_kv, window, rows, bn, layout, cfg.causal)
+                        else:  # the flush: no tile, no keys
+                            lo = 0
+                            hi = 0
+                    else:
+                        bx, head, b, q_base, sq, k_base, sk, lo, hi = _locate(
+                            persistent_tile(cta, step, n_ctas, snake), _row_tiles(m_tiles, LSE, layout, pack),
+                            _units(heads, groups, pack),
+                            n_seqs, CuQ, CuK, seq_q, seq_kv, window, rows, bn, layout, cfg.causal)
                     row0 = bx * rows  # the tile's first query position
                     flo, fhi = full_kv_blocks_for_rows(lo, hi, row0, rows, bn, sq, sk, window, cfg.causal)
                     n = hi - lo
-                    T.fill(acc_o, 0)
-                    softmax.init_state(m, l, Sinks, _first_head(head, groups, pack), bm, cfg.has_sinks, pack)
+                    if not chain:
+                        T.fill(acc_o, 0)
+                        softmax.init_state(m, l, Sinks, _first_head(head, groups, pack), bm, cfg.has_sinks, pack)
                     if wg_ranges:
                         # each consumer warpgroup only over the KV tiles its own 64 rows see (a contiguous run of
                         # the tile's [lo, hi)); it still takes its ping-pong turn and releases every slot of the others
@@ -394,19 +444,73 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
                             # the first KV tile: S_0, its softmax, P_0 kept for the next step's PV product
                             s0 = kv_done % stages
                             T.mbarrier_wait_parity(k_full[s0], (kv_done // stages) & 1)
+                            if chain:
+                                if pend_pv != 0:  # the pending tile's last V: the KV tile just before this one
+                                    T.mbarrier_wait_parity(v_full[(kv_done - 1) % stages], ((kv_done - 1) // stages) & 1)
                             if pingpong:
                                 T.sync_threads(PINGPONG_BARRIER + wg, 256)  # this warpgroup's turn
                             T.wgmma_gemm(_q_slot(q_s, q_done, q_slots), k_r[s0, :, :], acc_s, transpose_B=True,
                                          clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                            if chain:
+                                # the pending P V, issued even when there is none (the program's first tile, or
+                                # after a tile without keys): its sum is dropped with acc_o below, and ptxas can only
+                                # keep the products asynchronous where each wait follows its products unconditionally
+                                T.wgmma_gemm(p, v_r[(kv_done - 1) % stages, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)
                             if pingpong:
                                 T.named_barrier_arrive(PINGPONG_BARRIER + (wg + 1) % n_consumers, 256)  # the next's
-                            T.wait_wgmma(0)
+                            if chain:
+                                T.wait_wgmma(1)  # S_0; the pending P V still runs
+                            else:
+                                T.wait_wgmma(0)
                             T.barrier_arrive(k_empty[s0])
+                            if chain:  # the pending tile's m and l aside, this tile's from its sink
+                                _set_aside(m, l, m_pend, l_pend, bm)
+                                softmax.init_state(m, l, Sinks, _first_head(head, groups, pack), bm, cfg.has_sinks, pack)
                             branch_logits(acc_s, row0, lo * bn, sq, sk, window, scale_log2, fold, (flo, fhi), lo,
                                           cfg.causal, pack, limits)
                             softmax.new_max(acc_s, m, m_prev, alpha, row_sum, bm, scale_log2 if fold else None, lazy_rescale)
                             softmax.exp_sum(acc_s, m, alpha, row_sum, l, bm, bn, scale_log2 if fold else None, fma_every)
-                            _keep_p(acc_s, p, p_lo, bm, bn, o32)
+                            if not chain:
+                                _keep_p(acc_s, p, p_lo, bm, bn, o32)
+                        if chain:
+                            if n <= 0:  # no S to pair it with: the pending P V alone (no turn, as a last P V)
+                                if pend_pv != 0:
+                                    T.mbarrier_wait_parity(v_full[(kv_done - 1) % stages], ((kv_done - 1) // stages) & 1)
+                                    T.wgmma_gemm(p, v_r[(kv_done - 1) % stages, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)
+                                _set_aside(m, l, m_pend, l_pend, bm)
+                                if step < persistent_steps(cta, total, n_ctas, snake):
+                                    softmax.init_state(m, l, Sinks, _first_head(head, groups, pack), bm, cfg.has_sinks,
+                                                       pack)
+                            # the pending P V (nothing without one): unconditional, because ptxas cannot pair a
+                            # wait under a condition with the product's, and serializes every wgmma otherwise
+                            T.wait_wgmma(0)
+                            if pend_pv != 0:
+                                T.barrier_arrive(v_empty[(kv_done - 1) % stages])
+                            _drop_unless(acc_o, pend_pv, bm, dim_v)  # a pending tile without keys outputs zeros
+                            if pend != 0:  # the pending tile's output: normalized and stored
+                                softmax.finalize(acc_o, m_pend, l_pend, lse, bm, dim_v)
+                                if epilogue == "wg":
+                                    T.sync_threads(STORE_BARRIER + wg, 128)
+                                    T.copy(acc_o, o_s)
+                                    T.sync_threads(STORE_BARRIER + wg, 128)
+                                    store_rows_vec(O, layout, p_b, _first_head(p_head, groups, pack), p_q_base, p_row0,
+                                                   p_sq, o_s, wg * ROWS_PER_CONSUMER, ROWS_PER_CONSUMER, dim_v,
+                                                   tx % 128, 128, pack)
+                                elif epilogue == "smem":
+                                    T.copy(acc_o, o_s)
+                                    T.sync_threads(CONSUMER_BARRIER, consumers)
+                                    store_rows(O, layout, p_b, _first_head(p_head, groups, pack), p_q_base, p_row0, p_sq,
+                                               o_s, bm, dim_v, pack)
+                                    T.sync_threads(CONSUMER_BARRIER, consumers)
+                                else:
+                                    T.copy(acc_o, o_r)
+                                    store_rows(O, layout, p_b, _first_head(p_head, groups, pack), p_q_base, p_row0, p_sq,
+                                               o_r, bm, dim_v, pack)
+                                store_stat(LSE, layout, p_b, _first_head(p_head, groups, pack), p_q_base, p_row0, p_sq,
+                                           lse, bm, pack)
+                            T.fill(acc_o, 0)
+                            if n > 0:
+                                _keep_p(acc_s, p, p_lo, bm, bn, o32)
                         for it in T.serial(1, T.max(n, 1)):
                             c = kv_done + it
                             s = c % stages
@@ -439,35 +543,45 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
                             T.barrier_arrive(_q_slot(q_empty, q_done, q_slots))
                             q_done = q_done + 1
                             last = (kv_done + n - 1) % stages
-                            T.mbarrier_wait_parity(v_full[last], ((kv_done + n - 1) // stages) & 1)
-                            T.wgmma_gemm(p, v_r[last, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)
-                            if o32:
-                                T.wgmma_gemm(p_lo, v_r[last, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)
-                            T.wait_wgmma(0)
-                            T.barrier_arrive(v_empty[last])
+                            if not chain:  # (chain: the last P V goes with the next tile's first S, or the flush)
+                                T.mbarrier_wait_parity(v_full[last], ((kv_done + n - 1) // stages) & 1)
+                                T.wgmma_gemm(p, v_r[last, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)
+                                if o32:
+                                    T.wgmma_gemm(p_lo, v_r[last, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)
+                                T.wait_wgmma(0)
+                                T.barrier_arrive(v_empty[last])
                     kv_done = kv_done + n
-                    softmax.finalize(acc_o, m, l, lse, bm, dim_v)
-                    if epilogue == "smem":
-                        T.copy(acc_o, o_s)
-                        T.sync_threads(CONSUMER_BARRIER, consumers)  # o_s whole before the rows are stored
-                        store_rows(O, layout, b, _first_head(head, groups, pack), q_base, row0, sq, o_s, bm, dim_v,
-                                   pack)
-                    elif epilogue == "wg":  # this warpgroup's rows, by its own threads
-                        T.sync_threads(STORE_BARRIER + wg, 128)  # its rows of o_s read by the last tile's stores
-                        T.copy(acc_o, o_s)
-                        T.sync_threads(STORE_BARRIER + wg, 128)  # ... and whole before they are stored
-                        store_rows_vec(O, layout, b, _first_head(head, groups, pack), q_base, row0, sq, o_s,
-                                       wg * ROWS_PER_CONSUMER, ROWS_PER_CONSUMER, dim_v, tx % 128, 128, pack)
-                    else:  # (the buffer's name is part of the kernel's text: the default keeps "o_s")
-                        T.copy(acc_o, o_r)
-                        store_rows(O, layout, b, _first_head(head, groups, pack), q_base, row0, sq, o_r, bm, dim_v,
-                                   pack)
-                    store_stat(LSE, layout, b, _first_head(head, groups, pack), q_base, row0, sq, lse, bm, pack)
-                    if o32:
-                        store_rows(O32, layout, b, _first_head(head, groups, pack), q_base, row0, sq, acc_o, bm,
-                                   dim_v, pack)
-                    if epilogue == "smem":
-                        T.sync_threads(CONSUMER_BARRIER, consumers)  # o_s read before the next tile writes it
+                    if chain:  # this tile's output is the next step's to finish
+                        pend = T.if_then_else(step < persistent_steps(cta, total, n_ctas, snake), 1, 0)
+                        pend_pv = T.if_then_else(n > 0, 1, 0)
+                        p_b = b
+                        p_head = head
+                        p_q_base = q_base
+                        p_row0 = row0
+                        p_sq = sq
+                    if not chain:  # (chain: the next step finishes this tile, above)
+                        softmax.finalize(acc_o, m, l, lse, bm, dim_v)
+                        if epilogue == "smem":
+                            T.copy(acc_o, o_s)
+                            T.sync_threads(CONSUMER_BARRIER, consumers)  # o_s whole before the rows are stored
+                            store_rows(O, layout, b, _first_head(head, groups, pack), q_base, row0, sq, o_s, bm, dim_v,
+                                       pack)
+                        elif epilogue == "wg":  # this warpgroup's rows, by its own threads
+                            T.sync_threads(STORE_BARRIER + wg, 128)  # its rows of o_s read by the last tile's stores
+                            T.copy(acc_o, o_s)
+                            T.sync_threads(STORE_BARRIER + wg, 128)  # ... and whole before they are stored
+                            store_rows_vec(O, layout, b, _first_head(head, groups, pack), q_base, row0, sq, o_s,
+                                           wg * ROWS_PER_CONSUMER, ROWS_PER_CONSUMER, dim_v, tx % 128, 128, pack)
+                        else:  # (the buffer's name is part of the kernel's text: the default keeps "o_s")
+                            T.copy(acc_o, o_r)
+                            store_rows(O, layout, b, _first_head(head, groups, pack), q_base, row0, sq, o_r, bm, dim_v,
+                                       pack)
+                        store_stat(LSE, layout, b, _first_head(head, groups, pack), q_base, row0, sq, lse, bm, pack)
+                        if o32:
+                            store_rows(O32, layout, b, _first_head(head, groups, pack), q_base, row0, sq, acc_o, bm,
+                                       dim_v, pack)
+                        if epilogue == "smem":
+                            T.sync_threads(CONSUMER_BARRIER, consumers)  # o_s read before the next tile writes it
 
     # the grid's row tiles are tiles of `rows` positions (packed: fewer positions than the tile's rows)
     flashsink_fwd = fwd_entry(cfg, shapes, body, rows, o32)
@@ -567,6 +681,22 @@ def _load_q(Q, layout: str, b, head, q_base, bx, q_s, q_full, q_empty, q_done, q
                                _q_rows(q_s, q_done, q_slots, g * pack, pack, hc * 64, 64),
                                barrier=_q_slot(q_full, q_done, q_slots))
     T.barrier_arrive(_q_slot(q_full, q_done, q_slots))
+
+
+@T.macro
+def _set_aside(m, l, m_pend, l_pend, bm: int):
+    """``chain``: the pending tile's running maximum and normalizer, kept for its epilogue while this
+    tile's start from the sink."""
+    for i in T.Parallel(bm):
+        m_pend[i] = m[i]
+        l_pend[i] = l[i]
+
+
+@T.macro
+def _drop_unless(acc_o, keep, bm: int, dim_v: int):
+    """``chain``: ``acc_o`` where ``keep`` is nonzero, else zeros (a select, not a branch around a fill)."""
+    for i, j in T.Parallel(bm, dim_v):
+        acc_o[i, j] = T.if_then_else(keep != 0, acc_o[i, j], 0.0)
 
 
 @T.macro
