@@ -9,7 +9,7 @@ under a round-robin scheduler. A protocol that deadlocks stops making progress; 
 reads a ring slot holding another tile than the one it wants is a stale read. Both fail the test.
 
 They check the protocols, not the CUDA: the models mirror the kernels' loops by hand (the forward
-default and ``wg_ranges=True``, the backward with and without ``prefetch``) and must follow them when
+default, ``wg_ranges=True`` and ``chain=True``, the backward with and without ``prefetch``) and must follow them when
 the kernels' synchronization changes. What they caught: ``wg_ranges`` with its last P V after the
 loop (as the default forward does) deadlocks a 192-row tile's first warpgroup with 64-key tiles and
 2 ring slots (the tiles it skips after its own wait for the slot it still holds); the kernel issues
@@ -82,8 +82,10 @@ def _tiles(seq, bm, bn, window, ctas, cta):
     return [(i * bm, *_blocks(i * bm, bm, bn, seq, window)) for i in [m_tiles - 1 - j for j in range(m_tiles)][cta::ctas]]
 
 
-def _run(tiles, n_cons, stages, q_slots, pingpong, wgr, bn, seq, window, last_pv_in_loop=True):
-    """``"ok"`` or ``"deadlock"``, and the stale reads seen."""
+def _run(tiles, n_cons, stages, q_slots, pingpong, wgr, bn, seq, window, last_pv_in_loop=True, chain=False):
+    """``"ok"`` or ``"deadlock"``, and the stale reads seen. ``chain``: ``build_fwd_ws(chain=True)``'s
+    consumers (a tile's last P V issued with the next tile's first S, in its turn; one more step flushes
+    the last); the producer is the same."""
     consumers = THREADS * n_cons
     q_full, q_empty = [_MBarrier(THREADS) for _ in range(q_slots)], [_MBarrier(consumers) for _ in range(q_slots)]
     k_full, v_full = [_MBarrier(THREADS) for _ in range(stages)], [_MBarrier(THREADS) for _ in range(stages)]
@@ -132,7 +134,62 @@ def _run(tiles, n_cons, stages, q_slots, pingpong, wgr, bn, seq, window, last_pv
         if held[s] != c:
             stale.append(f"warpgroup {w} reads {what} slot {s} holding tile {held[s]}, wants {c}")
 
+    def chained(w):
+        kv_done = q_done = 0
+        pend = None  # the KV tile whose P V is pending
+        if pingpong and w == 0:
+            arrive_turn(0)
+        for _, lo, hi in tiles + [(None, 0, 0)]:  # the last step flushes
+            n = hi - lo
+            if n > 0:
+                while not q_full[q_done % q_slots].done(q_phase(q_done)):
+                    yield
+                c, s = kv_done, kv_done % stages
+                while not k_full[s].done((c // stages) & 1):
+                    yield
+                if pend is not None:
+                    while not v_full[pend % stages].done((pend // stages) & 1):
+                        yield
+                if pingpong:
+                    yield from take_turn(w)
+                read(held_k, s, c, "K", w)
+                if pend is not None:  # (with nothing pending the kernel's product reads a slot it drops)
+                    read(held_v, pend % stages, pend, "V", w)
+                if pingpong:
+                    arrive_turn((w + 1) % n_cons)
+                k_empty[s].arrive()
+            elif pend is not None:  # no S to pair it with: the pending P V alone, no turn
+                while not v_full[pend % stages].done((pend // stages) & 1):
+                    yield
+                read(held_v, pend % stages, pend, "V", w)
+            if pend is not None:
+                v_empty[pend % stages].arrive()
+                pend = None
+            for it in range(1, n):
+                c = kv_done + it
+                s, sp = c % stages, (c - 1) % stages
+                while not k_full[s].done((c // stages) & 1):
+                    yield
+                while not v_full[sp].done(((c - 1) // stages) & 1):
+                    yield
+                if pingpong:
+                    yield from take_turn(w)
+                read(held_k, s, c, "K", w)
+                read(held_v, sp, c - 1, "V", w)
+                if pingpong:
+                    arrive_turn((w + 1) % n_cons)
+                k_empty[s].arrive()
+                v_empty[sp].arrive()
+            if n > 0:
+                q_empty[q_done % q_slots].arrive()
+                q_done += 1
+                pend = kv_done + n - 1
+            kv_done += n
+
     def consumer(w):
+        if chain:
+            yield from chained(w)
+            return
         kv_done = q_done = 0
         if pingpong and w == 0:
             arrive_turn(0)
@@ -201,6 +258,24 @@ def test_protocol_completes_without_stale_reads(wgr, n_cons):
         result, stale = _run(tiles, n_cons, stages, q_slots, pingpong, wgr, bn, seq, window)
         assert (result, stale) == ("ok", []), dict(bn=bn, stages=stages, q_slots=q_slots, pingpong=pingpong,
                                                    window=window, seq=seq, cta=cta)
+
+
+@pytest.mark.parametrize("n_cons", [2, 3])
+def test_chain_protocol_completes_without_stale_reads(n_cons):
+    """``chain=True`` (the pending P V goes with the next tile's first S, or alone where a tile has no keys
+    and at the end), over the default's grid plus one ring slot and a 100-token sequence (programs of
+    one tile): no deadlock, and every pending P V reads the V it wants. Causal tiles always see a key, so
+    tiles without keys (a packed batch's idle program slots) are a hand-made list."""
+    for bn, stages, q_slots, pingpong, window, seq, cta in itertools.product(
+            (64, 128), (1, 2, 3, 4), (1, 2), (True, False), (64, 128, 200, 1 << 30), (100, 700, 1500), (0, 1)):
+        tiles = _tiles(seq, 64 * n_cons, bn, window, 3, cta)
+        result, stale = _run(tiles, n_cons, stages, q_slots, pingpong, False, bn, seq, window, chain=True)
+        assert (result, stale) == ("ok", []), dict(bn=bn, stages=stages, q_slots=q_slots, pingpong=pingpong,
+                                                   window=window, seq=seq, cta=cta)
+    # tiles without keys between tiles with keys (a varlen program slot past its sequence's end)
+    tiles = [(0, 0, 3), (0, 0, 0), (0, 2, 4), (0, 0, 0), (0, 0, 0), (0, 1, 2)]
+    for stages, q_slots in itertools.product((1, 2, 3), (1, 2)):
+        assert _run(tiles, n_cons, stages, q_slots, True, False, 64, 300, None, chain=True) == ("ok", [])
 
 
 def test_the_model_sees_the_deadlock_the_kernel_avoids():

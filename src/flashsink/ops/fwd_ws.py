@@ -143,9 +143,9 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
     tile, or after a tile without keys: its sum is then dropped), because ptxas keeps the wgmma pipeline
     asynchronous only where each wait follows its products unconditionally (with the product under a
     condition it reported C7514 and serialized them). Not with ``o32`` (its second term) or
-    ``wg_ranges``, and with at least 2 ring slots (the pending V slot is then never the next tile's first).
-    The turns per tile are unchanged, and the pending V's slot is released by the next tile's first step,
-    which waits for nothing the producer loads after it. gpt-oss SWA's windowed kernel (bshd): 128
+    ``wg_ranges``. The turns per tile are unchanged, and the pending V's slot is released by the next
+    tile's first step, which waits for nothing the producer loads after it (K and V have rings of their
+    own, so this holds with one slot too): tests/test_ws_protocol.py replays the protocol. gpt-oss SWA's windowed kernel (bshd): 128
     registers, no spills, like the default.
 
     ``pack_gqa`` (``config.fwd_ws_options``: on at head dim 64 where ``config.pack_gqa_fits``, measured
@@ -206,10 +206,10 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
     if q_ahead and q_slots < 2:
         raise ValueError("q_ahead=True needs q_slots of 2 or 3 (with one slot the next tile's Q would wait for this "
                          "tile's last S product, which waits for K tiles the producer has not loaded yet)")
-    if chain and (o32 or wg_ranges or t.stages < 2):
-        raise NotImplementedError(f"chain=True supports the single-term forward over one KV range per tile with at "
-                                  f"least 2 ring slots (its pending V slot must not be the next tile's first); got "
-                                  f"o32={o32}, wg_ranges={wg_ranges}, stages={t.stages}")
+    if chain and (o32 or wg_ranges):
+        raise NotImplementedError(f"chain=True supports the single-term forward over one KV range per tile (not o32's "
+                                  f"second P V term, not wg_ranges' per-warpgroup ranges); got o32={o32}, "
+                                  f"wg_ranges={wg_ranges}")
     if epilogue not in ("smem", "regs", "wg"):
         raise ValueError(f"epilogue must be 'smem', 'regs' or 'wg', got {epilogue!r}")
     if epilogue == "wg" and cfg.head_dim_v % 16:
