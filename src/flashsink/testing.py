@@ -442,8 +442,9 @@ def check_fast(name: str, actual, expected, dtype, *, lowp, o_rounded=None) -> P
         reasons.append(f"rel L2 {rel:.3e} > {FAST_FACTOR:g} * max({lowp_rel:.3e} (torch {dtype_name(dt)}), "
                        f"u {u:.2e}{o_floor})")
     if not max_ok:
-        reasons.append(f"max abs err {max_abs:.3e} > {FAST_MAX_FACTOR:g} * {lowp_max:.3e} (torch "
-                       f"{dtype_name(dt)}) + {tol.atol_small:.2e}")
+        o_max_txt = f", O rounded {o_max:.3e}" if o_rounded is not None else ""
+        reasons.append(f"max abs err {max_abs:.3e} > {FAST_MAX_FACTOR:g} * max({lowp_max:.3e} (torch "
+                       f"{dtype_name(dt)}){o_max_txt}) + {tol.atol_small:.2e}")
     passed = l2_ok and max_ok and not bad_nonfinite and not expected_nan
     return PrecisionReport(
         **base, max_abs=max_abs, ratio=ratio, passed=passed, gate1_ratio_ok=ratio >= MIN_RATIO,
@@ -607,10 +608,12 @@ def reference_grads(q, k, v, sinks, do, *, window=None, causal=True, scale=None,
             grads = torch.autograd.grad(o, list(leaves.values()), dos.to(o.dtype), allow_unused=True,
                                         retain_graph=o_rounded)
             if o_rounded:
-                # -rowsum(dO * (round(O) - O)), the rows in lse's [B, H, S_q]
+                # -rowsum(dO * (round(O) - O)), the rows in lse's [B, H, S_q]; v has no Delta
                 ddelta = (dos * (o.detach().to(q.dtype).to(o.dtype) - o.detach())).sum(-1)
                 ddelta = ddelta if layout == "bhsd" else ddelta.transpose(1, 2)
-                extra = torch.autograd.grad(lse, list(leaves.values()), -ddelta.to(lse.dtype), allow_unused=True)
+                through = {n: x for n, x in leaves.items() if n != "v"}
+                extra = dict(zip(through, torch.autograd.grad(lse, list(through.values()), -ddelta.to(lse.dtype),
+                                                              materialize_grads=True)))
         grads = [torch.zeros_like(x) if gr is None else gr for x, gr in zip(leaves.values(), grads)]
         named = dict(zip(leaves.keys(), grads))
         part = {
@@ -618,11 +621,8 @@ def reference_grads(q, k, v, sinks, do, *, window=None, causal=True, scale=None,
             "dq": named["q"], "dk": named["k"], "dv": named["v"], "dsink": named.get("sinks"),
         }
         if o_rounded:
-            more = dict(zip(leaves.keys(), extra))
-            part["o_rounded"] = {
-                "dq": named["q"] + _or_zero(more["q"], named["q"]), "dk": named["k"] + _or_zero(more["k"], named["k"]),
-                "dsink": None if sinks is None else named["sinks"] + _or_zero(more["sinks"], named["sinks"]),
-            }
+            part["o_rounded"] = {"dq": named["q"] + extra["q"], "dk": named["k"] + extra["k"],
+                                 "dsink": None if sinks is None else named["sinks"] + extra["sinks"]}
         parts.append(part)
 
     if len(parts) == 1:
@@ -636,16 +636,10 @@ def reference_grads(q, k, v, sinks, do, *, window=None, causal=True, scale=None,
         "dsink": None if sinks is None else torch.cat([p["dsink"] for p in parts], dim=0),
     }
     if o_rounded:
-        out["o_rounded"] = {
-            "dq": torch.cat([p["o_rounded"]["dq"] for p in parts], dim=hdim),
-            "dk": torch.cat([p["o_rounded"]["dk"] for p in parts], dim=hdim),
-            "dsink": None if sinks is None else torch.cat([p["o_rounded"]["dsink"] for p in parts], dim=0),
-        }
+        out["o_rounded"] = {n: None if parts[0]["o_rounded"][n] is None
+                            else torch.cat([p["o_rounded"][n] for p in parts], dim=0 if n == "dsink" else hdim)
+                            for n in ("dq", "dk", "dsink")}
     return out
-
-
-def _or_zero(grad, like):
-    return torch.zeros_like(like) if grad is None else grad
 
 
 TENSORS = ("o", "lse", "dq", "dk", "dv", "dsink")

@@ -317,7 +317,7 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
                         # the next tile's Q before this tile's K and V (at the first step, the first tile's too)
                         for j in T.serial(1 + (step == 0)):
                             q_step = step + j + (step > 0)
-                            if q_step < persistent_steps(cta, total, n_ctas, snake):
+                            if q_step < steps:
                                 bx, head, b, q_base, sq, k_base, sk, lo, hi = _locate(
                                     persistent_tile(cta, q_step, n_ctas, snake), _row_tiles(m_tiles, LSE, layout, pack),
                                     _units(heads, groups, pack),
@@ -358,10 +358,11 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
                     T.fill(p, 0)
                     T.fill(m, 0)
                     T.fill(l, 0)
-                for step in T.serial(persistent_steps(cta, total, n_ctas, snake) + 1 if chain
-                                     else persistent_steps(cta, total, n_ctas, snake)):
+                if chain:
+                    steps = persistent_steps(cta, total, n_ctas, snake)  # (then one more step, the flush)
+                for step in T.serial(steps + 1 if chain else persistent_steps(cta, total, n_ctas, snake)):
                     if chain:
-                        if step < persistent_steps(cta, total, n_ctas, snake):
+                        if step < steps:
                             bx, head, b, q_base, sq, k_base, sk, lo, hi = _locate(
                                 persistent_tile(cta, step, n_ctas, snake), _row_tiles(m_tiles, LSE, layout, pack),
                                 _units(heads, groups, pack),
@@ -478,7 +479,7 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
                                     T.mbarrier_wait_parity(v_full[(kv_done - 1) % stages], ((kv_done - 1) // stages) & 1)
                                     T.wgmma_gemm(p, v_r[(kv_done - 1) % stages, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)
                                 _set_aside(m, l, m_pend, l_pend, bm)
-                                if step < persistent_steps(cta, total, n_ctas, snake):
+                                if step < steps:
                                     softmax.init_state(m, l, Sinks, _first_head(head, groups, pack), bm, cfg.has_sinks,
                                                        pack)
                             # the pending P V (nothing without one): unconditional, because ptxas cannot pair a
@@ -552,7 +553,7 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
                                 T.barrier_arrive(v_empty[last])
                     kv_done = kv_done + n
                     if chain:  # this tile's output is the next step's to finish
-                        pend = T.if_then_else(step < persistent_steps(cta, total, n_ctas, snake), 1, 0)
+                        pend = T.if_then_else(step < steps, 1, 0)
                         pend_pv = T.if_then_else(n > 0, 1, 0)
                         p_b = b
                         p_head = head
