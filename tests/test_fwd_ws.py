@@ -89,6 +89,30 @@ def test_consumer_registers_fit_the_register_file():
         assert regs % 8 == 0 and regs <= 240
         assert 128 * n * regs + 128 * 24 <= 65536
     assert consumer_regs(2) == 240 and consumer_regs(3) == 160
+    # with several programs an SM, setmaxnreg moves registers within a program's launch share only
+    for n, per_sm in ((1, 2), (2, 2), (1, 3)):
+        launch = 65536 // (per_sm * 128 * (n + 1)) // 8 * 8
+        regs = consumer_regs(n, per_sm)
+        assert regs % 8 == 0 and 128 * n * regs + 128 * 24 <= launch * 128 * (n + 1)
+    assert consumer_regs(1, 2) == 232 and consumer_regs(2, 2) == 104
+
+
+def test_per_sm_launches_several_programs_an_sm():
+    """build_fwd_ws(per_sm=2): __launch_bounds__' minimum blocks and a grid of twice the programs; a count
+    that leaves the consumers too few registers is refused, naming the argument."""
+    from flashsink.ops.fwd_ws import PERSISTENT_CTAS, build_fwd_ws
+
+    cfg = _cfg(d=64, layout="bshd")
+    one = build_fwd_ws(cfg, Tiles(64, 64, 128, 3), fold=True, pingpong=False, epilogue="wg", q_slots=2,
+                       pack_gqa=True, mask_limits=True).script()
+    two = build_fwd_ws(cfg, Tiles(64, 64, 128, 3), fold=True, pingpong=False, epilogue="wg", q_slots=2,
+                       pack_gqa=True, mask_limits=True, per_sm=2).script()
+    assert "tl.min_blocks_per_sm" not in one and two.count("tl.min_blocks_per_sm") == 1
+    assert f"T.min(total, {PERSISTENT_CTAS})" in one and f"T.min(total, {PERSISTENT_CTAS * 2})" in two
+    assert f"T.set_max_nreg({consumer_regs(1, 2)}, 1)" in two
+    for bad in (0, 4, 1.5):
+        with pytest.raises(ValueError, match="per_sm"):
+            build_fwd_ws(cfg, Tiles(192, 64, 384, 3), per_sm=bad)
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (compiles for sm_90a without a GPU)")
@@ -188,8 +212,8 @@ def test_the_forward_options_follow_the_head_dim(cfg, opts):
 def test_fwd_window_is_the_packed_forward_with_64_key_tiles(cfg, tiles):
     """config.fwd_window_tiles: a window of at most WINDOW_TILES_MAX keys runs the kind ``fwd_window``
     where a GQA group packs into the forward's rows: 64-key tiles, three ring slots, the group packed,
-    each consumer warpgroup storing its own rows 16 bytes a thread (epilogue "wg", docs/perf.md v24; head
-    dim 64 with two Q slots, 128 with one), folded as the forward is; elsewhere the kind is not built and
+    each consumer warpgroup storing its own rows 16 bytes a thread (epilogue "wg", docs/perf.md v24), two Q
+    slots (head dim 128 since docs/perf.md v26), folded as the forward is; elsewhere the kind is not built and
     the forward's tiles stand."""
     from flashsink.ops.compile import build_prim_func
     from flashsink.ops.config import WINDOW_TILES_MAX, fwd_fold, fwd_tiles, fwd_window_tiles, fwd_windowed
@@ -206,7 +230,7 @@ def test_fwd_window_is_the_packed_forward_with_64_key_tiles(cfg, tiles):
             build_prim_func("fwd_window", cfg)
         return
     assert fwd_window_tiles(cfg) == tiles
-    opts = {"epilogue": "wg", "q_slots": 2 if cfg.head_dim == 64 else 1}
+    opts = {"epilogue": "wg", "q_slots": 2}
     opts["pin_wait"], opts["mask_limits"] = PIN, True
     text = build_prim_func("fwd_window", cfg).script()
     assert text == build_fwd_ws(cfg, tiles, fold=fwd_fold(cfg), pack_gqa=True, **opts).script()

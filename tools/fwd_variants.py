@@ -156,8 +156,14 @@ def _variants(d: int) -> list:
     if d <= 64:
         out += [ws_row(x, win[1]) for x in ("wg/q2/pack/lim/chain", "wg/q3/pack/lim/chain")]
         out += [ws_row("regs/q2/pack/lim/chain", own)]
+        # two programs an SM (build_fwd_ws(per_sm=2)), each a row tile of one consumer warpgroup (no ping-pong):
+        # one program's row tile chain (the wait for Q, the first softmax, the last P V, the epilogue) runs while
+        # the other's products have the tensor cores. Two consumers a program would have 80 registers (spills)
+        out += [ws_row("wg/q2/pack/lim/sm2", (64, 64, 128, st)) for st in (2, 3)]
+        out += [ws_row(x, (64, 64, 128, 3)) for x in ("wg/pack/lim/sm2", "wg/q3/pack/lim/qa/sm2")]
     else:
-        out += [ws_row(x, win[1]) for x in ("wg/pack/lim/chain", "wg/q2/pack/lim/chain")]
+        out += [ws_row(x, win[1]) for x in ("wg/pack/lim/chain", "wg/q2/pack/lim/chain", "wg/q2/pack/lim")]
+        out += [ws_row("wg/pack/lim/sm2", (64, 64, 128, 3))]
     return out
 
 
@@ -174,18 +180,19 @@ def _func(job):
         return build_prim_func("fwd", cfg)  # the library's kernel
     opts = ws.split("/") if isinstance(ws, str) else []
     if opts and set(opts) <= {"np", "nopp", "fold", "fma8", "fma4", "o32", "regs", "wg", "q2", "q3", "qa", "pack", "wgr",
-                              "pin", "lim", "lazy", "rr", "chain"}:
+                              "pin", "lim", "lazy", "rr", "chain", "sm2", "sm3", "sm4"}:
         from flashsink.ops.fwd_ws import PERSISTENT_CTAS, build_fwd_ws
 
         fma = next((int(o[3:]) for o in opts if o.startswith("fma")), 0)
         return build_fwd_ws(cfg, Tiles(*tiles), ctas=None if "np" in opts else PERSISTENT_CTAS,
-                            pingpong="nopp" not in opts, fold=not {"np", "nopp"} & set(opts), fma_every=fma,
+                            pingpong="nopp" not in opts and tiles[0] > 64, fold=not {"np", "nopp"} & set(opts), fma_every=fma,
                             o32="o32" in opts, epilogue=next((e for e in ("regs", "wg") if e in opts), "smem"),
                             q_slots=3 if "q3" in opts else 2 if "q2" in opts else 1, q_ahead="qa" in opts,
                             pack_gqa="pack" in opts, wg_ranges="wgr" in opts,
                             pin_wait="pin" in opts, mask_limits="lim" in opts,
                             lazy_rescale=8.0 if "lazy" in opts else 0.0, snake="rr" not in opts,
-                            chain="chain" in opts)
+                            chain="chain" in opts,
+                            per_sm=next((int(o[2:]) for o in opts if o.startswith("sm")), 1))
     if ws is True:  # fwd_ws.py's kernel unfolded, smem epilogue, one Q slot (not config.fwd_ws_options)
         from flashsink.ops.fwd_ws import build_fwd_ws
 

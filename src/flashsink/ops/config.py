@@ -346,8 +346,11 @@ def fwd_ws_options(cfg: KernelConfig, tiles: Tiles | None = None, window: bool =
     1.3530 -> 0.9929, causal D64 N8192 1.2584 -> 1.2605 (the same within noise).
 
     ``window``: the options of the kind ``fwd_window`` (:func:`fwd_window_tiles`): head dim 64's as
-    above; at 128 the staged epilogue and one Q slot (measured faster there than "regs" and two slots
-    with the windowed tiles too: golden 0.1102 against 0.1181 ms, docs/perf.md v19), packed.
+    above; at 128 packed, with "wg" (below) and two Q slots. Two slots lost with "regs" (golden 0.1102
+    against 0.1181 ms, docs/perf.md v19) but win with "wg", which stages o in a buffer of its own: golden
+    0.0951 -> 0.0884 and 0.0945 -> 0.0880 ms in two runs on an H100 (tools/fwd_variants.py, docs/perf.md
+    v26), o and lse off the tool's reference kernel by the same amounts (the arithmetic is unchanged: the
+    second slot only lets the producer load the next tile's Q while this one computes).
 
     ``epilogue="wg"`` (each consumer warpgroup stages its own rows and stores them 16 bytes a thread,
     ``fwd_ws.build_fwd_ws``) in the kind ``fwd_window`` at head dims 64 and 128 and in every head dim 128
@@ -370,7 +373,7 @@ def fwd_ws_options(cfg: KernelConfig, tiles: Tiles | None = None, window: bool =
         return {"epilogue": epilogue, "q_slots": 2, "pack_gqa": pack_gqa_fits(cfg, bm), **both}
     epilogue = "wg" if fwd_ws(cfg) and cfg.head_dim == 128 else "smem"
     if window and fwd_windowed(cfg):  # head dim 128's windowed tiles pack (fwd_window_tiles)
-        return {"epilogue": epilogue, "q_slots": 1, "pack_gqa": True, **both}
+        return {"epilogue": epilogue, "q_slots": 2 if epilogue == "wg" else 1, "pack_gqa": True, **both}
     return {"epilogue": epilogue, "q_slots": 1, **both}
 
 

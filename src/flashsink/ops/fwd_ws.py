@@ -51,10 +51,13 @@ PINGPONG_BARRIER = 4
 STORE_BARRIER = 8
 
 
-def consumer_regs(n_consumers: int) -> int:
-    """setmaxnreg of each consumer warpgroup: what the producer leaves, rounded down to a multiple
-    of 8 and at most 240 (the register file is 64K 32-bit registers per SM)."""
-    left = (65536 - 128 * PRODUCER_REGS) // (128 * n_consumers)
+def consumer_regs(n_consumers: int, per_sm: int = 1) -> int:
+    """setmaxnreg of each consumer warpgroup: what the producer leaves of its program's registers,
+    rounded down to a multiple of 8 and at most 240. The register file is 64K 32-bit registers per SM;
+    with ``per_sm`` programs on an SM, a program is launched with its share rounded down to 8 a thread
+    (``__launch_bounds__``'s minimum blocks), and setmaxnreg only moves registers within that pool."""
+    launch = 65536 // (per_sm * 128 * (n_consumers + 1)) // 8 * 8
+    left = (launch * 128 * (n_consumers + 1) - 128 * PRODUCER_REGS) // (128 * n_consumers)
     return min(240, left // 8 * 8)
 
 
@@ -62,7 +65,7 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
                  fold: bool = False, fma_every: int = 0, o32: bool = False, epilogue: str = "smem",
                  q_slots: int = 1, pack_gqa: bool = False, wg_ranges: bool = False, pin_wait: bool = False,
                  mask_limits: bool = False, lazy_rescale: float = 0.0, snake: bool = True,
-                 q_ahead: bool = False, chain: bool = False):
+                 q_ahead: bool = False, chain: bool = False, per_sm: int = 1):
     """The warp-specialized forward for tiles ``t``: ``t.block_m`` a multiple of 64 (one consumer
     warpgroup per 64 rows, ``t.threads`` their threads, ``block_m * 2``; the kernel runs 128 more,
     the producer's), ``t.stages`` ring slots for K and V.
@@ -78,6 +81,15 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
     ~4-6% more work than the mean on gpt-oss's causal problems (a model, the function's docstring).
     Measured on an H100 in one run (docs/perf.md v23): causal D128 N4096 0.5159 -> 0.4962 ms, causal D64
     N8192 1.2433 -> 1.2117, windowed problems unchanged; o and lse bitwise the same.
+
+    ``per_sm`` (an option for tools/fwd_variants.py): programs an SM, the persistent grid ``ctas * per_sm``
+    (``__launch_bounds__``' minimum blocks, and setmaxnreg within each program's share of the registers):
+    one program's row-tile chain (the wait for Q, the first softmax, the last P V, the epilogue) would
+    run while another's products have the tensor cores. ptxas allocates the whole kernel at the launch
+    bound, not at the consumers' setmaxnreg, so only one consumer warpgroup a program fits at two (128
+    registers; two consumers get 80 and spill). Measured on an H100 in two runs (docs/perf.md v26): gpt-oss
+    SWA's 64x64 tiles at two an SM 0.0674-0.0697 ms against the windowed kind's 0.0646-0.0652 (192x64,
+    one an SM); golden at 64x64 0.1296 against 0.0880-0.0884.
 
     ``pingpong``: the consumer warpgroups take turns to issue their products (FlashAttention-3's
     scheduler barriers), so one's softmax runs while the other's GEMMs have the tensor cores.
@@ -210,6 +222,9 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
         raise NotImplementedError(f"chain=True supports the single-term forward over one KV range per tile (not o32's "
                                   f"second P V term, not wg_ranges' per-warpgroup ranges); got o32={o32}, "
                                   f"wg_ranges={wg_ranges}")
+    if not isinstance(per_sm, int) or per_sm < 1 or consumer_regs(t.block_m // ROWS_PER_CONSUMER or 1, per_sm) < 64:
+        raise ValueError(f"per_sm must be a whole number of programs an SM that leaves the consumers at least 64 "
+                         f"registers a thread; got {per_sm!r} with {t.block_m}-row tiles")
     if epilogue not in ("smem", "regs", "wg"):
         raise ValueError(f"epilogue must be 'smem', 'regs' or 'wg', got {epilogue!r}")
     if epilogue == "wg" and cfg.head_dim_v % 16:
@@ -225,7 +240,7 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
     rows = bm if pack is None else pack  # query positions per tile
     n_consumers = bm // ROWS_PER_CONSUMER
     consumers = 128 * n_consumers
-    regs = consumer_regs(n_consumers)
+    regs = consumer_regs(n_consumers, per_sm)
     dim, dim_v, groups, layout = cfg.head_dim, cfg.head_dim_v, cfg.groups, cfg.layout
     dtype, accum = cfg.dtype, "float32"
     shapes = fwd_shapes(cfg)
@@ -234,8 +249,10 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
     @T.macro
     def body(Q, K, V, Sinks, CuQ, CuK, window, scale_log2, O, LSE, m_tiles, n_seqs, O32=None):
         total = _row_tiles(m_tiles, LSE, layout, pack) * _units(heads, groups, pack) * n_seqs
-        n_ctas = total if ctas is None else T.min(total, ctas)
+        n_ctas = total if ctas is None else T.min(total, ctas * per_sm)
         with T.Kernel(n_ctas, threads=consumers + 128) as cta:
+            if per_sm > 1:
+                T.annotate_min_blocks_per_sm(per_sm)
             q_s = T.alloc_shared([bm, dim] if q_slots == 1 else [q_slots, bm, dim], dtype)
             k_r = T.alloc_shared([stages, bn, dim], dtype)  # the rings the producer fills
             v_r = T.alloc_shared([stages, bn, dim_v], dtype)
