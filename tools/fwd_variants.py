@@ -161,9 +161,15 @@ def _variants(d: int) -> list:
         # the other's products have the tensor cores. Two consumers a program would have 80 registers (spills)
         out += [ws_row("wg/q2/pack/lim/sm2", (64, 64, 128, st)) for st in (2, 3)]
         out += [ws_row(x, (64, 64, 128, 3)) for x in ("wg/pack/lim/sm2", "wg/q3/pack/lim/qa/sm2")]
+        # the consumer warpgroups free of the ping-pong's turns ("free": the scale still folded, where "nopp"
+        # unfolds it too), and the windowed kernel's ring and Q slots again
+        out += [ws_row(x, win[1]) for x in ("wg/q2/pack/lim/free", "wg/q2/pack/lim/chain/free", "wg/q3/pack/lim")]
+        out += [ws_row("wg/q2/pack/lim", (192, 64, 384, st)) for st in (2, 4)]
     else:
         out += [ws_row(x, win[1]) for x in ("wg/pack/lim/chain", "wg/q2/pack/lim/chain", "wg/q2/pack/lim")]
         out += [ws_row("wg/pack/lim/sm2", (64, 64, 128, 3))]
+        out += [ws_row(x, win[1]) for x in ("wg/q2/pack/lim/free", "wg/q3/pack/lim")]
+        out += [ws_row("wg/q2/pack/lim", (128, 64, 256, st)) for st in (2, 4)]
     return out
 
 
@@ -180,12 +186,12 @@ def _func(job):
         return build_prim_func("fwd", cfg)  # the library's kernel
     opts = ws.split("/") if isinstance(ws, str) else []
     if opts and set(opts) <= {"np", "nopp", "fold", "fma8", "fma4", "o32", "regs", "wg", "q2", "q3", "qa", "pack", "wgr",
-                              "pin", "lim", "lazy", "rr", "chain", "sm2", "sm3", "sm4"}:
+                              "pin", "lim", "lazy", "rr", "chain", "sm2", "sm3", "sm4", "free"}:
         from flashsink.ops.fwd_ws import PERSISTENT_CTAS, build_fwd_ws
 
         fma = next((int(o[3:]) for o in opts if o.startswith("fma")), 0)
         return build_fwd_ws(cfg, Tiles(*tiles), ctas=None if "np" in opts else PERSISTENT_CTAS,
-                            pingpong="nopp" not in opts and tiles[0] > 64, fold=not {"np", "nopp"} & set(opts), fma_every=fma,
+                            pingpong=not {"nopp", "free"} & set(opts) and tiles[0] > 64, fold=not {"np", "nopp"} & set(opts), fma_every=fma,
                             o32="o32" in opts, epilogue=next((e for e in ("regs", "wg") if e in opts), "smem"),
                             q_slots=3 if "q3" in opts else 2 if "q2" in opts else 1, q_ahead="qa" in opts,
                             pack_gqa="pack" in opts, wg_ranges="wgr" in opts,
