@@ -143,7 +143,9 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
     the "wg" epilogue without it): SWA's windowed kernel 0.0659 -> 0.0717 ms with two slots, 0.0671 with
     three (not profiled; a guess: the early load holds back the producer's K/V loads of this tile).
 
-    ``chain`` (an option for tools/fwd_variants.py, not measured yet, docs/perf.md v25): the persistent
+    ``chain`` (an option for tools/fwd_variants.py, docs/perf.md v25; measured slower on an H100 in v26:
+    gpt-oss SWA's windowed kernel 0.0651 -> 0.0708 ms, golden's 0.0961 -> 0.1124, causal D64 N8192 1.2060
+    -> 1.2952, o and lse off the tool's reference by the same amounts as the default's): the persistent
     consumers' row tiles run back to back. A tile's last P V product is not issued at its end but with the
     next tile's first S product, in that tile's ping-pong turn; the next tile's first softmax then runs
     while it computes, and only after that is the tile finished (its maximum and normalizer set aside
