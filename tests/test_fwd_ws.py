@@ -97,6 +97,50 @@ def test_consumer_registers_fit_the_register_file():
     assert consumer_regs(1, 2) == 232 and consumer_regs(2, 2) == 104
 
 
+@pytest.mark.parametrize("d, layout", [(64, "bshd"), (128, "bhsd")])
+def test_tma_epilogue_stores_each_warpgroups_rows_by_tma(d, layout):
+    """build_fwd_ws(epilogue="tma"): the staged rows (swizzled, as "wg") stored by TMA in boxes of 8 rows and 64
+    columns from one thread of each consumer warpgroup (a packed tile's rows change head every ``pack`` rows),
+    after a proxy fence and the warpgroup's barrier; the issuing thread waits for its stores to have read the
+    buffer before the next tile writes it and before the program exits. Refused where a box could write past
+    a sequence into the next one (thd), and with chain or o32."""
+    from flashsink.ops.config import fwd_window_tiles
+    from flashsink.ops.fwd_ws import build_fwd_ws
+
+    cfg = _cfg("bfloat16" if d == 64 else "float16", d, layout)
+    t = fwd_window_tiles(cfg)
+    kw = dict(fold=True, q_slots=2, pack_gqa=True, mask_limits=True)
+    tma = build_fwd_ws(cfg, t, epilogue="tma", **kw).script()
+    wg = build_fwd_ws(cfg, t, epilogue="wg", **kw).script()
+    pack = t.block_m // cfg.groups
+    store = [line.strip() for line in tma.splitlines() if "T.tma_copy(" in line and "o_s" in line]
+    assert len(store) == 1 and "leader_scope_threads=128" in store[0]
+    assert f"T.region(o_s_1[r, hc * 64], 1, 8, 64)" in store[0] and f"r // {pack}" in store[0]
+    assert tma.count("T.fence_proxy_async()") == 1 and tma.count("T.tma_store_wait(0") == 2
+    assert "store_rows_vec" not in tma and tma.count("T.tma_copy(") == wg.count("T.tma_copy(") + 1
+    for bad in (dict(cfg=_cfg("bfloat16", 64, "thd")), dict(chain=True)):
+        args = {**kw, "epilogue": "tma", **bad}
+        with pytest.raises(NotImplementedError, match="epilogue='tma'"):
+            build_fwd_ws(args.pop("cfg", cfg), t, **args)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (compiles for sm_90a without a GPU)")
+def test_tma_epilogue_compiles_for_hopper():
+    """nvcc accepts the windowed kind's kernel with epilogue="tma" (gpt-oss SWA's, bshd): one TMA store site and
+    the wait for its reads (ptxas -v on the CPU host, docs/perf.md v26: 128 registers, no spill, as with "wg")."""
+    import subprocess
+
+    from flashsink.ops.compile import _compile_args, _jit
+    from flashsink.ops.config import fwd_window_tiles
+    from flashsink.ops.fwd_ws import build_fwd_ws
+
+    cfg = _cfg("bfloat16", 64, "bshd")
+    f = build_fwd_ws(cfg, fwd_window_tiles(cfg), fold=True, epilogue="tma", q_slots=2, pack_gqa=True,
+                     mask_limits=True)
+    src = _jit(f, cfg, _compile_args(f)).get_kernel_source()
+    assert src.count("tl::tma_store(O_desc") == 1 and "tl::tma_store_wait<0, true>()" in src
+
+
 def test_per_sm_launches_several_programs_an_sm():
     """build_fwd_ws(per_sm=2): __launch_bounds__' minimum blocks and a grid of twice the programs; a count
     that leaves the consumers too few registers is refused, naming the argument."""
@@ -345,7 +389,7 @@ def test_register_epilogue_option_drops_the_consumer_barriers(d, tiles):
     assert 'o_s = T.sblock_alloc_buffer' in plain and "o_s" not in text
     assert 'scope="local.fragment"' in next(line for line in text.splitlines() if "o_r = " in line)
     with pytest.raises(ValueError, match="epilogue"):
-        build_fwd_ws(cfg, tiles, epilogue="tma")
+        build_fwd_ws(cfg, tiles, epilogue="global")
 
 
 @pytest.mark.parametrize("epilogue", ["smem", "regs"])

@@ -165,11 +165,15 @@ def _variants(d: int) -> list:
         # unfolds it too), and the windowed kernel's ring and Q slots again
         out += [ws_row(x, win[1]) for x in ("wg/q2/pack/lim/free", "wg/q2/pack/lim/chain/free", "wg/q3/pack/lim")]
         out += [ws_row("wg/q2/pack/lim", (192, 64, 384, st)) for st in (2, 4)]
+        # o stored by TMA from the staged buffer, one thread a warpgroup (build_fwd_ws(epilogue="tma")), the
+        # windowed kind's and the causal forward's options otherwise
+        out += [ws_row("tma/q2/pack/lim", win[1]), ws_row("tma/q2/pack/lim", own)]
     else:
         out += [ws_row(x, win[1]) for x in ("wg/pack/lim/chain", "wg/q2/pack/lim/chain", "wg/q2/pack/lim")]
         out += [ws_row("wg/pack/lim/sm2", (64, 64, 128, 3))]
         out += [ws_row(x, win[1]) for x in ("wg/q2/pack/lim/free", "wg/q3/pack/lim")]
         out += [ws_row("wg/q2/pack/lim", (128, 64, 256, st)) for st in (2, 4)]
+        out += [ws_row("tma/q2/pack/lim", win[1]), ws_row("tma/lim", own)]
     return out
 
 
@@ -186,13 +190,13 @@ def _func(job):
         return build_prim_func("fwd", cfg)  # the library's kernel
     opts = ws.split("/") if isinstance(ws, str) else []
     if opts and set(opts) <= {"np", "nopp", "fold", "fma8", "fma4", "o32", "regs", "wg", "q2", "q3", "qa", "pack", "wgr",
-                              "pin", "lim", "lazy", "rr", "chain", "sm2", "sm3", "sm4", "free"}:
+                              "pin", "lim", "lazy", "rr", "chain", "sm2", "sm3", "sm4", "free", "tma"}:
         from flashsink.ops.fwd_ws import PERSISTENT_CTAS, build_fwd_ws
 
         fma = next((int(o[3:]) for o in opts if o.startswith("fma")), 0)
         return build_fwd_ws(cfg, Tiles(*tiles), ctas=None if "np" in opts else PERSISTENT_CTAS,
                             pingpong=not {"nopp", "free"} & set(opts) and tiles[0] > 64, fold=not {"np", "nopp"} & set(opts), fma_every=fma,
-                            o32="o32" in opts, epilogue=next((e for e in ("regs", "wg") if e in opts), "smem"),
+                            o32="o32" in opts, epilogue=next((e for e in ("regs", "wg", "tma") if e in opts), "smem"),
                             q_slots=3 if "q3" in opts else 2 if "q2" in opts else 1, q_ahead="qa" in opts,
                             pack_gqa="pack" in opts, wg_ranges="wgr" in opts,
                             pin_wait="pin" in opts, mask_limits="lim" in opts,

@@ -28,7 +28,7 @@ from . import softmax
 from .block_range import full_kv_blocks_for_rows, kv_blocks_for_rows
 from .config import KernelConfig, Tiles, pack_gqa_fits
 from .fwd_entry import fwd_entry, fwd_shapes
-from .layout import sequence, store_rows, store_rows_vec, store_stat, tile
+from .layout import sequence, store_rows, store_rows_vec, store_stat, tile, tile_head, tile_row
 from .mask import branch_logits
 from .schedule import locate, persistent_steps, persistent_tile
 from .split import split as two_terms
@@ -127,6 +127,13 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
     run (tools/fwd_variants.py, docs/perf.md v24), o and lse bitwise the same: SWA's windowed kernel
     0.0783 -> 0.0659 ms (from "regs"), golden's 0.1107 -> 0.0956 (from "smem"), causal D128 the same, causal
     D64 N8192 1.2370 -> 1.2645 (from "regs", which it keeps).
+
+    ``epilogue="tma"`` (an option for tools/fwd_variants.py, built in docs/perf.md v26, not measured yet): as
+    "wg", but one thread of each consumer warpgroup stores its staged rows by TMA (boxes of 8 rows and 64
+    columns, ``_store_o_tma``) after a proxy fence, and waits for the stores to have read the buffer only
+    before the next tile's rows are written there. The 128 threads then queue no global stores at all: v24's
+    profile had the stores' queue holding up the next tile's first instructions. Padded layouts only (a box
+    clips at the tensor's end, not at a packed batch's sequence boundary).
 
     ``q_slots`` (``config.fwd_ws_options``: 2 at head dim 64, 1 at 128): 2 gives Q a second buffer, so
     the producer loads the next query tile's Q while the consumers still compute on this one's; with
@@ -227,8 +234,12 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
     if not isinstance(per_sm, int) or per_sm < 1 or consumer_regs(t.block_m // ROWS_PER_CONSUMER or 1, per_sm) < 64:
         raise ValueError(f"per_sm must be a whole number of programs an SM that leaves the consumers at least 64 "
                          f"registers a thread; got {per_sm!r} with {t.block_m}-row tiles")
-    if epilogue not in ("smem", "regs", "wg"):
-        raise ValueError(f"epilogue must be 'smem', 'regs' or 'wg', got {epilogue!r}")
+    if epilogue not in ("smem", "regs", "wg", "tma"):
+        raise ValueError(f"epilogue must be 'smem', 'regs', 'wg' or 'tma', got {epilogue!r}")
+    if epilogue == "tma" and (cfg.layout == "thd" or chain or o32 or cfg.head_dim_v % 64):
+        raise NotImplementedError(f"epilogue='tma' stores o by TMA in padded layouts (bshd, bhsd: a box clips at the "
+                                  f"sequence's end, a packed batch's next sequence would not be), value head dims "
+                                  f"of multiples of 64, without chain or o32; got {cfg.short()}, chain={chain}, o32={o32}")
     if epilogue == "wg" and cfg.head_dim_v % 16:
         raise NotImplementedError(f"epilogue='wg' stores a warpgroup's 64 rows 16 bytes a thread, 128 threads at a time: "
                                   f"value head dims that are multiples of 16; got {cfg.head_dim_v}")
@@ -258,9 +269,9 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
             q_s = T.alloc_shared([bm, dim] if q_slots == 1 else [q_slots, bm, dim], dtype)
             k_r = T.alloc_shared([stages, bn, dim], dtype)  # the rings the producer fills
             v_r = T.alloc_shared([stages, bn, dim_v], dtype)
-            if epilogue in ("smem", "wg"):
+            if epilogue in ("smem", "wg", "tma"):
                 o_s = T.alloc_shared([bm, dim_v], dtype)
-                if epilogue == "wg":  # swizzled: the accumulator's rows, 128 bytes apart, land in different banks
+                if epilogue in ("wg", "tma"):  # swizzled: the accumulator's rows, 128 bytes apart, land in different banks
                     T.annotate_layout({o_s: make_swizzled_layout(o_s)})
             else:
                 o_r = T.alloc_fragment([bm, dim_v], dtype)  # o in the input dtype, stored from registers
@@ -592,6 +603,14 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
                             T.sync_threads(STORE_BARRIER + wg, 128)  # ... and whole before they are stored
                             store_rows_vec(O, layout, b, _first_head(head, groups, pack), q_base, row0, sq, o_s,
                                            wg * ROWS_PER_CONSUMER, ROWS_PER_CONSUMER, dim_v, tx % 128, 128, pack)
+                        elif epilogue == "tma":  # this warpgroup's rows, stored by TMA from one of its threads
+                            T.tma_store_wait(0)  # (the issuing thread) the last tile's stores have read o_s
+                            T.sync_threads(STORE_BARRIER + wg, 128)
+                            T.copy(acc_o, o_s)
+                            T.fence_proxy_async()  # the rows written here visible to the bulk copy
+                            T.sync_threads(STORE_BARRIER + wg, 128)
+                            _store_o_tma(O, layout, b, _first_head(head, groups, pack), q_base, row0, o_s, wg, pack,
+                                         dim_v)
                         else:  # (the buffer's name is part of the kernel's text: the default keeps "o_s")
                             T.copy(acc_o, o_r)
                             store_rows(O, layout, b, _first_head(head, groups, pack), q_base, row0, sq, o_r, bm, dim_v,
@@ -602,6 +621,8 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
                                        dim_v, pack)
                         if epilogue == "smem":
                             T.sync_threads(CONSUMER_BARRIER, consumers)  # o_s read before the next tile writes it
+                if epilogue == "tma":
+                    T.tma_store_wait(0)  # the program's last stores have read o_s before it exits
 
     # the grid's row tiles are tiles of `rows` positions (packed: fewer positions than the tile's rows)
     flashsink_fwd = fwd_entry(cfg, shapes, body, rows, o32)
@@ -632,6 +653,19 @@ def _row_tiles(m_tiles, lse, layout: str, pack):
 def _units(heads, groups: int, pack):
     """What a row tile is repeated over: the query heads, or (packed) the KV heads."""
     return heads if pack is None else heads // groups
+
+
+@T.macro
+def _store_o_tma(O, layout: str, b, h0, q_base, row0, o_s, wg, pack, dim_v: int):
+    """``epilogue="tma"``: warpgroup ``wg``'s 64 rows of the staged o (swizzled) stored by TMA, one box of 8 rows
+    (a packed tile's heads change every ``pack`` rows, a multiple of 8) and 64 columns at a time, issued by one
+    thread of the warpgroup; rows past the sequence's end fall outside the tensor and are not written."""
+    for k in T.unroll(ROWS_PER_CONSUMER // 8):
+        for hc in T.unroll(dim_v // 64):
+            r = wg * ROWS_PER_CONSUMER + k * 8
+            T.tma_copy(o_s[r : r + 8, hc * 64 : hc * 64 + 64],
+                       tile(O, layout, b, tile_head(h0, r, pack), q_base + tile_row(row0, r, pack), 8, hc * 64, 64),
+                       leader_scope_threads=128)
 
 
 def _first_head(head, groups: int, pack):
