@@ -195,7 +195,8 @@ def _func(job):
 
         fma = next((int(o[3:]) for o in opts if o.startswith("fma")), 0)
         return build_fwd_ws(cfg, Tiles(*tiles), ctas=None if "np" in opts else PERSISTENT_CTAS,
-                            pingpong=not {"nopp", "free"} & set(opts) and tiles[0] > 64, fold=not {"np", "nopp"} & set(opts), fma_every=fma,
+                            pingpong=not {"nopp", "free"} & set(opts) and tiles[0] > 64,  # (one consumer: no turns)
+                            fold=not {"np", "nopp"} & set(opts), fma_every=fma,
                             o32="o32" in opts, epilogue=next((e for e in ("regs", "wg", "tma") if e in opts), "smem"),
                             q_slots=3 if "q3" in opts else 2 if "q2" in opts else 1, q_ahead="qa" in opts,
                             pack_gqa="pack" in opts, wg_ranges="wgr" in opts,

@@ -597,20 +597,20 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
                             T.sync_threads(CONSUMER_BARRIER, consumers)  # o_s whole before the rows are stored
                             store_rows(O, layout, b, _first_head(head, groups, pack), q_base, row0, sq, o_s, bm, dim_v,
                                        pack)
-                        elif epilogue == "wg":  # this warpgroup's rows, by its own threads
+                        elif epilogue in ("wg", "tma"):  # this warpgroup's rows, by its own threads (tma: one)
+                            if epilogue == "tma":
+                                T.tma_store_wait(0)  # (the issuing thread) the last tile's stores have read o_s
                             T.sync_threads(STORE_BARRIER + wg, 128)  # its rows of o_s read by the last tile's stores
                             T.copy(acc_o, o_s)
+                            if epilogue == "tma":
+                                T.fence_proxy_async()  # the rows written here visible to the bulk copy
                             T.sync_threads(STORE_BARRIER + wg, 128)  # ... and whole before they are stored
-                            store_rows_vec(O, layout, b, _first_head(head, groups, pack), q_base, row0, sq, o_s,
-                                           wg * ROWS_PER_CONSUMER, ROWS_PER_CONSUMER, dim_v, tx % 128, 128, pack)
-                        elif epilogue == "tma":  # this warpgroup's rows, stored by TMA from one of its threads
-                            T.tma_store_wait(0)  # (the issuing thread) the last tile's stores have read o_s
-                            T.sync_threads(STORE_BARRIER + wg, 128)
-                            T.copy(acc_o, o_s)
-                            T.fence_proxy_async()  # the rows written here visible to the bulk copy
-                            T.sync_threads(STORE_BARRIER + wg, 128)
-                            _store_o_tma(O, layout, b, _first_head(head, groups, pack), q_base, row0, o_s, wg, pack,
-                                         dim_v)
+                            if epilogue == "wg":
+                                store_rows_vec(O, layout, b, _first_head(head, groups, pack), q_base, row0, sq, o_s,
+                                               wg * ROWS_PER_CONSUMER, ROWS_PER_CONSUMER, dim_v, tx % 128, 128, pack)
+                            else:
+                                _store_o_tma(O, layout, b, _first_head(head, groups, pack), q_base, row0, o_s, wg,
+                                             pack, dim_v)
                         else:  # (the buffer's name is part of the kernel's text: the default keeps "o_s")
                             T.copy(acc_o, o_r)
                             store_rows(O, layout, b, _first_head(head, groups, pack), q_base, row0, sq, o_r, bm, dim_v,
