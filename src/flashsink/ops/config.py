@@ -361,11 +361,11 @@ def fwd_ws_options(cfg: KernelConfig, tiles: Tiles | None = None, window: bool =
     with "wg". ``q_ahead`` (the next tile's Q before this tile's K and V) stays off: SWA 0.0659 -> 0.0717 with
     it, causal D64 1.2370 -> 1.2770 (three Q slots: 0.0671, 1.2265).
 
-    ``epilogue="tma"`` in the kind ``fwd_window`` in padded layouts (bhsd, bshd): "wg"'s staged rows stored
-    by TMA from one thread of each consumer warpgroup (8-row boxes, ``fwd_ws.build_fwd_ws``), so the other
-    127 threads go on to the next tile. Measured on the H200 in one run (tools/fwd_variants.py, docs/perf.md
-    v27), o and lse off the tool's reference by the same amounts as "wg"'s: golden 0.0863 -> 0.0833 ms, gpt-oss
-    SWA 0.0649 -> 0.0644 (a tie). Packed batches (thd) keep "wg" (:func:`_window_epilogue`).
+    ``epilogue="tma"`` ("wg"'s staged rows stored by TMA from one thread of each consumer warpgroup, 8-row
+    boxes, ``fwd_ws.build_fwd_ws``; padded layouts only) measured faster in the kind ``fwd_window`` on the
+    H200 in one run (tools/fwd_variants.py, docs/perf.md v27), o and lse off the tool's reference by the
+    same amounts as "wg"'s: golden 0.0863 -> 0.0833 ms, gpt-oss SWA 0.0649 -> 0.0644 (a tie). Not the
+    default yet: the GPU suite has not run with it (docs/perf.md v27, Next).
 
     ``pin_wait`` and ``mask_limits``: :data:`FWD_PIN_WAIT` and :data:`FWD_MASK_LIMITS` everywhere.
 
