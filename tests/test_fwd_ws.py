@@ -256,8 +256,8 @@ def test_the_forward_options_follow_the_head_dim(cfg, opts):
 def test_fwd_window_is_the_packed_forward_with_64_key_tiles(cfg, tiles):
     """config.fwd_window_tiles: a window of at most WINDOW_TILES_MAX keys runs the kind ``fwd_window``
     where a GQA group packs into the forward's rows: 64-key tiles, three ring slots, the group packed,
-    each consumer warpgroup storing its own rows 16 bytes a thread (epilogue "wg", docs/perf.md v24), two Q
-    slots (head dim 128 since docs/perf.md v26), folded as the forward is; elsewhere the kind is not built and
+    each consumer warpgroup staging its own rows and one of its threads storing them by TMA (epilogue "tma",
+    docs/perf.md v27; packed batches "wg", 16 bytes a thread, docs/perf.md v24), two Q slots (head dim 128 since docs/perf.md v26), folded as the forward is; elsewhere the kind is not built and
     the forward's tiles stand."""
     from flashsink.ops.compile import build_prim_func
     from flashsink.ops.config import WINDOW_TILES_MAX, fwd_fold, fwd_tiles, fwd_window_tiles, fwd_windowed
@@ -274,7 +274,7 @@ def test_fwd_window_is_the_packed_forward_with_64_key_tiles(cfg, tiles):
             build_prim_func("fwd_window", cfg)
         return
     assert fwd_window_tiles(cfg) == tiles
-    opts = {"epilogue": "wg", "q_slots": 2}
+    opts = {"epilogue": "wg" if cfg.layout == "thd" else "tma", "q_slots": 2}
     opts["pin_wait"], opts["mask_limits"] = PIN, True
     text = build_prim_func("fwd_window", cfg).script()
     assert text == build_fwd_ws(cfg, tiles, fold=fwd_fold(cfg), pack_gqa=True, **opts).script()

@@ -375,12 +375,19 @@ def fwd_ws_options(cfg: KernelConfig, tiles: Tiles | None = None, window: bool =
     both = {"pin_wait": FWD_PIN_WAIT, "mask_limits": FWD_MASK_LIMITS}
     if fwd_ws(cfg) and cfg.head_dim == 64:
         bm = (tiles or fwd_tiles(cfg)).block_m
-        epilogue = "wg" if window and fwd_windowed(cfg) else "regs"
+        epilogue = _window_epilogue(cfg) if window and fwd_windowed(cfg) else "regs"
         return {"epilogue": epilogue, "q_slots": 2, "pack_gqa": pack_gqa_fits(cfg, bm), **both}
     epilogue = "wg" if fwd_ws(cfg) and cfg.head_dim == 128 else "smem"
     if window and fwd_windowed(cfg):  # head dim 128's windowed tiles pack (fwd_window_tiles)
-        return {"epilogue": epilogue, "q_slots": 2 if epilogue == "wg" else 1, "pack_gqa": True, **both}
+        epilogue = _window_epilogue(cfg) if epilogue == "wg" else epilogue
+        return {"epilogue": epilogue, "q_slots": 1 if epilogue == "smem" else 2, "pack_gqa": True, **both}
     return {"epilogue": epilogue, "q_slots": 1, **both}
+
+
+def _window_epilogue(cfg: KernelConfig) -> str:
+    """The windowed kind's epilogue: "tma" in padded layouts, "wg" in packed batches (a TMA box past one
+    sequence's last row would write into the next sequence's; ``fwd_ws.build_fwd_ws``)."""
+    return "wg" if cfg.layout == "thd" else "tma"
 
 
 def fwd_o32(cfg: KernelConfig) -> bool:
