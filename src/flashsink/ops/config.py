@@ -346,7 +346,8 @@ def fwd_ws_options(cfg: KernelConfig, tiles: Tiles | None = None, window: bool =
     1.3530 -> 0.9929, causal D64 N8192 1.2584 -> 1.2605 (the same within noise).
 
     ``window``: the options of the kind ``fwd_window`` (:func:`fwd_window_tiles`): head dim 64's as
-    above; at 128 packed, with "wg" (below) and two Q slots. Two slots lost with "regs" (golden 0.1102
+    above; at 128 packed, with two Q slots; at both the epilogue "tma" in padded layouts and "wg" in packed
+    batches (below). Two slots lost with "regs" (golden 0.1102
     against 0.1181 ms, docs/perf.md v19) but win with "wg", which stages o in a buffer of its own: golden
     0.0951 -> 0.0884 and 0.0945 -> 0.0880 ms in two runs on an H100 (tools/fwd_variants.py, docs/perf.md
     v26), o and lse off the tool's reference kernel by the same amounts (the arithmetic is unchanged: the
@@ -364,8 +365,9 @@ def fwd_ws_options(cfg: KernelConfig, tiles: Tiles | None = None, window: bool =
     ``epilogue="tma"`` ("wg"'s staged rows stored by TMA from one thread of each consumer warpgroup, 8-row
     boxes, ``fwd_ws.build_fwd_ws``; padded layouts only) measured faster in the kind ``fwd_window`` on the
     H200 in one run (tools/fwd_variants.py, docs/perf.md v27), o and lse off the tool's reference by the
-    same amounts as "wg"'s: golden 0.0863 -> 0.0833 ms, gpt-oss SWA 0.0649 -> 0.0644 (a tie). Not the
-    default yet: the GPU suite has not run with it (docs/perf.md v27, Next).
+    same amounts as "wg"'s: golden 0.0863 -> 0.0833 ms, gpt-oss SWA 0.0649 -> 0.0644 (a tie), so it is
+    the kind ``fwd_window``'s epilogue in padded layouts (docs/perf.md v28); packed batches keep "wg" (a
+    TMA box past one sequence's last row would write into the next sequence's rows).
 
     ``pin_wait`` and ``mask_limits``: :data:`FWD_PIN_WAIT` and :data:`FWD_MASK_LIMITS` everywhere.
 
