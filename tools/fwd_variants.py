@@ -168,16 +168,12 @@ def _variants(d: int) -> list:
         # o stored by TMA from the staged buffer, one thread a warpgroup (build_fwd_ws(epilogue="tma")), the
         # windowed kind's and the causal forward's options otherwise
         out += [ws_row("tma/q2/pack/lim", win[1]), ws_row("tma/q2/pack/lim", own)]
-        # the rows' maximum and sum folded across each thread's columns first, as a tree (build_fwd_ws(tree=16|32)):
-        # a thread's chains of 4-8 terms instead of one of 32 per row, before the warp's shuffles
-        out += [ws_row(f"regs/q2/pack/lim/t{w}", own) for w in (16, 32)] + [ws_row("tma/q2/pack/lim/t16", win[1])]
     else:
         out += [ws_row(x, win[1]) for x in ("wg/pack/lim/chain", "wg/q2/pack/lim/chain", "wg/q2/pack/lim")]
         out += [ws_row("wg/pack/lim/sm2", (64, 64, 128, 3))]
         out += [ws_row(x, win[1]) for x in ("wg/q2/pack/lim/free", "wg/q3/pack/lim")]
         out += [ws_row("wg/q2/pack/lim", (128, 64, 256, st)) for st in (2, 4)]
         out += [ws_row("tma/q2/pack/lim", win[1]), ws_row("tma/lim", own)]
-        out += [ws_row(f"wg/lim/t{w}", own) for w in (16, 32)] + [ws_row("tma/q2/pack/lim/t16", win[1])]
     return out
 
 
@@ -194,8 +190,7 @@ def _func(job):
         return build_prim_func("fwd", cfg)  # the library's kernel
     opts = ws.split("/") if isinstance(ws, str) else []
     if opts and set(opts) <= {"np", "nopp", "fold", "fma8", "fma4", "o32", "regs", "wg", "q2", "q3", "qa", "pack", "wgr",
-                              "pin", "lim", "lazy", "rr", "chain", "sm2", "sm3", "sm4", "free", "tma", "t16",
-                              "t32"}:
+                              "pin", "lim", "lazy", "rr", "chain", "sm2", "sm3", "sm4", "free", "tma"}:
         from flashsink.ops.fwd_ws import PERSISTENT_CTAS, build_fwd_ws
 
         fma = next((int(o[3:]) for o in opts if o.startswith("fma")), 0)
@@ -208,8 +203,7 @@ def _func(job):
                             pin_wait="pin" in opts, mask_limits="lim" in opts,
                             lazy_rescale=8.0 if "lazy" in opts else 0.0, snake="rr" not in opts,
                             chain="chain" in opts,
-                            per_sm=next((int(o[2:]) for o in opts if o.startswith("sm")), 1),
-                            tree=next((int(o[1:]) for o in opts if o in ("t16", "t32")), 0))
+                            per_sm=next((int(o[2:]) for o in opts if o.startswith("sm")), 1))
     if ws is True:  # fwd_ws.py's kernel unfolded, smem epilogue, one Q slot (not config.fwd_ws_options)
         from flashsink.ops.fwd_ws import build_fwd_ws
 

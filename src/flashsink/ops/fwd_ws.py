@@ -65,7 +65,7 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
                  fold: bool = False, fma_every: int = 0, o32: bool = False, epilogue: str = "smem",
                  q_slots: int = 1, pack_gqa: bool = False, wg_ranges: bool = False, pin_wait: bool = False,
                  mask_limits: bool = False, lazy_rescale: float = 0.0, snake: bool = True,
-                 q_ahead: bool = False, chain: bool = False, per_sm: int = 1, tree: int = 0):
+                 q_ahead: bool = False, chain: bool = False, per_sm: int = 1):
     """The warp-specialized forward for tiles ``t``: ``t.block_m`` a multiple of 64 (one consumer
     warpgroup per 64 rows, ``t.threads`` their threads, ``block_m * 2``; the kernel runs 128 more,
     the producer's), ``t.stages`` ring slots for K and V.
@@ -214,16 +214,7 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
     ``pin_wait`` it made up what the pin cost (docs/perf.md v21); without it, against the library's
     options (v23, H100, one run), it loses: causal D64 N8192 1.2117 -> 1.2603 ms, causal D128 N4096 0.4962 ->
     0.5016; o within one more rounding (bf16 relative L2 ~3e-3 against the exact pivot's ~1e-3 between
-    tilings). So it stays an option.
-
-    ``tree`` (> 0, an option for tools/fwd_variants.py; a multiple of 8 dividing ``block_n``): each KV tile's
-    row maximum and row sum first fold a thread's columns ``j + k * tree`` into ``tree`` partial values
-    (``softmax._fold_columns``: at 128-key tiles and ``tree=16``, four independent chains of 8 terms a row),
-    then reduce those, where TileLang's reduction over the tile chains a thread's 32 terms of a row one after
-    another (SASS: 32 dependent FMNMX, then 32 dependent FADD). The instruction count is the same (ptxas
-    sm_90a, causal D64: 477 a KV tile either way); the chain before the exponentials, the MUFU's work at head
-    dim 64, is ~4x shorter. FlashAttention-4 reduces a row over four partial values. The sums' order
-    changes (not bitwise the same as without it)."""
+    tilings). So it stays an option."""
     if lazy_rescale < 0:
         raise ValueError(f"lazy_rescale must be 0 (off) or a positive threshold in base 2, got {lazy_rescale!r}")
     if lazy_rescale and o32:
@@ -243,9 +234,6 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
     if not isinstance(per_sm, int) or per_sm < 1 or consumer_regs(t.block_m // ROWS_PER_CONSUMER or 1, per_sm) < 64:
         raise ValueError(f"per_sm must be a whole number of programs an SM that leaves the consumers at least 64 "
                          f"registers a thread; got {per_sm!r} with {t.block_m}-row tiles")
-    if tree and (tree % 8 or t.block_n % tree or t.block_n // tree < 2):
-        raise ValueError(f"tree must be 0 (off) or a multiple of 8 that divides the key tile into at least two "
-                         f"column groups; got tree={tree!r} with {t.block_n}-key tiles")
     if epilogue not in ("smem", "regs", "wg", "tma"):
         raise ValueError(f"epilogue must be 'smem', 'regs', 'wg' or 'tma', got {epilogue!r}")
     if epilogue == "tma" and (cfg.layout == "thd" or chain or o32 or cfg.head_dim_v % 64):
@@ -300,7 +288,6 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
             row_sum = T.alloc_fragment([bm], accum)
             l = T.alloc_fragment([bm], accum)
             lse = T.alloc_fragment([bm], accum)
-            part = T.alloc_fragment([bm, tree], accum) if tree else None  # the rows' columns folded (tree)
             l_pin = T.alloc_shared([bm], accum) if pin_wait else None  # written, never read: _pin
             need = T.alloc_local([1], "int32") if lazy_rescale > 0 else None  # softmax.rescale's vote (lazy_rescale)
             # mask_limits: each row's last visible and last hidden key, relative to the tile's first
@@ -460,8 +447,8 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
                                 T.barrier_arrive(k_empty[s])
                                 branch_logits(acc_s, row0, kb * bn, sq, sk, window, scale_log2, fold, (own_flo, own_fhi), kb,
                                               cfg.causal, None, limits)
-                                softmax.new_max(acc_s, m, m_prev, alpha, row_sum, bm, scale_log2 if fold else None, lazy_rescale, part)
-                                softmax.exp_sum(acc_s, m, alpha, row_sum, l, bm, bn, scale_log2 if fold else None, fma_every, part)
+                                softmax.new_max(acc_s, m, m_prev, alpha, row_sum, bm, scale_log2 if fold else None, lazy_rescale)
+                                softmax.exp_sum(acc_s, m, alpha, row_sum, l, bm, bn, scale_log2 if fold else None, fma_every)
                                 if with_pv:
                                     _pin(l, l_pin)
                                     T.wait_wgmma(0)
@@ -512,8 +499,8 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
                                 softmax.init_state(m, l, Sinks, _first_head(head, groups, pack), bm, cfg.has_sinks, pack)
                             branch_logits(acc_s, row0, lo * bn, sq, sk, window, scale_log2, fold, (flo, fhi), lo,
                                           cfg.causal, pack, limits)
-                            softmax.new_max(acc_s, m, m_prev, alpha, row_sum, bm, scale_log2 if fold else None, lazy_rescale, part)
-                            softmax.exp_sum(acc_s, m, alpha, row_sum, l, bm, bn, scale_log2 if fold else None, fma_every, part)
+                            softmax.new_max(acc_s, m, m_prev, alpha, row_sum, bm, scale_log2 if fold else None, lazy_rescale)
+                            softmax.exp_sum(acc_s, m, alpha, row_sum, l, bm, bn, scale_log2 if fold else None, fma_every)
                             if not chain:
                                 _keep_p(acc_s, p, p_lo, bm, bn, o32)
                         if chain:
@@ -575,8 +562,8 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
                             kb = lo + it
                             branch_logits(acc_s, row0, kb * bn, sq, sk, window, scale_log2, fold, (flo, fhi), kb,
                                           cfg.causal, pack, limits)
-                            softmax.new_max(acc_s, m, m_prev, alpha, row_sum, bm, scale_log2 if fold else None, lazy_rescale, part)
-                            softmax.exp_sum(acc_s, m, alpha, row_sum, l, bm, bn, scale_log2 if fold else None, fma_every, part)
+                            softmax.new_max(acc_s, m, m_prev, alpha, row_sum, bm, scale_log2 if fold else None, lazy_rescale)
+                            softmax.exp_sum(acc_s, m, alpha, row_sum, l, bm, bn, scale_log2 if fold else None, fma_every)
                             _pin(l, l_pin)
                             T.wait_wgmma(0)
                             T.barrier_arrive(v_empty[sp])

@@ -52,7 +52,7 @@ def update(acc_s, acc_o, m, m_prev, alpha, row_sum, l, block_m: int, block_n: in
 
 
 @T.macro
-def new_max(acc_s, m, m_prev, alpha, row_sum, block_m: int, scale_log2=None, lazy: float = 0.0, part=None):
+def new_max(acc_s, m, m_prev, alpha, row_sum, block_m: int, scale_log2=None, lazy: float = 0.0):
     """The first half of :func:`update`: the running maximum ``m`` over one more tile (the old one
     kept in ``m_prev``) and ``alpha``, the factor that rescales what was summed under the old one.
 
@@ -62,13 +62,7 @@ def new_max(acc_s, m, m_prev, alpha, row_sum, block_m: int, scale_log2=None, laz
     rescaling: the caller then skips the output's rescale, :func:`rescale` with ``need``). Exact: the sums and the
     output carry the same pivot, which the LSE adds back."""
     T.copy(m, m_prev)
-    if part is not None:  # the row's columns folded into part's first (a tree a thread), then reduced
-        _fold_columns(T.max, acc_s, part, block_m)
-        if scale_log2 is None:
-            T.reduce_max(part, m, dim=1, clear=False)
-        else:
-            T.reduce_max(part, row_sum, dim=1)
-    elif scale_log2 is None:
+    if scale_log2 is None:
         T.reduce_max(acc_s, m, dim=1, clear=False)
     else:
         T.reduce_max(acc_s, row_sum, dim=1)
@@ -131,30 +125,13 @@ def exp2_fma(x):
     return T.if_then_else(x >= -126.0, y, T.if_then_else(x < -126.0, T.float32(0), x))
 
 
-def _add(a, b):
-    return a + b
-
-
-@T.macro
-def _fold_columns(op, acc_s, part, block_m: int):
-    """``part[i, j]``: ``op`` over ``acc_s[i, j + k * w]`` for every k (``w`` part's columns, a multiple of 8: the
-    wgmma accumulator repeats its thread map every 8 columns, so each fold is in one thread's registers). A
-    thread's ``w / 4`` elements of a row are then independent chains of ``cols / w`` terms, where a reduction
-    over the row's columns chains all ``cols / 4`` of them one after another."""
-    for i, j, k in T.Parallel(block_m, part.shape[1], acc_s.shape[1] // part.shape[1]):
-        # (k == 0 sets the chain's first term: one index pattern of acc_s a loop, and k a constant once unrolled)
-        part[i, j] = T.if_then_else(k == 0, acc_s[i, j + k * part.shape[1]],
-                                    op(part[i, j], acc_s[i, j + k * part.shape[1]]))
-
-
 def _exponent(s, m_i, scale_log2):
     """``x - m`` in base 2 for a logit ``s``: pre-scaled, or (``scale_log2``) scaled in the same FMA."""
     return s - m_i if scale_log2 is None else s * scale_log2 - m_i
 
 
 @T.macro
-def exp_sum(acc_s, m, alpha, row_sum, l, block_m: int, block_n: int, scale_log2=None, fma_every: int = 0,
-            part=None):
+def exp_sum(acc_s, m, alpha, row_sum, l, block_m: int, block_n: int, scale_log2=None, fma_every: int = 0):
     """The second half of :func:`update`: ``acc_s`` to ``exp2(x - m)`` and the normalizer ``l``.
     ``fma_every`` (> 0): the columns of every ``fma_every``-th group of 8 (those a thread holds in the same
     registers of every wgmma tile) take :func:`exp2_fma` instead of the MUFU's ``exp2``."""
@@ -164,11 +141,7 @@ def exp_sum(acc_s, m, alpha, row_sum, l, block_m: int, block_n: int, scale_log2=
                                          T.exp2(_exponent(acc_s[i, j], m[i], scale_log2)))
         else:
             acc_s[i, j] = T.exp2(_exponent(acc_s[i, j], m[i], scale_log2))
-    if part is not None:
-        _fold_columns(_add, acc_s, part, block_m)
-        T.reduce_sum(part, row_sum, dim=1)
-    else:
-        T.reduce_sum(acc_s, row_sum, dim=1)
+    T.reduce_sum(acc_s, row_sum, dim=1)
     for i in T.Parallel(block_m):
         l[i] = l[i] * alpha[i] + row_sum[i]
 
