@@ -168,6 +168,10 @@ def _variants(d: int) -> list:
         # o stored by TMA from the staged buffer, one thread a warpgroup (build_fwd_ws(epilogue="tma")), the
         # windowed kind's and the causal forward's options otherwise
         out += [ws_row("tma/q2/pack/lim", win[1]), ws_row("tma/q2/pack/lim", own)]
+        # four consumer warpgroups (256 rows: 32 positions of 8 heads; 112 registers a consumer thread): at W=128
+        # a row tile then always sees 3 KV tiles of 64 (24 positions see 3-4), and the row tile's fixed cost
+        # (docs/perf.md v24: 4.06 us against 1.05 us a KV tile) is shared by a third more rows
+        out += [ws_row(x, (256, 64, 512, st)) for x in ("tma/q2/pack/lim", "tma/pack/lim") for st in (2, 3)]
     else:
         out += [ws_row(x, win[1]) for x in ("wg/pack/lim/chain", "wg/q2/pack/lim/chain", "wg/q2/pack/lim")]
         out += [ws_row("wg/pack/lim/sm2", (64, 64, 128, 3))]
