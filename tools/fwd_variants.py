@@ -179,6 +179,9 @@ def _variants(d: int) -> list:
         out += [ws_row(x, win[1]) for x in ("wg/q2/pack/lim/free", "wg/q3/pack/lim")]
         out += [ws_row("wg/q2/pack/lim", (128, 64, 256, st)) for st in (2, 4)]
         out += [ws_row("tma/q2/pack/lim", win[1]), ws_row("tma/lim", own)]
+        # golden's windowed tiles at 192 rows (three consumer warpgroups, 160 registers; 24 positions of 8 heads),
+        # as the 256-row tiles did for head dim 64 (docs/perf.md v28): a row tile's fixed cost over more rows
+        out += [ws_row("tma/q2/pack/lim", (192, 64, 384, 3))]
     return out
 
 
