@@ -12,7 +12,7 @@ pytest.importorskip("tilelang")
 
 from flashsink.ops import fwd  # noqa: E402
 from flashsink.ops.config import FWD_PIN_WAIT as PIN  # noqa: E402
-from flashsink.ops.config import KernelConfig, Tiles  # noqa: E402
+from flashsink.ops.config import FWD_WINDOW_ROWS_D64, KernelConfig, Tiles  # noqa: E402
 from flashsink.ops.fwd_ws import consumer_regs  # noqa: E402
 
 pytestmark = pytest.mark.l0
@@ -239,10 +239,17 @@ def test_the_forward_options_follow_the_head_dim(cfg, opts):
             mask_limits=True).script()
 
 
+#: the windowed kind's tiles at head dim 64 where the group packs into config.FWD_WINDOW_ROWS_D64 rows
+_W64 = Tiles(FWD_WINDOW_ROWS_D64, 64, 2 * FWD_WINDOW_ROWS_D64, 3)
+
+
 @pytest.mark.parametrize("cfg,tiles", [
-    (_cfg(d=64), Tiles(192, 64, 384, 3)),
-    (_cfg("float16", 64, "bshd", sinks=False), Tiles(192, 64, 384, 3)),
-    (_cfg("bfloat16", 64, "thd"), Tiles(192, 64, 384, 3)),
+    (_cfg(d=64), _W64),
+    (_cfg("float16", 64, "bshd", sinks=False), _W64),
+    (_cfg("bfloat16", 64, "thd"), _W64),
+    (_cfg(d=64, groups=2), _W64),
+    (_cfg(d=64, groups=6), Tiles(192, 64, 384, 3)),  # no whole groups of 6 in 256 rows: 192 rows, 32 positions
+    (_cfg("float16", 64, "thd", groups=3), Tiles(192, 64, 384, 3)),
     (_cfg("float16", 128), Tiles(128, 64, 256, 3)),
     (_cfg("float16", 128, "bshd", groups=2), Tiles(128, 64, 256, 3)),
     (_cfg("bfloat16", 128, "thd", groups=4), None),  # packed batches at 128: ptxas spills 76 bytes
@@ -255,7 +262,8 @@ def test_the_forward_options_follow_the_head_dim(cfg, opts):
 ])
 def test_fwd_window_is_the_packed_forward_with_64_key_tiles(cfg, tiles):
     """config.fwd_window_tiles: a window of at most WINDOW_TILES_MAX keys runs the kind ``fwd_window``
-    where a GQA group packs into the forward's rows: 64-key tiles, three ring slots, the group packed,
+    where a GQA group packs into its rows (head dim 64: config.FWD_WINDOW_ROWS_D64 where the group divides them
+    into whole 8-row atoms, else 192, docs/perf.md v28; 128: 128 rows): 64-key tiles, three ring slots, the group packed,
     each consumer warpgroup staging its own rows and one of its threads storing them by TMA (epilogue "tma",
     docs/perf.md v27; packed batches "wg", 16 bytes a thread, docs/perf.md v24), two Q slots (head dim 128 since docs/perf.md v26), folded as the forward is; elsewhere the kind is not built and
     the forward's tiles stand."""
@@ -280,6 +288,24 @@ def test_fwd_window_is_the_packed_forward_with_64_key_tiles(cfg, tiles):
     assert text == build_fwd_ws(cfg, tiles, fold=fwd_fold(cfg), pack_gqa=True, **opts).script()
     assert f'"tl.launch_threads": [{tiles.block_m * 2 + 128}, 1, 1]' in text  # the consumers and the producer
     assert text != build_prim_func("fwd", cfg).script()
+
+
+@pytest.mark.parametrize("groups,rows", [(8, 256), (2, 256), (16, 256), (6, 192), (3, 192)])
+def test_fwd_window_takes_256_rows_at_head_dim_64_where_the_group_packs(monkeypatch, groups, rows):
+    """config.FWD_WINDOW_ROWS_D64 = 256 (measured 12-14% faster, docs/perf.md v28; the default once the GPU
+    suite has run with it): the windowed kind's tiles at head dim 64 take 256 rows where the group packs into
+    them and 192 where it does not, and the kernel is built with four consumer warpgroups (640 threads,
+    setmaxnreg 112 for the consumers)."""
+    from flashsink.ops import config
+    from flashsink.ops.fwd_ws import build_fwd_ws
+
+    monkeypatch.setattr(config, "FWD_WINDOW_ROWS_D64", 256)
+    cfg = _cfg(d=64, layout="bshd", groups=groups)
+    t = config.fwd_window_tiles(cfg)
+    assert t == Tiles(rows, 64, 2 * rows, 3)
+    text = build_fwd_ws(cfg, t, fold=True, **config.fwd_ws_options(cfg, t, window=True)).script()
+    assert f'"tl.launch_threads": [{2 * rows + 128}, 1, 1]' in text
+    assert f"T.set_max_nreg({consumer_regs(rows // 64)}, 1)" in text
 
 
 @pytest.mark.parametrize("window,scale,want", [

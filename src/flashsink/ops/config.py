@@ -271,6 +271,13 @@ def pack_gqa_fits(cfg: KernelConfig, block_m: int) -> bool:
     return cfg.head_dim in (64, 128) and g >= 2 and block_m % g == 0 and (block_m // g) % 8 == 0
 
 
+#: the windowed kind's rows at head dim 64 (:func:`fwd_window_tiles`): 256 (four consumer warpgroups, where the
+#: group packs into them; else 192) measured 12-14% faster than 192 on an H100 (tools/fwd_variants.py, docs/perf.md
+#: v28: gpt-oss SWA 0.0638 -> 0.0563 ms, varlen W128 0.5171 -> 0.4446), o and lse off the tool's reference by the
+#: same amounts. 192 until the GPU suite has run with 256 (docs/perf.md v28, Next 1: set 256, carry the bundle
+#: built for it, run the suite).
+FWD_WINDOW_ROWS_D64 = 192
+
 #: the widest window that launches the forward's windowed tiles (the kind ``fwd_window``,
 #: :func:`fwd_window_tiles`): the window measured (gpt-oss's 128); wider windows keep :func:`fwd_tiles`
 WINDOW_TILES_MAX = 128
@@ -290,11 +297,18 @@ def fwd_window_tiles(cfg: KernelConfig) -> Tiles:
     (causal D64 N8192 1.2506 -> 1.4997: four times the softmax passes of 128-key tiles), hence a kind of
     its own chosen by the call's window (a runtime value). Causal configurations only (a window needs
     the causal mask); at head dim 128 padded layouts only (ptxas sm_90a: the packed thd kernel spills
-    76 bytes of registers, the bhsd one 8, D64's none; not measured on the GPU)."""
+    76 bytes of registers, the bhsd one 8, D64's none; not measured on the GPU).
+
+    Head dim 64's rows: :data:`FWD_WINDOW_ROWS_D64` where the group packs into them, else 192. At 256 rows
+    (four consumer warpgroups, 32 positions of 8 heads) W=128 spans always 3 tiles of 64 (24 positions: 3-4)
+    and a row tile's fixed cost (docs/perf.md v24: 4.06 us against 1.05 us a KV tile) is shared by a third
+    more rows; ptxas sm_90a compiles it at the launch bound's 96 registers a thread (the consumers'
+    setmaxnreg is 112), no spills."""
     if fwd_ws(cfg) and cfg.causal and (cfg.head_dim == 64 or cfg.layout != "thd"):
-        t = Tiles(192, 64, 384, 3) if cfg.head_dim == 64 else Tiles(128, 64, 256, 3)
-        if pack_gqa_fits(cfg, t.block_m):
-            return t
+        rows = dict.fromkeys([FWD_WINDOW_ROWS_D64, 192]) if cfg.head_dim == 64 else [128]
+        for bm in rows:  # the first that the group packs into
+            if pack_gqa_fits(cfg, bm):
+                return Tiles(bm, 64, 2 * bm, 3)
     return fwd_tiles(cfg)
 
 
