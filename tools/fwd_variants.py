@@ -172,7 +172,8 @@ def _variants(d: int) -> list:
         # a row tile then always sees 3 KV tiles of 64 (24 positions see 3-4), and the row tile's fixed cost
         # (docs/perf.md v24: 4.06 us against 1.05 us a KV tile) is shared by a third more rows
         out += [ws_row(x, (256, 64, 512, st)) for x in ("tma/q2/pack/lim", "tma/pack/lim") for st in (2, 3)]
-        out += [ws_row("wg/q2/pack/lim", (256, 64, 512, 3))]
+        out += [ws_row(x, (256, 64, 512, st)) for x, st in (("wg/q2/pack/lim", 3), ("tma/q2/pack/lim", 4),
+                                                              ("tma/q3/pack/lim/qa", 3))]
     else:
         out += [ws_row(x, win[1]) for x in ("wg/pack/lim/chain", "wg/q2/pack/lim/chain", "wg/q2/pack/lim")]
         out += [ws_row("wg/pack/lim/sm2", (64, 64, 128, 3))]
