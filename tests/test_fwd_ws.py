@@ -262,11 +262,12 @@ _W64 = Tiles(FWD_WINDOW_ROWS_D64, 64, 2 * FWD_WINDOW_ROWS_D64, 3)
 ])
 def test_fwd_window_is_the_packed_forward_with_64_key_tiles(cfg, tiles):
     """config.fwd_window_tiles: a window of at most WINDOW_TILES_MAX keys runs the kind ``fwd_window``
-    where a GQA group packs into its rows (head dim 64: config.FWD_WINDOW_ROWS_D64 where the group divides them
-    into whole 8-row atoms, else 192, docs/perf.md v28; 128: 128 rows): 64-key tiles, three ring slots, the group packed,
-    each consumer warpgroup staging its own rows and one of its threads storing them by TMA (epilogue "tma",
-    docs/perf.md v27; packed batches "wg", 16 bytes a thread, docs/perf.md v24), two Q slots (head dim 128 since docs/perf.md v26), folded as the forward is; elsewhere the kind is not built and
-    the forward's tiles stand."""
+    where a GQA group packs into its rows (head dim 64: config.FWD_WINDOW_ROWS_D64 where the group divides
+    them into whole 8-row atoms, else 192, docs/perf.md v28; 128: 128 rows): 64-key tiles, three ring
+    slots, the group packed, each consumer warpgroup staging its own rows and one of its threads storing
+    them by TMA (epilogue "tma", docs/perf.md v27; packed batches "wg", 16 bytes a thread, v24), two Q
+    slots (head dim 128 since v26), folded as the forward is; elsewhere the kind is not built and the
+    forward's tiles stand."""
     from flashsink.ops.compile import build_prim_func
     from flashsink.ops.config import WINDOW_TILES_MAX, fwd_fold, fwd_tiles, fwd_window_tiles, fwd_windowed
     from flashsink.ops.fwd_ws import build_fwd_ws
