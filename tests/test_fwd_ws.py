@@ -291,6 +291,27 @@ def test_fwd_window_is_the_packed_forward_with_64_key_tiles(cfg, tiles):
     assert text != build_prim_func("fwd", cfg).script()
 
 
+def test_sink_early_loads_the_sinks_before_the_wait_for_q():
+    """build_fwd_ws(sink_early=True) (an option for tools/fwd_variants.py, docs/perf.md v28): a row tile's sink
+    logits are loaded before the consumers' wait for Q and turned into the softmax's state after it (and, for a
+    tile without keys, just before its epilogue); without sinks nothing is loaded; not with chain or wg_ranges."""
+    from flashsink.ops.fwd_ws import build_fwd_ws
+
+    kw = dict(fold=True, epilogue="tma", q_slots=2, pack_gqa=True, mask_limits=True)
+    cfg, t = _cfg(d=64, layout="bshd"), Tiles(192, 64, 384, 3)
+    text = build_fwd_ws(cfg, t, sink_early=True, **kw).script()
+    load = text.index("sink_r[i] = Sinks[")
+    wait = text.index("T.mbarrier_wait_parity(q_full", load)
+    uses = [i for i in range(len(text)) if text.startswith("m[i] = sink_r[i] *", i)]
+    assert len(uses) == 2 and all(u > wait for u in uses) and "Sinks[" not in text[wait:]
+    assert text != build_fwd_ws(cfg, t, **kw).script()
+    nosink = _cfg(d=64, layout="bshd", sinks=False)
+    assert build_fwd_ws(nosink, t, sink_early=True, **kw).script() == build_fwd_ws(nosink, t, **kw).script()
+    for bad in (dict(chain=True, epilogue="wg"), dict(wg_ranges=True, pack_gqa=False)):
+        with pytest.raises(NotImplementedError, match="sink_early"):
+            build_fwd_ws(cfg, t, sink_early=True, **{**kw, **bad})
+
+
 @pytest.mark.parametrize("groups,rows", [(8, 256), (2, 256), (16, 256), (6, 192), (3, 192)])
 def test_fwd_window_takes_256_rows_at_head_dim_64_where_the_group_packs(monkeypatch, groups, rows):
     """config.FWD_WINDOW_ROWS_D64 = 256 (measured 12-14% faster, docs/perf.md v28; the default once the GPU

@@ -174,6 +174,10 @@ def _variants(d: int) -> list:
         out += [ws_row(x, (256, 64, 512, st)) for x in ("tma/q2/pack/lim", "tma/pack/lim") for st in (2, 3)]
         out += [ws_row(x, (256, 64, 512, st)) for x, st in (("wg/q2/pack/lim", 3), ("tma/q2/pack/lim", 4),
                                                               ("tma/q3/pack/lim/qa", 3))]
+        # the sink's load ahead of the wait for Q (build_fwd_ws(sink_early=True)), the windowed kind's options at
+        # 192 and 256 rows and the causal forward's; and D64's causal ring at three slots
+        out += [ws_row("tma/q2/pack/lim/se", (bm_, 64, 2 * bm_, 3)) for bm_ in (192, 256)]
+        out += [ws_row("regs/q2/pack/lim/se", own), ws_row("regs/q2/pack/lim", (192, 128, 384, 3))]
     else:
         out += [ws_row(x, win[1]) for x in ("wg/pack/lim/chain", "wg/q2/pack/lim/chain", "wg/q2/pack/lim")]
         out += [ws_row("wg/pack/lim/sm2", (64, 64, 128, 3))]
@@ -183,6 +187,7 @@ def _variants(d: int) -> list:
         # golden's windowed tiles at 192 rows (three consumer warpgroups, 160 registers; 24 positions of 8 heads),
         # as the 256-row tiles did for head dim 64 (docs/perf.md v28): a row tile's fixed cost over more rows
         out += [ws_row("tma/q2/pack/lim", (192, 64, 384, 3))]
+        out += [ws_row("tma/q2/pack/lim/se", win[1]), ws_row("wg/lim/se", own)]
     return out
 
 
@@ -199,7 +204,7 @@ def _func(job):
         return build_prim_func("fwd", cfg)  # the library's kernel
     opts = ws.split("/") if isinstance(ws, str) else []
     if opts and set(opts) <= {"np", "nopp", "fold", "fma8", "fma4", "o32", "regs", "wg", "q2", "q3", "qa", "pack", "wgr",
-                              "pin", "lim", "lazy", "rr", "chain", "sm2", "sm3", "sm4", "free", "tma"}:
+                              "pin", "lim", "lazy", "rr", "chain", "sm2", "sm3", "sm4", "free", "tma", "se"}:
         from flashsink.ops.fwd_ws import PERSISTENT_CTAS, build_fwd_ws
 
         fma = next((int(o[3:]) for o in opts if o.startswith("fma")), 0)
@@ -212,7 +217,8 @@ def _func(job):
                             pin_wait="pin" in opts, mask_limits="lim" in opts,
                             lazy_rescale=8.0 if "lazy" in opts else 0.0, snake="rr" not in opts,
                             chain="chain" in opts,
-                            per_sm=next((int(o[2:]) for o in opts if o.startswith("sm")), 1))
+                            per_sm=next((int(o[2:]) for o in opts if o.startswith("sm")), 1),
+                            sink_early="se" in opts)
     if ws is True:  # fwd_ws.py's kernel unfolded, smem epilogue, one Q slot (not config.fwd_ws_options)
         from flashsink.ops.fwd_ws import build_fwd_ws
 

@@ -65,7 +65,7 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
                  fold: bool = False, fma_every: int = 0, o32: bool = False, epilogue: str = "smem",
                  q_slots: int = 1, pack_gqa: bool = False, wg_ranges: bool = False, pin_wait: bool = False,
                  mask_limits: bool = False, lazy_rescale: float = 0.0, snake: bool = True,
-                 q_ahead: bool = False, chain: bool = False, per_sm: int = 1):
+                 q_ahead: bool = False, chain: bool = False, per_sm: int = 1, sink_early: bool = False):
     """The warp-specialized forward for tiles ``t``: ``t.block_m`` a multiple of 64 (one consumer
     warpgroup per 64 rows, ``t.threads`` their threads, ``block_m * 2``; the kernel runs 128 more,
     the producer's), ``t.stages`` ring slots for K and V.
@@ -214,7 +214,13 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
     ``pin_wait`` it made up what the pin cost (docs/perf.md v21); without it, against the library's
     options (v23, H100, one run), it loses: causal D64 N8192 1.2117 -> 1.2603 ms, causal D128 N4096 0.4962 ->
     0.5016; o within one more rounding (bf16 relative L2 ~3e-3 against the exact pivot's ~1e-3 between
-    tilings). So it stays an option."""
+    tilings). So it stays an option.
+
+    ``sink_early`` (an option for tools/fwd_variants.py, not measured yet): a row tile's sink logits loaded at
+    its start and turned into the softmax's state only after the wait for Q (``softmax.load_sinks``,
+    ``softmax.init_from``), where :func:`softmax.init_state` loads and uses them before that wait. ncu on gpt-oss
+    SWA's windowed kernel (docs/perf.md v28, call 6): the multiply by log2(e) right after the load held 1.5% of
+    the samples on the long scoreboard, once a row tile. Not with ``chain`` or ``wg_ranges``."""
     if lazy_rescale < 0:
         raise ValueError(f"lazy_rescale must be 0 (off) or a positive threshold in base 2, got {lazy_rescale!r}")
     if lazy_rescale and o32:
@@ -234,6 +240,9 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
     if not isinstance(per_sm, int) or per_sm < 1 or consumer_regs(t.block_m // ROWS_PER_CONSUMER or 1, per_sm) < 64:
         raise ValueError(f"per_sm must be a whole number of programs an SM that leaves the consumers at least 64 "
                          f"registers a thread; got {per_sm!r} with {t.block_m}-row tiles")
+    if sink_early and (chain or wg_ranges):
+        raise NotImplementedError(f"sink_early=True supports the forward's one tile at a time over one KV range (not "
+                                  f"chain, not wg_ranges); got chain={chain}, wg_ranges={wg_ranges}")
     if epilogue not in ("smem", "regs", "wg", "tma"):
         raise ValueError(f"epilogue must be 'smem', 'regs', 'wg' or 'tma', got {epilogue!r}")
     if epilogue == "tma" and (cfg.layout == "thd" or chain or o32 or cfg.head_dim_v % 64):
@@ -288,6 +297,8 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
             row_sum = T.alloc_fragment([bm], accum)
             l = T.alloc_fragment([bm], accum)
             lse = T.alloc_fragment([bm], accum)
+            early = sink_early and cfg.has_sinks
+            sink_r = T.alloc_fragment([bm], accum) if early else None  # the tile's sink logits, loaded ahead
             l_pin = T.alloc_shared([bm], accum) if pin_wait else None  # written, never read: _pin
             need = T.alloc_local([1], "int32") if lazy_rescale > 0 else None  # softmax.rescale's vote (lazy_rescale)
             # mask_limits: each row's last visible and last hidden key, relative to the tile's first
@@ -410,7 +421,10 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
                     n = hi - lo
                     if not chain:
                         T.fill(acc_o, 0)
-                        softmax.init_state(m, l, Sinks, _first_head(head, groups, pack), bm, cfg.has_sinks, pack)
+                        if early:  # the load now, its use after the wait for Q (sink_early)
+                            softmax.load_sinks(sink_r, Sinks, _first_head(head, groups, pack), bm, pack)
+                        else:
+                            softmax.init_state(m, l, Sinks, _first_head(head, groups, pack), bm, cfg.has_sinks, pack)
                     if wg_ranges:
                         # each consumer warpgroup only over the KV tiles its own 64 rows see (a contiguous run of
                         # the tile's [lo, hi)); it still takes its ping-pong turn and releases every slot of the others
@@ -472,6 +486,8 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
                     else:
                         if n > 0:
                             T.mbarrier_wait_parity(_q_slot(q_full, q_done, q_slots), _q_phase(q_done, q_slots))
+                            if early:
+                                softmax.init_from(m, l, sink_r, bm)
                             # the first KV tile: S_0, its softmax, P_0 kept for the next step's PV product
                             s0 = kv_done % stages
                             T.mbarrier_wait_parity(k_full[s0], (kv_done // stages) & 1)
@@ -591,6 +607,11 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
                         p_row0 = row0
                         p_sq = sq
                     if not chain:  # (chain: the next step finishes this tile, above)
+                        if early:
+                            # a tile without keys: its state here, not before the wait for Q, where ptxas would
+                            # predicate the multiply and every tile would wait for the load there
+                            if n <= 0:
+                                softmax.init_from(m, l, sink_r, bm)
                         softmax.finalize(acc_o, m, l, lse, bm, dim_v)
                         if epilogue == "smem":
                             T.copy(acc_o, o_s)

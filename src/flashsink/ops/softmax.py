@@ -34,6 +34,22 @@ def init_state(m, l, sinks, head, block_m: int, has_sinks: bool, pack: int | Non
 
 
 @T.macro
+def load_sinks(sink_r, sinks, head, block_m: int, pack: int | None = None):
+    """The rows' sink logits into ``sink_r`` (:func:`init_state`'s load alone): issued early, their latency
+    runs beside whatever the caller waits for before :func:`init_from` uses them."""
+    for i in T.Parallel(block_m):
+        sink_r[i] = sinks[tile_head(head, i, pack)]
+
+
+@T.macro
+def init_from(m, l, sink_r, block_m: int):
+    """:func:`init_state` with sinks, from logits :func:`load_sinks` loaded."""
+    for i in T.Parallel(block_m):
+        m[i] = sink_r[i] * LOG2E
+        l[i] = 1.0
+
+
+@T.macro
 def update(acc_s, acc_o, m, m_prev, alpha, row_sum, l, block_m: int, block_n: int, dim_v: int, scale_log2=None):
     """Fold one tile of masked, pre-scaled logits ``acc_s`` into the state.
 
