@@ -302,8 +302,8 @@ def test_sink_early_loads_the_sinks_before_the_wait_for_q():
     text = build_fwd_ws(cfg, t, sink_early=True, **kw).script()
     load = text.index("sink_r[i] = Sinks[")
     wait = text.index("T.mbarrier_wait_parity(q_full", load)
-    uses = [i for i in range(len(text)) if text.startswith("m[i] = sink_r[i] *", i)]
-    assert len(uses) == 2 and all(u > wait for u in uses) and "Sinks[" not in text[wait:]
+    use = "m[i] = sink_r[i] *"
+    assert text.count(use) == 2 and text.index(use) > wait and "Sinks[" not in text[wait:]
     assert text != build_fwd_ws(cfg, t, **kw).script()
     nosink = _cfg(d=64, layout="bshd", sinks=False)
     assert build_fwd_ws(nosink, t, sink_early=True, **kw).script() == build_fwd_ws(nosink, t, **kw).script()
