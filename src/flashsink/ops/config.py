@@ -274,9 +274,8 @@ def pack_gqa_fits(cfg: KernelConfig, block_m: int) -> bool:
 #: the windowed kind's rows at head dim 64 (:func:`fwd_window_tiles`): 256 (four consumer warpgroups, where the
 #: group packs into them; else 192) measured 12-14% faster than 192 on an H100 (tools/fwd_variants.py, docs/perf.md
 #: v28: gpt-oss SWA 0.0638 -> 0.0563 ms, varlen W128 0.5171 -> 0.4446), o and lse off the tool's reference by the
-#: same amounts. 192 until the GPU suite has run with 256 (docs/perf.md v28, Next 1: set 256, carry the bundle
-#: built for it, run the suite).
-FWD_WINDOW_ROWS_D64 = 192
+#: same amounts; the default since docs/perf.md v29 (the GPU suite ran with it). 192 restores the earlier kernels.
+FWD_WINDOW_ROWS_D64 = 256
 
 #: the widest window that launches the forward's windowed tiles (the kind ``fwd_window``,
 #: :func:`fwd_window_tiles`): the window measured (gpt-oss's 128); wider windows keep :func:`fwd_tiles`
