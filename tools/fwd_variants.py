@@ -25,10 +25,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import itertools
 import json
 import math
 import os
+import statistics
 import sys
 
 from bwd_variants import HK, PROBLEMS, H, _cfg, _chosen, _load, _variants_arg, compile_all
@@ -177,7 +179,8 @@ def _variants(d: int) -> list:
         # the sink's load ahead of the wait for Q (build_fwd_ws(sink_early=True)), the windowed kind's options at
         # 192 and 256 rows and the causal forward's; and D64's causal ring at three slots
         out += [ws_row("tma/q2/pack/lim/se", (bm_, 64, 2 * bm_, 3)) for bm_ in (192, 256)]
-        out += [ws_row("regs/q2/pack/lim/se", own), ws_row("regs/q2/pack/lim", (192, 128, 384, 3))]
+        out += [ws_row("regs/q2/pack/lim/se", own), ws_row("regs/q2/pack/lim", (192, 128, 384, 3)),
+                ws_row("regs/q2/pack/lim/se", (192, 128, 384, 3))]
     else:
         out += [ws_row(x, win[1]) for x in ("wg/pack/lim/chain", "wg/q2/pack/lim/chain", "wg/q2/pack/lim")]
         out += [ws_row("wg/pack/lim/sm2", (64, 64, 128, 3))]
@@ -310,11 +313,17 @@ def main() -> int:
     ap.add_argument("--problems", default=",".join(PROBLEMS))
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time every variant this many times, one after another in turn (round-robin), and report "
+                         "the median: a GPU's clock drifts over a call (docs/perf.md v29: the same kernel 1.14 ms "
+                         "first in a run, 1.24 later), so one pass in order favours the first rows")
     ap.add_argument("--variants", default="all",
                     help="comma-separated: the variants whose label contains one of them, or '=label' exactly, as "
                          f"tools/bwd_variants.py's ('all', the default: every one; {DEFAULT!r} always runs, it is the reference)")
     args = ap.parse_args()
     args.variants = _variants_arg(ap, args.variants)
+    if args.rounds < 1:
+        ap.error(f"--rounds must be at least 1, got {args.rounds}")
 
     def variants(d):
         return _chosen(_variants(d), args.variants)
@@ -378,7 +387,7 @@ def main() -> int:
             continue
         o_ref, lse_ref = run(ref_kern)
         row = {"problem": name, "dtype": dtype_name, "N": n, "D": d, "W": window, "flops": flops, "variants": {}}
-        base_ms = None
+        timed = {}  # label -> the call to time
         for label, tiles, mask, fold, ws in [(DEFAULT, None, "select", False, False)] + variants(d):
             job = (dtype_name, d, tiles, mask, fold, ws, *lay)
             kern = kernels.get(job)
@@ -394,25 +403,34 @@ def main() -> int:
                 continue
             o_err, lse_err = _errors(o, o_ref), _errors(lse[..., :n], lse_ref[..., :n])
             out_o, out_lse = torch.empty_like(q), torch.empty(lse_shape, dtype=torch.float32, device="cuda")
-            ms = do_bench(lambda: kern(q, k, v, sinks, *seq, win, scale_log2, out_o, out_lse, *extra),
-                          return_mode="median")
-            base_ms = ms if label == DEFAULT else base_ms
-            row["variants"][label] = {"ms": ms, "tflops": flops / (ms * 1e-3) / 1e12, "speedup": base_ms / ms,
-                                      "o_max": o_err[0], "o_rel_l2": o_err[1], "lse_max": lse_err[0],
+            call = functools.partial(kern, q, k, v, sinks, *seq, win, scale_log2, out_o, out_lse, *extra)
+            row["variants"][label] = {"o_max": o_err[0], "o_rel_l2": o_err[1], "lse_max": lse_err[0],
                                       "lse_rel_l2": lse_err[1]}
+            timed[label] = call
             if extra:  # the fp32 O against the rounded o the kernel wrote: o's rounding, nothing more
                 row["variants"][f"  {label}: fp32 O vs its o"] = {"error": "max %.2e relL2 %.2e" % _errors(extra[0], o)}
+        times = {label: [] for label in timed}
+        for _ in range(args.rounds):  # round-robin, so a clock's drift over the call reaches every variant alike
+            for label, call in timed.items():
+                times[label].append(do_bench(call, return_mode="median"))
+        base_ms = statistics.median(times[DEFAULT]) if DEFAULT in times else None
+        for label, ts in times.items():
+            ms = statistics.median(ts)
+            row["variants"][label].update(ms=ms, tflops=flops / (ms * 1e-3) / 1e12, runs=ts,
+                                          speedup=base_ms / ms if base_ms else float("nan"),
+                                          spread=(max(ts) - min(ts)) / ms)
         results.append(row)
         what = f"N={n}" if not lay else f"{len(lens)} sequences, {n} tokens, thd"
         print(f"\n== {name}: {dtype_name} {what} D={d} W={window} H={H}/{HK} (fwd {flops / 1e12:.3f} TFLOP)")
         print(f"  {'variant':<24} {'ms':>8} {'TFLOP/s':>8} {'x dflt':>7} {'o max':>9} {'o relL2':>9} "
-              f"{'lse max':>9} {'lse relL2':>9}")
+              f"{'lse max':>9} {'lse relL2':>9}" + (f" {'spread':>7}" if args.rounds > 1 else ""))
         for label, r in row["variants"].items():
             if "error" in r:
                 print(f"  {label:<24} {r['error'][:200]}")
             else:
                 print(f"  {label:<24} {r['ms']:8.4f} {r['tflops']:8.1f} {r['speedup']:7.3f} {r['o_max']:9.2e} "
-                      f"{r['o_rel_l2']:9.2e} {r['lse_max']:9.2e} {r['lse_rel_l2']:9.2e}")
+                      f"{r['o_rel_l2']:9.2e} {r['lse_max']:9.2e} {r['lse_rel_l2']:9.2e}"
+                      + (f" {100 * r['spread']:6.1f}%" if args.rounds > 1 else ""))
         sys.stdout.flush()
     if args.json:
         with open(args.json, "w") as f:
