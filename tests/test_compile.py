@@ -225,3 +225,30 @@ def test_kvcache_prefetch_loads_the_next_tile_into_registers():
     assert len(to_shared) == 2 and len(to_regs) == 2 and max(to_shared) < min(to_regs)
     assert all(re.search(r"= \*\(uint4\*\)\((k_r|v_r) \+", loop[i]) for i in to_shared)
     assert sum(bool(re.search(r"\*\(uint4\*\)\((K|V) \+", line)) for line in loop) == 2
+
+
+@pytest.mark.l1
+def test_kvcache_aligned_loads_each_tile_as_one_tma_box():
+    """``build_fwd_kvcache(aligned=True)`` (an option for tools/kvcache_variants.py, docs/perf.md v29): with a
+    page size that is a multiple of the key tile, a tile is one page's affine box, so K and V arrive by TMA
+    through ``T.Pipelined`` (a producer warpgroup and the consumers' mbarriers) instead of the gather; the
+    block table is read for the page index only (no K/V load goes through it element by element), and the
+    box's row is ``min(key0, seq_kv - bn)`` into the page (negative: TMA's zero fill) so no key past a row's
+    length is read. The default kernel is unchanged by the option's existence; it refuses ``prefetch=True``."""
+    import re
+
+    import tilelang
+
+    from flashsink.ops.compile import pass_configs
+    from flashsink.ops.fwd_kvcache import build_fwd_kvcache
+
+    cfg = _cfg("sm_90a", "fwd_kvcache", layout="bshd")
+    with pytest.raises(ValueError, match="prefetch=False"):
+        build_fwd_kvcache(cfg, aligned=True)
+    src = tilelang.compile(build_fwd_kvcache(cfg, prefetch=False, aligned=True), target={"kind": "cuda", "arch": "sm_90a"},
+                           execution_backend="tvm_ffi", pass_configs=pass_configs()).get_kernel_source()
+    tma = [line for line in src.splitlines() if "tl::tma_load(" in line]
+    assert len(tma) == 2 and "K_desc" in tma[0] and "V_desc" in tma[1], tma
+    assert all("BlockTable[" not in line for line in tma)  # the page index comes from a scalar read before
+    assert not re.search(r"\*\(uint4\*\)\((K|V) \+", src)  # no element-wise gather
+    assert all(re.search(r"min\(\(kb \* 128\), \(\w+ - 128\)\)", line) for line in tma), tma

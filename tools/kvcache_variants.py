@@ -9,13 +9,23 @@ split count, then the whole call (``flashsink.attention_kvcache``) for reference
 moves. Its correctness (odd lengths, rows past their capacity, bad pages, page sizes, windows) is
 tests/test_kvcache_gpu.py's, in the GPU suite; until v13 this tool also compared the per-load gather
 with the shared page table, bitwise (docs/perf.md v12-v13).
+
+``--aligned``: also the kernel built with ``aligned=True`` (a key tile's K and V as one TMA box of one page,
+pipelined; page sizes that are multiples of the key tile), compiled through TileLang's disk cache (compile
+it on the CPU host first, as tools/fwd_variants.py says), checked against the library's kernel first (both
+kernels' partials merged by ``ops/decode.combine_splits``: lengths of every residue, several pages sizes,
+two query rows a sequence, a window, cache rows past each length and unused pages filled with NaN, and a
+block-table entry outside the cache, whose row both kernels must give as NaN), then timed beside it.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bwd_variants' loader
 
 B, H, HK, D = 8, 64, 8, 64
 
@@ -41,6 +51,8 @@ def main() -> int:
     ap.add_argument("--splits-x", default="1,2,4",
                     help="key splits per row as multiples of ops/kvcache.n_splits_for's (about PROGRAMS_PER_SM programs "
                          "per SM; a latency-bound gather may want more programs in flight)")
+    ap.add_argument("--aligned", action="store_true",
+                    help="also check and time build_fwd_kvcache(aligned=True) (page sizes multiples of the key tile)")
     args = ap.parse_args()
     multiples = [int(x) for x in args.splits_x.split(",")]
 
@@ -54,8 +66,16 @@ def main() -> int:
     from flashsink._validate_kvcache import validate_kvcache
 
     cfg = KernelConfig(arch=arch_of(torch.device("cuda")), dtype="bfloat16", head_dim=D, head_dim_v=D, groups=H // HK,
-                       causal=True, has_sinks=False, layout="bshd")
+                       causal=True, has_sinks=True, layout="bshd")  # (the forward ignores sinks: the bundle's kernel)
     kern = get_kernel("fwd_kvcache", cfg)  # the library's kernel, through its cache
+    kernels = {"kernel": kern}
+    if args.aligned:
+        if args.page_size % split_tiles(cfg).block_n:
+            ap.error(f"--aligned needs a page size that is a multiple of {split_tiles(cfg).block_n}, got {args.page_size}")
+        kernels["aligned"] = _aligned_kernel(cfg)
+        if not _check_aligned(kern, kernels["aligned"], cfg):
+            print("aligned: FAILED its check against the library's kernel; not timed")
+            kernels.pop("aligned")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     scale = LOG2E / math.sqrt(D)
     print(f"{'cache':>8} {'splits':<14} {'ms':>8} {'GB/s':>7} {'x first':>7}")
@@ -69,13 +89,75 @@ def main() -> int:
             splits = base_splits * x
             o = torch.empty((B, H, 1, splits, D), device="cuda")
             lse = torch.empty((B, H, 1, splits), device="cuda")
-            ms = do_bench(lambda: kern(q, k, v, table, lengths, NO_WINDOW, scale, o, lse), warmup=25, rep=200)
-            rows.append((f"kernel x{x}", ms, splits))
+            for name, kn in kernels.items():
+                ms = do_bench(lambda: kn(q, k, v, table, lengths, NO_WINDOW, scale, o, lse), warmup=25, rep=200)
+                rows.append((f"{name} x{x}", ms, splits))
         for name, ms, sp in rows:
             print(f"{n:>8} {name:<14} {ms:8.4f} {nbytes / ms / 1e6:7.0f} {rows[0][1] / ms:7.2f}  ({sp} splits)")
         whole = do_bench(lambda: flashsink.attention_kvcache(q, k, v, lengths, block_table=table), warmup=25, rep=200)
         print(f"{n:>8} {'api call':<14} {whole:8.4f} {nbytes / whole / 1e6:7.0f}          (attention_kvcache)")
     return 0
+
+
+def _aligned_kernel(cfg):
+    """build_fwd_kvcache(aligned=True), through TileLang's disk cache (bwd_variants' loader)."""
+    from bwd_variants import _load
+
+    from flashsink.ops.fwd_kvcache import build_fwd_kvcache
+
+    return _load(cfg, lambda c: build_fwd_kvcache(c, prefetch=False, aligned=True))
+
+
+def _check_aligned(ref, kern, cfg) -> bool:
+    """The aligned kernel's merged o and lse against the library kernel's, case by case (printed); True if all
+    agree: the same NaN rows, elsewhere within 1e-2 absolute on o and 1e-4 on lse (the products sum the last
+    tile's keys in other columns)."""
+    import torch
+
+    from flashsink.ops.config import LOG2E, NO_WINDOW
+    from flashsink.ops.decode import combine_splits
+
+    ok_all = True
+    g = torch.Generator(device="cuda").manual_seed(1)
+    sinks = torch.zeros(H, device="cuda")
+    for page_size, seq_q, window, bad in ((128, 1, None, False), (256, 1, None, False), (512, 5, None, False),
+                                          (256, 1, 128, False), (128, 5, 200, False), (256, 1, None, True)):
+        cap = 2048
+        pages = cap // page_size
+        lengths = torch.tensor([1, 5, 127, 128, 129, 1000, 1024, cap][:B], dtype=torch.int32, device="cuda")
+        lengths = torch.maximum(lengths, torch.tensor(seq_q, device="cuda", dtype=torch.int32))
+        q = torch.randn(B, seq_q, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
+        n_pages = B * pages + 3  # three pages no row uses
+        k = torch.full((n_pages, page_size, HK, D), float("nan"), device="cuda", dtype=torch.bfloat16)
+        v = torch.full_like(k, float("nan"))
+        table = torch.randperm(n_pages, device="cuda", generator=g)[: B * pages].to(torch.int32).view(B, pages)
+        for b in range(B):  # keys below each row's length finite; past it (and unused pages) NaN
+            n = int(lengths[b])
+            for j in range(-(-n // page_size)):
+                rows = min(page_size, n - j * page_size)
+                k[table[b, j], :rows] = torch.randn(rows, HK, D, device="cuda", generator=g).to(k.dtype)
+                v[table[b, j], :rows] = torch.randn(rows, HK, D, device="cuda", generator=g).to(v.dtype)
+        if bad:
+            table[6, 2] = n_pages  # row 6 (1024 keys) sees a page outside the cache
+        splits = 3
+        outs = []
+        for kn in (ref, kern):
+            o = torch.full((B, H, seq_q, splits, D), float("nan"), device="cuda")
+            lse = torch.full((B, H, seq_q, splits), float("nan"), device="cuda")
+            kn(q, k, v, table, lengths, NO_WINDOW if window is None else window, LOG2E / math.sqrt(D), o, lse)
+            outs.append(combine_splits(o, lse, sinks, False))
+        (o_r, l_r), (o_a, l_a) = outs
+        same_nan = torch.equal(o_r.isnan(), o_a.isnan()) and torch.equal(l_r.isnan(), l_a.isnan())
+        finite = ~l_r.isnan()
+        err_o = float((o_r - o_a)[finite.unsqueeze(-1).expand_as(o_r)].abs().max()) if finite.any() else 0.0
+        err_l = float((l_r - l_a)[finite].abs().max()) if finite.any() else 0.0
+        nan_rows = int(l_r.isnan().flatten(1).any(1).sum())
+        ok = same_nan and err_o <= 1e-2 and err_l <= 1e-4 and (nan_rows == (1 if bad else 0))
+        ok_all &= ok
+        print(f"aligned check: page {page_size:>3} seq_q {seq_q} window {window} bad page {bad}: o max err {err_o:.2e}, "
+              f"lse {err_l:.2e}, NaN rows {nan_rows}, NaN pattern {'equal' if same_nan else 'DIFFERENT'}: "
+              f"{'ok' if ok else 'FAIL'}")
+    return ok_all
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ NAN = float("nan")
 PAST_END, BAD_PAGE = -1, -2
 
 
-def build_fwd_kvcache(cfg: KernelConfig, prefetch: bool = True):
+def build_fwd_kvcache(cfg: KernelConfig, prefetch: bool = True, aligned: bool = False):
     """The kernel. Why the shared page table: when each 16-byte load derived its row's page from the
     block table inside the load's address, the code generator computed it in 64-bit integers (the
     cache's flat index is 64-bit), several 64-bit divisions by ``page_size`` per load, each a called
@@ -52,7 +52,19 @@ def build_fwd_kvcache(cfg: KernelConfig, prefetch: bool = True):
     TileLang 0.1.15 emits the same code for it, docs/perf.md v22), and ``attention_kvcache`` moved
     680-960 GB/s where ``attention``'s split-KV decode moves 1,240-2,520 on the same keys (v23, H100).
     The same gather either way, so the same partials; 64 more registers per thread for the two tiles
-    (ptxas: 241 at sm_90a, 187 at sm_80, no spills)."""
+    (ptxas: 241 at sm_90a, 187 at sm_80, no spills).
+
+    ``aligned`` (an option for tools/kvcache_variants.py, docs/perf.md v29, not measured yet): for a page size
+    that is a multiple of the key tile (the caller's to ensure; vLLM's and FlashInfer's 16-256 pages against
+    D64's 128-key tiles are not all), a key tile wholly below its row's length lies in one page, so it is one
+    affine box, ``K[page, off:off + bn, kv_head, :]``, which ``T.Pipelined`` loads asynchronously (TMA on
+    Hopper), as ``fwd_split.py`` loads the contiguous tensors; only the page index is read from the block table
+    (one scalar a tile). The tile that holds a row's last key (keys past the length are the page's other
+    contents, which may be anything: NaN in V would reach o through P = 0) is gathered as without the option,
+    after the loop. A page index outside the cache is not read (page 0 is, its logits then NaN, as the gather's
+    NaN keys make them)."""
+    if aligned and prefetch:
+        raise ValueError("build_fwd_kvcache: aligned=True loads its tiles through T.Pipelined; pass prefetch=False")
     t = split_tiles(cfg)
     bm, bn = t.block_m, t.block_n
     dim, dim_v, groups = cfg.head_dim, cfg.head_dim_v, cfg.groups
@@ -180,6 +192,22 @@ def build_fwd_kvcache(cfg: KernelConfig, prefetch: bool = True):
                               max_pages, num_pages, k_r, v_r)
                     scores(q_s, k_s, acc_s, p0, kb * bn, seq_kv, window, scale_log2)
                     accumulate(acc_s, p, v_s, acc_o, m, m_prev, alpha, row_sum, l)
+            elif aligned:
+                # one page a tile: an affine box, pipelined. The last tile's box ends at the row's last key
+                # (_box_key0: it starts up to bn - 1 keys earlier, rows of the same page or, before the page's
+                # first row, TMA's zero fill), so no key past the length is read; keys of the tile before are
+                # masked out of the logits
+                for kb in T.Pipelined(my_lo, my_hi, num_stages=t.stages):
+                    T.copy(_box(K, BlockTable, b, kv_head, kb * bn, seq_kv, bn, page_size, num_pages), k_s)
+                    scores(q_s, k_s, acc_s, p0, _box_key0(kb * bn, seq_kv, bn), seq_kv, window, scale_log2)
+                    for i, j in T.Parallel(bm, bn):  # keys of the tile before: out; a page outside the cache: NaN
+                        acc_s[i, j] = T.if_then_else(
+                            _box_key0(kb * bn, seq_kv, bn) + j < kb * bn, -T.infinity(accum),
+                            T.if_then_else(
+                                _page_ok(BlockTable, b, kb * bn, page_size, num_pages)
+                                | (acc_s[i, j] == -T.infinity(accum)), acc_s[i, j], NAN))
+                    T.copy(_box(V, BlockTable, b, kv_head, kb * bn, seq_kv, bn, page_size, num_pages), v_s)
+                    accumulate(acc_s, p, v_s, acc_o, m, m_prev, alpha, row_sum, l)
             else:
                 for kb in T.serial(my_lo, my_hi):
                     fetch(BlockTable, K, V, pg_s, off_s, b, kv_head, kb * bn, seq_kv, page_size, max_pages,
@@ -200,6 +228,31 @@ def build_fwd_kvcache(cfg: KernelConfig, prefetch: bool = True):
                     )
 
     return flashsink_fwd_kvcache
+
+
+def _box_key0(key0, seq_kv, bn):
+    """The first key of the box loaded for the tile from ``key0``: ``key0``, or for the tile of a row's last key
+    ``seq_kv - bn`` (the box then ends at the last key; its first rows are masked)."""
+    return T.min(key0, seq_kv - bn)
+
+
+def _box(x, table, b, kv_head, key0, seq_kv, bn, page_size, num_pages):
+    """The ``[bn, dim]`` box of cache ``x`` for the tile from ``key0`` (in one page: the page size a multiple of
+    ``bn``): rows from ``_box_key0``'s key, in the page of ``key0``, whose row index is negative (TMA's zero fill)
+    where the box starts before the page."""
+    r0 = T.truncmod(key0, page_size) + _box_key0(key0, seq_kv, bn) - key0
+    return x[_page(table, b, key0, page_size, num_pages), r0:r0 + bn, kv_head, :]
+
+
+def _page_ok(table, b, key0, page_size, num_pages):
+    """Whether the block-table entry of the page holding key ``key0`` (below the row's length) is in the cache."""
+    e = table[b, T.truncdiv(key0, page_size)]
+    return (e >= 0) & (e < num_pages)
+
+
+def _page(table, b, key0, page_size, num_pages):
+    """The page holding key ``key0`` (below the row's length); 0 for an entry outside the cache (not to be used)."""
+    return T.if_then_else(_page_ok(table, b, key0, page_size, num_pages), table[b, T.truncdiv(key0, page_size)], 0)
 
 
 def _slot_entry(table, b, slot, max_pages):
