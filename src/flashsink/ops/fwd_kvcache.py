@@ -152,6 +152,8 @@ def build_fwd_kvcache(cfg: KernelConfig, prefetch: bool = True, aligned: bool = 
             lse = T.alloc_fragment([bm], accum)
             pg_s = T.alloc_shared([bn], "int32")  # each key row's page (or PAST_END / BAD_PAGE)
             off_s = T.alloc_shared([bn], "int32")  # and its row in the page
+            if aligned:  # whether the tile's page is in the cache
+                page_ok = T.alloc_local([1], "int32")
             if prefetch:  # the next tile's key and value rows, loaded while this tile computes
                 k_r = T.alloc_fragment([bn, dim], dtype)
                 v_r = T.alloc_fragment([bn, dim_v], dtype)
@@ -200,12 +202,13 @@ def build_fwd_kvcache(cfg: KernelConfig, prefetch: bool = True, aligned: bool = 
                 for kb in T.Pipelined(my_lo, my_hi, num_stages=t.stages):
                     T.copy(_box(K, BlockTable, b, kv_head, kb * bn, seq_kv, bn, page_size, num_pages), k_s)
                     scores(q_s, k_s, acc_s, p0, _box_key0(kb * bn, seq_kv, bn), seq_kv, window, scale_log2)
+                    # the page's check once a tile (inside the loop below it would be a load and a 64-bit division
+                    # an element: 8x slower, docs/perf.md v29)
+                    page_ok[0] = T.if_then_else(_page_ok(BlockTable, b, kb * bn, page_size, num_pages), 1, 0)
                     for i, j in T.Parallel(bm, bn):  # keys of the tile before: out; a page outside the cache: NaN
                         acc_s[i, j] = T.if_then_else(
                             _box_key0(kb * bn, seq_kv, bn) + j < kb * bn, -T.infinity(accum),
-                            T.if_then_else(
-                                _page_ok(BlockTable, b, kb * bn, page_size, num_pages)
-                                | (acc_s[i, j] == -T.infinity(accum)), acc_s[i, j], NAN))
+                            T.if_then_else((page_ok[0] != 0) | (acc_s[i, j] == -T.infinity(accum)), acc_s[i, j], NAN))
                     T.copy(_box(V, BlockTable, b, kv_head, kb * bn, seq_kv, bn, page_size, num_pages), v_s)
                     accumulate(acc_s, p, v_s, acc_o, m, m_prev, alpha, row_sum, l)
             else:
