@@ -229,7 +229,8 @@ def test_kvcache_prefetch_loads_the_next_tile_into_registers():
 
 @pytest.mark.l1
 def test_kvcache_aligned_loads_each_tile_as_one_tma_box():
-    """``build_fwd_kvcache(aligned=True)`` (an option for tools/kvcache_variants.py, docs/perf.md v29): with a
+    """``build_fwd_kvcache(aligned=True)`` (an option for tools/kvcache_variants.py, measured slower than the
+    gather, docs/perf.md v29): with a
     page size that is a multiple of the key tile, a tile is one page's affine box, so K and V arrive by TMA
     through ``T.Pipelined`` (a producer warpgroup and the consumers' mbarriers) instead of the gather; the
     block table is read for the page index only (no K/V load goes through it element by element), and the
