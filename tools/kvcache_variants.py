@@ -16,6 +16,12 @@ it on the CPU host first, as tools/fwd_variants.py says), checked against the li
 kernels' partials merged by ``ops/decode.combine_splits``: lengths of every residue, several pages sizes,
 two query rows a sequence, a window, cache rows past each length and unused pages filled with NaN, and a
 block-table entry outside the cache, whose row both kernels must give as NaN), then timed beside it.
+
+``--split-layouts``: also the split decode's kernel (``fwd_split.py``, ``attention``'s decode path) alone over
+contiguous caches in both padded layouts, ``[B, H_kv, S, D]`` (bhsd: a key tile is 16 KB contiguous) and
+``[B, S, H_kv, D]`` (bshd: 128-byte rows 1 KB apart, as in a page), at ``decode.n_splits_for``'s split
+count: whether the paged cache's layout, rather than its gather, is what holds ``attention_kvcache`` under
+the split decode (docs/perf.md v29, Next 4). Through TileLang's disk cache, as ``--aligned``.
 """
 
 from __future__ import annotations
@@ -53,6 +59,8 @@ def main() -> int:
                          "per SM; a latency-bound gather may want more programs in flight)")
     ap.add_argument("--aligned", action="store_true",
                     help="also check and time build_fwd_kvcache(aligned=True) (page sizes multiples of the key tile)")
+    ap.add_argument("--split-layouts", action="store_true",
+                    help="also time the split decode's kernel over contiguous bhsd and bshd caches")
     args = ap.parse_args()
     multiples = [int(x) for x in args.splits_x.split(",")]
 
@@ -92,6 +100,8 @@ def main() -> int:
             for name, kn in kernels.items():
                 ms = do_bench(lambda: kn(q, k, v, table, lengths, NO_WINDOW, scale, o, lse), warmup=25, rep=200)
                 rows.append((f"{name} x{x}", ms, splits))
+        if args.split_layouts:
+            rows += _split_rows(cfg, q, n, sms, scale)
         for name, ms, sp in rows:
             print(f"{n:>8} {name:<14} {ms:8.4f} {nbytes / ms / 1e6:7.0f} {rows[0][1] / ms:7.2f}  ({sp} splits)")
         sinks = torch.zeros(H, device="cuda")  # (with sinks: the kernel bundle's configuration)
@@ -99,6 +109,42 @@ def main() -> int:
                          warmup=25, rep=200)
         print(f"{n:>8} {'api call':<14} {whole:8.4f} {nbytes / whole / 1e6:7.0f}          (attention_kvcache)")
     return 0
+
+
+def _split_kernel(cfg, layout):
+    """fwd_split.build_fwd_split for ``layout``, through TileLang's disk cache (bwd_variants' loader)."""
+    import dataclasses
+
+    from bwd_variants import _load
+
+    from flashsink.ops.fwd_split import build_fwd_split
+
+    return _load(dataclasses.replace(cfg, layout=layout), build_fwd_split)
+
+
+def _split_rows(cfg, q, n, sms, scale):
+    """(label, ms, splits) of the split decode's kernel against ``n`` fresh random keys a row in contiguous
+    bhsd and bshd caches (q the same)."""
+    import torch
+    from triton.testing import do_bench
+
+    from flashsink._validate import validate_attention
+    from flashsink.ops.config import NO_WINDOW
+    from flashsink.ops.decode import n_splits_for
+
+    k = torch.randn(B, n, HK, D, device="cuda", dtype=q.dtype)
+    v = torch.randn_like(k)
+    rows = []
+    for layout in ("bhsd", "bshd"):
+        q_l, k_l, v_l = (q, k, v) if layout == "bshd" else (x.transpose(1, 2).contiguous() for x in (q, k, v))
+        spec = validate_attention(q_l, k_l, v_l, None, window=None, causal=True, scale=None, layout=layout)
+        splits = n_splits_for(spec, cfg, sms)
+        o = torch.empty((B, H, 1, splits, D), device="cuda")
+        lse = torch.empty((B, H, 1, splits), device="cuda")
+        kern = _split_kernel(cfg, layout)
+        ms = do_bench(lambda: kern(q_l, k_l, v_l, NO_WINDOW, scale, o, lse), warmup=25, rep=200)
+        rows.append((f"split {layout}", ms, splits))
+    return rows
 
 
 def _aligned_kernel(cfg):
