@@ -57,12 +57,18 @@ def main() -> int:
     ap.add_argument("--splits-x", default="1,2,4",
                     help="key splits per row as multiples of ops/kvcache.n_splits_for's (about PROGRAMS_PER_SM programs "
                          "per SM; a latency-bound gather may want more programs in flight)")
+    ap.add_argument("--splits", default=None,
+                    help="key splits per row as counts (e.g. 5,9,17), instead of --splits-x's multiples: the split "
+                         "decode runs 5 at B=8 (two waves), the gather 17 at 16k-64k keys")
     ap.add_argument("--aligned", action="store_true",
                     help="also check and time build_fwd_kvcache(aligned=True) (page sizes multiples of the key tile)")
     ap.add_argument("--split-layouts", action="store_true",
                     help="also time the split decode's kernel over contiguous bhsd and bshd caches")
     args = ap.parse_args()
     multiples = [int(x) for x in args.splits_x.split(",")]
+    counts = None if args.splits is None else [int(x) for x in args.splits.split(",")]
+    if counts is not None and min(counts) < 1:
+        ap.error(f"--splits must be positive counts, got {args.splits}")
 
     import torch
     from triton.testing import do_bench
@@ -93,13 +99,12 @@ def main() -> int:
         base_splits = n_splits_for(spec, split_tiles(cfg), sms)
         nbytes = 2 * B * n * HK * D * 2  # K and V read once
         rows = []
-        for x in multiples:
-            splits = base_splits * x
+        for x, splits in ([(x, base_splits * x) for x in multiples] if counts is None else [(None, c) for c in counts]):
             o = torch.empty((B, H, 1, splits, D), device="cuda")
             lse = torch.empty((B, H, 1, splits), device="cuda")
             for name, kn in kernels.items():
                 ms = do_bench(lambda: kn(q, k, v, table, lengths, NO_WINDOW, scale, o, lse), warmup=25, rep=200)
-                rows.append((f"{name} x{x}", ms, splits))
+                rows.append((f"{name} x{x}" if x else f"{name} s{splits}", ms, splits))
         if args.split_layouts:
             rows += _split_rows(cfg, q, n, sms, scale)
         for name, ms, sp in rows:
