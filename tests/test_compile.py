@@ -246,8 +246,9 @@ def test_kvcache_aligned_loads_each_tile_as_one_tma_box():
     cfg = _cfg("sm_90a", "fwd_kvcache", layout="bshd")
     with pytest.raises(ValueError, match="prefetch=False"):
         build_fwd_kvcache(cfg, aligned=True)
-    src = tilelang.compile(build_fwd_kvcache(cfg, prefetch=False, aligned=True), target={"kind": "cuda", "arch": "sm_90a"},
-                           execution_backend="tvm_ffi", pass_configs=pass_configs()).get_kernel_source()
+    func = build_fwd_kvcache(cfg, prefetch=False, aligned=True)
+    src = tilelang.compile(func, target={"kind": "cuda", "arch": "sm_90a"}, execution_backend="tvm_ffi",
+                           pass_configs=pass_configs()).get_kernel_source()
     tma = [line for line in src.splitlines() if "tl::tma_load(" in line]
     assert len(tma) == 2 and "K_desc" in tma[0] and "V_desc" in tma[1], tma
     assert all("BlockTable[" not in line for line in tma)  # the page index comes from a scalar read before

@@ -85,7 +85,8 @@ def main() -> int:
     kernels = {"kernel": kern}
     if args.aligned:
         if args.page_size % split_tiles(cfg).block_n:
-            ap.error(f"--aligned needs a page size that is a multiple of {split_tiles(cfg).block_n}, got {args.page_size}")
+            ap.error(f"--aligned needs a page size that is a multiple of {split_tiles(cfg).block_n}, "
+                     f"got {args.page_size}")
         kernels["aligned"] = _aligned_kernel(cfg)
         if not _check_aligned(kern, kernels["aligned"], cfg):
             print("aligned: FAILED its check against the library's kernel; not timed")
@@ -207,7 +208,8 @@ def _check_aligned(ref, kern, cfg) -> bool:
         nan_rows = int(l_r.isnan().flatten(1).any(1).sum())
         ok = same_nan and err_o <= 1e-2 and err_l <= 1e-4 and (nan_rows == (1 if bad else 0))
         ok_all &= ok
-        print(f"aligned check: page {page_size:>3} seq_q {seq_q} window {window} bad page {bad}: o max err {err_o:.2e}, "
+        print(f"aligned check: page {page_size:>3} seq_q {seq_q} window {window} bad page {bad}: "
+              f"o max err {err_o:.2e}, "
               f"lse {err_l:.2e}, NaN rows {nan_rows}, NaN pattern {'equal' if same_nan else 'DIFFERENT'}: "
               f"{'ok' if ok else 'FAIL'}")
     return ok_all

@@ -66,8 +66,8 @@ def build_fwd_kvcache(cfg: KernelConfig, prefetch: bool = True, aligned: bool = 
     gather's, the same NaN rows, past-length rows and unused pages NaN): 4k 0.0479 -> 0.0576 ms, 16k 0.1420 ->
     0.1579, 64k 0.5097 -> 0.5278 (not profiled; the likely reason: two TMA stages of a warp-specialized program,
     a producer warpgroup beside 240-register consumers, keep fewer bytes in flight an SM than the gather's
-    programs, each holding its next tile in registers). A page index outside the cache is not read (page 0 is, its logits then NaN, as the gather's
-    NaN keys make them)."""
+    programs, each holding its next tile in registers). A page index outside the cache is not read (page 0 is,
+    its logits then NaN, as the gather's NaN keys make them)."""
     if aligned and prefetch:
         raise ValueError("build_fwd_kvcache: aligned=True loads its tiles through T.Pipelined; pass prefetch=False")
     t = split_tiles(cfg)
