@@ -246,6 +246,13 @@ def test_kvcache_aligned_loads_each_tile_as_one_tma_box():
     cfg = _cfg("sm_90a", "fwd_kvcache", layout="bshd")
     with pytest.raises(ValueError, match="prefetch=False"):
         build_fwd_kvcache(cfg, aligned=True)
+    with pytest.raises(ValueError, match="needs aligned=True"):
+        build_fwd_kvcache(cfg, stages=3)
+    with pytest.raises(ValueError, match="stages must be"):
+        build_fwd_kvcache(cfg, prefetch=False, aligned=True, stages=-1)
+    two = build_fwd_kvcache(cfg, prefetch=False, aligned=True).script()
+    assert build_fwd_kvcache(cfg, prefetch=False, aligned=True, stages=2).script() == two
+    assert '"num_stages": 4' in build_fwd_kvcache(cfg, prefetch=False, aligned=True, stages=4).script()
     func = build_fwd_kvcache(cfg, prefetch=False, aligned=True)
     src = tilelang.compile(func, target={"kind": "cuda", "arch": "sm_90a"}, execution_backend="tvm_ffi",
                            pass_configs=pass_configs()).get_kernel_source()

@@ -62,6 +62,8 @@ def main() -> int:
                          "decode runs 5 at B=8 (two waves), the gather 17 at 16k-64k keys")
     ap.add_argument("--aligned", action="store_true",
                     help="also check and time build_fwd_kvcache(aligned=True) (page sizes multiples of the key tile)")
+    ap.add_argument("--aligned-stages", default="0",
+                    help="with --aligned: the pipeline's TMA stages, one kernel each (0: the tiles' two)")
     ap.add_argument("--split-layouts", action="store_true",
                     help="also time the split decode's kernel over contiguous bhsd and bshd caches")
     args = ap.parse_args()
@@ -87,10 +89,13 @@ def main() -> int:
         if args.page_size % split_tiles(cfg).block_n:
             ap.error(f"--aligned needs a page size that is a multiple of {split_tiles(cfg).block_n}, "
                      f"got {args.page_size}")
-        kernels["aligned"] = _aligned_kernel(cfg)
-        if not _check_aligned(kern, kernels["aligned"], cfg):
-            print("aligned: FAILED its check against the library's kernel; not timed")
-            kernels.pop("aligned")
+        for st in (int(x) for x in args.aligned_stages.split(",")):
+            name = "aligned" + (f" s{st}" if st else "")
+            aligned = _aligned_kernel(cfg, st)
+            if _check_aligned(kern, aligned, cfg, name):
+                kernels[name] = aligned
+            else:
+                print(f"{name}: FAILED its check against the library's kernel; not timed")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     scale = LOG2E / math.sqrt(D)
     print(f"{'cache':>8} {'splits':<14} {'ms':>8} {'GB/s':>7} {'x first':>7}")
@@ -153,16 +158,16 @@ def _split_rows(cfg, q, n, sms, scale):
     return rows
 
 
-def _aligned_kernel(cfg):
-    """build_fwd_kvcache(aligned=True), through TileLang's disk cache (bwd_variants' loader)."""
+def _aligned_kernel(cfg, stages=0):
+    """build_fwd_kvcache(aligned=True, stages=stages), through TileLang's disk cache (bwd_variants' loader)."""
     from bwd_variants import _load
 
     from flashsink.ops.fwd_kvcache import build_fwd_kvcache
 
-    return _load(cfg, lambda c: build_fwd_kvcache(c, prefetch=False, aligned=True))
+    return _load(cfg, lambda c: build_fwd_kvcache(c, prefetch=False, aligned=True, stages=stages))
 
 
-def _check_aligned(ref, kern, cfg) -> bool:
+def _check_aligned(ref, kern, cfg, name="aligned") -> bool:
     """The aligned kernel's merged o and lse against the library kernel's, case by case (printed); True if all
     agree: the same NaN rows, elsewhere within 1e-2 absolute on o and 1e-4 on lse (the products sum the last
     tile's keys in other columns)."""
@@ -208,7 +213,7 @@ def _check_aligned(ref, kern, cfg) -> bool:
         nan_rows = int(l_r.isnan().flatten(1).any(1).sum())
         ok = same_nan and err_o <= 1e-2 and err_l <= 1e-4 and (nan_rows == (1 if bad else 0))
         ok_all &= ok
-        print(f"aligned check: page {page_size:>3} seq_q {seq_q} window {window} bad page {bad}: "
+        print(f"{name} check: page {page_size:>3} seq_q {seq_q} window {window} bad page {bad}: "
               f"o max err {err_o:.2e}, "
               f"lse {err_l:.2e}, NaN rows {nan_rows}, NaN pattern {'equal' if same_nan else 'DIFFERENT'}: "
               f"{'ok' if ok else 'FAIL'}")

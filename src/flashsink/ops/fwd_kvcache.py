@@ -24,6 +24,8 @@ Partials (fp32 o and natural-log LSE without the sink, one per split) are merged
 ``merge_splits.py``.
 """
 
+import dataclasses
+
 import tilelang.language as T
 
 from . import softmax
@@ -37,7 +39,7 @@ NAN = float("nan")
 PAST_END, BAD_PAGE = -1, -2
 
 
-def build_fwd_kvcache(cfg: KernelConfig, prefetch: bool = True, aligned: bool = False):
+def build_fwd_kvcache(cfg: KernelConfig, prefetch: bool = True, aligned: bool = False, stages: int = 0):
     """The kernel. Why the shared page table: when each 16-byte load derived its row's page from the
     block table inside the load's address, the code generator computed it in 64-bit integers (the
     cache's flat index is 64-bit), several 64-bit divisions by ``page_size`` per load, each a called
@@ -67,10 +69,20 @@ def build_fwd_kvcache(cfg: KernelConfig, prefetch: bool = True, aligned: bool = 
     0.1579, 64k 0.5097 -> 0.5278 (not profiled; the likely reason: two TMA stages of a warp-specialized program,
     a producer warpgroup beside 240-register consumers, keep fewer bytes in flight an SM than the gather's
     programs, each holding its next tile in registers). A page index outside the cache is not read (page 0 is,
-    its logits then NaN, as the gather's NaN keys make them)."""
+    its logits then NaN, as the gather's NaN keys make them). ``stages`` (with ``aligned``; 0: ``split_tiles``'
+    two): the pipeline's TMA stages, more bytes in flight a program (docs/perf.md v29, Next 4; not measured yet).
+    (The block table's entries of a split read into shared memory before the loop, so that the producer's TMA
+    issue waits on shared memory instead of a global load, did not compile: TileLang 0.1.15 ran over 200 s
+    on it and was stopped.)"""
     if aligned and prefetch:
         raise ValueError("build_fwd_kvcache: aligned=True loads its tiles through T.Pipelined; pass prefetch=False")
+    if stages and not aligned:
+        raise ValueError(f"build_fwd_kvcache: stages={stages} needs aligned=True (the gather has no pipeline)")
+    if stages < 0:
+        raise ValueError(f"build_fwd_kvcache: stages must be 0 (the tiles') or positive, got {stages}")
     t = split_tiles(cfg)
+    if stages:
+        t = dataclasses.replace(t, stages=stages)
     bm, bn = t.block_m, t.block_n
     dim, dim_v, groups = cfg.head_dim, cfg.head_dim_v, cfg.groups
     dtype, accum = cfg.dtype, "float32"
