@@ -315,9 +315,9 @@ def test_sink_early_loads_the_sinks_before_the_wait_for_q():
 @pytest.mark.parametrize("groups,rows", [(8, 256), (2, 256), (16, 256), (6, 192), (3, 192)])
 def test_fwd_window_takes_256_rows_at_head_dim_64_where_the_group_packs(monkeypatch, groups, rows):
     """config.FWD_WINDOW_ROWS_D64 = 256 (measured 12-14% faster, docs/perf.md v28; the default since v29;
-    patched here so the test holds whatever the default): the windowed kind's tiles at head dim 64 take 256 rows where the group packs into
-    them and 192 where it does not, and the kernel is built with four consumer warpgroups (640 threads,
-    setmaxnreg 112 for the consumers)."""
+    patched here so the test holds whatever the default): the windowed kind's tiles at head dim 64 take 256
+    rows where the group packs into them and 192 where it does not, and the kernel is built with four
+    consumer warpgroups (640 threads, setmaxnreg 112 for the consumers)."""
     from flashsink.ops import config
     from flashsink.ops.fwd_ws import build_fwd_ws
 

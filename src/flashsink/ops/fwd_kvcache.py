@@ -167,8 +167,9 @@ def build_fwd_kvcache(cfg: KernelConfig, prefetch: bool = True, aligned: bool = 
             row_sum = T.alloc_fragment([bm], accum)
             l = T.alloc_fragment([bm], accum)
             lse = T.alloc_fragment([bm], accum)
-            pg_s = T.alloc_shared([bn], "int32")  # each key row's page (or PAST_END / BAD_PAGE)
-            off_s = T.alloc_shared([bn], "int32")  # and its row in the page
+            if not aligned:  # the gather's page table
+                pg_s = T.alloc_shared([bn], "int32")  # each key row's page (or PAST_END / BAD_PAGE)
+                off_s = T.alloc_shared([bn], "int32")  # and its row in the page
             if aligned:  # whether the tile's page is in the cache
                 page_ok = T.alloc_local([1], "int32")
             if prefetch:  # the next tile's key and value rows, loaded while this tile computes

@@ -128,7 +128,8 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
     0.0783 -> 0.0659 ms (from "regs"), golden's 0.1107 -> 0.0956 (from "smem"), causal D128 the same, causal
     D64 N8192 1.2370 -> 1.2645 (from "regs", which it keeps).
 
-    ``epilogue="tma"`` (an option for tools/fwd_variants.py, built in docs/perf.md v26, not measured yet): as
+    ``epilogue="tma"`` (built in docs/perf.md v26, measured in v27; the kind ``fwd_window``'s epilogue in padded
+    layouts since v28, ``config.fwd_ws_options``): as
     "wg", but one thread of each consumer warpgroup stores its staged rows by TMA (boxes of 8 rows and 64
     columns, ``_store_o_tma``) after a proxy fence, and waits for the stores to have read the buffer only
     before the next tile's rows are written there. The 128 threads then queue no global stores at all: v24's
@@ -216,7 +217,9 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
     0.5016; o within one more rounding (bf16 relative L2 ~3e-3 against the exact pivot's ~1e-3 between
     tilings). So it stays an option.
 
-    ``sink_early`` (an option for tools/fwd_variants.py, not measured yet): a row tile's sink logits loaded at
+    ``sink_early`` (an option for tools/fwd_variants.py, measured within the runs' spread, docs/perf.md v29:
+    gpt-oss SWA at 256 rows 0.0556 -> 0.0562 ms, golden 0.0852 -> 0.0845, causal D64 1.1950 -> 1.1956, five
+    passes round-robin on an H100): a row tile's sink logits loaded at
     its start and turned into the softmax's state only after the wait for Q (``softmax.load_sinks``,
     ``softmax.init_from``), where :func:`softmax.init_state` loads and uses them before that wait. ncu on gpt-oss
     SWA's windowed kernel (docs/perf.md v28, call 6): the multiply by log2(e) right after the load held 1.5% of
