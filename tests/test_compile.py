@@ -261,3 +261,40 @@ def test_kvcache_aligned_loads_each_tile_as_one_tma_box():
     assert all("BlockTable[" not in line for line in tma)  # the page index comes from a scalar read before
     assert not re.search(r"\*\(uint4\*\)\((K|V) \+", src)  # no element-wise gather
     assert all(re.search(r"min\(\(kb \* 128\), \(\w+ - 128\)\)", line) for line in tma), tma
+
+
+def _indent(line: str) -> int:
+    return len(line) - len(line.lstrip())
+
+
+@pytest.mark.l1
+@pytest.mark.parametrize("kind, layout", [("fwd_split", "bhsd"), ("fwd_kvcache", "bshd")])
+def test_split_kv_kernels_mask_only_the_partial_key_tiles(kind, layout):
+    """The split-KV kernels (``attention``'s decode, ``fwd_split``; ``attention_kvcache``'s ``fwd_kvcache``) evaluate
+    the per-element mask only on key tiles that some query row of the tile does not see whole (the rows' last keys,
+    a window's leading edge); the wholly visible tiles (``block_range.full_kv_blocks_for_rows``) are only scaled, on
+    a branch taken once a tile. A decode split streams tens of such tiles: the mask was 41% of ``fwd_split``'s
+    key-loop instructions (sm_90a SASS, 870 -> 503 a wholly visible tile; ``fwd_kvcache``'s gather 1,452 -> 1,069,
+    docs/perf.md v30). The GPU suite checks the outputs (decode and kvcache cases with windows, lengths off the
+    tiles, several query rows, chunks)."""
+    from flashsink.ops.compile import build_prim_func
+
+    lines = build_prim_func(kind, _cfg("sm_90a", kind, layout=layout)).script().splitlines()
+    loop = next(i for i, line in enumerate(lines) if line.strip().startswith("for kb in"))
+    body = lines[loop:]
+    branch = next(i for i, line in enumerate(body) if line.strip().startswith("if T.bitwise_and(kb >= "))
+    other = next(i for i in range(branch + 1, len(body))
+                 if body[i].strip() == "else:" and _indent(body[i]) == _indent(body[branch]))
+    assert any(line.strip() == "acc_s[i, j] = acc_s[i, j] * scale_log2" for line in body[branch:other])
+    masks = [i for i, line in enumerate(body)
+             if "acc_s[i, j] = T.if_then_else(" in line and 'T.infinity("float32")' in line]
+    assert masks and all(i > other for i in masks), (branch, other, masks)  # the select on the else branch only
+    ends = [i for i in range(other + 1, len(body)) if body[i].strip() and _indent(body[i]) <= _indent(body[other])]
+    assert all(i < ends[0] for i in masks)
+    # branch=False (tools/kvcache_variants.py's "masked" rows): the mask on every tile, no branch
+    from flashsink.ops.fwd_kvcache import build_fwd_kvcache
+    from flashsink.ops.fwd_split import build_fwd_split
+
+    build = build_fwd_split if kind == "fwd_split" else build_fwd_kvcache
+    masked = build(_cfg("sm_90a", kind, layout=layout), branch=False).script()
+    assert "if T.bitwise_and(kb >= " not in masked and 'T.infinity("float32")' in masked

@@ -17,6 +17,10 @@ kernels' partials merged by ``ops/decode.combine_splits``: lengths of every resi
 two query rows a sequence, a window, cache rows past each length and unused pages filled with NaN, and a
 block-table entry outside the cache, whose row both kernels must give as NaN), then timed beside it.
 
+``--masked``: also the kernels built with ``branch=False`` (the per-element mask on every key tile, as before
+docs/perf.md v30: ``fwd_kvcache``'s gather and, with ``--split-layouts``, the split decode's kernel), timed beside
+the library's in the same run, rows "masked ..."; through TileLang's disk cache, as ``--aligned``.
+
 ``--split-layouts``: also the split decode's kernel (``fwd_split.py``, ``attention``'s decode path) alone over
 contiguous caches in both padded layouts, ``[B, H_kv, S, D]`` (bhsd: a key tile is 16 KB contiguous) and
 ``[B, S, H_kv, D]`` (bshd: 128-byte rows 1 KB apart, as in a page), at ``decode.n_splits_for``'s split
@@ -66,6 +70,8 @@ def main() -> int:
                     help="with --aligned: the pipeline's TMA stages, one kernel each (0: the tiles' two)")
     ap.add_argument("--split-layouts", action="store_true",
                     help="also time the split decode's kernel over contiguous bhsd and bshd caches")
+    ap.add_argument("--masked", action="store_true",
+                    help="also time the kernels built with branch=False (the mask on every key tile, before v30)")
     args = ap.parse_args()
     multiples = [int(x) for x in args.splits_x.split(",")]
     counts = None if args.splits is None else [int(x) for x in args.splits.split(",")]
@@ -85,6 +91,8 @@ def main() -> int:
                        causal=True, has_sinks=True, layout="bshd")  # (the forward ignores sinks: the bundle's kernel)
     kern = get_kernel("fwd_kvcache", cfg)  # the library's kernel, through its cache
     kernels = {"kernel": kern}
+    if args.masked:
+        kernels["masked"] = _masked_kernel(cfg)
     if args.aligned:
         if args.page_size % split_tiles(cfg).block_n:
             ap.error(f"--aligned needs a page size that is a multiple of {split_tiles(cfg).block_n}, "
@@ -112,7 +120,7 @@ def main() -> int:
                 ms = do_bench(lambda: kn(q, k, v, table, lengths, NO_WINDOW, scale, o, lse), warmup=25, rep=200)
                 rows.append((f"{name} x{x}" if x else f"{name} s{splits}", ms, splits))
         if args.split_layouts:
-            rows += _split_rows(cfg, q, n, sms, scale)
+            rows += _split_rows(cfg, q, n, sms, scale, args.masked)
         for name, ms, sp in rows:
             print(f"{n:>8} {name:<14} {ms:8.4f} {nbytes / ms / 1e6:7.0f} {rows[0][1] / ms:7.2f}  ({sp} splits)")
         sinks = torch.zeros(H, device="cuda")  # (with sinks: the kernel bundle's configuration)
@@ -122,7 +130,7 @@ def main() -> int:
     return 0
 
 
-def _split_kernel(cfg, layout):
+def _split_kernel(cfg, layout, branch=True):
     """fwd_split.build_fwd_split for ``layout``, through TileLang's disk cache (bwd_variants' loader)."""
     import dataclasses
 
@@ -130,12 +138,21 @@ def _split_kernel(cfg, layout):
 
     from flashsink.ops.fwd_split import build_fwd_split
 
-    return _load(dataclasses.replace(cfg, layout=layout), build_fwd_split)
+    return _load(dataclasses.replace(cfg, layout=layout), lambda c: build_fwd_split(c, branch=branch))
 
 
-def _split_rows(cfg, q, n, sms, scale):
+def _masked_kernel(cfg):
+    """build_fwd_kvcache(branch=False): the gather with the mask on every key tile, through TileLang's disk cache."""
+    from bwd_variants import _load
+
+    from flashsink.ops.fwd_kvcache import build_fwd_kvcache
+
+    return _load(cfg, lambda c: build_fwd_kvcache(c, branch=False))
+
+
+def _split_rows(cfg, q, n, sms, scale, masked=False):
     """(label, ms, splits) of the split decode's kernel against ``n`` fresh random keys a row in contiguous
-    bhsd and bshd caches (q the same)."""
+    bhsd and bshd caches (q the same); ``masked``: also the kernel built with ``branch=False``."""
     import torch
     from triton.testing import do_bench
 
@@ -152,9 +169,10 @@ def _split_rows(cfg, q, n, sms, scale):
         splits = n_splits_for(spec, cfg, sms)
         o = torch.empty((B, H, 1, splits, D), device="cuda")
         lse = torch.empty((B, H, 1, splits), device="cuda")
-        kern = _split_kernel(cfg, layout)
-        ms = do_bench(lambda: kern(q_l, k_l, v_l, NO_WINDOW, scale, o, lse), warmup=25, rep=200)
-        rows.append((f"split {layout}", ms, splits))
+        for label, branch in (("", True), ("masked ", False))[: 2 if masked else 1]:
+            kern = _split_kernel(cfg, layout, branch)
+            ms = do_bench(lambda: kern(q_l, k_l, v_l, NO_WINDOW, scale, o, lse), warmup=25, rep=200)
+            rows.append((f"{label}split {layout}", ms, splits))
     return rows
 
 

@@ -15,6 +15,10 @@ The split-KV kernel of ``fwd_split.py`` with the keys read through a block table
 - rows are packed query-major, ``p = r * groups + g``: a tile holds all heads of a GQA group for
   consecutive query rows, so each K/V tile is read once per group and a chunk's rows have a tight
   key range.
+- only the key tiles that some query row of the tile does not see whole (the rows' last keys, a
+  window's leading edge) take the per-element mask; the others are only scaled
+  (``block_range.full_kv_blocks_for_rows``, one branch a tile): the gather's key loop 1,452 -> 1,069
+  instructions a wholly visible tile (sm_90a SASS, docs/perf.md v30).
 - checks on the device, instead of on the host (no sync): a length outside ``[0, max_pages *
   page_size]`` gives NaN partials for the whole row (nothing is read); a used page index outside
   ``[0, num_pages)`` is not read: its keys are NaN, so every query row that sees such a key gets
@@ -29,9 +33,9 @@ import dataclasses
 import tilelang.language as T
 
 from . import softmax
-from .block_range import kv_blocks_for_rows
+from .block_range import full_kv_blocks_for_rows, kv_blocks_for_rows
 from .config import KernelConfig, split_tiles
-from .mask import visible
+from .mask import in_blocks, scale_logits, visible
 
 NAN = float("nan")
 #: the table's page of a key row past its batch row's length (loaded as zeros) and of a row whose
@@ -39,7 +43,8 @@ NAN = float("nan")
 PAST_END, BAD_PAGE = -1, -2
 
 
-def build_fwd_kvcache(cfg: KernelConfig, prefetch: bool = True, aligned: bool = False, stages: int = 0):
+def build_fwd_kvcache(cfg: KernelConfig, prefetch: bool = True, aligned: bool = False, stages: int = 0,
+                      branch: bool = True):
     """The kernel. Why the shared page table: when each 16-byte load derived its row's page from the
     block table inside the load's address, the code generator computed it in 64-bit integers (the
     cache's flat index is 64-bit), several 64-bit divisions by ``page_size`` per load, each a called
@@ -73,7 +78,10 @@ def build_fwd_kvcache(cfg: KernelConfig, prefetch: bool = True, aligned: bool = 
     two): the pipeline's TMA stages, more bytes in flight a program (docs/perf.md v29, Next 4; not measured yet).
     (The block table's entries of a split read into shared memory before the loop, so that the producer's TMA
     issue waits on shared memory instead of a global load, did not compile: TileLang 0.1.15 ran over 200 s
-    on it and was stopped.)"""
+    on it and was stopped.)
+
+    ``branch`` (the default; False for tools/kvcache_variants.py's "masked" rows): the per-element mask only on the
+    key tiles that need it (the module's docstring); False masks every tile, as before docs/perf.md v30."""
     if aligned and prefetch:
         raise ValueError("build_fwd_kvcache: aligned=True loads its tiles through T.Pipelined; pass prefetch=False")
     if stages and not aligned:
@@ -94,16 +102,30 @@ def build_fwd_kvcache(cfg: KernelConfig, prefetch: bool = True, aligned: bool = 
     m_tiles = T.ceildiv(n_rows, bm)
 
     @T.macro
-    def scores(q_s, k_s, acc_s, p0, key0, seq_kv, window, scale_log2):
-        """The tile's logits, masked and scaled into base 2."""
-        T.clear(acc_s)
-        T.gemm(q_s, k_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+    def mask(acc_s, p0, key0, seq_kv, window, scale_log2):
+        """The tile's logits scaled into base 2, -inf where a packed row (query-major: row ``p0 + i`` is query
+        ``(p0 + i) // groups``) does not see the key, and in the rows past the packed ones."""
         for i, j in T.Parallel(bm, bn):
             acc_s[i, j] = T.if_then_else(
                 (p0 + i < n_rows) & visible((p0 + i) // groups, key0 + j, seq_q, seq_kv, window, True),
                 acc_s[i, j] * scale_log2,
                 -T.infinity(accum),
             )
+
+    @T.macro
+    def scores(q_s, k_s, acc_s, p0, key0, seq_kv, window, scale_log2, kb, full):
+        """The tile's logits, masked and scaled into base 2: key block ``kb`` in ``full`` (the blocks every
+        query row of the tile sees whole) only scaled; rows past the packed ones (q zero) then keep finite
+        logits, never stored, never mixed into another row's softmax. ``full`` None: the mask on every tile."""
+        T.clear(acc_s)
+        T.gemm(q_s, k_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+        if full is None:
+            mask(acc_s, p0, key0, seq_kv, window, scale_log2)
+        else:
+            if in_blocks(kb, full):
+                scale_logits(acc_s, scale_log2, False)
+            else:
+                mask(acc_s, p0, key0, seq_kv, window, scale_log2)
 
     @T.macro
     def accumulate(acc_s, p, v_s, acc_o, m, m_prev, alpha, row_sum, l):
@@ -194,6 +216,9 @@ def build_fwd_kvcache(cfg: KernelConfig, prefetch: bool = True, aligned: bool = 
             first_row = p0 // groups
             last_row = (T.min(p0 + bm, n_rows) - 1) // groups
             lo, hi = kv_blocks_for_rows(first_row, last_row - first_row + 1, bn, seq_q, seq_kv, window, True)
+            # the blocks below the rows' length that every row of the tile sees whole: no per-element mask
+            full = (full_kv_blocks_for_rows(lo, hi, first_row, last_row - first_row + 1, bn, seq_q, seq_kv, window, True)
+                    if branch else None)
             per = T.ceildiv(hi - lo, n_splits)
             my_lo = T.min(hi, lo + split * per)
             my_hi = T.min(hi, my_lo + per)
@@ -210,7 +235,7 @@ def build_fwd_kvcache(cfg: KernelConfig, prefetch: bool = True, aligned: bool = 
                     if kb + 1 < my_hi:
                         fetch(BlockTable, K, V, pg_s, off_s, b, kv_head, (kb + 1) * bn, seq_kv, page_size,
                               max_pages, num_pages, k_r, v_r)
-                    scores(q_s, k_s, acc_s, p0, kb * bn, seq_kv, window, scale_log2)
+                    scores(q_s, k_s, acc_s, p0, kb * bn, seq_kv, window, scale_log2, kb, full)
                     accumulate(acc_s, p, v_s, acc_o, m, m_prev, alpha, row_sum, l)
             elif aligned:
                 # one page a tile: an affine box, pipelined. The last tile's box ends at the row's last key
@@ -219,7 +244,7 @@ def build_fwd_kvcache(cfg: KernelConfig, prefetch: bool = True, aligned: bool = 
                 # masked out of the logits
                 for kb in T.Pipelined(my_lo, my_hi, num_stages=t.stages):
                     T.copy(_box(K, BlockTable, b, kv_head, kb * bn, seq_kv, bn, page_size, num_pages), k_s)
-                    scores(q_s, k_s, acc_s, p0, _box_key0(kb * bn, seq_kv, bn), seq_kv, window, scale_log2)
+                    scores(q_s, k_s, acc_s, p0, _box_key0(kb * bn, seq_kv, bn), seq_kv, window, scale_log2, kb, full)
                     # the page's check once a tile (inside the loop below it would be a load and a 64-bit division
                     # an element: 8x slower, docs/perf.md v29)
                     page_ok[0] = T.if_then_else(_page_ok(BlockTable, b, kb * bn, page_size, num_pages), 1, 0)
@@ -233,7 +258,7 @@ def build_fwd_kvcache(cfg: KernelConfig, prefetch: bool = True, aligned: bool = 
                 for kb in T.serial(my_lo, my_hi):
                     fetch(BlockTable, K, V, pg_s, off_s, b, kv_head, kb * bn, seq_kv, page_size, max_pages,
                           num_pages, k_s, v_s)
-                    scores(q_s, k_s, acc_s, p0, kb * bn, seq_kv, window, scale_log2)
+                    scores(q_s, k_s, acc_s, p0, kb * bn, seq_kv, window, scale_log2, kb, full)
                     accumulate(acc_s, p, v_s, acc_o, m, m_prev, alpha, row_sum, l)
 
             softmax.finalize(acc_o, m, l, lse, bm, dim_v)

@@ -1,18 +1,25 @@
 """Split-KV forward kernel: the query rows of every head of a GQA group packed into one tile,
 the visible KV blocks split over ``n_splits`` programs, each writing a partial output (fp32)
 and its LSE without the sink. ``decode.py`` decides when to use it and merges the partials.
+
+Only the key tiles that some query row does not see whole (the rows' last keys, a window's leading
+edge) take the per-element mask; the others are only scaled (``block_range.full_kv_blocks_for_rows``,
+one branch a tile). A decode split streams tens of tiles, nearly all wholly visible: the mask was 41%
+of the key loop's instructions (sm_90a SASS: 870 -> 503 a wholly visible tile, docs/perf.md v30).
 """
 
 import tilelang.language as T
 
 from . import softmax
-from .block_range import kv_blocks_for_rows
+from .block_range import full_kv_blocks_for_rows, kv_blocks_for_rows
 from .config import KernelConfig, split_tiles
 from .layout import index, qkv_shapes, tile
-from .mask import visible
+from .mask import in_blocks, scale_logits, visible
 
 
-def build_fwd_split(cfg: KernelConfig):
+def build_fwd_split(cfg: KernelConfig, branch: bool = True):
+    """The kernel; ``branch=False`` (tools/kvcache_variants.py's "masked" rows): the per-element mask on every key
+    tile, as before docs/perf.md v30."""
     t = split_tiles(cfg)
     bm, bn = t.block_m, t.block_n
     dim, dim_v, groups, layout = cfg.head_dim, cfg.head_dim_v, cfg.groups, cfg.layout
@@ -55,6 +62,10 @@ def build_fwd_split(cfg: KernelConfig):
             T.fill(acc_o, 0)
             softmax.init_state(m, l, None, 0, bm, False)
             lo, hi = kv_blocks_for_rows(0, bm, bn, seq_q, seq_kv, window, cfg.causal)
+            # the wholly visible KV blocks of every query row (all of them are in the tile): no per-element mask
+            # there, only the scale. Rows past the group's (q zero) then keep finite logits instead of -inf;
+            # they are never stored, and a softmax row never mixes with another.
+            full = full_kv_blocks_for_rows(lo, hi, 0, seq_q, bn, seq_q, seq_kv, window, cfg.causal) if branch else None
             per = T.ceildiv(hi - lo, n_splits)
             my_lo = T.min(hi, lo + split * per)
             my_hi = T.min(hi, my_lo + per)
@@ -64,12 +75,13 @@ def build_fwd_split(cfg: KernelConfig):
                 T.copy(tile(K, layout, b, kv_head, key0, bn), k_s)
                 T.clear(acc_s)
                 T.gemm(q_s, k_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-                for i, j in T.Parallel(bm, bn):
-                    acc_s[i, j] = T.if_then_else(
-                        (i < n_rows) & visible(i % seq_q, key0 + j, seq_q, seq_kv, window, cfg.causal),
-                        acc_s[i, j] * scale_log2,
-                        -T.infinity(accum),
-                    )
+                if full is None:
+                    _mask(acc_s, n_rows, key0, seq_q, seq_kv, window, scale_log2, bm, bn, cfg.causal)
+                else:
+                    if in_blocks(kb, full):
+                        scale_logits(acc_s, scale_log2, False)
+                    else:
+                        _mask(acc_s, n_rows, key0, seq_q, seq_kv, window, scale_log2, bm, bn, cfg.causal)
                 T.copy(tile(V, layout, b, kv_head, key0, bn), v_s)
                 softmax.update(acc_s, acc_o, m, m_prev, alpha, row_sum, l, bm, bn, dim_v)
                 T.copy(acc_s, p)
@@ -84,3 +96,15 @@ def build_fwd_split(cfg: KernelConfig):
                     LSEPart[b, kv_head * groups + r // seq_q, r % seq_q, split] = lse[r]
 
     return flashsink_fwd_split
+
+
+@T.macro
+def _mask(acc_s, n_rows, key0, seq_q, seq_kv, window, scale_log2, bm: int, bn: int, causal: bool):
+    """A key tile's logits scaled into base 2, -inf where a packed row (head-major: row ``i`` is query ``i % seq_q``)
+    does not see the key, and in the rows past the group's."""
+    for i, j in T.Parallel(bm, bn):
+        acc_s[i, j] = T.if_then_else(
+            (i < n_rows) & visible(i % seq_q, key0 + j, seq_q, seq_kv, window, causal),
+            acc_s[i, j] * scale_log2,
+            -T.infinity("float32"),
+        )
