@@ -273,7 +273,7 @@ def test_split_kv_kernels_mask_only_the_partial_key_tiles(kind, layout):
     """The split-KV kernels (``attention``'s decode, ``fwd_split``; ``attention_kvcache``'s ``fwd_kvcache``) evaluate
     the per-element mask only on key tiles that some query row of the tile does not see whole (the rows' last keys,
     a window's leading edge); the wholly visible tiles (``block_range.full_kv_blocks_for_rows``) are only scaled, on
-    a branch taken once a tile. A decode split streams tens of such tiles: the mask was 41% of ``fwd_split``'s
+    a branch taken once a tile (``mask.branch_tile``, the backward's). A decode split streams tens of such tiles: the mask was 41% of ``fwd_split``'s
     key-loop instructions (sm_90a SASS, 870 -> 503 a wholly visible tile; ``fwd_kvcache``'s gather 1,452 -> 1,069,
     docs/perf.md v30). The GPU suite checks the outputs (decode and kvcache cases with windows, lengths off the
     tiles, several query rows, chunks)."""
@@ -282,7 +282,10 @@ def test_split_kv_kernels_mask_only_the_partial_key_tiles(kind, layout):
     lines = build_prim_func(kind, _cfg("sm_90a", kind, layout=layout)).script().splitlines()
     loop = next(i for i, line in enumerate(lines) if line.strip().startswith("for kb in"))
     body = lines[loop:]
-    branch = next(i for i, line in enumerate(body) if line.strip().startswith("if T.bitwise_and(kb >= "))
+    # mask.branch_tile: the tile's condition bound once (``full: T.bool = ...``), then ``if full:``
+    cond = next(i for i, line in enumerate(body) if line.strip().startswith("full: T.bool = T.bitwise_and(kb >= "))
+    branch = cond + 1
+    assert body[branch].strip() == "if full:"
     other = next(i for i in range(branch + 1, len(body))
                  if body[i].strip() == "else:" and _indent(body[i]) == _indent(body[branch]))
     assert any(line.strip() == "acc_s[i, j] = acc_s[i, j] * scale_log2" for line in body[branch:other])
@@ -297,4 +300,4 @@ def test_split_kv_kernels_mask_only_the_partial_key_tiles(kind, layout):
 
     build = build_fwd_split if kind == "fwd_split" else build_fwd_kvcache
     masked = build(_cfg("sm_90a", kind, layout=layout), branch=False).script()
-    assert "if T.bitwise_and(kb >= " not in masked and 'T.infinity("float32")' in masked
+    assert "T.bitwise_and(kb >= " not in masked and 'T.infinity("float32")' in masked

@@ -17,7 +17,7 @@ The split-KV kernel of ``fwd_split.py`` with the keys read through a block table
   key range.
 - only the key tiles that some query row of the tile does not see whole (the rows' last keys, a
   window's leading edge) take the per-element mask; the others are only scaled
-  (``block_range.full_kv_blocks_for_rows``, one branch a tile): the gather's key loop 1,452 -> 1,069
+  (``block_range.full_kv_blocks_for_rows``, one branch a tile: ``mask.branch_tile``): the gather's key loop 1,452 -> 1,069
   instructions a wholly visible tile (sm_90a SASS, docs/perf.md v30).
 - checks on the device, instead of on the host (no sync): a length outside ``[0, max_pages *
   page_size]`` gives NaN partials for the whole row (nothing is read); a used page index outside
@@ -35,7 +35,7 @@ import tilelang.language as T
 from . import softmax
 from .block_range import full_kv_blocks_for_rows, kv_blocks_for_rows
 from .config import KernelConfig, split_tiles
-from .mask import in_blocks, scale_logits, visible
+from .mask import branch_tile, in_blocks, scale_logits, visible
 
 NAN = float("nan")
 #: the table's page of a key row past its batch row's length (loaded as zeros) and of a row whose
@@ -102,15 +102,19 @@ def build_fwd_kvcache(cfg: KernelConfig, prefetch: bool = True, aligned: bool = 
     m_tiles = T.ceildiv(n_rows, bm)
 
     @T.macro
-    def mask(acc_s, p0, key0, seq_kv, window, scale_log2):
-        """The tile's logits scaled into base 2, -inf where a packed row (query-major: row ``p0 + i`` is query
-        ``(p0 + i) // groups``) does not see the key, and in the rows past the packed ones."""
-        for i, j in T.Parallel(bm, bn):
-            acc_s[i, j] = T.if_then_else(
-                (p0 + i < n_rows) & visible((p0 + i) // groups, key0 + j, seq_q, seq_kv, window, True),
-                acc_s[i, j] * scale_log2,
-                -T.infinity(accum),
-            )
+    def logits(acc_s, p0, key0, seq_kv, window, scale_log2, masked: bool):
+        """The tile's logits scaled into base 2 and (``masked``: ``mask.branch_tile``'s choice) -inf where a packed
+        row (query-major: row ``p0 + i`` is query ``(p0 + i) // groups``) does not see the key, and in the rows past
+        the packed ones."""
+        if masked:
+            for i, j in T.Parallel(bm, bn):
+                acc_s[i, j] = T.if_then_else(
+                    (p0 + i < n_rows) & visible((p0 + i) // groups, key0 + j, seq_q, seq_kv, window, True),
+                    acc_s[i, j] * scale_log2,
+                    -T.infinity(accum),
+                )
+        else:
+            scale_logits(acc_s, scale_log2, False)
 
     @T.macro
     def scores(q_s, k_s, acc_s, p0, key0, seq_kv, window, scale_log2, kb, full):
@@ -119,13 +123,8 @@ def build_fwd_kvcache(cfg: KernelConfig, prefetch: bool = True, aligned: bool = 
         logits, never stored, never mixed into another row's softmax. ``full`` None: the mask on every tile."""
         T.clear(acc_s)
         T.gemm(q_s, k_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-        if full is None:
-            mask(acc_s, p0, key0, seq_kv, window, scale_log2)
-        else:
-            if in_blocks(kb, full):
-                scale_logits(acc_s, scale_log2, False)
-            else:
-                mask(acc_s, p0, key0, seq_kv, window, scale_log2)
+        branch_tile(logits, None if full is None else in_blocks(kb, full), acc_s, p0, key0, seq_kv, window,
+                    scale_log2)
 
     @T.macro
     def accumulate(acc_s, p, v_s, acc_o, m, m_prev, alpha, row_sum, l):

@@ -4,7 +4,7 @@ and its LSE without the sink. ``decode.py`` decides when to use it and merges th
 
 Only the key tiles that some query row does not see whole (the rows' last keys, a window's leading
 edge) take the per-element mask; the others are only scaled (``block_range.full_kv_blocks_for_rows``,
-one branch a tile). A decode split streams tens of tiles, nearly all wholly visible: the mask was 41%
+one branch a tile: ``mask.branch_tile``, as in the backward). A decode split streams tens of tiles, nearly all wholly visible: the mask was 41%
 of the key loop's instructions (sm_90a SASS: 870 -> 503 a wholly visible tile, docs/perf.md v30).
 """
 
@@ -14,7 +14,7 @@ from . import softmax
 from .block_range import full_kv_blocks_for_rows, kv_blocks_for_rows
 from .config import KernelConfig, split_tiles
 from .layout import index, qkv_shapes, tile
-from .mask import in_blocks, scale_logits, visible
+from .mask import branch_tile, in_blocks, scale_logits, visible
 
 
 def build_fwd_split(cfg: KernelConfig, branch: bool = True):
@@ -75,13 +75,8 @@ def build_fwd_split(cfg: KernelConfig, branch: bool = True):
                 T.copy(tile(K, layout, b, kv_head, key0, bn), k_s)
                 T.clear(acc_s)
                 T.gemm(q_s, k_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-                if full is None:
-                    _mask(acc_s, n_rows, key0, seq_q, seq_kv, window, scale_log2, bm, bn, cfg.causal)
-                else:
-                    if in_blocks(kb, full):
-                        scale_logits(acc_s, scale_log2, False)
-                    else:
-                        _mask(acc_s, n_rows, key0, seq_q, seq_kv, window, scale_log2, bm, bn, cfg.causal)
+                branch_tile(_logits, None if full is None else in_blocks(kb, full), acc_s, n_rows, key0, seq_q,
+                            seq_kv, window, scale_log2, bm, bn, cfg.causal)
                 T.copy(tile(V, layout, b, kv_head, key0, bn), v_s)
                 softmax.update(acc_s, acc_o, m, m_prev, alpha, row_sum, l, bm, bn, dim_v)
                 T.copy(acc_s, p)
@@ -99,12 +94,15 @@ def build_fwd_split(cfg: KernelConfig, branch: bool = True):
 
 
 @T.macro
-def _mask(acc_s, n_rows, key0, seq_q, seq_kv, window, scale_log2, bm: int, bn: int, causal: bool):
-    """A key tile's logits scaled into base 2, -inf where a packed row (head-major: row ``i`` is query ``i % seq_q``)
-    does not see the key, and in the rows past the group's."""
-    for i, j in T.Parallel(bm, bn):
-        acc_s[i, j] = T.if_then_else(
-            (i < n_rows) & visible(i % seq_q, key0 + j, seq_q, seq_kv, window, causal),
-            acc_s[i, j] * scale_log2,
-            -T.infinity("float32"),
-        )
+def _logits(acc_s, n_rows, key0, seq_q, seq_kv, window, scale_log2, bm: int, bn: int, causal: bool, masked: bool):
+    """A key tile's logits scaled into base 2 and (``masked``: ``mask.branch_tile``'s choice) -inf where a packed row
+    (head-major: row ``i`` is query ``i % seq_q``) does not see the key, and in the rows past the group's."""
+    if masked:
+        for i, j in T.Parallel(bm, bn):
+            acc_s[i, j] = T.if_then_else(
+                (i < n_rows) & visible(i % seq_q, key0 + j, seq_q, seq_kv, window, causal),
+                acc_s[i, j] * scale_log2,
+                -T.infinity("float32"),
+            )
+    else:
+        scale_logits(acc_s, scale_log2, False)
