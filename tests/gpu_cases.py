@@ -87,7 +87,7 @@ def extra_cases() -> list:
 
 
 def decode_cases() -> list:
-    """Few query rows against long caches: these run the split-KV forward (ops/decode.py)."""
+    """Few query rows against long caches: these run the split-KV forward (ops/launch/decode.py)."""
     return [
         Case(4, 64, 8, 1, 64, None, BF16, seq_kv=5000, name="decode-split"),
         Case(2, 16, 1, 1, 128, None, F16, seq_kv=20000, name="decode-split-mqa"),
@@ -117,8 +117,8 @@ def fast_cases() -> list:
 
 def case_config(arch: str, c, *, layout=None, deterministic=False, precision="strict"):
     """The KernelConfig a case (``Case`` or ``VarlenCase``) runs with on ``arch``."""
-    from flashsink.ops.config import SUPPORTED_DTYPES, KernelConfig
-    from flashsink.ops.interface import _kernel_dim
+    from flashsink.ops.build.config import SUPPORTED_DTYPES, KernelConfig
+    from flashsink.ops.launch.dense import _kernel_dim
 
     return KernelConfig(
         arch=arch, dtype=SUPPORTED_DTYPES[c.dtype], head_dim=_kernel_dim(c.head_dim),
@@ -172,7 +172,7 @@ def _lens(seed: int, n: int, lo: int, hi: int, extra=()) -> tuple:
 def varlen_cases() -> list:
     """Random lengths with 0 and 1 among them, a 16k sequence, thousands of sequences, fewer
     and more queries than keys per sequence, decode rows, odd head dims; lengths at and around
-    multiples of the 64- and 128-row tiles (where the packed schedule, ops/schedule.py, leaves a
+    multiples of the 64- and 128-row tiles (where the packed schedule, ops/tir/schedule.py, leaves a
     sequence an idle program or none)."""
     mixed = _lens(1, 18, 2, 600, extra=(0, 1))
     edges = (128, 1, 127, 129, 0, 64, 63, 65, 256, 192, 255, 257, 128)
@@ -249,7 +249,7 @@ def kvcache_cases() -> list:
 
 
 def kvcache_config(arch: str, c):
-    from flashsink.ops.config import SUPPORTED_DTYPES, KernelConfig
+    from flashsink.ops.build.config import SUPPORTED_DTYPES, KernelConfig
 
     return KernelConfig(
         arch=arch, dtype=SUPPORTED_DTYPES[c.dtype], head_dim=c.head_dim, head_dim_v=c.head_dim,
@@ -259,7 +259,7 @@ def kvcache_config(arch: str, c):
 
 def merge_test_config(arch: str):
     """The fp32 merge kernel that test_kvcache_gpu.py judges against its torch twin."""
-    from flashsink.ops.config import KernelConfig
+    from flashsink.ops.build.config import KernelConfig
 
     return KernelConfig(arch=arch, dtype="float32", head_dim=64, head_dim_v=64, groups=1, causal=True,
                         has_sinks=True, layout="bhsd")

@@ -826,12 +826,12 @@ def test_precompile_covers_every_flashsink_row(monkeypatch):
     times: fast, strict and deterministic configurations of every padded problem (not the varlen ones,
     which compile at their gate)."""
     from flashsink.bench import command
-    from flashsink.ops import interface
-    from flashsink.ops import precompile as precompile_mod
+    from flashsink.ops.launch import dense
+    from flashsink.ops.build import precompile as precompile_mod
 
     got = []
-    monkeypatch.setattr(interface, "arch_of", lambda device: "sm_90a")
-    monkeypatch.setattr(interface, "_CONFIGS", {})
+    monkeypatch.setattr(dense, "arch_of", lambda device: "sm_90a")
+    monkeypatch.setattr(dense, "_CONFIGS", {})
     monkeypatch.setattr(precompile_mod, "precompile", lambda cfgs: got.extend(cfgs))
     prob = bench.parse_shape("1,4,2,64,32,16", "bf16")
     varlen, _ = bench.preset_problems("varlen", tiny=True)

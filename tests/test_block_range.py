@@ -1,5 +1,5 @@
 """The visibility convention (``flashsink.visibility``) proven against the README's definition written
-out pair by pair, then the kernels' mask and block-range arithmetic (``flashsink.ops.mask`` /
+out pair by pair, then the kernels' mask and block-range arithmetic (``flashsink.ops.tir.mask`` /
 ``block_range``, built from its primitives) proven on the CPU against the reference's mask: the
 expressions the kernels are built from constant-fold to integers when given integers, and their
 symbolic (TIR) form evaluates to the same values, so no GPU is needed.
@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from flashsink import visibility
-from flashsink.ops.block_range import (full_kv_blocks_for_rows, full_row_blocks_for_keys, kv_blocks_for_rows,
+from flashsink.ops.tir.block_range import (full_kv_blocks_for_rows, full_row_blocks_for_keys, kv_blocks_for_rows,
                                        row_blocks_for_keys)
-from flashsink.ops.config import NO_WINDOW
-from flashsink.ops.mask import visible
+from flashsink.ops.build.config import NO_WINDOW
+from flashsink.ops.tir.mask import visible
 from flashsink.reference import visible_mask
 
 

@@ -1,4 +1,4 @@
-"""The hand warp-specialized main backward (``ops/bwd_ws.py``, ``build_bwd(..., ws=True)``) builds
+"""The hand warp-specialized main backward (``ops/kernels/bwd_ws.py``, ``build_bwd(..., ws=True)``) builds
 to TIR for Hopper in the configurations tools/bwd_variants.py times, with the launch protocol of
 the default kernel; it refuses what it does not support. Lowering only: no nvcc, no GPU (the GPU
 check of its gradients is tools/bwd_variants.py's relative L2 against the strict path)."""
@@ -7,8 +7,8 @@ import pytest
 
 pytest.importorskip("tilelang")
 
-from flashsink.ops import bwd  # noqa: E402
-from flashsink.ops.config import KernelConfig, Tiles  # noqa: E402
+from flashsink.ops.kernels import bwd  # noqa: E402
+from flashsink.ops.build.config import KernelConfig, Tiles  # noqa: E402
 
 pytestmark = pytest.mark.l0
 
@@ -72,8 +72,8 @@ def test_ws_refuses_what_it_does_not_support(cfg, tiles):
 def test_library_kernels_are_ws_where_config_says(cfg, want):
     """config.bwd_ws picks the hand kernel for both main-backward kinds (Hopper; fast at D <= 128,
     strict at D64): the library's bwd and bwd_split PrimFuncs are then bwd_ws.py's."""
-    from flashsink.ops.compile import build_prim_func
-    from flashsink.ops.config import bwd_split, bwd_ws
+    from flashsink.ops.build.compile import build_prim_func
+    from flashsink.ops.build.config import bwd_split, bwd_ws
 
     assert bwd_ws(cfg) == want
     for kind in ("bwd",) + (("bwd_split",) if bwd_split(cfg) > 1 else ()):
@@ -86,7 +86,7 @@ def test_dq_first_order_and_tiles_where_config_says(d):
     """``config.bwd_dq_first``: head dim 64 runs dQ's product before dK's (dQ handed off after one wait)
     with 128-row tiles; D128 keeps 64-row tiles in the old order. Either order is the other's kernel
     with one wait moved (the same launch); deterministic kernels (no dQ) are the same either way."""
-    from flashsink.ops.config import bwd_dq_first, bwd_tiles
+    from flashsink.ops.build.config import bwd_dq_first, bwd_tiles
 
     cfg = _cfg(d=d)
     assert bwd_dq_first(cfg) == (d == 64)
@@ -110,8 +110,8 @@ def test_dq_first_order_and_tiles_where_config_says(d):
 def test_strict_preprocess_branches_and_goes_longest_first_on_hopper():
     """``config.pre_branch`` / ``pre_lpt``: Hopper's strict preprocess skips the mask on wholly visible KV
     tiles and issues its query tiles longest first (padded layouts); sm_80 and the fast preprocess do not."""
-    from flashsink.ops.compile import build_prim_func
-    from flashsink.ops.config import pre_branch, pre_lpt, pre_tiles
+    from flashsink.ops.build.compile import build_prim_func
+    from flashsink.ops.build.config import pre_branch, pre_lpt, pre_tiles
 
     strict = _cfg(precision="strict")
     assert pre_branch(strict) and pre_lpt(strict)
@@ -139,7 +139,7 @@ def test_ws_strict_option_has_two_term_products(d):
     option of tools/bwd_variants.py at D128): the launch of TileLang's strict kernel, its P^T and dS^T
     split into hi + lo (split.py), so three products more per tile than the fast kernel (dV, dK, dQ
     each twice)."""
-    from flashsink.ops.compile import build_prim_func
+    from flashsink.ops.build.compile import build_prim_func
 
     strict, fast = _cfg(d=d, precision="strict"), _cfg(d=d)
     t = Tiles(64, 128, 256, 2)
@@ -157,7 +157,7 @@ def test_strict_preprocess_from_an_fp32_o_option():
     """``build_preprocess(o32=True)`` (strict; the kind ``preprocess_o32``, tools/bwd_variants.py's
     "strict pre/o32"): the fast preprocess's memory-bound pass with O in fp32 (the forward's ``o32`` output);
     the fast kernel's launch otherwise; it refuses the fast configuration and the P-pass options."""
-    from flashsink.ops.compile import build_prim_func
+    from flashsink.ops.build.compile import build_prim_func
 
     for d, layout in ((64, "bhsd"), (128, "thd")):
         strict = _cfg(d=d, layout=layout, precision="strict")
@@ -303,7 +303,7 @@ def test_dq_cast_refusals():
 def test_dq_cast_follows_the_config(monkeypatch):
     """``build_bwd``'s default ``dq_cast`` is ``config.bwd_dq_cast``: off (DQ_CAST) until measured; on, the
     unsplit fast kernel casts dQ (its two more parameters) and the split, strict and thd kernels do not."""
-    from flashsink.ops import config
+    from flashsink.ops.build import config
 
     cfg = _cfg("float16", 128)
     assert not config.bwd_dq_cast(cfg) and "DqCount" not in _params(bwd.build_bwd(cfg))

@@ -9,8 +9,8 @@ import shutil
 
 import pytest
 
-from flashsink.ops.compile import KINDS, compile_kernel
-from flashsink.ops.config import KernelConfig
+from flashsink.ops.build.compile import KINDS, compile_kernel
+from flashsink.ops.build.config import KernelConfig
 
 pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 
@@ -76,7 +76,7 @@ def test_main_backward_with_dq_cast_compiles(monkeypatch):
     """config.DQ_CAST on (off until measured, docs/perf.md v17): the unsplit fast main backward casts dQ
     itself (bwd_ws.build_bwd_ws(dq_cast=True)): its counts' acq_rel atomic, the fp32 rows' TMA load back
     and the dQ stores build for sm_90a."""
-    from flashsink.ops import config
+    from flashsink.ops.build import config
 
     monkeypatch.setattr(config, "DQ_CAST", True)
     cfg = _cfg("sm_90a", "bwd", precision="fast", dtype="float16", head_dim=128, head_dim_v=128)
@@ -85,7 +85,7 @@ def test_main_backward_with_dq_cast_compiles(monkeypatch):
     assert "AtomicAddRet" in src and "DqCount" in src and "half_t* __restrict__ dQ" in src
     # the rows' load back is issued by the dQ warp as a whole (one lane elected of 32): elected under
     # its one counting thread, the first build hung on the H200 (docs/perf.md v18)
-    from flashsink.ops.compile import narrow_elections
+    from flashsink.ops.build.compile import narrow_elections
 
     assert narrow_elections(src) == [] and "tl_shuffle_elect<32>" in src
 
@@ -131,8 +131,8 @@ def test_swapped_grid_main_backward_compiles():
     ``ws=False``), the launch order's TIR but for the grid's bindings."""
     import tilelang
 
-    from flashsink.ops.bwd import build_bwd
-    from flashsink.ops.compile import pass_configs
+    from flashsink.ops.kernels.bwd import build_bwd
+    from flashsink.ops.build.compile import pass_configs
 
     cfg = _cfg("sm_90a", "bwd", precision="strict")
     func = build_bwd(cfg, ws=False, swap=True)
@@ -158,9 +158,9 @@ def test_strict_preprocess_options_compile(arch, opts):
     them, and lpt needs a padded layout."""
     import tilelang
 
-    from flashsink.ops.bwd import build_preprocess
-    from flashsink.ops.compile import build_prim_func, pass_configs
-    from flashsink.ops.config import pre_branch, pre_lpt
+    from flashsink.ops.kernels.bwd import build_preprocess
+    from flashsink.ops.build.compile import build_prim_func, pass_configs
+    from flashsink.ops.build.config import pre_branch, pre_lpt
 
     cfg = _cfg(arch, "preprocess", precision="strict")
     func = build_preprocess(cfg, **opts)
@@ -186,8 +186,8 @@ def test_kvcache_gathers_through_a_shared_page_table(arch):
 
     import tilelang
 
-    from flashsink.ops.compile import pass_configs
-    from flashsink.ops.fwd_kvcache import build_fwd_kvcache
+    from flashsink.ops.build.compile import pass_configs
+    from flashsink.ops.kernels.fwd_kvcache import build_fwd_kvcache
 
     func = build_fwd_kvcache(_cfg(arch, "fwd_kvcache", layout="bshd"))
     src = tilelang.compile(func, target={"kind": "cuda", "arch": arch}, execution_backend="tvm_ffi",
@@ -208,8 +208,8 @@ def test_kvcache_prefetch_loads_the_next_tile_into_registers():
 
     import tilelang
 
-    from flashsink.ops.compile import pass_configs
-    from flashsink.ops.fwd_kvcache import build_fwd_kvcache
+    from flashsink.ops.build.compile import pass_configs
+    from flashsink.ops.kernels.fwd_kvcache import build_fwd_kvcache
 
     cfg = _cfg("sm_90a", "fwd_kvcache", layout="bshd")
     assert build_fwd_kvcache(cfg).script() == build_fwd_kvcache(cfg, prefetch=True).script()
@@ -240,8 +240,8 @@ def test_kvcache_aligned_loads_each_tile_as_one_tma_box():
 
     import tilelang
 
-    from flashsink.ops.compile import pass_configs
-    from flashsink.ops.fwd_kvcache import build_fwd_kvcache
+    from flashsink.ops.build.compile import pass_configs
+    from flashsink.ops.kernels.fwd_kvcache import build_fwd_kvcache
 
     cfg = _cfg("sm_90a", "fwd_kvcache", layout="bshd")
     with pytest.raises(ValueError, match="prefetch=False"):
@@ -277,7 +277,7 @@ def test_split_kv_kernels_mask_only_the_partial_key_tiles(kind, layout):
     key-loop instructions (sm_90a SASS, 870 -> 503 a wholly visible tile; ``fwd_kvcache``'s gather 1,452 -> 1,069,
     docs/perf.md v30). The GPU suite checks the outputs (decode and kvcache cases with windows, lengths off the
     tiles, several query rows, chunks)."""
-    from flashsink.ops.compile import build_prim_func
+    from flashsink.ops.build.compile import build_prim_func
 
     lines = build_prim_func(kind, _cfg("sm_90a", kind, layout=layout)).script().splitlines()
     loop = next(i for i, line in enumerate(lines) if line.strip().startswith("for kb in"))
@@ -295,8 +295,8 @@ def test_split_kv_kernels_mask_only_the_partial_key_tiles(kind, layout):
     ends = [i for i in range(other + 1, len(body)) if body[i].strip() and _indent(body[i]) <= _indent(body[other])]
     assert all(i < ends[0] for i in masks)
     # branch=False (tools/kvcache_variants.py's "masked" rows): the mask on every tile, no branch
-    from flashsink.ops.fwd_kvcache import build_fwd_kvcache
-    from flashsink.ops.fwd_split import build_fwd_split
+    from flashsink.ops.kernels.fwd_kvcache import build_fwd_kvcache
+    from flashsink.ops.kernels.fwd_split import build_fwd_split
 
     build = build_fwd_split if kind == "fwd_split" else build_fwd_kvcache
     masked = build(_cfg("sm_90a", kind, layout=layout), branch=False).script()

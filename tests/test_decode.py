@@ -1,4 +1,4 @@
-"""Split-KV decode (``flashsink.ops.decode``): when it is chosen, how many splits, and the merge of
+"""Split-KV decode (``flashsink.ops.launch.decode``): when it is chosen, how many splits, and the merge of
 the partials, on the CPU against the reference (the GPU tests run the kernel itself)."""
 
 from dataclasses import replace
@@ -8,8 +8,8 @@ import torch
 
 from flashsink import reference
 from flashsink._validate import validate_attention
-from flashsink.ops.config import KernelConfig
-from flashsink.ops.decode import combine_splits, n_splits_for, use_split
+from flashsink.ops.build.config import KernelConfig
+from flashsink.ops.launch.decode import combine_splits, n_splits_for, use_split
 from flashsink.testing import check_precision
 
 

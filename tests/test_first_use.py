@@ -16,10 +16,10 @@ import threading
 import pytest
 
 from flashsink.errors import CompileError
-from flashsink.ops import compile as compile_mod
-from flashsink.ops import kinds
-from flashsink.ops import config as config_mod
-from flashsink.ops.config import KernelConfig
+from flashsink.ops.build import compile as compile_mod
+from flashsink.ops.build import kinds
+from flashsink.ops.build import config as config_mod
+from flashsink.ops.build.config import KernelConfig
 
 pytestmark = pytest.mark.l0
 

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from flashsink.ops.config import KernelConfig, Tiles, fwd_fold, fwd_mask, fwd_tiles, fwd_ws
+from flashsink.ops.build.config import KernelConfig, Tiles, fwd_fold, fwd_mask, fwd_tiles, fwd_ws
 
 
 def _cfg(arch, **over):
@@ -20,7 +20,7 @@ def _cfg(arch, **over):
 def _script(cfg, **opts):
     """The pipelined kernel's script (the options are its own; fwd_ws.py's kernel has tests of its own,
     tests/test_fwd_ws.py), unless ``ws`` is given."""
-    from flashsink.ops.fwd import build_fwd
+    from flashsink.ops.kernels.fwd import build_fwd
 
     opts.setdefault("ws", False)
     return build_fwd(cfg, **opts).script()
@@ -29,7 +29,7 @@ def _script(cfg, **opts):
 @pytest.mark.l0
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
 def test_default_options_are_the_library_kernel(arch):
-    from flashsink.ops.compile import build_prim_func
+    from flashsink.ops.build.compile import build_prim_func
 
     cfg = _cfg(arch)
     lib = build_prim_func("fwd", cfg).script()
@@ -66,7 +66,7 @@ def test_tiles_option(tiles):
 
 @pytest.mark.l0
 def test_unknown_mask_is_a_value_error():
-    from flashsink.ops.fwd import build_fwd
+    from flashsink.ops.kernels.fwd import build_fwd
 
     with pytest.raises(ValueError, match="mask must be one of"):
         build_fwd(_cfg("sm_90a"), mask="bogus")
@@ -77,8 +77,8 @@ def _lower(arch, **opts):
     import tilelang
     import tvm
 
-    from flashsink.ops.compile import pass_configs
-    from flashsink.ops.fwd import build_fwd
+    from flashsink.ops.build.compile import pass_configs
+    from flashsink.ops.kernels.fwd import build_fwd
 
     target = {"kind": "cuda", "arch": arch}
     with tvm.transform.PassContext(opt_level=3, config=pass_configs()), tvm.target.Target(target):
@@ -110,8 +110,8 @@ def test_split_mask_lowers(arch):
 def test_options_compile(arch, opts):
     import tilelang
 
-    from flashsink.ops.compile import pass_configs
-    from flashsink.ops.fwd import build_fwd
+    from flashsink.ops.build.compile import pass_configs
+    from flashsink.ops.kernels.fwd import build_fwd
 
     kernel = tilelang.compile(build_fwd(_cfg(arch), **opts), target={"kind": "cuda", "arch": arch},
                               execution_backend="tvm_ffi", pass_configs=pass_configs())

@@ -1,4 +1,4 @@
-"""The hand warp-specialized forward (``ops/fwd_ws.py``, ``build_fwd(..., ws=True)``) builds to TIR for
+"""The hand warp-specialized forward (``ops/kernels/fwd_ws.py``, ``build_fwd(..., ws=True)``) builds to TIR for
 Hopper in the configurations tools/fwd_variants.py times, with the launch protocol of the pipelined
 forward; it refuses what it does not support. Lowering only, plus one nvcc compile (the GPU check of
 its o and lse is tools/fwd_variants.py's, against the pipelined kernel, and the GPU suite's wherever
@@ -10,10 +10,10 @@ import pytest
 
 pytest.importorskip("tilelang")
 
-from flashsink.ops import fwd  # noqa: E402
-from flashsink.ops.config import FWD_PIN_WAIT as PIN  # noqa: E402
-from flashsink.ops.config import FWD_WINDOW_ROWS_D64, KernelConfig, Tiles  # noqa: E402
-from flashsink.ops.fwd_ws import consumer_regs  # noqa: E402
+from flashsink.ops.kernels import fwd  # noqa: E402
+from flashsink.ops.build.config import FWD_PIN_WAIT as PIN  # noqa: E402
+from flashsink.ops.build.config import FWD_WINDOW_ROWS_D64, KernelConfig, Tiles  # noqa: E402
+from flashsink.ops.kernels.fwd_ws import consumer_regs  # noqa: E402
 
 pytestmark = pytest.mark.l0
 
@@ -73,8 +73,8 @@ def test_ws_refuses_options_it_has_not():
 def test_fold_is_the_default_and_fwd_unfolded_the_other(d):
     """config.fwd_fold: the library's forward folds the scale (positive scales); the kind
     fwd_unfolded is the same kernel scaling each logit first (scale <= 0)."""
-    from flashsink.ops.compile import build_prim_func
-    from flashsink.ops.config import fwd_fold
+    from flashsink.ops.build.compile import build_prim_func
+    from flashsink.ops.build.config import fwd_fold
 
     cfg = _cfg(d=d)
     assert fwd_fold(cfg)
@@ -104,8 +104,8 @@ def test_tma_epilogue_stores_each_warpgroups_rows_by_tma(d, layout):
     after a proxy fence and the warpgroup's barrier; the issuing thread waits for its stores to have read the
     buffer before the next tile writes it and before the program exits. Refused where a box could write past
     a sequence into the next one (thd), and with chain or o32."""
-    from flashsink.ops.config import fwd_window_tiles
-    from flashsink.ops.fwd_ws import build_fwd_ws
+    from flashsink.ops.build.config import fwd_window_tiles
+    from flashsink.ops.kernels.fwd_ws import build_fwd_ws
 
     cfg = _cfg("bfloat16" if d == 64 else "float16", d, layout)
     t = fwd_window_tiles(cfg)
@@ -130,9 +130,9 @@ def test_tma_epilogue_compiles_for_hopper():
     the wait for its reads (ptxas -v on the CPU host, docs/perf.md v26: 128 registers, no spill, as with "wg")."""
     import subprocess
 
-    from flashsink.ops.compile import _compile_args, _jit
-    from flashsink.ops.config import fwd_window_tiles
-    from flashsink.ops.fwd_ws import build_fwd_ws
+    from flashsink.ops.build.compile import _compile_args, _jit
+    from flashsink.ops.build.config import fwd_window_tiles
+    from flashsink.ops.kernels.fwd_ws import build_fwd_ws
 
     cfg = _cfg("bfloat16", 64, "bshd")
     f = build_fwd_ws(cfg, fwd_window_tiles(cfg), fold=True, epilogue="tma", q_slots=2, pack_gqa=True,
@@ -144,7 +144,7 @@ def test_tma_epilogue_compiles_for_hopper():
 def test_per_sm_launches_several_programs_an_sm():
     """build_fwd_ws(per_sm=2): __launch_bounds__' minimum blocks and a grid of twice the programs; a count
     that leaves the consumers too few registers is refused, naming the argument."""
-    from flashsink.ops.fwd_ws import PERSISTENT_CTAS, build_fwd_ws
+    from flashsink.ops.kernels.fwd_ws import PERSISTENT_CTAS, build_fwd_ws
 
     cfg = _cfg(d=64, layout="bshd")
     one = build_fwd_ws(cfg, Tiles(64, 64, 128, 3), fold=True, pingpong=False, epilogue="wg", q_slots=2,
@@ -165,7 +165,7 @@ def test_ws_compiles_for_hopper():
     gpt-oss's full layers."""
     import tilelang
 
-    from flashsink.ops.compile import pass_configs
+    from flashsink.ops.build.compile import pass_configs
 
     func = fwd.build_fwd(_cfg(d=64), tiles=Tiles(128, 128, 256, 2), ws=True)
     kern = tilelang.compile(func, target={"kind": "cuda", "arch": "sm_90a"}, execution_backend="tvm_ffi",
@@ -186,8 +186,8 @@ def test_ws_compiles_for_hopper():
 def test_library_forward_is_ws_where_config_says(cfg, want):
     """config.fwd_ws picks the hand kernel for the library's forward (Hopper, equal head dims 64 or
     128), with 192-row tiles at D64; elsewhere the pipelined kernel."""
-    from flashsink.ops.compile import build_prim_func
-    from flashsink.ops.config import fwd_tiles, fwd_ws
+    from flashsink.ops.build.compile import build_prim_func
+    from flashsink.ops.build.config import fwd_tiles, fwd_ws
 
     assert fwd_ws(cfg) == want
     text = build_prim_func("fwd", cfg).script()
@@ -219,10 +219,10 @@ def test_the_forward_options_follow_the_head_dim(cfg, opts):
     next test's."""
     import dataclasses
 
-    from flashsink.ops.compile import build_prim_func
-    from flashsink.ops.config import fwd_fold, fwd_o32, fwd_o32_tiles, fwd_tiles, fwd_ws, fwd_ws_options
-    from flashsink.ops.fwd_ws import build_fwd_ws
-    from flashsink.ops.kinds import KINDS
+    from flashsink.ops.build.compile import build_prim_func
+    from flashsink.ops.build.config import fwd_fold, fwd_o32, fwd_o32_tiles, fwd_tiles, fwd_ws, fwd_ws_options
+    from flashsink.ops.kernels.fwd_ws import build_fwd_ws
+    from flashsink.ops.build.kinds import KINDS
 
     assert fwd_ws_options(cfg) == opts
     assert [k for k in KINDS if k.startswith("fwd")] == ["fwd", "fwd_unfolded", "fwd_window", "fwd_o32", "fwd_split",
@@ -268,10 +268,10 @@ def test_fwd_window_is_the_packed_forward_with_64_key_tiles(cfg, tiles):
     them by TMA (epilogue "tma", docs/perf.md v27; packed batches "wg", 16 bytes a thread, v24), two Q
     slots (head dim 128 since v26), folded as the forward is; elsewhere the kind is not built and the
     forward's tiles stand."""
-    from flashsink.ops.compile import build_prim_func
-    from flashsink.ops.config import WINDOW_TILES_MAX, fwd_fold, fwd_tiles, fwd_window_tiles, fwd_windowed
-    from flashsink.ops.fwd_ws import build_fwd_ws
-    from flashsink.ops.kinds import KINDS, kinds_for
+    from flashsink.ops.build.compile import build_prim_func
+    from flashsink.ops.build.config import WINDOW_TILES_MAX, fwd_fold, fwd_tiles, fwd_window_tiles, fwd_windowed
+    from flashsink.ops.kernels.fwd_ws import build_fwd_ws
+    from flashsink.ops.build.kinds import KINDS, kinds_for
 
     assert WINDOW_TILES_MAX == 128
     want = tiles is not None
@@ -295,7 +295,7 @@ def test_sink_early_loads_the_sinks_before_the_wait_for_q():
     """build_fwd_ws(sink_early=True) (an option for tools/fwd_variants.py, docs/perf.md v28): a row tile's sink
     logits are loaded before the consumers' wait for Q and turned into the softmax's state after it (and, for a
     tile without keys, just before its epilogue); without sinks nothing is loaded; not with chain or wg_ranges."""
-    from flashsink.ops.fwd_ws import build_fwd_ws
+    from flashsink.ops.kernels.fwd_ws import build_fwd_ws
 
     kw = dict(fold=True, epilogue="tma", q_slots=2, pack_gqa=True, mask_limits=True)
     cfg, t = _cfg(d=64, layout="bshd"), Tiles(192, 64, 384, 3)
@@ -318,8 +318,8 @@ def test_fwd_window_takes_256_rows_at_head_dim_64_where_the_group_packs(monkeypa
     patched here so the test holds whatever the default): the windowed kind's tiles at head dim 64 take 256
     rows where the group packs into them and 192 where it does not, and the kernel is built with four
     consumer warpgroups (640 threads, setmaxnreg 112 for the consumers)."""
-    from flashsink.ops import config
-    from flashsink.ops.fwd_ws import build_fwd_ws
+    from flashsink.ops.build import config
+    from flashsink.ops.kernels.fwd_ws import build_fwd_ws
 
     monkeypatch.setattr(config, "FWD_WINDOW_ROWS_D64", 256)
     cfg = _cfg(d=64, layout="bshd", groups=groups)
@@ -335,11 +335,11 @@ def test_fwd_window_takes_256_rows_at_head_dim_64_where_the_group_packs(monkeypa
     (128, -0.125, "fwd_unfolded"), (1 << 30, 0.0, "fwd_unfolded"),
 ])
 def test_the_forward_kind_follows_window_and_scale(window, scale, want):
-    """interface._fwd_kind: a scale <= 0 takes the unfolded forward, whatever the window; a window of at
+    """dense._fwd_kind: a scale <= 0 takes the unfolded forward, whatever the window; a window of at
     most WINDOW_TILES_MAX keys the windowed tiles where the group packs (gpt-oss's 8 heads at head dims
     64 and 128); else the forward. A group that does not pack has no windowed kind; sm_80 has one
     forward, unfolded."""
-    from flashsink.ops.interface import _fwd_kind
+    from flashsink.ops.launch.dense import _fwd_kind
 
     assert _fwd_kind(_cfg(d=64), window, scale) == want
     assert _fwd_kind(_cfg(d=128), window, scale) == want
@@ -351,9 +351,9 @@ def test_exp2_fma_option_builds_and_leaves_the_default_alone():
     """``build_fwd_ws(fma_every=k)`` (tools/fwd_variants.py's "ws/fold/fma8", measured slower: not a
     default): one column group of 8 in every k takes ``softmax.exp2_fma``; the default kernel (k = 0)
     has no polynomial; the launch is the same."""
-    from flashsink.ops.compile import build_prim_func
-    from flashsink.ops.fwd_ws import build_fwd_ws
-    from flashsink.ops.softmax import _EXP2_POLY
+    from flashsink.ops.build.compile import build_prim_func
+    from flashsink.ops.kernels.fwd_ws import build_fwd_ws
+    from flashsink.ops.tir.softmax import _EXP2_POLY
 
     cfg = _cfg(d=64)
     lib = build_prim_func("fwd", cfg)
@@ -372,7 +372,7 @@ def test_exp2_fma_arithmetic():
     tools/fwd_variants.py against the MUFU kernel.)"""
     import numpy as np
 
-    from flashsink.ops.softmax import _EXP2_POLY, _ROUNDER
+    from flashsink.ops.tir.softmax import _EXP2_POLY, _ROUNDER
 
     x = np.concatenate([np.linspace(-130, 1, 400_001), [-np.inf, np.nan, 0.0]]).astype(np.float32)
     r = np.float32(_ROUNDER)
@@ -396,8 +396,8 @@ def test_o32_option_adds_an_fp32_output_and_a_second_pv_term(d, tiles):
     "ws/fold/o32"): the default launch plus one output, ``O32`` (o's shape, fp32), stored
     from the normalized accumulator; P @ V issued as two products (hi and lo: one more wgmma in the
     loop and one in the tail) and waited for accordingly; the fast configuration refuses it."""
-    from flashsink.ops.compile import build_prim_func
-    from flashsink.ops.fwd_ws import build_fwd_ws
+    from flashsink.ops.build.compile import build_prim_func
+    from flashsink.ops.kernels.fwd_ws import build_fwd_ws
 
     cfg = _cfg(d=d)
     lib = build_prim_func("fwd", cfg)
@@ -421,7 +421,7 @@ def test_register_epilogue_option_drops_the_consumer_barriers(d, tiles):
     launch; o stored from a register fragment in the input dtype instead of staged in shared memory, so
     the two barriers of every consumer thread at a tile's end (barrier CONSUMER_BARRIER) are gone and the
     ping-pong's barriers stay; the default ("smem") is what build_fwd_ws builds unasked; another value is refused."""
-    from flashsink.ops.fwd_ws import CONSUMER_BARRIER, PINGPONG_BARRIER, build_fwd_ws
+    from flashsink.ops.kernels.fwd_ws import CONSUMER_BARRIER, PINGPONG_BARRIER, build_fwd_ws
 
     cfg = _cfg(d=d)
     func = build_fwd_ws(cfg, tiles, fold=True, epilogue="regs")
@@ -446,7 +446,7 @@ def test_double_buffered_q_option(epilogue):
     shared buffer and a second pair of barriers, each tile's slot and phase from the count of query tiles
     gone through (``q_done % 2``, ``(q_done // 2) & 1``), as the K/V rings do; the same launch. One slot is
     what build_fwd_ws builds unasked, TIR for TIR; slot counts other than 1-3 are refused."""
-    from flashsink.ops.fwd_ws import build_fwd_ws
+    from flashsink.ops.kernels.fwd_ws import build_fwd_ws
 
     cfg, tiles = _cfg(d=64), Tiles(128, 128, 256, 2)
     func = build_fwd_ws(cfg, tiles, fold=True, epilogue=epilogue, q_slots=2)
@@ -471,7 +471,7 @@ def test_warpgroup_epilogue_option(d, tiles, opts):
     the staged epilogue's shared buffer, swizzled, but each consumer warpgroup meets only its own 128
     threads around its rows (barrier STORE_BARRIER + wg, twice a tile), never the others (no barrier of
     every consumer thread) and still takes the ping-pong's turns; the same launch."""
-    from flashsink.ops.fwd_ws import CONSUMER_BARRIER, PINGPONG_BARRIER, STORE_BARRIER, build_fwd_ws
+    from flashsink.ops.kernels.fwd_ws import CONSUMER_BARRIER, PINGPONG_BARRIER, STORE_BARRIER, build_fwd_ws
 
     cfg = _cfg(d=d)
     func = build_fwd_ws(cfg, tiles, fold=True, epilogue="wg", **opts)
@@ -489,7 +489,7 @@ def test_warpgroup_epilogue_option(d, tiles, opts):
 
 def test_warpgroup_epilogue_refuses_head_dims_it_cannot_tile():
     """A warpgroup's 64 rows in 16-byte runs over 128 threads: value head dims that are multiples of 16."""
-    from flashsink.ops.fwd_ws import build_fwd_ws
+    from flashsink.ops.kernels.fwd_ws import build_fwd_ws
 
     cfg = KernelConfig("sm_90a", "bfloat16", 64, 40, 8, True, True, "bhsd")
     with pytest.raises(NotImplementedError, match="multiples of 16; got 40"):
@@ -502,8 +502,8 @@ def test_warpgroup_epilogue_stores_16_bytes_a_thread():
     wide (where the register epilogue's are 4: half a 32-byte sector, docs/perf.md v24)."""
     import tilelang
 
-    from flashsink.ops.compile import pass_configs
-    from flashsink.ops.fwd_ws import build_fwd_ws
+    from flashsink.ops.build.compile import pass_configs
+    from flashsink.ops.kernels.fwd_ws import build_fwd_ws
 
     func = build_fwd_ws(_cfg(d=64, layout="bshd"), Tiles(192, 64, 384, 3), fold=True, epilogue="wg", q_slots=2,
                         pack_gqa=True)
@@ -520,7 +520,7 @@ def test_q_ahead_option(slots):
     the producer loads the next tile's Q before this tile's K and V, and the first tile's before the loop,
     so each step visits up to two tiles' coordinates; the consumers are unchanged. Off is what build_fwd_ws
     builds unasked; one Q slot is refused (the next tile's Q would wait for this tile's last S product)."""
-    from flashsink.ops.fwd_ws import build_fwd_ws
+    from flashsink.ops.kernels.fwd_ws import build_fwd_ws
 
     cfg, tiles = _cfg(d=64), Tiles(192, 64, 384, 3)
     func = build_fwd_ws(cfg, tiles, fold=True, epilogue="wg", q_slots=slots, pack_gqa=True, q_ahead=True)
@@ -543,7 +543,7 @@ def test_chain_option(epilogue):
     the next tile's first softmax; the consumers take one more step, which flushes the last tile. Every
     product is followed by its wait unconditionally (ptxas serializes the wgmma pipeline otherwise); the
     launch is the same, and off it is the kernel built without it, TIR for TIR."""
-    from flashsink.ops.fwd_ws import build_fwd_ws
+    from flashsink.ops.kernels.fwd_ws import build_fwd_ws
 
     cfg, tiles = _cfg(d=64), Tiles(192, 64, 384, 3)
     opts = dict(fold=True, epilogue=epilogue, q_slots=2, pack_gqa=True, mask_limits=True)
@@ -568,7 +568,7 @@ def test_chain_option(epilogue):
     ({"wg_ranges": True, "pack_gqa": False}, "chain=True supports"),
 ])
 def test_chain_refuses_what_it_cannot_pend(opts, match):
-    from flashsink.ops.fwd_ws import build_fwd_ws
+    from flashsink.ops.kernels.fwd_ws import build_fwd_ws
 
     cfg = KernelConfig("sm_90a", "bfloat16", 64, 64, 8, True, True, "bhsd",
                        precision="strict" if opts.get("o32") else "fast")
@@ -584,8 +584,8 @@ def test_chain_compiles_for_hopper():
     next tile's first S, and alone where a tile has no keys or the program ends)."""
     import tilelang
 
-    from flashsink.ops.compile import pass_configs
-    from flashsink.ops.fwd_ws import build_fwd_ws
+    from flashsink.ops.build.compile import pass_configs
+    from flashsink.ops.kernels.fwd_ws import build_fwd_ws
 
     func = build_fwd_ws(_cfg(d=64, layout="bshd"), Tiles(192, 64, 384, 3), fold=True, epilogue="wg", q_slots=2,
                         pack_gqa=True, mask_limits=True, chain=True)
@@ -602,7 +602,7 @@ def test_pack_gqa_option_packs_a_group_into_one_tile():
     per head into its rows of the one buffer; each row's position (mask, o, lse) is ``p0 + i % P`` and
     its head (sink, o, lse) ``h0 + i // P``; the tiles run over KV heads; the launch is the same. Off, it
     is the kernel built without it, TIR for TIR."""
-    from flashsink.ops.fwd_ws import build_fwd_ws
+    from flashsink.ops.kernels.fwd_ws import build_fwd_ws
 
     cfg, tiles = _cfg(d=64), Tiles(192, 128, 384, 2)
     packed = build_fwd_ws(cfg, tiles, fold=True, epilogue="regs", q_slots=2, pack_gqa=True)
@@ -631,8 +631,8 @@ def test_library_forward_packs_gqa_where_it_fits(cfg, packs):
     kernel where ``config.pack_gqa_fits`` (measured on the H200, docs/perf.md v18: o and lse bitwise
     equal to the unpacked kernel, gpt-oss SWA 1.11x, varlen 1.36-1.39x), TIR for TIR, and the unpacked
     one elsewhere; custom tiles that cannot pack fall back instead of refusing."""
-    from flashsink.ops.config import fwd_tiles, fwd_ws_options, pack_gqa_fits
-    from flashsink.ops.fwd_ws import build_fwd_ws
+    from flashsink.ops.build.config import fwd_tiles, fwd_ws_options, pack_gqa_fits
+    from flashsink.ops.kernels.fwd_ws import build_fwd_ws
 
     tiles = fwd_tiles(cfg)
     opts = fwd_ws_options(cfg)
@@ -656,7 +656,7 @@ def test_library_forward_packs_gqa_where_it_fits(cfg, packs):
     (_cfg(d=128, groups=3), 128),  # nor at D128
 ])
 def test_pack_gqa_refuses_what_it_cannot_pack(cfg, bm):
-    from flashsink.ops.fwd_ws import build_fwd_ws
+    from flashsink.ops.kernels.fwd_ws import build_fwd_ws
 
     with pytest.raises(NotImplementedError, match="pack_gqa"):
         build_fwd_ws(cfg, Tiles(bm, 128, bm * 2, 2), fold=True, pack_gqa=True)
@@ -668,8 +668,8 @@ def test_pack_gqa_compiles_for_hopper():
     announcing its own 3072 bytes on the one Q barrier before the producer's single arrival."""
     import tilelang
 
-    from flashsink.ops.compile import pass_configs
-    from flashsink.ops.fwd_ws import build_fwd_ws
+    from flashsink.ops.build.compile import pass_configs
+    from flashsink.ops.kernels.fwd_ws import build_fwd_ws
 
     func = build_fwd_ws(_cfg(d=64), Tiles(192, 128, 384, 2), fold=True, epilogue="regs", q_slots=2, pack_gqa=True)
     kern = tilelang.compile(func, target={"kind": "cuda", "arch": "sm_90a"}, execution_backend="tvm_ffi",
@@ -686,8 +686,8 @@ def test_pack_gqa_compiles_at_head_dim_128():
     ``hc * 8192 + g * 1024`` elements; nvcc builds it, and no lane is elected under a narrow branch."""
     import tilelang
 
-    from flashsink.ops.compile import narrow_elections, pass_configs
-    from flashsink.ops.fwd_ws import build_fwd_ws
+    from flashsink.ops.build.compile import narrow_elections, pass_configs
+    from flashsink.ops.kernels.fwd_ws import build_fwd_ws
 
     func = build_fwd_ws(_cfg("float16", 128), Tiles(128, 128, 256, 2), fold=True, pack_gqa=True)
     kern = tilelang.compile(func, target={"kind": "cuda", "arch": "sm_90a"}, execution_backend="tvm_ffi",
@@ -703,7 +703,7 @@ def test_pack_gqa_on_packed_batches():
     slots per KV head), a sequence's tile is found with that block, and rows past a sequence's end
     (the next sequence's) are neither stored nor counted in the lse. Off, the kernel is the one
     built without the option."""
-    from flashsink.ops.fwd_ws import build_fwd_ws
+    from flashsink.ops.kernels.fwd_ws import build_fwd_ws
 
     cfg, tiles = _cfg(d=64, layout="thd"), Tiles(192, 128, 384, 2)
     packed = build_fwd_ws(cfg, tiles, fold=True, epilogue="regs", q_slots=2, pack_gqa=True)
@@ -730,7 +730,7 @@ def test_wg_ranges_option(d, tiles, opts):
     as they land, and issues its last P V inside the loop (its V slot free before the skipped tiles
     after it). Every warpgroup still takes one ping-pong turn per KV tile of the query tile. Off, the
     kernel is the one built without the option, TIR for TIR."""
-    from flashsink.ops.fwd_ws import build_fwd_ws
+    from flashsink.ops.kernels.fwd_ws import build_fwd_ws
 
     cfg = _cfg(d=d, dtype="float16" if d == 128 else "bfloat16")
     plain = build_fwd_ws(cfg, tiles, fold=True, **opts)
@@ -754,7 +754,7 @@ def test_wg_ranges_option(d, tiles, opts):
 
 
 def test_wg_ranges_refuses_pack_and_o32():
-    from flashsink.ops.fwd_ws import build_fwd_ws
+    from flashsink.ops.kernels.fwd_ws import build_fwd_ws
 
     with pytest.raises(ValueError, match="wg_ranges"):
         build_fwd_ws(_cfg(d=64), Tiles(192, 64, 384, 3), fold=True, wg_ranges=True, pack_gqa=True)
@@ -782,7 +782,7 @@ def test_pin_wait_option_stores_l_before_each_wait_for_pv(d, tiles, opts):
     softmax (ptxas otherwise hoists that wait above the softmax, docs/perf.md v20); the other waits
     (the first tile's S, the last tile's P V) stay as they are, and so does everything else: the option
     off is what build_fwd_ws builds unasked, TIR for TIR."""
-    from flashsink.ops.fwd_ws import build_fwd_ws
+    from flashsink.ops.kernels.fwd_ws import build_fwd_ws
 
     precision = "strict" if opts.get("o32") else "fast"
     cfg = KernelConfig("sm_90a", "bfloat16", d, d, 8, True, True, "bhsd", False, precision)
@@ -810,8 +810,8 @@ def test_key_limits_mask_exactly_the_invisible_keys():
     import itertools
     import random
 
-    from flashsink.ops.config import NO_WINDOW
-    from flashsink.ops.mask import key_limits, visible
+    from flashsink.ops.build.config import NO_WINDOW
+    from flashsink.ops.tir.mask import key_limits, visible
 
     def select(cond, a, b):
         return a if cond else b
@@ -843,7 +843,7 @@ def test_mask_limits_option_masks_through_row_limits(d, tiles, opts):
     in the wgmma accumulator, and the per-element select compares the column with them instead of
     re-deriving the row's visibility; the wholly visible tiles' branch is unchanged, and the option off is
     what build_fwd_ws builds unasked."""
-    from flashsink.ops.fwd_ws import build_fwd_ws
+    from flashsink.ops.kernels.fwd_ws import build_fwd_ws
 
     cfg = _cfg(d=d)
     plain = build_fwd_ws(cfg, tiles, fold=True, **opts)
@@ -874,7 +874,7 @@ def test_lazy_rescale_option_moves_the_pivot_past_its_threshold_and_votes(d, til
     old one by more than 8 (base 2), and the output's rescale after the P V wait runs under a warp's vote
     (``T.any_sync`` of the thread's rows' ``alpha != 1``); the option off is what build_fwd_ws builds
     unasked, and strict's o32 refuses it."""
-    from flashsink.ops.fwd_ws import build_fwd_ws
+    from flashsink.ops.kernels.fwd_ws import build_fwd_ws
 
     cfg = KernelConfig("sm_90a", "bfloat16", d, d, 8, True, True, "bhsd", False, "fast")
     plain = build_fwd_ws(cfg, tiles, fold=True, **opts).script()
@@ -903,7 +903,7 @@ def test_snake_option_changes_only_the_order_of_the_persistent_tiles(d, tiles):
     program's tiles take ``schedule.persistent_tile``'s snake order and ``persistent_steps``' count of turns;
     ``snake=False`` is round-robin (tile ``cta + step * n_ctas``); nothing else differs. Which tile each
     turn takes is tests/test_schedule.py's."""
-    from flashsink.ops.fwd_ws import build_fwd_ws
+    from flashsink.ops.kernels.fwd_ws import build_fwd_ws
 
     cfg = _cfg(d=d)
     snake = build_fwd_ws(cfg, tiles, fold=True).script()

@@ -1,5 +1,5 @@
 """The import graph of src/flashsink has no cycle, counting the imports inside functions too (a deferred
-import that closes a cycle hides a layer reaching back up: custom_ops -> interface -> custom_ops was
+import that closes a cycle hides a layer reaching back up: custom_ops -> dense -> custom_ops was
 one). Read from the source with ast: nothing is imported."""
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def _cycle(graph: dict):
 @pytest.mark.l0
 def test_no_import_cycle():
     graph = import_graph()
-    assert "flashsink.ops.interface" in graph["flashsink.ops.custom_ops"]  # the graph is read at all
+    assert "flashsink.ops.launch.dense" in graph["flashsink.ops.launch.custom_ops"]  # the graph is read at all
     cycle = _cycle(graph)
     assert cycle is None, " -> ".join(cycle)
 
@@ -90,3 +90,69 @@ def test_no_import_cycle():
 def test_the_cycle_finder_finds_one():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+#: what each layer of flashsink.ops may import from flashsink.ops (ops/__init__.py; each package's
+#: docstring says the same); a module of a layer may always import its own layer
+LAYERS = {
+    "flashsink.ops.build.config": set(),
+    "flashsink.ops.tir": {"flashsink.ops.build.config"},
+    "flashsink.ops.kernels": {"flashsink.ops.tir", "flashsink.ops.build.config"},
+    "flashsink.ops.build": set(),
+    "flashsink.ops.launch": {"flashsink.ops.build"},
+}
+#: what the modules outside flashsink.ops may import from it: the launch layer and the build layer
+#: (the CLI's cache and precompile commands, the configuration), never a kernel or a TIR piece
+OUTSIDE = {"flashsink.ops.launch", "flashsink.ops.build"}
+
+
+def _layer(module: str):
+    """The most specific LAYERS key that ``module`` belongs to, or None outside flashsink.ops."""
+    keys = [k for k in LAYERS if module == k or module.startswith(k + ".")]
+    return max(keys, key=len) if keys else None
+
+
+def _inside(module: str, prefixes) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+def layer_violations(graph: dict) -> list:
+    out = []
+    for module, targets in sorted(graph.items()):
+        layer = _layer(module)
+        for t in sorted(targets):
+            if not t.startswith("flashsink.ops.") or t == "flashsink.ops":
+                continue
+            if layer is None:
+                allowed = module == "flashsink.ops" or _inside(t, OUTSIDE)
+            else:
+                allowed = _inside(t, {layer} | LAYERS[layer]) and not (
+                    layer == "flashsink.ops.build.config" and t != layer)
+            if not allowed:
+                out.append(f"{module} -> {t}")
+    return out
+
+
+@pytest.mark.l0
+def test_layers_import_downward():
+    graph = import_graph()
+    assert "flashsink.ops.tir.mask" in graph["flashsink.ops.kernels.fwd"]  # the graph is read at all
+    assert layer_violations(graph) == []
+
+
+@pytest.mark.l0
+def test_the_layer_check_finds_an_upward_import():
+    graph = {"flashsink.ops.tir.mask": {"flashsink.ops.kernels.fwd"},
+             "flashsink.ops.launch.dense": {"flashsink.ops.kernels.bwd", "flashsink.ops.build.compile"},
+             "flashsink.ops.build.config": {"flashsink.ops.build.kinds"},
+             "flashsink.api": {"flashsink.ops.tir.layout", "flashsink.ops.launch.attention"}}
+    assert layer_violations(graph) == ["flashsink.api -> flashsink.ops.tir.layout",
+                                       "flashsink.ops.build.config -> flashsink.ops.build.kinds",
+                                       "flashsink.ops.launch.dense -> flashsink.ops.kernels.bwd",
+                                       "flashsink.ops.tir.mask -> flashsink.ops.kernels.fwd"]
+
+
+@pytest.mark.l0
+def test_every_ops_module_is_in_a_layer():
+    stray = [m for m in import_graph() if m.startswith("flashsink.ops.") and _layer(m) is None]
+    assert stray == [], "modules of flashsink.ops outside its four layer packages"

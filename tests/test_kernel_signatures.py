@@ -1,4 +1,4 @@
-"""The kernels' names and parameter lists: the launch protocol of ``ops/interface.py`` (which passes
+"""The kernels' names and parameter lists: the launch protocol of ``ops/launch/dense.py`` (which passes
 arguments positionally), written out for every layout and option that changes a signature.
 
 Each builder writes one prim_func for padded and packed (thd) batches; the packed kernels' extra
@@ -10,8 +10,8 @@ import pytest
 
 pytest.importorskip("tilelang")
 
-from flashsink.ops.compile import build_prim_func  # noqa: E402
-from flashsink.ops.config import KernelConfig  # noqa: E402
+from flashsink.ops.build.compile import build_prim_func  # noqa: E402
+from flashsink.ops.build.config import KernelConfig  # noqa: E402
 
 pytestmark = pytest.mark.l0
 

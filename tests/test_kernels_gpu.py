@@ -137,7 +137,7 @@ def test_default_path_is_stable(precision, n):
 @pytest.mark.l0
 def test_no_recompile_across_lengths():
     """One compiled kernel per static configuration serves every length."""
-    from flashsink.ops.compile import cache_size
+    from flashsink.ops.build.compile import cache_size
 
     def run(n, b):
         inp = make_inputs(b, 8, 2, n, n, 64, torch.bfloat16, "cuda")
@@ -243,7 +243,7 @@ def test_decode_runs_the_split_kernel(monkeypatch):
     """The decode cases above are judged by the standard; this checks they took the split-KV
     path (and a prefill did not), so the split kernel is what passed. (Which kernels are built says
     nothing: a configuration's first use builds every kernel it may launch.)"""
-    from flashsink.ops import decode
+    from flashsink.ops.launch import decode
 
     calls = []
     split = decode.forward_split

@@ -1,12 +1,12 @@
-"""The host side of the CUDA path on the CPU: which kernels ``interface`` / ``varlen`` launch, and
+"""The host side of the CUDA path on the CPU: which kernels ``launch.dense`` / ``varlen`` launch, and
 with exactly which arguments.
 
 The kernel cache answers a recorder for every key (no tilelang, no GPU), the architecture is
 reported as sm_90a or sm_80, and the launch functions run on CPU tensors. Every argument of
 every launch is checked: the caller's tensors passed in place, each buffer's shape, dtype and
 strides, the buffers that must arrive zeroed (or holding dlse), scalars with their types, and
-which buffers one launch hands to the next. This is the launch protocol of ops/fwd.py and
-ops/bwd.py, written out; it must not change when the host code is reorganised.
+which buffers one launch hands to the next. This is the launch protocol of ops/kernels/fwd.py and
+ops/kernels/bwd.py, written out; it must not change when the host code is reorganised.
 """
 
 from __future__ import annotations
@@ -18,14 +18,15 @@ import pytest
 import torch
 
 from flashsink._validate import validate_attention, validate_varlen
-from flashsink.ops import compile as compile_mod
-from flashsink.ops import attention, config, custom_ops, interface
-from flashsink.ops.config import LOG2E, NO_WINDOW, KernelConfig
+from flashsink.ops.build import compile as compile_mod
+from flashsink.ops.launch import attention, custom_ops, dense
+from flashsink.ops.build import config
+from flashsink.ops.build.config import LOG2E, NO_WINDOW, KernelConfig
 
 pytestmark = pytest.mark.l0
 
 
-#: the forward's kinds: one launch protocol (``interface._fwd_kind`` picks one per call)
+#: the forward's kinds: one launch protocol (``dense._fwd_kind`` picks one per call)
 FORWARDS = ("fwd", "fwd_unfolded", "fwd_window")
 
 
@@ -60,7 +61,7 @@ def launches(monkeypatch):
 
     monkeypatch.setattr(compile_mod, "_cache", Recorder())
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(interface, "_sm_count", lambda index: 132)
+    monkeypatch.setattr(dense, "_sm_count", lambda index: 132)
     return out
 
 
@@ -119,11 +120,11 @@ def _dense_inputs(case, dtype=torch.float16):
 def test_dense_forward_launch(monkeypatch, launches, arch, case):
     _arch(monkeypatch, arch)
     q, k, v, do, sinks, spec = _dense_inputs(case)
-    cfg = interface.kernel_config(spec, torch.device("cuda", 0), False)
+    cfg = dense.kernel_config(spec, torch.device("cuda", 0), False)
     assert cfg.arch == arch and cfg.layout == spec.layout
     window = NO_WINDOW if spec.window is None else spec.window
-    sinks32 = interface._sinks_f32(sinks, spec.heads, q.device)
-    o, lse = interface._forward(q, k, v, sinks32, cfg, spec, window)
+    sinks32 = dense._sinks_f32(sinks, spec.heads, q.device)
+    o, lse = dense._forward(q, k, v, sinks32, cfg, spec, window)
     (fw,) = launches
     assert fw.kind == "fwd" and fw.cfg == cfg and len(fw.args) == 8
     # a window of at most 128 keys takes the windowed tiles where the group packs (config.fwd_window_tiles)
@@ -158,9 +159,9 @@ def test_dense_forward_through_the_op_zeroes_lse_padding(monkeypatch, launches, 
 def test_decode_uses_the_split_forward(monkeypatch, launches):
     _arch(monkeypatch, "sm_90a")
     q, k, v, do, sinks, spec = _dense_inputs((2, 8, 2, 1, 700, 64, None, "bshd", True))
-    cfg = interface.kernel_config(spec, torch.device("cuda", 0), False)
-    sinks32 = interface._sinks_f32(sinks, spec.heads, q.device)
-    o, lse = interface._forward(q, k, v, sinks32, cfg, spec, NO_WINDOW)
+    cfg = dense.kernel_config(spec, torch.device("cuda", 0), False)
+    sinks32 = dense._sinks_f32(sinks, spec.heads, q.device)
+    o, lse = dense._forward(q, k, v, sinks32, cfg, spec, NO_WINDOW)
     fw, merge = launches
     assert fw.kind == "fwd_split" and len(fw.args) == 7
     for got, want in zip(fw.args[:3], (q, k, v)):
@@ -185,7 +186,7 @@ def test_kvcache_launches(monkeypatch, launches, paged, sinks):
     """attention_kvcache: the paged forward then the merge, nothing else; the caller's cache,
     lengths and block table in place (a contiguous cache with the identity table [[0], [1], ..])."""
     from flashsink._validate_kvcache import validate_kvcache
-    from flashsink.ops import kvcache
+    from flashsink.ops.launch import kvcache
 
     _arch(monkeypatch, "sm_90a")
     monkeypatch.setattr(kvcache, "_PLANS", {})  # plans hold the kernels: fetch the recorder's
@@ -331,15 +332,15 @@ def _fake_o(q, spec):
 def test_dense_backward_launches(monkeypatch, launches, arch, case, with_dlse, deterministic, precision):
     _arch(monkeypatch, arch)
     q, k, v, do, sinks, spec = _dense_inputs(case)
-    cfg = interface.kernel_config(spec, torch.device("cuda", 0), deterministic, precision)
+    cfg = dense.kernel_config(spec, torch.device("cuda", 0), deterministic, precision)
     assert cfg.precision == precision
     o = _fake_o(q, spec) if precision == "fast" else None
     window = NO_WINDOW if spec.window is None else spec.window
-    sinks32 = interface._sinks_f32(sinks, spec.heads, q.device)
+    sinks32 = dense._sinks_f32(sinks, spec.heads, q.device)
     rows = _rows(spec.seq_q)
     lse = torch.randn(spec.batch, spec.heads, rows)
     dlse = torch.randn(spec.batch, spec.heads, spec.seq_q) if with_dlse else None
-    result = interface._backward(do, q, k, v, o, lse, dlse, sinks32, cfg, spec, window)
+    result = dense._backward(do, q, k, v, o, lse, dlse, sinks32, cfg, spec, window)
     _check_backward(launches, cfg, spec, (q, k, v, do, o), lse, dlse, sinks32, result, lambda kind: (),
                     (spec.batch, spec.heads, rows), spec.seq_q)
 
@@ -351,12 +352,12 @@ def test_split_backward_launches(monkeypatch, launches, case):
     accumulator the preprocess zeroes, and the postprocess casts dQ, dK and dV, in that order, into
     the returned gradients."""
     _arch(monkeypatch, "sm_90a")
-    monkeypatch.setattr(interface, "_use_split", lambda cfg, spec, window, total_q=None: True)
+    monkeypatch.setattr(dense, "_use_split", lambda cfg, spec, window, total_q=None: True)
     q, k, v, do, sinks, spec = _dense_inputs(case)
-    cfg = interface.kernel_config(spec, torch.device("cuda", 0), False, "fast")
-    sinks32 = interface._sinks_f32(sinks, spec.heads, q.device)
+    cfg = dense.kernel_config(spec, torch.device("cuda", 0), False, "fast")
+    sinks32 = dense._sinks_f32(sinks, spec.heads, q.device)
     lse = torch.randn(spec.batch, spec.heads, _rows(spec.seq_q))
-    dq, dk, dv, _ = interface._backward(do, q, k, v, _fake_o(q, spec), lse, None, sinks32, cfg, spec, NO_WINDOW)
+    dq, dk, dv, _ = dense._backward(do, q, k, v, _fake_o(q, spec), lse, None, sinks32, cfg, spec, NO_WINDOW)
     assert [x.kind for x in launches] == ["preprocess", "bwd_split", "postprocess", "postprocess", "postprocess"]
     main = launches[1]
     dq_acc, dk_acc, dv_acc = main.args[-3:]
@@ -378,18 +379,18 @@ def test_dq_cast_backward_launches(monkeypatch, launches, case):
     preprocess (which zeroes the dQ accumulator) and the main kernel built with ``dq_cast``, which gets
     dQ and int32 counts ``[B, H, row blocks]`` arriving zeroed after dV, and no postprocess; the kinds a
     first use builds drop the postprocess where no split kernel needs it."""
-    from flashsink.ops import kinds
+    from flashsink.ops.build import kinds
 
     _arch(monkeypatch, "sm_90a")
     monkeypatch.setattr(config, "DQ_CAST", True)
-    monkeypatch.setattr(interface, "_use_split", lambda cfg, spec, window, total_q=None: False)
+    monkeypatch.setattr(dense, "_use_split", lambda cfg, spec, window, total_q=None: False)
     q, k, v, do, sinks, spec = _dense_inputs(case)
-    cfg = interface.kernel_config(spec, torch.device("cuda", 0), False, "fast")
+    cfg = dense.kernel_config(spec, torch.device("cuda", 0), False, "fast")
     assert config.bwd_dq_cast(cfg)
-    sinks32 = interface._sinks_f32(sinks, spec.heads, q.device)
+    sinks32 = dense._sinks_f32(sinks, spec.heads, q.device)
     lse = torch.randn(spec.batch, spec.heads, _rows(spec.seq_q))
     window = NO_WINDOW if spec.window is None else spec.window
-    dq, dk, dv, _ = interface._backward(do, q, k, v, _fake_o(q, spec), lse, None, sinks32, cfg, spec, window)
+    dq, dk, dv, _ = dense._backward(do, q, k, v, _fake_o(q, spec), lse, None, sinks32, cfg, spec, window)
     assert [x.kind for x in launches] == ["preprocess", "bwd"]
     pre, main = launches
     assert len(main.args) == 13  # q, k, v, do, lse, delta, window, scale, dq_acc, dk, dv, dq, count
@@ -414,7 +415,7 @@ def test_dq_cast_zeroes_rows_that_see_no_key(layout):
     for seq_q, seq_kv, causal, n0 in ((300, 100, True, 200), (300, 100, False, 0), (100, 300, True, 0),
                                       (50, 0, False, 50)):
         dq = torch.full((2, 3, seq_q, 8) if layout == "bhsd" else (2, seq_q, 3, 8), 7.0)
-        interface._zero_unseen_rows(dq, SimpleNamespace(seq_q=seq_q, seq_kv=seq_kv, causal=causal), layout)
+        dense._zero_unseen_rows(dq, SimpleNamespace(seq_q=seq_q, seq_kv=seq_kv, causal=causal), layout)
         rows = dq if layout == "bhsd" else dq.transpose(1, 2)
         assert torch.all(rows[:, :, :n0] == 0) and torch.all(rows[:, :, n0:] == 7.0)
 
@@ -422,7 +423,7 @@ def test_dq_cast_zeroes_rows_that_see_no_key(layout):
 def test_split_backward_is_chosen_for_long_rows(monkeypatch):
     """bwd_split runs where a KV tile sees at least BWD_SPLIT_MIN_ROWS rows and the configuration has
     a split (GQA, not deterministic, Hopper); windowed and short problems keep the unsplit kernel."""
-    from flashsink.ops.config import BWD_SPLIT_MIN_ROWS
+    from flashsink.ops.build.config import BWD_SPLIT_MIN_ROWS
 
     _arch(monkeypatch, "sm_90a")
     long_n = BWD_SPLIT_MIN_ROWS + 1
@@ -432,8 +433,8 @@ def test_split_backward_is_chosen_for_long_rows(monkeypatch):
                                         # the ws kernel's head dims run unsplit (config.bwd_split)
                                         (long_n, None, False, 2, 64, False), (long_n, None, False, 2, 128, False)):
         q, k, v, do, sinks, spec = _dense_inputs((1, 8, hk, n, n, d, window, "bhsd", True))
-        cfg = interface.kernel_config(spec, torch.device("cuda", 0), det, "fast")
-        assert interface._use_split(cfg, spec, interface.kernel_window(spec.window)) is want, (n, window, det, hk, d)
+        cfg = dense.kernel_config(spec, torch.device("cuda", 0), det, "fast")
+        assert dense._use_split(cfg, spec, dense.kernel_window(spec.window)) is want, (n, window, det, hk, d)
 
 
 def test_split_backward_for_packed_batches(monkeypatch, launches):
@@ -441,9 +442,9 @@ def test_split_backward_for_packed_batches(monkeypatch, launches):
     BWD_SPLIT_MIN_ROWS among short ones splits (its KV tiles are the kernel's tail); short sequences
     with a loose max_seqlen_q above every row of the batch do not; a window keeps the unsplit kernel.
     A loose max_seqlen_q below the packed rows still splits (the host knows no real length without
-    a sync; same gradients, only slower). The launch is the one interface._backward makes. (D256: the head
+    a sync; same gradients, only slower). The launch is the one dense._backward makes. (D256: the head
     dims of the ws kernel run unsplit.)"""
-    from flashsink.ops.config import BWD_SPLIT_MIN_ROWS as n
+    from flashsink.ops.build.config import BWD_SPLIT_MIN_ROWS as n
 
     _arch(monkeypatch, "sm_90a")
     for lens, max_q, window, want in (((5, n, 3, 0), n, None, True), ((5, n, 3, 0), n, 128, False),
@@ -451,12 +452,12 @@ def test_split_backward_for_packed_batches(monkeypatch, launches):
                                       ((300,) * 4, n, None, True)):
         q, k, v, do, sinks, cu_q, cu_k, spec = _varlen_inputs((lens, lens, 4, 2, 256, window, True))
         spec = validate_varlen(q, k, v, cu_q, cu_k, max_q, max_q, sinks, window=window, causal=True, scale=None)
-        cfg = interface.kernel_config(spec, torch.device("cuda", 0), False, "fast")
-        win = interface.kernel_window(spec.window)
-        assert interface._use_split(cfg, spec, win, q.shape[0]) is want, (lens, max_q, window)
+        cfg = dense.kernel_config(spec, torch.device("cuda", 0), False, "fast")
+        win = dense.kernel_window(spec.window)
+        assert dense._use_split(cfg, spec, win, q.shape[0]) is want, (lens, max_q, window)
         launches.clear()
         lse = torch.randn(spec.heads, _varlen_rows(q.shape[0]))
-        interface._backward(do, q, k, v, _fake_o(q, spec), lse, None, interface._sinks_f32(sinks, 4, q.device), cfg,
+        dense._backward(do, q, k, v, _fake_o(q, spec), lse, None, dense._sinks_f32(sinks, 4, q.device), cfg,
                             spec, win, (cu_q, cu_k))
         assert launches[1].kind == ("bwd_split" if want else "bwd"), (lens, max_q, window)
 
@@ -495,11 +496,11 @@ def _varlen_rows(total):
 def test_varlen_forward_launch(monkeypatch, launches, arch, case):
     _arch(monkeypatch, arch)
     q, k, v, do, sinks, cu_q, cu_k, spec = _varlen_inputs(case)
-    cfg = interface.kernel_config(spec, torch.device("cuda", 0), False)
+    cfg = dense.kernel_config(spec, torch.device("cuda", 0), False)
     assert cfg.layout == "thd"
     window = NO_WINDOW if spec.window is None else spec.window
-    sinks32 = interface._sinks_f32(sinks, spec.heads, q.device)
-    o, lse = interface._forward(q, k, v, sinks32, cfg, spec, window, (cu_q, cu_k))
+    sinks32 = dense._sinks_f32(sinks, spec.heads, q.device)
+    o, lse = dense._forward(q, k, v, sinks32, cfg, spec, window, (cu_q, cu_k))
     (fw,) = launches
     assert fw.kind == "fwd" and len(fw.args) == 11
     a = fw.args
@@ -521,14 +522,14 @@ def test_varlen_forward_launch(monkeypatch, launches, arch, case):
 def test_varlen_backward_launches(monkeypatch, launches, arch, case, with_dlse, deterministic, precision):
     _arch(monkeypatch, arch)
     q, k, v, do, sinks, cu_q, cu_k, spec = _varlen_inputs(case)
-    cfg = interface.kernel_config(spec, torch.device("cuda", 0), deterministic, precision)
+    cfg = dense.kernel_config(spec, torch.device("cuda", 0), deterministic, precision)
     o = _fake_o(q, spec) if precision == "fast" else None
     window = NO_WINDOW if spec.window is None else spec.window
-    sinks32 = interface._sinks_f32(sinks, spec.heads, q.device)
+    sinks32 = dense._sinks_f32(sinks, spec.heads, q.device)
     rows = _varlen_rows(q.shape[0])
     lse = torch.randn(spec.heads, rows)
     dlse = torch.randn(spec.heads, q.shape[0]) if with_dlse else None
-    result = interface._backward(do, q, k, v, o, lse, dlse, sinks32, cfg, spec, window, (cu_q, cu_k))
+    result = dense._backward(do, q, k, v, o, lse, dlse, sinks32, cfg, spec, window, (cu_q, cu_k))
 
     def seq_args(kind):
         return (cu_q, cu_k, spec.seq_kv if kind == "bwd" else spec.seq_q)
@@ -660,29 +661,29 @@ def test_dense_end_to_end_through_autograd(monkeypatch, launches, precision, wit
 
 @pytest.mark.l0
 def test_shared_buffers_grow_and_keep_what_they_outgrow(monkeypatch):
-    """interface._shared: the kept zero / unwritten buffers the backward hands its kernels. A view
+    """dense._shared: the kept zero / unwritten buffers the backward hands its kernels. A view
     of the requested shape (contiguous), zeros for "zero"; a larger request grows the buffer and
     the outgrown one stays referenced (a kernel on another stream may still read it)."""
-    monkeypatch.setattr(interface, "_SHARED", {})
-    monkeypatch.setattr(interface, "_OUTGROWN", [])
-    monkeypatch.setattr(interface, "_VIEWS", {})
+    monkeypatch.setattr(dense, "_SHARED", {})
+    monkeypatch.setattr(dense, "_OUTGROWN", [])
+    monkeypatch.setattr(dense, "_VIEWS", {})
     dev = torch.device("cpu")
-    a = interface._zero_stat((2, 3, 128), dev)
+    a = dense._zero_stat((2, 3, 128), dev)
     assert a.shape == (2, 3, 128) and a.is_contiguous() and a.dtype == torch.float32
     assert torch.equal(a, torch.zeros(2, 3, 128))
-    b = interface._zero_stat((4, 128), dev)  # fits: the same storage
-    assert b.data_ptr() == a.data_ptr() and not interface._OUTGROWN
-    c = interface._zero_stat((4, 3, 128), dev)  # 2x: grows, the old one is kept
+    b = dense._zero_stat((4, 128), dev)  # fits: the same storage
+    assert b.data_ptr() == a.data_ptr() and not dense._OUTGROWN
+    c = dense._zero_stat((4, 3, 128), dev)  # 2x: grows, the old one is kept
     assert c.shape == (4, 3, 128) and torch.equal(c, torch.zeros(4, 3, 128))
-    assert len(interface._OUTGROWN) == 1 and interface._OUTGROWN[0].data_ptr() == a.data_ptr()
-    u = interface._unwritten((2, 3, 1), dev)
+    assert len(dense._OUTGROWN) == 1 and dense._OUTGROWN[0].data_ptr() == a.data_ptr()
+    u = dense._unwritten((2, 3, 1), dev)
     assert u.shape == (2, 3, 1) and u.data_ptr() != c.data_ptr()  # its own buffer, never the zeros
     # each shape is viewed once (a view costs host time): the same tensor again, even after the buffer grew
-    assert interface._zero_stat((2, 3, 128), dev) is a and interface._unwritten((2, 3, 1), dev) is u
+    assert dense._zero_stat((2, 3, 128), dev) is a and dense._unwritten((2, 3, 1), dev) is u
     assert torch.equal(a, torch.zeros(2, 3, 128))  # the outgrown buffer it views is kept, still zeros
-    monkeypatch.setattr(interface, "MAX_VIEWS", 2)
-    interface._unwritten((5,), dev)  # past MAX_VIEWS: the memo starts again
-    assert len(interface._VIEWS) == 1 and interface._zero_stat((2, 3, 128), dev) is not a
+    monkeypatch.setattr(dense, "MAX_VIEWS", 2)
+    dense._unwritten((5,), dev)  # past MAX_VIEWS: the memo starts again
+    assert len(dense._VIEWS) == 1 and dense._zero_stat((2, 3, 128), dev) is not a
 
 
 @pytest.mark.parametrize("what", ["scale<=0", "no grad", "thd", "sm_80"])

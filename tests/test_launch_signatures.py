@@ -22,9 +22,10 @@ import torch
 pytest.importorskip("tilelang", reason="the kernels' signatures come from TileLang's PrimFuncs")
 
 from flashsink._validate import validate_attention, validate_varlen  # noqa: E402
-from flashsink.ops import attention, config, custom_ops, interface  # noqa: E402
-from flashsink.ops import compile as compile_mod  # noqa: E402
-from flashsink.ops.config import KernelConfig  # noqa: E402
+from flashsink.ops.launch import attention, custom_ops, dense
+from flashsink.ops.build import config  # noqa: E402
+from flashsink.ops.build import compile as compile_mod  # noqa: E402
+from flashsink.ops.build.config import KernelConfig  # noqa: E402
 
 from test_launch_args import _cuda_impls_on_cpu  # noqa: E402
 
@@ -80,7 +81,7 @@ def checked(monkeypatch):
 
     monkeypatch.setattr(compile_mod, "_cache", Checker())
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(interface, "_sm_count", lambda index: 132)
+    monkeypatch.setattr(dense, "_sm_count", lambda index: 132)
     monkeypatch.setattr(config, "_arch_of_index", lambda index: "sm_90a")
     return seen
 
@@ -129,7 +130,7 @@ def test_dense_launches_match_the_kernels(monkeypatch, checked, case, precision,
     # strict's eager training forward on Hopper keeps an fp32 O for its Delta pass (config.fwd_o32): the
     # kinds fwd_o32 and preprocess_o32, where the forward has them (not the split decode, not D256)
     o32 = (precision == "strict" and route == "eager" and sq > 1
-           and config.fwd_o32(interface.kernel_config(spec, q.device, deterministic, precision)))
+           and config.fwd_o32(dense.kernel_config(spec, q.device, deterministic, precision)))
     if o32:
         assert kinds[:2] == ["fwd_o32", "preprocess_o32"] and "preprocess" not in kinds, kinds
     else:

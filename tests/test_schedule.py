@@ -1,4 +1,4 @@
-"""The packed (thd) tile schedule of ``ops/schedule.py``: which (sequence, tile) each program runs.
+"""The packed (thd) tile schedule of ``ops/tir/schedule.py``: which (sequence, tile) each program runs.
 
 The slots (``schedule.slot``, searched with Python's ``bisect``) against a brute-force list of
 tiles (random lengths with 0 and 1 among them, up to thousands of sequences); then the kernels' own
@@ -18,9 +18,9 @@ pytest.importorskip("tilelang")
 
 import torch  # noqa: E402
 
-from flashsink.ops import schedule  # noqa: E402
-from flashsink.ops.compile import build_prim_func  # noqa: E402
-from flashsink.ops.config import KernelConfig, bwd_ws, fwd_tiles, fwd_ws, pack_gqa_fits  # noqa: E402
+from flashsink.ops.tir import schedule  # noqa: E402
+from flashsink.ops.build.compile import build_prim_func  # noqa: E402
+from flashsink.ops.build.config import KernelConfig, bwd_ws, fwd_tiles, fwd_ws, pack_gqa_fits  # noqa: E402
 
 pytestmark = pytest.mark.l0
 

@@ -11,8 +11,9 @@ import torch
 
 from flashsink._validate import make_spec, validate_attention, validate_varlen
 from flashsink.cli import main
-from flashsink.ops import config, custom_ops, interface
-from flashsink.ops.config import NATIVE_HEAD_DIMS, kernel_head_dim
+from flashsink.ops.build import config
+from flashsink.ops.launch import custom_ops, dense
+from flashsink.ops.build.config import NATIVE_HEAD_DIMS, kernel_head_dim
 
 
 def _spec(d=64, dv=64, **kw):
@@ -36,7 +37,7 @@ def test_head_dim_rule_is_the_documented_one():
 def test_every_entry_point_refuses_what_the_rule_refuses(d, capsys):
     for spec in (_spec(d=d), _spec(dv=d)):
         with pytest.raises(NotImplementedError, match="multiples of 16 up to 256"):
-            interface.check_supported(spec)
+            dense.check_supported(spec)
     assert main(["precompile", "--dry-run", "--head-dim", str(d)]) == 2
     assert f"--head-dim: {d} is not one of the kernels' head dims" in capsys.readouterr().err
 
@@ -46,8 +47,8 @@ def test_every_entry_point_refuses_what_the_rule_refuses(d, capsys):
 def test_every_entry_point_takes_what_the_rule_takes(d, monkeypatch):
     monkeypatch.setattr(config, "_arch_of_index", lambda index: "sm_90a")
     dev = torch.device("cuda", 0)
-    interface.check_supported(_spec(d=d, dv=d))
-    cfg = interface.kernel_config(_spec(d=d, dv=d), dev, False)
+    dense.check_supported(_spec(d=d, dv=d))
+    cfg = dense.kernel_config(_spec(d=d, dv=d), dev, False)
     assert (cfg.head_dim, cfg.head_dim_v) == (kernel_head_dim(d),) * 2
     q = torch.randn(2, 100, 8, d, dtype=torch.bfloat16)
     k = torch.randn(2, 120, 2, d, dtype=torch.bfloat16)
@@ -65,16 +66,16 @@ def test_kernel_key_holds_no_length(monkeypatch):
     monkeypatch.setattr(config, "_arch_of_index", lambda index: "sm_90a")
     dev = torch.device("cuda", 0)
     base = _spec()
-    cfg = interface.kernel_config(base, dev, False)
+    cfg = dense.kernel_config(base, dev, False)
     for same in (dataclasses.replace(base, batch=7, seq_q=3, seq_kv=4000), _spec(scale=0.3, window=17)):
-        assert same.kernel_key == base.kernel_key and interface.kernel_config(same, dev, False) is cfg
+        assert same.kernel_key == base.kernel_key and dense.kernel_config(same, dev, False) is cfg
     changed = {
         "dtype": _spec(dtype=torch.float16), "head_dim": _spec(d=128), "head_dim_v": _spec(dv=128),
         "groups": dataclasses.replace(base, kv_heads=8), "causal": _spec(causal=False),
         "has_sinks": _spec(has_sinks=False), "layout": _spec(layout="bhsd"),
     }
     for field, spec in changed.items():
-        other = interface.kernel_config(spec, dev, False)
+        other = dense.kernel_config(spec, dev, False)
         assert getattr(other, field) != getattr(cfg, field), field
         assert dataclasses.replace(other, **{field: getattr(cfg, field)}) == cfg, field  # that fact only
 

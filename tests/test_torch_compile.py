@@ -38,8 +38,8 @@ import flashsink
 from flashsink import testing
 from flashsink._validate import validate_attention, validate_varlen
 from flashsink.nn import SinkAttention
-from flashsink.ops.attention import kernel_attention, kernel_attention_varlen
-from flashsink.ops.interface import varlen_rows
+from flashsink.ops.launch.attention import kernel_attention, kernel_attention_varlen
+from flashsink.ops.launch.dense import varlen_rows
 
 pytestmark = pytest.mark.l1
 
@@ -339,14 +339,15 @@ GPU_CASES = [
 def _forward_routes(q, k, window, layout, deterministic, precision) -> tuple:
     """``(eager fwd_o32, traced fwd_window)`` for the problem of ``q`` and ``k``: whether flashsink.attention's
     eager route with gradients runs ``fwd_o32`` (``config.fwd_o32``: 128-key tiles, two-term P @ V), and
-    whether the traced route's op (no fp32 O) runs ``fwd_window`` (``interface._fwd_kind``: 64-key tiles,
+    whether the traced route's op (no fp32 O) runs ``fwd_window`` (``dense._fwd_kind``: 64-key tiles,
     so each row's sums split differently and lse is within one rounding of ``fwd_o32``'s, not bitwise)."""
-    from flashsink.ops import config, interface
+    from flashsink.ops.build import config
+    from flashsink.ops.launch import dense
 
     spec = validate_attention(q, k, k, None, window=window, causal=True, scale=None, layout=layout)
-    cfg = interface.kernel_config(spec, q.device, deterministic, precision)
+    cfg = dense.kernel_config(spec, q.device, deterministic, precision)
     return (config.fwd_o32(cfg),
-            interface._fwd_kind(cfg, interface.kernel_window(window), float(spec.scale)) == "fwd_window")
+            dense._fwd_kind(cfg, dense.kernel_window(window), float(spec.scale)) == "fwd_window")
 
 
 @pytest.mark.gpu
@@ -602,7 +603,7 @@ def test_opcheck_varlen_cpu(dtype, sinks, window, causal, precision):
 
 
 def test_varlen_fake_shapes():
-    """o [total_q, H, D_v] contiguous in q's dtype, lse [H, interface.varlen_rows(total_q)], dsink in the sinks' dtype."""
+    """o [total_q, H, D_v] contiguous in q's dtype, lse [H, dense.varlen_rows(total_q)], dsink in the sinks' dtype."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():

@@ -4,7 +4,7 @@ precision standard, ``precision="fast"`` under the fast gate (as tests/test_kern
 
 Lengths are random, with 0 and 1 among them; there are cases with a 16k sequence, with 2000
 sequences, with fewer and more queries than keys per sequence (bottom-right per sequence), decode
-rows, lengths at the tile edges of the packed schedule (ops/schedule.py) and a loose max_seqlen.
+rows, lengths at the tile edges of the packed schedule (ops/tir/schedule.py) and a loose max_seqlen.
 Outputs are poisoned with NaN by conftest, so a row a kernel never writes fails.
 """
 
@@ -132,7 +132,7 @@ def test_varlen_matches_padded_kernels():
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_varlen_loose_max_seqlen(precision):
     """max_seqlen_q/k far above every sequence (allowed: a bound): the kernels' grids come from the
-    shapes (ops/schedule.py), so o and lse are bitwise those of the tight bound; the backward may
+    shapes (ops/tir/schedule.py), so o and lse are bitwise those of the tight bound; the backward may
     pick its split main kernel from the loose bound (fast, GQA: here it does) and must still pass."""
     c = VarlenCase(8, 2, 64, torch.bfloat16, tuple(range(1, 700, 37)) + (0, 128, 64), name="loose-max")
     inp = make_varlen(c, seed=5)
@@ -146,7 +146,7 @@ def test_varlen_loose_max_seqlen(precision):
 @pytest.mark.l2
 def test_varlen_no_recompile():
     """New lengths and a new number of sequences reuse the compiled kernels."""
-    from flashsink.ops.compile import cache_size
+    from flashsink.ops.build.compile import cache_size
 
     g = torch.Generator().manual_seed(7)
     sizes = []

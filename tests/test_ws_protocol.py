@@ -1,5 +1,5 @@
 """Models of the warp-specialized kernels' synchronization, run on the CPU: the forward's
-(``ops/fwd_ws.py``) and the main backward's (``ops/bwd_ws.py``).
+(``ops/kernels/fwd_ws.py``) and the main backward's (``ops/kernels/bwd_ws.py``).
 
 The kernels' hand-placed mbarrier waits and arrivals (the forward's Q slots and K/V ring, the
 backward's ring and dQ hand-off, their phases) and the consumers' named barriers (the forward's
@@ -22,7 +22,7 @@ import pytest
 
 pytest.importorskip("tilelang")
 
-from flashsink.ops.block_range import kv_blocks_for_rows  # noqa: E402
+from flashsink.ops.tir.block_range import kv_blocks_for_rows  # noqa: E402
 
 pytestmark = pytest.mark.l0
 
@@ -292,7 +292,7 @@ def test_the_model_sees_the_deadlock_the_kernel_avoids():
     assert run(2, True) == "ok"
 
 
-# -- the main backward (ops/bwd_ws.py) -----------------------------------------------------------
+# -- the main backward (ops/kernels/bwd_ws.py) -----------------------------------------------------------
 
 
 def _run_bwd(n_it, stages, with_dq, dq_first, prefetch, dq_cast=False):

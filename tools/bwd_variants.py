@@ -166,16 +166,16 @@ def _pre_variants(only: str = "") -> list:
 
 
 def _cfg(dtype: str, d: int, precision: str):
-    from flashsink.ops.config import KernelConfig
+    from flashsink.ops.build.config import KernelConfig
 
     return KernelConfig(arch="sm_90a", dtype=dtype, head_dim=d, head_dim_v=d, groups=H // HK, causal=True,
                         has_sinks=True, layout="bhsd", precision=precision)
 
 
 def _func(job):
-    from flashsink.ops import bwd
-    from flashsink.ops.compile import build_prim_func
-    from flashsink.ops.config import Tiles
+    from flashsink.ops.kernels import bwd
+    from flashsink.ops.build.compile import build_prim_func
+    from flashsink.ops.build.config import Tiles
 
     kind, dtype, d, precision, tiles, opts = job
     cfg = _cfg(dtype, d, precision)
@@ -198,7 +198,7 @@ def _load(job, build=_func):
     the PrimFunc (tools/fwd_variants.py passes its own)."""
     import tilelang
 
-    from flashsink.ops.compile import check_source, pass_configs
+    from flashsink.ops.build.compile import check_source, pass_configs
 
     kernel = tilelang.compile(build(job), target={"kind": "cuda", "arch": "sm_90a"}, execution_backend="tvm_ffi",
                               pass_configs=pass_configs())
@@ -223,7 +223,7 @@ class _Problem:
     def __init__(self, name, kern):
         import torch
 
-        from flashsink.ops.config import LOG2E, NO_WINDOW
+        from flashsink.ops.build.config import LOG2E, NO_WINDOW
 
         dtype_name, self.n, self.d, window = PROBLEMS[name]
         n, d, dt = self.n, self.d, getattr(torch, dtype_name)

@@ -195,9 +195,9 @@ def _variants(d: int) -> list:
 
 
 def _func(job):
-    from flashsink.ops.compile import build_prim_func
-    from flashsink.ops.config import Tiles
-    from flashsink.ops.fwd import build_fwd
+    from flashsink.ops.build.compile import build_prim_func
+    from flashsink.ops.build.config import Tiles
+    from flashsink.ops.kernels.fwd import build_fwd
 
     dtype, d, tiles, mask, fold, ws = job[:6]
     cfg = _cfg(dtype, d, "strict" if isinstance(ws, str) and "o32" in ws.split("/") else "fast")
@@ -208,7 +208,7 @@ def _func(job):
     opts = ws.split("/") if isinstance(ws, str) else []
     if opts and set(opts) <= {"np", "nopp", "fold", "fma8", "fma4", "o32", "regs", "wg", "q2", "q3", "qa", "pack", "wgr",
                               "pin", "lim", "lazy", "rr", "chain", "sm2", "sm3", "sm4", "free", "tma", "se"}:
-        from flashsink.ops.fwd_ws import PERSISTENT_CTAS, build_fwd_ws
+        from flashsink.ops.kernels.fwd_ws import PERSISTENT_CTAS, build_fwd_ws
 
         fma = next((int(o[3:]) for o in opts if o.startswith("fma")), 0)
         return build_fwd_ws(cfg, Tiles(*tiles), ctas=None if "np" in opts else PERSISTENT_CTAS,
@@ -223,7 +223,7 @@ def _func(job):
                             per_sm=next((int(o[2:]) for o in opts if o.startswith("sm")), 1),
                             sink_early="se" in opts)
     if ws is True:  # fwd_ws.py's kernel unfolded, smem epilogue, one Q slot (not config.fwd_ws_options)
-        from flashsink.ops.fwd_ws import build_fwd_ws
+        from flashsink.ops.kernels.fwd_ws import build_fwd_ws
 
         return build_fwd_ws(cfg, Tiles(*tiles), fold=False)
     return build_fwd(cfg, tiles=Tiles(*tiles) if tiles else None, mask=mask, fold_scale=fold, ws=ws)
@@ -238,7 +238,7 @@ def _probe_child(job, n, out):
     try:
         import torch
 
-        from flashsink.ops.config import LOG2E, NO_WINDOW
+        from flashsink.ops.build.config import LOG2E, NO_WINDOW
 
         kern = _load(job, _func)
         dt, d = getattr(torch, job[0]), job[1]
@@ -281,7 +281,7 @@ def _probe(jobs, n: int) -> dict:
 def _inputs(torch, dt, d: int, lens, packed: bool):
     """``(q, k, v, sinks, seq, lse_shape)`` for sequences of ``lens``: one bhsd sequence, or (``packed``) a
     thd batch, whose kernels take ``seq = (cu_seqlens_q, cu_seqlens_k, max_seqlen)`` after the sinks."""
-    from flashsink.ops.config import padded_rows, varlen_rows
+    from flashsink.ops.build.config import padded_rows, varlen_rows
 
     total = sum(lens)
     shape_q, shape_kv = ((total, H, d), (total, HK, d)) if packed else ((1, H, total, d), (1, HK, total, d))
@@ -361,7 +361,7 @@ def main() -> int:
     import torch
     from triton.testing import do_bench
 
-    from flashsink.ops.config import LOG2E, NO_WINDOW
+    from flashsink.ops.build.config import LOG2E, NO_WINDOW
 
     results = []
     for name in names:

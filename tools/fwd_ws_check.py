@@ -37,8 +37,8 @@ TILES = {64: (128, 128, 256, 2), 128: (128, 128, 256, 2)}
 
 
 def _func(job):
-    from flashsink.ops.config import KernelConfig, Tiles
-    from flashsink.ops.fwd import build_fwd
+    from flashsink.ops.build.config import KernelConfig, Tiles
+    from flashsink.ops.kernels.fwd import build_fwd
 
     dtype, d, layout, causal, sinks, ws = job
     cfg = KernelConfig("sm_90a", dtype, d, d, H // HK, causal, sinks, layout)
@@ -54,7 +54,7 @@ def main() -> int:
 
     import torch
 
-    from flashsink.ops.config import LOG2E, NO_WINDOW, padded_rows, varlen_rows
+    from flashsink.ops.build.config import LOG2E, NO_WINDOW, padded_rows, varlen_rows
 
     bad, lines = 0, []
     for cfg in CONFIGS:

@@ -11,7 +11,7 @@ back to back with a sync give the GPU time per call for comparison.
 --cpu: the CUDA path (validation, ``kernel_attention`` / ``kernel_attention_varlen``, the eager
 ``attention._Attention`` autograd.Function, or with ``--route ops`` the ``flashsink::fwd`` / ``bwd`` /
 ``varlen_fwd`` / ``varlen_bwd`` custom ops (what a torch.compile trace runs) with their CUDA
-implementations registered for CPU tensors, and the launch layer ``interface``) runs on CPU tensors
+implementations registered for CPU tensors, and the launch layer ``launch.dense``) runs on CPU tensors
 with every kernel a no-op (the kernel cache answers a no-op for every key) and the
 architecture reported as sm_90a. CPU allocations and fills cost less
 than CUDA ones (no launch), so this measures the Python part, not the whole host time.
@@ -34,7 +34,7 @@ import torch
 
 
 def _noop_kernels():
-    from flashsink.ops import compile as compile_mod
+    from flashsink.ops.build import compile as compile_mod
 
     def noop(*args):
         return None
@@ -48,13 +48,14 @@ def _noop_kernels():
 
 def _fake_cuda(route: str):
     """Run the CUDA implementations on CPU tensors (this process only)."""
-    from flashsink.ops import attention, config, custom_ops, interface
+    from flashsink.ops.launch import attention, custom_ops, dense
+    from flashsink.ops.build import config
 
     if route == "eager":
         attention._eager = lambda q: True
     config._arch_of_index = lambda index: "sm_90a"
     torch.cuda.current_device = lambda: 0
-    interface._sm_count = lambda index: 132
+    dense._sm_count = lambda index: 132
     _noop_kernels()
     custom_ops.fwd.register_kernel("cpu")(lambda *a: custom_ops._fwd_cuda(*a))
     custom_ops.bwd.register_kernel("cpu")(lambda *a: custom_ops._bwd_cuda(*a))
@@ -112,7 +113,7 @@ def _calls(device: str, b, h, hk, n, d, window, dtype, varlen_seqs: int, seq_q=N
             def attn(q, k, v, s):
                 return flashsink.attention(q, k, v, s, window=window)
     else:  # api.attention's CUDA branch (q.is_cuda is False here)
-        from flashsink.ops.attention import kernel_attention_varlen
+        from flashsink.ops.launch.attention import kernel_attention_varlen
 
         def attn(q, k, v, s):
             if varlen_seqs:

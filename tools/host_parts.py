@@ -47,8 +47,8 @@ class _Nothing(torch.autograd.Function):
 def main(argv=None):
     import flashsink
     from flashsink import api, testing
-    from flashsink.ops import compile as compile_mod
-    from flashsink.ops import interface
+    from flashsink.ops.build import compile as compile_mod
+    from flashsink.ops.launch import dense
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--problem", default="golden")
@@ -80,11 +80,11 @@ def main(argv=None):
     spec = api.validate_attention(q, k, v, s, window=128, causal=True, scale=None, layout="bhsd")
     row("validate_attention", lambda: api.validate_attention(q, k, v, s, window=128, causal=True, scale=None,
                                                               layout="bhsd"))
-    cfg = interface.kernel_config(spec, q.device, False, "fast")
-    window = interface.kernel_window(128)
-    s32 = interface._sinks_f32(s, 64, q.device)
+    cfg = dense.kernel_config(spec, q.device, False, "fast")
+    window = dense.kernel_window(128)
+    s32 = dense._sinks_f32(s, 64, q.device)
     with torch.no_grad():
-        o, lse = interface._forward(q, k, v, s32, cfg, spec, window)
+        o, lse = dense._forward(q, k, v, s32, cfg, spec, window)
     fwd = compile_mod.get_kernel("fwd", cfg)
     row(f"launcher fwd ({type(fwd).__name__})",
         lambda: fwd(q, k, v, s32, window, float(spec.scale) * 1.4426950408889634, o, lse))
@@ -93,8 +93,8 @@ def main(argv=None):
         row("launcher fwd .main", lambda: main_fn(q, k, v, s32, window, float(spec.scale) * 1.4426950408889634,
                                                   o, lse))
     row("get_kernel lookup", lambda: compile_mod.get_kernel("fwd", cfg))
-    row("interface._forward", lambda: interface._forward(q, k, v, s32, cfg, spec, window))
-    row("interface._backward", lambda: interface._backward(do, q, k, v, o, lse, None, s32, cfg, spec, window))
+    row("dense._forward", lambda: dense._forward(q, k, v, s32, cfg, spec, window))
+    row("dense._backward", lambda: dense._backward(do, q, k, v, o, lse, None, s32, cfg, spec, window))
 
     def nothing():
         out = _Nothing.apply(*leaves)

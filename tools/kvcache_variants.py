@@ -82,9 +82,9 @@ def main() -> int:
     from triton.testing import do_bench
 
     import flashsink
-    from flashsink.ops.compile import get_kernel
-    from flashsink.ops.config import LOG2E, NO_WINDOW, KernelConfig, arch_of, split_tiles
-    from flashsink.ops.kvcache import n_splits_for
+    from flashsink.ops.build.compile import get_kernel
+    from flashsink.ops.build.config import LOG2E, NO_WINDOW, KernelConfig, arch_of, split_tiles
+    from flashsink.ops.launch.kvcache import n_splits_for
     from flashsink._validate_kvcache import validate_kvcache
 
     cfg = KernelConfig(arch=arch_of(torch.device("cuda")), dtype="bfloat16", head_dim=D, head_dim_v=D, groups=H // HK,
@@ -136,7 +136,7 @@ def _split_kernel(cfg, layout, branch=True):
 
     from bwd_variants import _load
 
-    from flashsink.ops.fwd_split import build_fwd_split
+    from flashsink.ops.kernels.fwd_split import build_fwd_split
 
     return _load(dataclasses.replace(cfg, layout=layout), lambda c: build_fwd_split(c, branch=branch))
 
@@ -145,7 +145,7 @@ def _masked_kernel(cfg):
     """build_fwd_kvcache(branch=False): the gather with the mask on every key tile, through TileLang's disk cache."""
     from bwd_variants import _load
 
-    from flashsink.ops.fwd_kvcache import build_fwd_kvcache
+    from flashsink.ops.kernels.fwd_kvcache import build_fwd_kvcache
 
     return _load(cfg, lambda c: build_fwd_kvcache(c, branch=False))
 
@@ -157,8 +157,8 @@ def _split_rows(cfg, q, n, sms, scale, masked=False):
     from triton.testing import do_bench
 
     from flashsink._validate import validate_attention
-    from flashsink.ops.config import NO_WINDOW
-    from flashsink.ops.decode import n_splits_for
+    from flashsink.ops.build.config import NO_WINDOW
+    from flashsink.ops.launch.decode import n_splits_for
 
     k = torch.randn(B, n, HK, D, device="cuda", dtype=q.dtype)
     v = torch.randn_like(k)
@@ -180,7 +180,7 @@ def _aligned_kernel(cfg, stages=0):
     """build_fwd_kvcache(aligned=True, stages=stages), through TileLang's disk cache (bwd_variants' loader)."""
     from bwd_variants import _load
 
-    from flashsink.ops.fwd_kvcache import build_fwd_kvcache
+    from flashsink.ops.kernels.fwd_kvcache import build_fwd_kvcache
 
     return _load(cfg, lambda c: build_fwd_kvcache(c, prefetch=False, aligned=True, stages=stages))
 
@@ -191,8 +191,8 @@ def _check_aligned(ref, kern, cfg, name="aligned") -> bool:
     tile's keys in other columns)."""
     import torch
 
-    from flashsink.ops.config import LOG2E, NO_WINDOW
-    from flashsink.ops.decode import combine_splits
+    from flashsink.ops.build.config import LOG2E, NO_WINDOW
+    from flashsink.ops.launch.decode import combine_splits
 
     ok_all = True
     g = torch.Generator(device="cuda").manual_seed(1)

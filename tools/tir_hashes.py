@@ -17,9 +17,9 @@ import argparse
 import hashlib
 import itertools
 
-from flashsink.ops.compile import build_prim_func
-from flashsink.ops.config import KernelConfig
-from flashsink.ops.kinds import KINDS
+from flashsink.ops.build.compile import build_prim_func
+from flashsink.ops.build.config import KernelConfig
+from flashsink.ops.build.kinds import KINDS
 
 
 #: (dtype, head_dim, head_dim_v, groups, sinks): the grid's shapes (the first four by default, as before

@@ -16,7 +16,7 @@ import math
 def kv_tiles_per_row_tile(n: int, window: int, rows: int, bn: int) -> float:
     """Mean KV tiles a row tile of ``rows`` positions visits under a causal window: the kernel's own
     ``block_range.kv_blocks_for_rows`` (plain arithmetic on Python ints)."""
-    from flashsink.ops.block_range import kv_blocks_for_rows
+    from flashsink.ops.tir.block_range import kv_blocks_for_rows
 
     spans = [int(hi) - int(lo) for lo, hi in (kv_blocks_for_rows(r0, rows, bn, n, n, window, True)
                                              for r0 in range(0, n, rows))]
@@ -28,7 +28,7 @@ def main() -> int:
     import triton.testing
 
     import flashsink
-    from flashsink.ops.config import WINDOW_TILES_MAX, KernelConfig, fwd_window_tiles, fwd_windowed
+    from flashsink.ops.build.config import WINDOW_TILES_MAX, KernelConfig, fwd_window_tiles, fwd_windowed
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="1,64,8,4096,64", help="B,H,H_kv,N,D")

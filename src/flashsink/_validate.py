@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .ops.config import padded_rows, varlen_rows  # the lse rows the ops return (a leaf: torch only)
+from .ops.build.config import padded_rows, varlen_rows  # the lse rows the ops return (a leaf: torch only)
 
 LAYOUTS = ("bhsd", "bshd")
 #: input dtypes of q, k, v and sinks (the reference computes in float32, or float64 for float64;
@@ -64,7 +64,7 @@ class AttnSpec:
     @property  # not cached: a spec serves one launch, and functools.cached_property takes a lock (3.11)
     def kernel_key(self) -> tuple:
         """The facts of the problem its kernels' configuration depends on, in the order of
-        ``interface._config_of`` (``interface.kernel_config`` adds the device's architecture,
+        ``dense._config_of`` (``dense.kernel_config`` adds the device's architecture,
         ``deterministic`` and ``precision``): never a length, so one configuration serves every length."""
         return (self.dtype, self.head_dim, self.head_dim_v, self.heads // self.kv_heads, self.causal,
                 self.has_sinks, self.layout)

@@ -6,7 +6,7 @@ Two kinds of checks:
   only (no host sync), on every device;
 - :func:`check_cache_values`: the *values* of ``cache_seqlens`` and of the block-table entries a
   sequence uses, read on the host. The reference (every device but CUDA) runs it; on CUDA the
-  kernels check the same conditions on the device instead (``ops/kvcache.py``), so a serving step
+  kernels check the same conditions on the device instead (``ops/launch/kvcache.py``), so a serving step
   never waits for the host.
 """
 

@@ -7,9 +7,9 @@ import torch
 from . import reference
 from ._validate import check_flag, validate_attention, validate_varlen
 from ._validate_kvcache import check_cache_values, validate_kvcache
-from .ops.config import PRECISIONS
-from .ops.attention import kernel_attention, kernel_attention_varlen  # registers the ops; never imports tilelang
-from .ops.kvcache import kernel_attention_kvcache
+from .ops.build.config import PRECISIONS
+from .ops.launch.attention import kernel_attention, kernel_attention_varlen  # registers the ops; never imports tilelang
+from .ops.launch.kvcache import kernel_attention_kvcache
 
 __all__ = ["attention", "attention_kvcache", "attention_varlen"]
 

@@ -6,9 +6,9 @@ Commands:
     bench   gate flashsink and its peers against the float64 reference, then time them
             (implementation in ``flashsink.bench``).
     precompile  compile kernels ahead of time into the kernel cache, no GPU needed
-            (implementation in ``flashsink.ops.precompile``).
+            (implementation in ``flashsink.ops.build.precompile``).
     cache   ``cache info``: where the kernel cache is, its entries and their state;
-            ``cache clear``: remove them (implementation in ``flashsink.ops.diskcache``).
+            ``cache clear``: remove them (implementation in ``flashsink.ops.build.diskcache``).
 """
 
 from __future__ import annotations
@@ -196,7 +196,7 @@ def _cache_root(args):
     """The cache directory and how it was chosen; checked, not created."""
     from pathlib import Path
 
-    from .ops import diskcache
+    from .ops.build import diskcache
 
     if args.dir:
         return Path(args.dir).expanduser().absolute(), "--dir"
@@ -208,7 +208,7 @@ def _cache_root(args):
 
 def cmd_cache_info(args) -> int:
     from .errors import CacheDirError
-    from .ops import diskcache
+    from .ops.build import diskcache
 
     root, how = _cache_root(args)
     print(f"flashsink kernel cache: {root} ({how})")
@@ -239,7 +239,7 @@ def cmd_cache_info(args) -> int:
 
 def cmd_cache_clear(args) -> int:
     from .errors import CacheDirError
-    from .ops import diskcache
+    from .ops.build import diskcache
 
     root, _ = _cache_root(args)
     if not (root / "kernels").exists():
@@ -305,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench import add_parser as add_bench_parser
 
     add_bench_parser(sub)
-    from .ops.precompile import add_parser as add_precompile_parser
+    from .ops.build.precompile import add_parser as add_precompile_parser
 
     add_precompile_parser(sub)
     _add_cache_parser(sub)

@@ -15,7 +15,7 @@ which is exactly the attention over the union of the key ranges. With ``sinks=No
 
 The algebra lives in :func:`merge_stacked`, on partials stacked next to the head dim
 (``[.., n, D]``): :func:`combine` stacks its lists once, and the split-KV decode
-(``flashsink.ops.decode``) passes its kernel's partials, already in that layout. Either way a
+(``flashsink.ops.launch.decode``) passes its kernel's partials, already in that layout. Either way a
 fixed number of PyTorch ops, whatever the number of partials.
 """
 

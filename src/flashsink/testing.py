@@ -96,7 +96,7 @@ import torch
 
 from . import reference
 from ._validate import validate_attention
-from .ops.config import PRECISIONS  # the gate of each mode: check_fast ("fast"), check_precision ("strict")
+from .ops.build.config import PRECISIONS  # the gate of each mode: check_fast ("fast"), check_precision ("strict")
 
 __all__ = [
     "MAX_ABS_LIMIT",

@@ -10,8 +10,8 @@
 - Rows and keys past the end of the sequence are never visible.
 
 The primitives (``position`` ... ``query_end``) are plain arithmetic, so one definition serves Python
-ints, torch tensors (``reference.visible_mask``) and TileLang expressions (``ops/mask.py``,
-``ops/block_range.py``, which build the kernels' masks and block ranges from them). Keep them the
+ints, torch tensors (``reference.visible_mask``) and TileLang expressions (``ops/tir/mask.py``,
+``ops/tir/block_range.py``, which build the kernels' masks and block ranges from them). Keep them the
 exact expressions the kernels were written with: a kernel's TIR is built from them, term by term
 (``tools/tir_hashes.py`` checks that a refactor leaves it unchanged). The rest (key ranges, pair
 counts, used by the split-KV decode, the benchmark's FLOP counts) is host-side Python over those

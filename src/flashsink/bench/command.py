@@ -32,8 +32,8 @@ def _precompile(problems: list[Problem], device: str, systems=((False, "fast"),)
     so the in-process first calls load rather than compile them one after another; ``systems``: the
     (deterministic, precision) pairs of the flashsink rows being timed."""
     from .._validate import validate_attention
-    from ..ops.interface import kernel_config
-    from ..ops.precompile import precompile
+    from ..ops.launch.dense import kernel_config
+    from ..ops.build.precompile import precompile
 
     cfgs = []
     for p in problems:

@@ -1,18 +1,18 @@
-"""TileLang kernels for sink attention.
+"""TileLang kernels for sink attention, in four layers (each a package; the import direction is
+pinned by ``tests/test_import_graph.py``):
 
-Layout of this package (one concept per file, shared by forward and backward):
+- ``launch/``: what the public functions call on CUDA tensors: the autograd function
+  (``attention``), the ``torch.ops.flashsink`` custom ops (``custom_ops``), and the launches of the
+  dense route (``dense``: configuration, forward, backward), split-KV decode (``decode``) and the paged
+  cache (``kvcache``). Imports ``build`` only.
+- ``build/``: the configuration and tile policy (``config``, a leaf every layer may import), the
+  registry of kernel kinds (``kinds``), building and caching kernels (``compile``, ``diskcache``,
+  ``precompile``). Reaches the kernels only through the registry's builder names.
+- ``kernels/``: one file per kernel family (and the hand warp-specialized Hopper variants), plus the
+  shared prim_func signatures (``fwd_entry``, ``bwd_entry``). Imports ``tir`` and ``build.config``.
+- ``tir/``: the concepts the kernels are written in, shared by forward and backward: ``mask``,
+  ``softmax`` (the online softmax that starts from the sink), ``block_range``, ``schedule``,
+  ``layout``, ``split`` (strict mode's two-term products). Imports ``build.config`` only.
 
-- ``config``: the static configuration of a kernel (the compile-cache key) and the
-  per-architecture tile table.
-- ``mask``: which (query, key) pairs are visible: causal, sliding window, bottom-right
-  alignment, sequence bounds.
-- ``block_range``: which KV blocks a query block visits (forward, dQ) and which query
-  blocks a KV block visits (dK/dV).
-- ``softmax``: the online softmax whose normalizer starts from the sink.
-- ``fwd`` / ``bwd``: the kernels; ``fwd_split`` / ``fwd_kvcache`` and ``merge_splits``: split-KV
-  decode (``decode``) and ``attention_kvcache`` against a paged KV cache (``kvcache``);
-  ``compile``: building and caching them;
-  ``interface``: the autograd function behind ``flashsink.attention`` on CUDA tensors.
-
-Importing this package does not import tilelang; the kernel modules do.
+Importing this package, ``launch`` or ``build`` does not import tilelang; ``kernels`` and ``tir`` do.
 """

@@ -39,7 +39,7 @@ import time
 import traceback
 from pathlib import Path
 
-from ..errors import CompileError, tail
+from ...errors import CompileError, tail
 from . import diskcache, kinds
 from .config import KernelConfig
 
@@ -148,7 +148,7 @@ def versions() -> dict:
     import tilelang
     import tvm_ffi
 
-    from .._version import __version__
+    from ..._version import __version__
 
     return {
         "flashsink": __version__,

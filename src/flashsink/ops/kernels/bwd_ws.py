@@ -21,14 +21,14 @@ barriers between the two consumers per tile (docs/perf.md, v6).
 
 import tilelang.language as T
 
-from .block_range import full_row_blocks_for_keys, kv_blocks_for_rows, row_blocks_for_keys
-from .config import KernelConfig
+from ..tir.block_range import full_row_blocks_for_keys, kv_blocks_for_rows, row_blocks_for_keys
+from ..build.config import KernelConfig
 from .bwd_entry import main_bwd_entry, main_bwd_shapes
-from .layout import acc_tile, prologue_load, sequence, stat_tile, store_rows, tile
-from .schedule import by_work, locate
-from .mask import branch_tile, in_blocks, select_visible
-from .softmax import LOG2E
-from .split import split as two_terms
+from ..tir.layout import acc_tile, prologue_load, sequence, stat_tile, store_rows, tile
+from ..tir.schedule import by_work, locate
+from ..tir.mask import branch_tile, in_blocks, select_visible
+from ..tir.softmax import LOG2E
+from ..tir.split import split as two_terms
 
 #: registers per thread of the producer and of the consumer warpgroups (setmaxnreg), as
 #: TileLang's automatic warp specialization and FlashAttention-3 choose: 24 * 128 + 240 * 256
@@ -96,7 +96,7 @@ def build_bwd_ws(cfg: KernelConfig, t, split: int, lpt: bool = True, branch: boo
     bulk adds through a counter the same way (complete, then a release increment). Saves the
     postprocess (golden: 48.6 us, 134 MB read and 67 MB written, v15's profile) where the casts fit in
     the producer's slack. Fast precision, padded layouts, ``split == 1``; every row block must be seen
-    by some KV tile (``seq_q <= seq_kv`` when causal; ``interface._backward`` zeroes the rows that see
+    by some KV tile (``seq_q <= seq_kv`` when causal; ``dense._backward`` zeroes the rows that see
     no key). The library runs it where ``config.bwd_dq_cast`` says, off (``config.DQ_CAST``) until
     measured."""
     if prefetch not in ("", "s", "sdp"):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import tilelang.language as T
 
-from ..visibility import first_key, first_query, last_key, position, query_end, row_at
+from ...visibility import first_key, first_query, last_key, position, query_end, row_at
 
 
 def kv_blocks_for_rows(row0, block_m, block_n, seq_q, seq_kv, window, causal: bool):

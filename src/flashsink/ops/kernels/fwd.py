@@ -9,17 +9,17 @@ programs are the query tiles that exist (``schedule.py``).
 
 import tilelang.language as T
 
-from . import softmax
-from .block_range import full_kv_blocks_for_rows, kv_blocks_for_rows
-from .config import (
+from ..tir import softmax
+from ..tir.block_range import full_kv_blocks_for_rows, kv_blocks_for_rows
+from ..build.config import (
     FWD_MASK_LIMITS, FWD_PIN_WAIT, KernelConfig, Tiles, fwd_fold, fwd_mask, fwd_o32_tiles, fwd_tiles,
     fwd_window_tiles, fwd_windowed, fwd_ws, fwd_ws_options,
 )
 from .fwd_entry import fwd_entry, fwd_shapes
 from .fwd_ws import build_fwd_ws
-from .layout import prologue_load, sequence, store_rows, store_stat, tile
-from .mask import branch_logits, mask_logits, scale_logits
-from .schedule import locate
+from ..tir.layout import prologue_load, sequence, store_rows, store_stat, tile
+from ..tir.mask import branch_logits, mask_logits, scale_logits
+from ..tir.schedule import locate
 
 
 #: ``mask=`` values of :func:`build_fwd`

@@ -27,17 +27,17 @@ and the sink gets ``dsink[h] = -sum_rows exp(sink[h] - lse) * Delta``.
 
 import tilelang.language as T
 
-from .block_range import full_kv_blocks_for_rows, full_row_blocks_for_keys, kv_blocks_for_rows, row_blocks_for_keys
+from ..tir.block_range import full_kv_blocks_for_rows, full_row_blocks_for_keys, kv_blocks_for_rows, row_blocks_for_keys
 from .bwd_entry import main_bwd_entry, main_bwd_shapes
 from .bwd_ws import build_bwd_ws
-from .config import (ROW_BLOCK, KernelConfig, bwd_branch, bwd_dq_bulk, bwd_dq_cast, bwd_dq_first, bwd_overlap, bwd_split,
+from ..build.config import (ROW_BLOCK, KernelConfig, bwd_branch, bwd_dq_bulk, bwd_dq_cast, bwd_dq_first, bwd_overlap, bwd_split,
                      bwd_swap, bwd_tiles, bwd_ws, bwd_ws_options, dq_tiles, pre_branch, pre_lpt, pre_o32_tiles, pre_tiles)
-from .layout import (acc_tile, clear_acc_rows, kernel, optional, prologue_load, qkv_shapes, row_runs, sequence, stage_stat,
+from ..tir.layout import (acc_tile, clear_acc_rows, kernel, optional, prologue_load, qkv_shapes, row_runs, sequence, stage_stat,
                      staged_stat, stat_at, stat_shape, stat_tile, store_rows, store_stat, tile, varlen_params)
-from .schedule import grid, grid_coords, grid_dims, locate
-from .mask import branch_tile, in_blocks, select_visible, visible
-from .softmax import LOG2E
-from .split import split
+from ..tir.schedule import grid, grid_coords, grid_dims, locate
+from ..tir.mask import branch_tile, in_blocks, select_visible, visible
+from ..tir.softmax import LOG2E
+from ..tir.split import split
 
 @T.macro
 def probs(p, lse, row0, key0, seq_q, seq_kv, window, scale_log2, causal: bool, masked: bool):
@@ -507,7 +507,7 @@ def build_bwd(cfg: KernelConfig, tiles=None, dq_bulk=None, overlap=None, split=N
 def build_bwd_split(cfg: KernelConfig):
     """The main backward with a GQA group's query heads over ``config.bwd_split(cfg)`` programs per
     KV tile (fp32 dK/dV accumulators): for problems whose KV tiles see many rows, where the unsplit
-    kernel has too few programs (``interface._backward`` chooses)."""
+    kernel has too few programs (``dense._backward`` chooses)."""
     return build_bwd(cfg, split=bwd_split(cfg), dq_cast=False)  # (its launch casts with the postprocess)
 
 

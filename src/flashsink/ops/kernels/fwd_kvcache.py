@@ -32,10 +32,10 @@ import dataclasses
 
 import tilelang.language as T
 
-from . import softmax
-from .block_range import full_kv_blocks_for_rows, kv_blocks_for_rows
-from .config import KernelConfig, split_tiles
-from .mask import branch_tile, in_blocks, scale_logits, visible
+from ..tir import softmax
+from ..tir.block_range import full_kv_blocks_for_rows, kv_blocks_for_rows
+from ..build.config import KernelConfig, split_tiles
+from ..tir.mask import branch_tile, in_blocks, scale_logits, visible
 
 NAN = float("nan")
 #: the table's page of a key row past its batch row's length (loaded as zeros) and of a row whose

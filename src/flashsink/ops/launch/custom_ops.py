@@ -28,7 +28,7 @@ Arguments are tensors and primitives only; the kernels' static configuration and
   kernels read; rows past ``S_q`` are padding and hold 0. ``flashsink.attention`` returns
   ``lse[:, :, :S_q]``.
 * varlen: q ``[total_q, H, D]``, k/v ``[total_k, H_kv, D]`` (layout "thd"), int32 ``cu_seqlens``; o
-  ``[total_q, H, D_v]``, lse ``[H, interface.varlen_rows(total_q)]`` (padded one row tile past the last token).
+  ``[total_q, H, D_v]``, lse ``[H, dense.varlen_rows(total_q)]`` (padded one row tile past the last token).
 * dlse: the gradient of that padded lse or None; dsink: ``[H]`` in the sinks' dtype (float32 zeros
   when ``sinks`` is None, and the autograd formula then returns no gradient).
 * kvcache: ``flashsink.attention_kvcache``'s arguments (q ``[B, S_q, H, D]``, a paged or contiguous
@@ -51,12 +51,12 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from .. import reference
-from .. import _validate
-from .._validate import AttnSpec
-from .._validate_kvcache import check_cache_values, check_kvcache_op, refuse_grad
-from . import interface
-from .config import NATIVE_HEAD_DIMS
+from ... import reference
+from ... import _validate
+from ..._validate import AttnSpec
+from ..._validate_kvcache import check_cache_values, check_kvcache_op, refuse_grad
+from . import dense
+from ..build.config import NATIVE_HEAD_DIMS
 from .kvcache import kernel_attention_kvcache
 
 __all__ = ["fwd", "bwd", "varlen_fwd", "varlen_bwd", "kvcache_fwd"]
@@ -72,7 +72,7 @@ def _empty(spec: AttnSpec) -> bool:
 
 def _kernel_inputs(spec: AttnSpec, device, deterministic: bool, precision: str, *tensors):
     """The kernels' config and window, and the tensors made contiguous (no-ops from kernel_attention)."""
-    cfg = interface.kernel_config(spec, device, deterministic, precision)
+    cfg = dense.kernel_config(spec, device, deterministic, precision)
     # the config's head dims are the rule's (config.kernel_head_dim): the ops take them unpadded only
     if cfg.head_dim != spec.head_dim or cfg.head_dim_v != spec.head_dim_v:
         name, d = ("q/k", spec.head_dim) if cfg.head_dim != spec.head_dim else ("v", spec.head_dim_v)
@@ -80,7 +80,7 @@ def _kernel_inputs(spec: AttnSpec, device, deterministic: bool, precision: str, 
             f"the flashsink kernel ops take head dims {NATIVE_HEAD_DIMS} on CUDA (flashsink.attention and "
             f"attention_varlen zero-pad the others); the {name} head dim is {d}"
         )
-    return cfg, interface.kernel_window(spec.window), [t.contiguous() for t in tensors]
+    return cfg, dense.kernel_window(spec.window), [t.contiguous() for t in tensors]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -103,7 +103,7 @@ def _fwd_reference(
     nothing here: the reference is exact in its compute dtype)."""
     spec = _validate.check_op(q, k, v, sinks, window, causal, scale, layout)  # the ops are public names
     o, lse = reference._attention(q, k, v, sinks, spec, return_lse=True)
-    rows = interface._padded_rows(spec.seq_q)
+    rows = dense._padded_rows(spec.seq_q)
     return o.contiguous(), torch.nn.functional.pad(lse, (0, rows - spec.seq_q))
 
 
@@ -116,8 +116,8 @@ def _fwd_cuda(q, k, v, sinks, window, causal, scale, layout, deterministic, prec
     if _empty(spec):
         return _fwd_reference(q, k, v, sinks, window, causal, scale, layout, deterministic, precision)
     cfg, win, (q, k, v) = _kernel_inputs(spec, q.device, deterministic, precision, q, k, v)
-    sinks32 = interface._sinks_f32(sinks, spec.heads, q.device)
-    o, lse = interface._forward(q, k, v, sinks32, cfg, spec, win)
+    sinks32 = dense._sinks_f32(sinks, spec.heads, q.device)
+    o, lse = dense._forward(q, k, v, sinks32, cfg, spec, win)
     if lse.shape[-1] > spec.seq_q:  # the padding rows: some are never written by the kernel
         lse[:, :, spec.seq_q:] = 0
     return o, lse
@@ -127,7 +127,7 @@ def _fwd_cuda(q, k, v, sinks, window, causal, scale, layout, deterministic, prec
 def _fwd_fake(q, k, v, sinks, window, causal, scale, layout, deterministic, precision="fast"):
     spec = _validate.check_op(q, k, v, sinks, window, causal, scale, layout)  # the ops are public names
     o = q.new_empty(_validate.out_shape(spec, q))
-    lse = q.new_empty((spec.batch, spec.heads, interface._padded_rows(spec.seq_q)), dtype=_lse_dtype(q.dtype))
+    lse = q.new_empty((spec.batch, spec.heads, dense._padded_rows(spec.seq_q)), dtype=_lse_dtype(q.dtype))
     return o, lse
 
 
@@ -167,8 +167,8 @@ def _bwd_cuda(do, q, k, v, sinks, lse, dlse, window, causal, scale, layout, dete
         return _bwd_reference(do, q, k, v, sinks, lse, dlse, window, causal, scale, layout, deterministic)
     cfg, win, (do, q, k, v, lse) = _kernel_inputs(spec, q.device, deterministic, precision, do, q, k, v, lse)
     o = _saved_output(o, cfg)
-    sinks32 = interface._sinks_f32(sinks, spec.heads, q.device)
-    dq, dk, dv, dsink = interface._backward(do, q, k, v, o, lse, dlse, sinks32, cfg, spec, win)
+    sinks32 = dense._sinks_f32(sinks, spec.heads, q.device)
+    dq, dk, dv, dsink = dense._backward(do, q, k, v, o, lse, dlse, sinks32, cfg, spec, win)
     if dsink is None:
         return dq, dk, dv, sinks32.new_zeros(spec.heads)
     return dq, dk, dv, dsink.to(sinks.dtype)
@@ -263,9 +263,9 @@ fwd.register_autograd(_backward, setup_context=_setup_context)
 # The same pattern for packed batches. cu_seqlens_q/k are int32 tensors that only the
 # implementations read (the kernels on the device, the reference on the host), so no value of
 # them reaches the graph; max_seqlen_q/k are ints (SymInts when traced) that the host reads (the
-# kernels' grids come from shapes, ops/schedule.py).
+# kernels' grids come from shapes, ops/tir/schedule.py).
 # Output shapes depend on total tokens, heads and head dims only: o [total_q, H, D_v],
-# lse [H, interface.varlen_rows(total_q)] (row-padded as the backward kernels read it; padding rows 0).
+# lse [H, dense.varlen_rows(total_q)] (row-padded as the backward kernels read it; padding rows 0).
 
 
 def _varlen_empty(spec: AttnSpec, q, k) -> bool:
@@ -293,7 +293,7 @@ def _varlen_fwd_reference(
     cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()  # inside the op: never in a graph
     o, lse = reference._attention_varlen(q, k, v, cu_q, cu_k, sinks, spec, return_lse=True)
     total = q.shape[0]
-    return o.contiguous(), torch.nn.functional.pad(lse, (0, interface.varlen_rows(total) - total))
+    return o.contiguous(), torch.nn.functional.pad(lse, (0, dense.varlen_rows(total) - total))
 
 
 varlen_fwd = torch.library.custom_op("flashsink::varlen_fwd", _varlen_fwd_reference, mutates_args=())
@@ -309,8 +309,8 @@ def _varlen_fwd_cuda(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
                                      window, causal, scale, deterministic)
     cfg, win, (q, k, v, cu_q, cu_k) = _kernel_inputs(spec, q.device, deterministic, precision, q, k, v,
                                                      cu_seqlens_q, cu_seqlens_k)
-    sinks32 = interface._sinks_f32(sinks, spec.heads, q.device)
-    o, lse = interface._forward(q, k, v, sinks32, cfg, spec, win, cu_seqlens=(cu_q, cu_k))
+    sinks32 = dense._sinks_f32(sinks, spec.heads, q.device)
+    o, lse = dense._forward(q, k, v, sinks32, cfg, spec, win, cu_seqlens=(cu_q, cu_k))
     lse[:, q.shape[0]:] = 0  # the padding rows: some are never written by the kernel
     return o, lse
 
@@ -320,7 +320,7 @@ def _varlen_fwd_fake(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
                      deterministic, precision="fast"):
     total, heads = q.shape[0], q.shape[1]
     o = q.new_empty((total, heads, v.shape[2]))
-    lse = q.new_empty((heads, interface.varlen_rows(total)), dtype=_lse_dtype(q.dtype))
+    lse = q.new_empty((heads, dense.varlen_rows(total)), dtype=_lse_dtype(q.dtype))
     return o, lse
 
 
@@ -379,8 +379,8 @@ def _varlen_bwd_cuda(do, q, k, v, sinks, lse, dlse, cu_seqlens_q, cu_seqlens_k, 
     cfg, win, (do, q, k, v, lse, cu_q, cu_k) = _kernel_inputs(spec, q.device, deterministic, precision, do, q, k, v,
                                                               lse, cu_seqlens_q, cu_seqlens_k)
     o = _saved_output(o, cfg)
-    sinks32 = interface._sinks_f32(sinks, spec.heads, q.device)
-    dq, dk, dv, dsink = interface._backward(do, q, k, v, o, lse, dlse, sinks32, cfg, spec, win, cu_seqlens=(cu_q, cu_k))
+    sinks32 = dense._sinks_f32(sinks, spec.heads, q.device)
+    dq, dk, dv, dsink = dense._backward(do, q, k, v, o, lse, dlse, sinks32, cfg, spec, win, cu_seqlens=(cu_q, cu_k))
     if dsink is None:
         return dq, dk, dv, sinks32.new_zeros(spec.heads)
     return dq, dk, dv, dsink.to(sinks.dtype)

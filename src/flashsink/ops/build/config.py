@@ -24,7 +24,7 @@ MAX_HEAD_DIM = 256
 NATIVE_HEAD_DIMS = (32, 64, 128, 256)
 #: the head dims :func:`kernel_head_dim` takes, for messages
 HEAD_DIM_RULE = f"multiples of 16 up to {MAX_HEAD_DIM}"
-#: head dims with attention_kvcache kernels (ops/kvcache.py: the cache is never padded, that would copy it
+#: head dims with attention_kvcache kernels (ops/launch/kvcache.py: the cache is never padded, that would copy it
 #: every call)
 KVCACHE_HEAD_DIMS = (64, 128)
 
@@ -62,7 +62,7 @@ def padded_rows(seq_q: int) -> int:
 
 
 def varlen_rows(total: int) -> int:
-    """Rows of a packed batch's statistics (``interface._stat_shape`` for ``thd``): whole row tiles of
+    """Rows of a packed batch's statistics (``dense._stat_shape`` for ``thd``): whole row tiles of
     the last sequence may start at any packed row, so one tile past the end."""
     return padded_rows(total + ROW_PAD)
 
@@ -209,7 +209,7 @@ DQ_CAST = False
 def bwd_dq_cast(cfg: KernelConfig) -> bool:
     """Whether the unsplit fast main backward casts dQ itself (``bwd_ws.build_bwd_ws(dq_cast=True)``:
     each row block's last add, counted, loads the finished fp32 rows back and writes dQ), so no
-    postprocess runs after it (``interface._backward``; the split kernel keeps the postprocess).
+    postprocess runs after it (``dense._backward``; the split kernel keeps the postprocess).
     Where it can: the hand warp-specialized kernel, fast precision, padded layouts, not deterministic.
     Built, not measured yet (docs/perf.md v17: predicted golden -35..-45 us, gpt-oss SWA -15..-20 us of
     the backward): :data:`DQ_CAST` is off until tools/bwd_variants.py says it wins."""

@@ -10,11 +10,11 @@ of the key loop's instructions (sm_90a SASS: 870 -> 503 a wholly visible tile, d
 
 import tilelang.language as T
 
-from . import softmax
-from .block_range import full_kv_blocks_for_rows, kv_blocks_for_rows
-from .config import KernelConfig, split_tiles
-from .layout import index, qkv_shapes, tile
-from .mask import branch_tile, in_blocks, scale_logits, visible
+from ..tir import softmax
+from ..tir.block_range import full_kv_blocks_for_rows, kv_blocks_for_rows
+from ..build.config import KernelConfig, split_tiles
+from ..tir.layout import index, qkv_shapes, tile
+from ..tir.mask import branch_tile, in_blocks, scale_logits, visible
 
 
 def build_fwd_split(cfg: KernelConfig, branch: bool = True):

@@ -17,13 +17,13 @@ import functools
 import torch
 
 from . import decode
-from .compile import get_kernel
-from .kinds import KINDS
-from .config import (
+from ..build.compile import get_kernel
+from ..build.kinds import KINDS
+from ..build.config import (
     BWD_SPLIT_MIN_ROWS, HEAD_DIM_RULE, LOG2E, NO_WINDOW, PRECISIONS, ROW_PAD, SUPPORTED_DTYPES, WINDOW_TILES_MAX,
     KernelConfig, arch_of, bwd_dq_cast, bwd_split, bwd_tiles, fwd_fold, fwd_o32, fwd_windowed, kernel_head_dim,
 )
-from .config import padded_rows as _padded_rows, varlen_rows  # noqa: F401  (the ops' and tests' names)
+from ..build.config import padded_rows as _padded_rows, varlen_rows  # noqa: F401  (the ops' and tests' names)
 
 
 def kernel_window(window) -> int:

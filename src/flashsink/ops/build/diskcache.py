@@ -43,7 +43,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import CacheDirError
+from ...errors import CacheDirError
 
 log = logging.getLogger("flashsink")
 

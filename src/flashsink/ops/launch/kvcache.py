@@ -17,8 +17,8 @@ import math
 
 import torch
 
-from .compile import get_kernel
-from .config import KVCACHE_HEAD_DIMS, LOG2E, NO_WINDOW, SUPPORTED_DTYPES, KernelConfig, arch_of, split_tiles
+from ..build.compile import get_kernel
+from ..build.config import KVCACHE_HEAD_DIMS, LOG2E, NO_WINDOW, SUPPORTED_DTYPES, KernelConfig, arch_of, split_tiles
 
 _PLANS: dict = {}  # static facts -> (cfg, forward kernel, merge kernel, tiles)
 _IDENTITY: dict = {}  # (batch, device) -> int32 [[0], [1], .., [B-1]]
@@ -94,7 +94,7 @@ def n_splits_for(spec, tiles, sm_count: int) -> int:
 
 def kernel_attention_kvcache(spec, q, k_cache, v_cache, cache_seqlens, block_table, sinks, *, return_lse):
     """Run validated inputs through the kernels (forward only)."""
-    from .interface import _sm_count
+    from .dense import _sm_count
 
     check_supported(spec, k_cache, v_cache)
     dev = q.device

@@ -22,7 +22,7 @@ import tilelang.language as T
 # Packed (thd) kernels take three arguments more than padded ones, ``CuQ, CuK`` and the longest
 # sequence (``max_seqlen``: no kernel reads it since the grid is ``schedule.grid``'s, which needs only
 # shapes; kept in the launch protocol), and are named ``<name>_varlen``; the launch layer passes them positionally
-# (``interface.py``). A kernel is written once with every parameter; one that a configuration
+# (``launch/dense.py``). A kernel is written once with every parameter; one that a configuration
 # does not take is annotated :func:`optional` and is no kernel argument there.
 
 

@@ -24,14 +24,14 @@ Masking as ``fwd.py``'s ``"branch"``: only the KV tiles that are not wholly visi
 import tilelang.language as T
 from tilelang.layout import make_swizzled_layout
 
-from . import softmax
-from .block_range import full_kv_blocks_for_rows, kv_blocks_for_rows
-from .config import KernelConfig, Tiles, pack_gqa_fits
+from ..tir import softmax
+from ..tir.block_range import full_kv_blocks_for_rows, kv_blocks_for_rows
+from ..build.config import KernelConfig, Tiles, pack_gqa_fits
 from .fwd_entry import fwd_entry, fwd_shapes
-from .layout import sequence, store_rows, store_rows_vec, store_stat, tile, tile_head, tile_row
-from .mask import branch_logits
-from .schedule import locate, persistent_steps, persistent_tile
-from .split import split as two_terms
+from ..tir.layout import sequence, store_rows, store_rows_vec, store_stat, tile, tile_head, tile_row
+from ..tir.mask import branch_logits
+from ..tir.schedule import locate, persistent_steps, persistent_tile
+from ..tir.split import split as two_terms
 
 #: registers per thread of the producer warpgroup (setmaxnreg); the consumers share the rest of
 #: the SM's 64K (240 each for two consumer warpgroups, as FlashAttention-3 and TileLang choose)

@@ -6,8 +6,8 @@ from types import SimpleNamespace
 
 import tilelang.language as T
 
-from .layout import kernel, optional, qkv_shapes, stat_shape, varlen_params
-from .schedule import grid
+from ..tir.layout import kernel, optional, qkv_shapes, stat_shape, varlen_params
+from ..tir.schedule import grid
 
 
 def main_bwd_shapes(cfg, split: int) -> SimpleNamespace:

@@ -7,7 +7,7 @@ of the disk-cache key), the configurations that need it, those it builds for at 
 ``flashsink precompile`` builds every route), and the configuration fields its code never reads (one
 build then serves every value of them).
 
-A new kind is one entry here, its builder, and its launch in ``interface.py``.
+A new kind is one entry here, its builder, and its launch in ``launch/dense.py``.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def _postprocess(cfg: KernelConfig) -> bool:
 
 
 def _kvcache(cfg: KernelConfig) -> bool:
-    """Configurations ``attention_kvcache`` runs with (``ops/kvcache.py``): causal bshd, the kernels'
+    """Configurations ``attention_kvcache`` runs with (``ops/launch/kvcache.py``): causal bshd, the kernels'
     head dims, not deterministic. Its kernels are not launched by attention's forward or backward, so
     a first use does not build them; ``flashsink precompile`` does (:func:`precompile_kinds`)."""
     return (cfg.layout == "bshd" and cfg.causal and not cfg.deterministic and cfg.head_dim in KVCACHE_HEAD_DIMS
@@ -80,7 +80,7 @@ class Kind:
 
     def build(self, cfg: KernelConfig):
         module, function = self.builder.rsplit(".", 1)
-        return getattr(importlib.import_module(f"{__package__}.{module}"), function)(cfg)
+        return getattr(importlib.import_module(f"..kernels.{module}", __package__), function)(cfg)
 
 
 #: every kernel, in the order listed to users (``flashsink precompile --kinds``)

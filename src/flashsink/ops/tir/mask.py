@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import tilelang.language as T
 
-from ..visibility import last_key, position, window_edge
+from ...visibility import last_key, position, window_edge
 from .layout import tile_row
 
 

@@ -1,6 +1,6 @@
 """``flashsink.attention`` / ``attention_varlen`` on CUDA tensors: head-dim padding, then the launches.
 
-Two routes to the same launches (``interface._forward`` / ``_backward``):
+Two routes to the same launches (``dense._forward`` / ``_backward``):
 
 * eagerly (the common case), :class:`_Attention`, a plain ``torch.autograd.Function`` that calls
   the launchers itself: no custom-op dispatch, no re-derivation of the problem from the tensors'
@@ -16,7 +16,7 @@ q, k, v and the sinks (in the sinks' dtype). Validation happened once, in ``flas
 import torch
 
 from . import custom_ops  # noqa: F401  (registers the flashsink:: ops)
-from . import interface
+from . import dense
 
 
 def _eager(q) -> bool:
@@ -35,14 +35,14 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, sinks, spec, cfg, cu_seqlens):
-        window = interface.kernel_window(spec.window)
-        sinks32 = interface._sinks_f32(sinks, spec.heads, q.device)
+        window = dense.kernel_window(spec.window)
+        sinks32 = dense._sinks_f32(sinks, spec.heads, q.device)
         # the backward's Delta = rowsum(dO * O): fast reads o; strict the forward's fp32 O where it has one
         # (``config.fwd_o32``), else (None) recomputes Delta from P and dP
         if cfg.precision == "strict":
-            o, lse, saved = interface._forward(q, k, v, sinks32, cfg, spec, window, cu_seqlens, o32=True)
+            o, lse, saved = dense._forward(q, k, v, sinks32, cfg, spec, window, cu_seqlens, o32=True)
         else:
-            o, lse = interface._forward(q, k, v, sinks32, cfg, spec, window, cu_seqlens)
+            o, lse = dense._forward(q, k, v, sinks32, cfg, spec, window, cu_seqlens)
             saved = o
         ctx.save_for_backward(q, k, v, saved, lse, sinks32)
         ctx.problem = (spec, cfg, window, cu_seqlens, None if sinks is None else sinks.dtype)
@@ -57,7 +57,7 @@ class _Attention(torch.autograd.Function):
             do = q.new_zeros((*q.shape[:-1], v.shape[-1]))
         elif not do.is_contiguous():
             do = do.contiguous()
-        dq, dk, dv, dsink = interface._backward(
+        dq, dk, dv, dsink = dense._backward(
             do, q, k, v, o, lse, dlse, sinks32, cfg, spec, window, cu_seqlens
         )
         if dsink is not None and dsink.dtype != sinks_dtype:
@@ -69,14 +69,14 @@ def _launch(q, k, v, sinks, spec, cfg, cu_seqlens):
     """The eager route; without gradients, no autograd node at all. o and the row-padded lse."""
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks)):
         return _Attention.apply(q, k, v, sinks, spec, cfg, cu_seqlens)
-    window = interface.kernel_window(spec.window)
-    sinks32 = interface._sinks_f32(sinks, spec.heads, q.device)
-    return interface._forward(q, k, v, sinks32, cfg, spec, window, cu_seqlens)
+    window = dense.kernel_window(spec.window)
+    sinks32 = dense._sinks_f32(sinks, spec.heads, q.device)
+    return dense._forward(q, k, v, sinks32, cfg, spec, window, cu_seqlens)
 
 
 def _pad_head_dims(spec, q, k, v):
-    d, dv = interface._kernel_dim(spec.head_dim), interface._kernel_dim(spec.head_dim_v)
-    return interface._pad_dim(q, d), interface._pad_dim(k, d), interface._pad_dim(v, dv)
+    d, dv = dense._kernel_dim(spec.head_dim), dense._kernel_dim(spec.head_dim_v)
+    return dense._pad_dim(q, d), dense._pad_dim(k, d), dense._pad_dim(v, dv)
 
 
 def kernel_attention(spec, q, k, v, sinks, *, return_lse=False, deterministic=False, precision="fast"):
@@ -86,16 +86,16 @@ def kernel_attention(spec, q, k, v, sinks, *, return_lse=False, deterministic=Fa
     whose autograd formula calls ``flashsink::bwd``. Head-dim padding and the slicing of o and lse
     are plain torch ops around the launches, so autograd slices and pads the gradients.
     """
-    interface.check_supported(spec)
+    dense.check_supported(spec)
     if 0 in (spec.batch, spec.heads, spec.seq_q, spec.seq_kv):
         # Empty problems (no rows, or no keys: o = 0 and lse = the sink) have no tiles to
         # launch; the reference gives their exact, differentiable result on q's device.
-        from .. import reference
+        from ... import reference
 
         return reference._attention(q, k, v, sinks, spec, return_lse=return_lse)
     q, k, v = _pad_head_dims(spec, q, k, v)
     if _eager(q):
-        o, lse = _launch(q, k, v, sinks, spec, interface.kernel_config(spec, q.device, deterministic, precision), None)
+        o, lse = _launch(q, k, v, sinks, spec, dense.kernel_config(spec, q.device, deterministic, precision), None)
         if return_lse:  # the real rows of the row-padded lse (autograd pads dlse back)
             lse = lse[:, :, : spec.seq_q]
     else:
@@ -119,13 +119,13 @@ def kernel_attention_varlen(spec, q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, *,
     if pad_head_dims is None:
         pad_head_dims = q.is_cuda
     if q.is_cuda:
-        interface.check_supported(spec)
+        dense.check_supported(spec)
     cu_q = cu_seqlens_q.to(torch.int32)  # what the kernels read; a no-op for int32 offsets
     cu_k = cu_seqlens_k.to(torch.int32)
     if pad_head_dims:
         q, k, v = _pad_head_dims(spec, q, k, v)
     if _eager(q) and spec.batch > 0 and q.shape[0] > 0 and k.shape[0] > 0:
-        cfg = interface.kernel_config(spec, q.device, deterministic, precision)
+        cfg = dense.kernel_config(spec, q.device, deterministic, precision)
         o, lse = _launch(q, k, v, sinks, spec, cfg, (cu_q.contiguous(), cu_k.contiguous()))
         if return_lse:
             lse = lse[:, : q.shape[0]]

@@ -6,9 +6,9 @@ from types import SimpleNamespace
 
 import tilelang.language as T
 
-from .config import KernelConfig
-from .layout import kernel, qkv_shapes, stat_shape, varlen_params
-from .schedule import grid
+from ..build.config import KernelConfig
+from ..tir.layout import kernel, qkv_shapes, stat_shape, varlen_params
+from ..tir.schedule import grid
 
 
 def fwd_shapes(cfg: KernelConfig) -> SimpleNamespace:

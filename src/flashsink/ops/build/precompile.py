@@ -136,7 +136,7 @@ def cmd_precompile(args) -> int:
             print(f"{cfg.short():<60} {' '.join(kinds or precompile_kinds(cfg))}")
         print(f"{len(configs)} configurations, {sum(len(kinds or precompile_kinds(c)) for c in configs)} kernels")
         return 0
-    from ..errors import CacheDirError
+    from ...errors import CacheDirError
 
     try:
         failures = precompile(configs, kinds=kinds, jobs=args.jobs, out=sys.stdout)
@@ -147,7 +147,7 @@ def cmd_precompile(args) -> int:
 
 
 def add_parser(sub) -> None:
-    from .._argtypes import add_command, positive_int
+    from ..._argtypes import add_command, positive_int
     from .config import SUPPORTED_ARCHS
 
     p = add_command(

@@ -1,0 +1,10 @@
+"""The launch layer: the host code between the public functions and the kernels.
+
+``attention`` (the autograd function and its two routes: eager, or the custom ops under
+torch.compile), ``custom_ops`` (the ``torch.ops.flashsink`` ops: their schemas, fake and CUDA
+implementations), ``dense`` (a problem's ``KernelConfig``; the forward's and backward's buffers and
+launches), ``decode`` (split-KV decode through ``attention``), ``kvcache`` (``attention_kvcache``).
+
+May import ``flashsink.ops.build`` and the package's top-level modules (``_validate``, ``reference``,
+``combine``, ``visibility``); never ``kernels`` or ``tir`` (nothing here imports tilelang).
+"""
