@@ -29,7 +29,7 @@ import flashsink
 from flashsink.cli import main
 from flashsink.errors import CacheDirError, CompileError
 from flashsink.ops.build import compile as C
-from flashsink.ops.build import diskcache
+from flashsink.ops.build import diskcache, keys, logs, lowering, retry
 from flashsink.ops.build.config import KernelConfig
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
@@ -44,10 +44,10 @@ def fresh_logging():
     """configure_logging runs once per process; let a test run it again, then undo it."""
     logger = logging.getLogger("flashsink")
     level, handlers = logger.level, list(logger.handlers)
-    C._logging_done = False
+    logs._logging_done = False
     logger.setLevel(logging.NOTSET)
     yield logger
-    C._logging_done = False
+    logs._logging_done = False
     logger.setLevel(level)
     logger.handlers[:] = handlers
 
@@ -172,8 +172,8 @@ def test_compile_error_carries_config_target_and_compiler_output(tmp_path, monke
     import tilelang
 
     monkeypatch.setenv("FLASHSINK_CACHE_DIR", str(tmp_path / "cache"))
-    real = C.pass_configs
-    monkeypatch.setattr(C, "pass_configs", lambda: {
+    real = keys.pass_configs
+    monkeypatch.setattr(keys, "pass_configs", lambda: {
         **real(), tilelang.PassConfigKey.TL_DEVICE_COMPILE_FLAGS: ["--no-such-nvcc-flag"]})
     with pytest.raises(flashsink.CompileError) as info:
         C.compile_kernel("postprocess", CFG)
@@ -196,7 +196,7 @@ def test_frontend_error_is_a_compile_error(tmp_path, monkeypatch):
     def broken(kind, cfg):
         raise TypeError("store_rows() missing 1 required positional argument: 'cols'")
 
-    monkeypatch.setattr(C, "build_prim_func", broken)
+    monkeypatch.setattr(keys, "build_prim_func", broken)
     with pytest.raises(CompileError, match="missing 1 required positional argument") as info:
         C.compile_kernel("fwd", CFG)
     assert "TypeError" in info.value.stderr_tail and info.value.kind == "fwd"
@@ -254,7 +254,7 @@ SYNTAX = RuntimeError("// Killed in the source is not a verdict\nCompilation err
 def test_transient_classification(exc, transient):
     if str(exc) == "wrapped":
         exc.__cause__ = NO_SPACE
-    assert C.is_transient(exc) is transient
+    assert retry.is_transient(exc) is transient
 
 
 @pytest.mark.l0
@@ -262,11 +262,11 @@ def test_transient_failures_are_retried_with_a_log_line(tmp_path, monkeypatch, c
     root = diskcache.ensure_cache_dir(tmp_path / "cache")
     made = []
     jit, calls = _flaky_jit([NO_SPACE, KILLED], made)
-    monkeypatch.setattr(C, "_jit", jit)
-    monkeypatch.setattr(C, "RETRY_DELAY_S", 0.0)
+    monkeypatch.setattr(lowering, "jit", jit)
+    monkeypatch.setattr(retry, "RETRY_DELAY_S", 0.0)
     tempdir_before, tmpdir_env = tempfile.tempdir, os.environ.get("TMPDIR")
     caplog.set_level(logging.WARNING, logger="flashsink")
-    assert C._compile_with_retries("fwd", CFG, None, None, root) == "kernel"
+    assert retry.compile_with_retries("fwd", CFG, None, None, root) == "kernel"
     assert len(calls) == 3
     retries = [r.getMessage() for r in caplog.records if "transient" in r.getMessage()]
     assert len(retries) == 2 and "retry 1 of 2" in retries[0] and "retry 2 of 2" in retries[1]
@@ -281,11 +281,11 @@ def test_retries_are_bounded(tmp_path, monkeypatch):
     root = diskcache.ensure_cache_dir(tmp_path / "cache")
     made = []
     jit, calls = _flaky_jit([NO_SPACE] * 10, made)
-    monkeypatch.setattr(C, "_jit", jit)
-    monkeypatch.setattr(C, "RETRY_DELAY_S", 0.0)
+    monkeypatch.setattr(lowering, "jit", jit)
+    monkeypatch.setattr(retry, "RETRY_DELAY_S", 0.0)
     with pytest.raises(CompileError) as info:
-        C._compile_with_retries("bwd", CFG, None, None, root)
-    assert len(calls) == 1 + C.COMPILE_RETRIES == info.value.attempts
+        retry.compile_with_retries("bwd", CFG, None, None, root)
+    assert len(calls) == 1 + retry.COMPILE_RETRIES == info.value.attempts
     assert "No space left on device" in info.value.stderr_tail
     assert not any(os.path.exists(p) for p in made) and list((root / "tmp").iterdir()) == []
 
@@ -295,9 +295,9 @@ def test_real_errors_are_not_retried(tmp_path, monkeypatch):
     root = diskcache.ensure_cache_dir(tmp_path / "cache")
     made = []
     jit, calls = _flaky_jit([SYNTAX], made)
-    monkeypatch.setattr(C, "_jit", jit)
+    monkeypatch.setattr(lowering, "jit", jit)
     with pytest.raises(CompileError) as info:
-        C._compile_with_retries("dq", CFG, None, None, root)
+        retry.compile_with_retries("dq", CFG, None, None, root)
     assert len(calls) == 1 and info.value.attempts == 1
     assert "expected a ';'" in info.value.stderr_tail and "Killed in the source" not in info.value.stderr_tail
     assert not any(os.path.exists(p) for p in made)
@@ -309,15 +309,15 @@ def test_a_kernel_that_would_hang_is_a_compile_error(tmp_path, monkeypatch):
     for lanes that never come: the H200 hang of the first dq_cast kernel, docs/perf.md v18) fails its
     compile, not retried, instead of hanging at its first launch; elections over whole warps, warpgroups
     and the block (0) pass."""
-    assert C.narrow_elections("tl_shuffle_elect<0>() tl_shuffle_elect<32>() tl_shuffle_elect<384>()") == []
-    assert C.narrow_elections("tl::tl_shuffle_elect<1>() tl::tl_shuffle_elect<16>() tl_shuffle_elect<1>") == [1, 16]
+    assert lowering.narrow_elections("tl_shuffle_elect<0>() tl_shuffle_elect<32>() tl_shuffle_elect<384>()") == []
+    assert lowering.narrow_elections("tl::tl_shuffle_elect<1>() tl::tl_shuffle_elect<16>() tl_shuffle_elect<1>") == [1, 16]
     root = diskcache.ensure_cache_dir(tmp_path / "cache")
     hang = _Kernel("kernel")
     hang.source = "if (threadIdx.x == 288) { if (tl::tl_shuffle_elect<1>()) { tl::tma_load(); } }"
     jit, calls = _flaky_jit([], [], kernel=hang)
-    monkeypatch.setattr(C, "_jit", jit)
+    monkeypatch.setattr(lowering, "jit", jit)
     with pytest.raises(CompileError) as info:
-        C._compile_with_retries("bwd", CFG, None, None, root)
+        retry.compile_with_retries("bwd", CFG, None, None, root)
     assert len(calls) == 1 and "fewer than a warp" in info.value.stderr_tail and "[1]" in info.value.stderr_tail
 
 
@@ -484,7 +484,7 @@ def test_file_instead_of_dir_is_refused(tmp_path):
 ])
 def test_flashsink_log_sets_the_level(monkeypatch, fresh_logging, value, level):
     monkeypatch.setenv("FLASHSINK_LOG", value)
-    C.configure_logging()
+    logs.configure_logging()
     assert fresh_logging.level == level
 
 
@@ -492,7 +492,7 @@ def test_flashsink_log_sets_the_level(monkeypatch, fresh_logging, value, level):
 def test_application_level_is_kept_without_flashsink_log(monkeypatch, fresh_logging):
     monkeypatch.delenv("FLASHSINK_LOG", raising=False)
     fresh_logging.setLevel(logging.ERROR)  # the application's choice
-    C.configure_logging()
+    logs.configure_logging()
     assert fresh_logging.level == logging.ERROR
 
 
@@ -500,7 +500,7 @@ def test_application_level_is_kept_without_flashsink_log(monkeypatch, fresh_logg
 def test_flashsink_log_bad_value_warns(monkeypatch, fresh_logging, caplog):
     monkeypatch.setenv("FLASHSINK_LOG", "loud")
     with caplog.at_level(logging.WARNING, logger="flashsink"):
-        C.configure_logging()
+        logs.configure_logging()
         assert fresh_logging.level == logging.INFO
     assert "FLASHSINK_LOG='loud'" in caplog.text
 
@@ -559,18 +559,18 @@ def test_cache_info_missing_and_unsafe(tmp_path, capsys):
 
 
 def test_key_holds_its_own_kinds_tiles_only(monkeypatch):
-    """compile.cache_key: the tiles entry is the kind's own tile function's answer (none for a kind of fixed
+    """keys.cache_key: the tiles entry is the kind's own tile function's answer (none for a kind of fixed
     blocks), so changing another kind's tile function leaves the key, and every kernel cached or bundled
     under it, as it was; changing its own is a new key."""
     import dataclasses
 
-    from flashsink.ops.build import compile as comp
+    from flashsink.ops.build import keys as comp
     from flashsink.ops.build import kinds
     from flashsink.ops.build.config import KernelConfig, Tiles
 
     cfg = KernelConfig("sm_90a", "bfloat16", 64, 64, 8, True, True, "bhsd")
     func = comp.build_prim_func("merge_splits", cfg)
-    args = comp._compile_args(func)
+    args = comp.compile_args(func)
 
     def key(kind):
         return comp.cache_key(kind, kinds.canonical(kind, cfg), func, args)

@@ -9,7 +9,8 @@ import shutil
 
 import pytest
 
-from flashsink.ops.build.compile import KINDS, compile_kernel
+from flashsink.ops.build.compile import compile_kernel
+from flashsink.ops.build.kinds import KINDS
 from flashsink.ops.build.config import KernelConfig
 
 pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
@@ -26,7 +27,7 @@ def _cfg(arch, kind, **over):
 
 @pytest.mark.l1
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", tuple(KINDS))
 def test_kernel_compiles(arch, kind):
     if kind == "fwd_split" and arch == "sm_80":
         pytest.skip("fwd_split is Hopper-only (sm_80's code generator rejects it in TileLang 0.1.15); "
@@ -85,7 +86,7 @@ def test_main_backward_with_dq_cast_compiles(monkeypatch):
     assert "AtomicAddRet" in src and "DqCount" in src and "half_t* __restrict__ dQ" in src
     # the rows' load back is issued by the dQ warp as a whole (one lane elected of 32): elected under
     # its one counting thread, the first build hung on the H200 (docs/perf.md v18)
-    from flashsink.ops.build.compile import narrow_elections
+    from flashsink.ops.build.lowering import narrow_elections
 
     assert narrow_elections(src) == [] and "tl_shuffle_elect<32>" in src
 
@@ -132,7 +133,7 @@ def test_swapped_grid_main_backward_compiles():
     import tilelang
 
     from flashsink.ops.kernels.bwd import build_bwd
-    from flashsink.ops.build.compile import pass_configs
+    from flashsink.ops.build.keys import pass_configs
 
     cfg = _cfg("sm_90a", "bwd", precision="strict")
     func = build_bwd(cfg, ws=False, swap=True)
@@ -159,7 +160,7 @@ def test_strict_preprocess_options_compile(arch, opts):
     import tilelang
 
     from flashsink.ops.kernels.bwd import build_preprocess
-    from flashsink.ops.build.compile import build_prim_func, pass_configs
+    from flashsink.ops.build.keys import build_prim_func, pass_configs
     from flashsink.ops.build.config import pre_branch, pre_lpt
 
     cfg = _cfg(arch, "preprocess", precision="strict")
@@ -186,7 +187,7 @@ def test_kvcache_gathers_through_a_shared_page_table(arch):
 
     import tilelang
 
-    from flashsink.ops.build.compile import pass_configs
+    from flashsink.ops.build.keys import pass_configs
     from flashsink.ops.kernels.fwd_kvcache import build_fwd_kvcache
 
     func = build_fwd_kvcache(_cfg(arch, "fwd_kvcache", layout="bshd"))
@@ -208,7 +209,7 @@ def test_kvcache_prefetch_loads_the_next_tile_into_registers():
 
     import tilelang
 
-    from flashsink.ops.build.compile import pass_configs
+    from flashsink.ops.build.keys import pass_configs
     from flashsink.ops.kernels.fwd_kvcache import build_fwd_kvcache
 
     cfg = _cfg("sm_90a", "fwd_kvcache", layout="bshd")
@@ -240,7 +241,7 @@ def test_kvcache_aligned_loads_each_tile_as_one_tma_box():
 
     import tilelang
 
-    from flashsink.ops.build.compile import pass_configs
+    from flashsink.ops.build.keys import pass_configs
     from flashsink.ops.kernels.fwd_kvcache import build_fwd_kvcache
 
     cfg = _cfg("sm_90a", "fwd_kvcache", layout="bshd")
@@ -277,7 +278,7 @@ def test_split_kv_kernels_mask_only_the_partial_key_tiles(kind, layout):
     key-loop instructions (sm_90a SASS, 870 -> 503 a wholly visible tile; ``fwd_kvcache``'s gather 1,452 -> 1,069,
     docs/perf.md v30). The GPU suite checks the outputs (decode and kvcache cases with windows, lengths off the
     tiles, several query rows, chunks)."""
-    from flashsink.ops.build.compile import build_prim_func
+    from flashsink.ops.build.keys import build_prim_func
 
     lines = build_prim_func(kind, _cfg("sm_90a", kind, layout=layout)).script().splitlines()
     loop = next(i for i, line in enumerate(lines) if line.strip().startswith("for kb in"))

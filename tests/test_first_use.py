@@ -1,9 +1,9 @@
-"""First use of a configuration (``compile.get_kernel`` missing): every kernel the configuration needs
+"""First use of a configuration (``registry.get_kernel`` missing): every kernel the configuration needs
 is built at once, in parallel workers, then loaded; later launches are one dict lookup.
 
 No kernel is compiled here: the disk cache and the workers are fakes (the workers are threads that
 meet at a barrier, which they pass only if all of them run at the same time), and the real process
-pool (``compile.compile_parallel``, which ``flashsink precompile`` uses too) is covered by
+pool (``parallel.compile_parallel``, which ``flashsink precompile`` uses too) is covered by
 tests/test_precompile_cli.py.
 """
 
@@ -17,6 +17,7 @@ import pytest
 
 from flashsink.errors import CompileError
 from flashsink.ops.build import compile as compile_mod
+from flashsink.ops.build import parallel, registry
 from flashsink.ops.build import kinds
 from flashsink.ops.build import config as config_mod
 from flashsink.ops.build.config import KernelConfig
@@ -80,11 +81,11 @@ def fake_build(monkeypatch):
         state["submitted"] = []
         return Pool(max_workers=jobs)
 
-    monkeypatch.setattr(compile_mod, "_cache", {})
+    monkeypatch.setattr(registry, "_cache", {})
     monkeypatch.setattr(compile_mod, "compile_kernel", compile_kernel)
-    monkeypatch.setattr(compile_mod, "_compile_one", compile_one)
-    monkeypatch.setattr(compile_mod, "_executor", executor)
-    monkeypatch.setattr(compile_mod.os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(parallel, "compile_one", compile_one)
+    monkeypatch.setattr(parallel, "executor", executor)
+    monkeypatch.setattr(registry.os, "cpu_count", lambda: 16)
     monkeypatch.delenv("FLASHSINK_RECORD_KERNELS", raising=False)
     return state
 
@@ -99,7 +100,7 @@ def test_first_use_builds_the_whole_set_in_parallel(fake_build, caplog):
     needed = kinds.first_use_kinds("fwd", CFG)
     assert needed == ("fwd", "fwd_window", "preprocess", "bwd", "postprocess")
     with caplog.at_level(logging.INFO, logger="flashsink"):
-        launcher = compile_mod.get_kernel("fwd", CFG)
+        launcher = registry.get_kernel("fwd", CFG)
     assert launcher == ("executable", "fwd", kinds.canonical("fwd", CFG))  # the executable, not the adapter
     assert sorted(k for k, where in fake_build["built"]) == sorted(needed)
     # the longest build (the forward) in this process, which has its imports done; the others in
@@ -111,10 +112,10 @@ def test_first_use_builds_the_whole_set_in_parallel(fake_build, caplog):
     # every kernel of the configuration is now one dict lookup away, nothing else is built or loaded
     n = len(fake_build["loads"])
     for kind in needed:
-        assert compile_mod.get_kernel(kind, CFG)[1] == kind
+        assert registry.get_kernel(kind, CFG)[1] == kind
     assert len(fake_build["loads"]) == n and len(fake_build["built"]) == len(needed)
     # the first decode launch builds the decode pair, together
-    compile_mod.get_kernel("fwd_split", CFG)
+    registry.get_kernel("fwd_split", CFG)
     assert fake_build["built"][len(needed):] == [("fwd_split", "in-process"), ("merge_splits", "worker")] or \
         fake_build["built"][len(needed):] == [("merge_splits", "worker"), ("fwd_split", "in-process")]
     assert fake_build["jobs"] == 1
@@ -123,35 +124,35 @@ def test_first_use_builds_the_whole_set_in_parallel(fake_build, caplog):
 def test_first_use_loads_cached_kernels_and_compiles_only_the_rest(fake_build):
     for kind in ("fwd", "bwd", "fwd_split"):
         fake_build["disk"].add((kind, kinds.canonical(kind, CFG)))
-    compile_mod.get_kernel("bwd", CFG)
+    registry.get_kernel("bwd", CFG)
     assert sorted(k for k, _ in fake_build["built"]) == ["fwd_window", "postprocess", "preprocess"]
     assert ("fwd_window", "in-process") in fake_build["built"]
     assert fake_build["jobs"] == 2
 
 
 def test_first_use_workers_leave_a_core_to_this_process(fake_build, monkeypatch):
-    monkeypatch.setattr(compile_mod.os, "cpu_count", lambda: 3)
+    monkeypatch.setattr(registry.os, "cpu_count", lambda: 3)
     fake_build["no_barrier"] = True  # fewer workers than kernels: they run in turns
-    compile_mod.get_kernel("fwd", CFG)
+    registry.get_kernel("fwd", CFG)
     assert fake_build["jobs"] == 2
     assert fake_build["submitted"] == ["fwd_window", "bwd", "preprocess", "postprocess"]
     assert sorted(k for k, _ in fake_build["built"]) == sorted(kinds.first_use_kinds("fwd", CFG))
-    assert all(compile_mod.get_kernel(k, CFG)[1] == k for k in kinds.first_use_kinds("fwd", CFG))
+    assert all(registry.get_kernel(k, CFG)[1] == k for k in kinds.first_use_kinds("fwd", CFG))
 
 
 def test_first_use_takes_back_kernels_no_worker_started(fake_build, monkeypatch):
     """One worker, held on its first kernel until this process has built the forward: this process then
     builds the kernels still queued, longest first, instead of waiting for the worker."""
-    monkeypatch.setattr(compile_mod.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(registry.os, "cpu_count", lambda: 2)
     release = threading.Event()
     fake_build["no_barrier"] = True
-    real = compile_mod._compile_one
+    real = parallel.compile_one
 
     def held(job):
         release.wait(timeout=30)
         return real(job)
 
-    monkeypatch.setattr(compile_mod, "_compile_one", held)
+    monkeypatch.setattr(parallel, "compile_one", held)
     real_ck = compile_mod.compile_kernel
 
     def compile_kernel(kind, cfg, *, load_only=False):
@@ -161,35 +162,35 @@ def test_first_use_takes_back_kernels_no_worker_started(fake_build, monkeypatch)
         return out
 
     monkeypatch.setattr(compile_mod, "compile_kernel", compile_kernel)
-    compile_mod.get_kernel("fwd", CFG)
+    registry.get_kernel("fwd", CFG)
     assert fake_build["jobs"] == 1
     assert [k for k, where in fake_build["built"] if where == "in-process"] == ["fwd", "bwd", "preprocess",
                                                                                   "postprocess"]
     assert [k for k, where in fake_build["built"] if where == "worker"] == ["fwd_window"]
-    assert all(compile_mod.get_kernel(k, CFG)[1] == k for k in kinds.first_use_kinds("fwd", CFG))
+    assert all(registry.get_kernel(k, CFG)[1] == k for k in kinds.first_use_kinds("fwd", CFG))
 
 
 def test_one_missing_kernel_compiles_in_process(fake_build):
     for kind in kinds.kinds_for(CFG):
         if kind != "postprocess":
             fake_build["disk"].add((kind, kinds.canonical(kind, CFG)))
-    compile_mod.get_kernel("fwd", CFG)
+    registry.get_kernel("fwd", CFG)
     assert fake_build["built"] == [("postprocess", "in-process")] and "jobs" not in fake_build
 
 
 def test_a_failing_kernel_fails_its_own_launch_only(fake_build):
     fake_build["fail"].add("preprocess")
-    assert compile_mod.get_kernel("fwd", CFG)[1] == "fwd"  # the forward works
+    assert registry.get_kernel("fwd", CFG)[1] == "fwd"  # the forward works
     with pytest.raises(CompileError):
-        compile_mod.get_kernel("preprocess", CFG)
+        registry.get_kernel("preprocess", CFG)
 
 
 def test_fields_a_kernel_does_not_read_share_one_build(fake_build):
     """fwd reads neither precision nor deterministic: the strict configuration loads the fast one's."""
-    compile_mod.get_kernel("fwd", CFG)
+    registry.get_kernel("fwd", CFG)
     built = len(fake_build["built"])
     strict = KernelConfig(**{**CFG.__dict__, "precision": "strict"})
-    compile_mod.get_kernel("fwd", strict)
+    registry.get_kernel("fwd", strict)
     new = [k for k, _ in fake_build["built"][built:]]
     assert "fwd" not in new and "postprocess" not in new and "fwd_split" not in new
     # these read precision (strict has no split main backward; on Hopper it has the fp32-O forward and

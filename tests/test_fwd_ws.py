@@ -73,7 +73,7 @@ def test_ws_refuses_options_it_has_not():
 def test_fold_is_the_default_and_fwd_unfolded_the_other(d):
     """config.fwd_fold: the library's forward folds the scale (positive scales); the kind
     fwd_unfolded is the same kernel scaling each logit first (scale <= 0)."""
-    from flashsink.ops.build.compile import build_prim_func
+    from flashsink.ops.build.keys import build_prim_func
     from flashsink.ops.build.config import fwd_fold
 
     cfg = _cfg(d=d)
@@ -130,14 +130,15 @@ def test_tma_epilogue_compiles_for_hopper():
     the wait for its reads (ptxas -v on the CPU host, docs/perf.md v26: 128 registers, no spill, as with "wg")."""
     import subprocess
 
-    from flashsink.ops.build.compile import _compile_args, _jit
+    from flashsink.ops.build.keys import compile_args
+    from flashsink.ops.build.lowering import jit
     from flashsink.ops.build.config import fwd_window_tiles
     from flashsink.ops.kernels.fwd_ws import build_fwd_ws
 
     cfg = _cfg("bfloat16", 64, "bshd")
     f = build_fwd_ws(cfg, fwd_window_tiles(cfg), fold=True, epilogue="tma", q_slots=2, pack_gqa=True,
                      mask_limits=True)
-    src = _jit(f, cfg, _compile_args(f)).get_kernel_source()
+    src = jit(f, cfg, compile_args(f)).get_kernel_source()
     assert src.count("tl::tma_store(O_desc") == 1 and "tl::tma_store_wait<0, true>()" in src
 
 
@@ -165,7 +166,7 @@ def test_ws_compiles_for_hopper():
     gpt-oss's full layers."""
     import tilelang
 
-    from flashsink.ops.build.compile import pass_configs
+    from flashsink.ops.build.keys import pass_configs
 
     func = fwd.build_fwd(_cfg(d=64), tiles=Tiles(128, 128, 256, 2), ws=True)
     kern = tilelang.compile(func, target={"kind": "cuda", "arch": "sm_90a"}, execution_backend="tvm_ffi",
@@ -186,7 +187,7 @@ def test_ws_compiles_for_hopper():
 def test_library_forward_is_ws_where_config_says(cfg, want):
     """config.fwd_ws picks the hand kernel for the library's forward (Hopper, equal head dims 64 or
     128), with 192-row tiles at D64; elsewhere the pipelined kernel."""
-    from flashsink.ops.build.compile import build_prim_func
+    from flashsink.ops.build.keys import build_prim_func
     from flashsink.ops.build.config import fwd_tiles, fwd_ws
 
     assert fwd_ws(cfg) == want
@@ -219,7 +220,7 @@ def test_the_forward_options_follow_the_head_dim(cfg, opts):
     next test's."""
     import dataclasses
 
-    from flashsink.ops.build.compile import build_prim_func
+    from flashsink.ops.build.keys import build_prim_func
     from flashsink.ops.build.config import fwd_fold, fwd_o32, fwd_o32_tiles, fwd_tiles, fwd_ws, fwd_ws_options
     from flashsink.ops.kernels.fwd_ws import build_fwd_ws
     from flashsink.ops.build.kinds import KINDS
@@ -268,7 +269,7 @@ def test_fwd_window_is_the_packed_forward_with_64_key_tiles(cfg, tiles):
     them by TMA (epilogue "tma", docs/perf.md v27; packed batches "wg", 16 bytes a thread, v24), two Q
     slots (head dim 128 since v26), folded as the forward is; elsewhere the kind is not built and the
     forward's tiles stand."""
-    from flashsink.ops.build.compile import build_prim_func
+    from flashsink.ops.build.keys import build_prim_func
     from flashsink.ops.build.config import WINDOW_TILES_MAX, fwd_fold, fwd_tiles, fwd_window_tiles, fwd_windowed
     from flashsink.ops.kernels.fwd_ws import build_fwd_ws
     from flashsink.ops.build.kinds import KINDS, kinds_for
@@ -351,7 +352,7 @@ def test_exp2_fma_option_builds_and_leaves_the_default_alone():
     """``build_fwd_ws(fma_every=k)`` (tools/fwd_variants.py's "ws/fold/fma8", measured slower: not a
     default): one column group of 8 in every k takes ``softmax.exp2_fma``; the default kernel (k = 0)
     has no polynomial; the launch is the same."""
-    from flashsink.ops.build.compile import build_prim_func
+    from flashsink.ops.build.keys import build_prim_func
     from flashsink.ops.kernels.fwd_ws import build_fwd_ws
     from flashsink.ops.tir.softmax import _EXP2_POLY
 
@@ -396,7 +397,7 @@ def test_o32_option_adds_an_fp32_output_and_a_second_pv_term(d, tiles):
     "ws/fold/o32"): the default launch plus one output, ``O32`` (o's shape, fp32), stored
     from the normalized accumulator; P @ V issued as two products (hi and lo: one more wgmma in the
     loop and one in the tail) and waited for accordingly; the fast configuration refuses it."""
-    from flashsink.ops.build.compile import build_prim_func
+    from flashsink.ops.build.keys import build_prim_func
     from flashsink.ops.kernels.fwd_ws import build_fwd_ws
 
     cfg = _cfg(d=d)
@@ -502,7 +503,7 @@ def test_warpgroup_epilogue_stores_16_bytes_a_thread():
     wide (where the register epilogue's are 4: half a 32-byte sector, docs/perf.md v24)."""
     import tilelang
 
-    from flashsink.ops.build.compile import pass_configs
+    from flashsink.ops.build.keys import pass_configs
     from flashsink.ops.kernels.fwd_ws import build_fwd_ws
 
     func = build_fwd_ws(_cfg(d=64, layout="bshd"), Tiles(192, 64, 384, 3), fold=True, epilogue="wg", q_slots=2,
@@ -584,7 +585,7 @@ def test_chain_compiles_for_hopper():
     next tile's first S, and alone where a tile has no keys or the program ends)."""
     import tilelang
 
-    from flashsink.ops.build.compile import pass_configs
+    from flashsink.ops.build.keys import pass_configs
     from flashsink.ops.kernels.fwd_ws import build_fwd_ws
 
     func = build_fwd_ws(_cfg(d=64, layout="bshd"), Tiles(192, 64, 384, 3), fold=True, epilogue="wg", q_slots=2,
@@ -668,7 +669,7 @@ def test_pack_gqa_compiles_for_hopper():
     announcing its own 3072 bytes on the one Q barrier before the producer's single arrival."""
     import tilelang
 
-    from flashsink.ops.build.compile import pass_configs
+    from flashsink.ops.build.keys import pass_configs
     from flashsink.ops.kernels.fwd_ws import build_fwd_ws
 
     func = build_fwd_ws(_cfg(d=64), Tiles(192, 128, 384, 2), fold=True, epilogue="regs", q_slots=2, pack_gqa=True)
@@ -686,7 +687,8 @@ def test_pack_gqa_compiles_at_head_dim_128():
     ``hc * 8192 + g * 1024`` elements; nvcc builds it, and no lane is elected under a narrow branch."""
     import tilelang
 
-    from flashsink.ops.build.compile import narrow_elections, pass_configs
+    from flashsink.ops.build.lowering import narrow_elections
+    from flashsink.ops.build.keys import pass_configs
     from flashsink.ops.kernels.fwd_ws import build_fwd_ws
 
     func = build_fwd_ws(_cfg("float16", 128), Tiles(128, 128, 256, 2), fold=True, pack_gqa=True)

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from flashsink._validate import validate_attention, validate_varlen
-from flashsink.ops.build import compile as compile_mod
+from flashsink.ops.build import registry
 from flashsink.ops.launch import attention, custom_ops, dense
 from flashsink.ops.build import config
 from flashsink.ops.build.config import LOG2E, NO_WINDOW, KernelConfig
@@ -59,7 +59,7 @@ def launches(monkeypatch):
 
             return kernel
 
-    monkeypatch.setattr(compile_mod, "_cache", Recorder())
+    monkeypatch.setattr(registry, "_cache", Recorder())
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(dense, "_sm_count", lambda index: 132)
     return out

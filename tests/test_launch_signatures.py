@@ -2,7 +2,7 @@
 
 ``test_launch_args.py`` writes the launch protocol out by hand; this file asks TileLang instead: the
 kernel cache answers, for every (kind, config), a checker built from that kernel's ``PrimFunc``
-(``compile.build_prim_func``, lowered to TIR only, no nvcc, no GPU), and every launch's tensors must
+(``keys.build_prim_func``, lowered to TIR only, no nvcc, no GPU), and every launch's tensors must
 match its buffers: rank, every static dimension, dtype. A launch layer that sizes a buffer by the
 problem's head dim where the kernel was built for the padded one (head dims 80, 96: run as 128) is
 caught here, as the H200 caught it on 2026-12-03 ("input O shape[3] violates packed ABI constraint").
@@ -24,7 +24,7 @@ pytest.importorskip("tilelang", reason="the kernels' signatures come from TileLa
 from flashsink._validate import validate_attention, validate_varlen  # noqa: E402
 from flashsink.ops.launch import attention, custom_ops, dense
 from flashsink.ops.build import config  # noqa: E402
-from flashsink.ops.build import compile as compile_mod  # noqa: E402
+from flashsink.ops.build import keys, registry  # noqa: E402
 from flashsink.ops.build.config import KernelConfig  # noqa: E402
 
 from test_launch_args import _cuda_impls_on_cpu  # noqa: E402
@@ -38,7 +38,7 @@ _TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32"
 @functools.lru_cache(maxsize=None)
 def _signature(kind: str, cfg: KernelConfig):
     """(name, rank, static dims by axis, torch dtype) per buffer parameter; None for scalars."""
-    func = compile_mod.build_prim_func(kind, cfg)
+    func = keys.build_prim_func(kind, cfg)
     out = []
     for p in func.params:
         buf = func.buffer_map.get(p)
@@ -79,7 +79,7 @@ def checked(monkeypatch):
 
             return kernel
 
-    monkeypatch.setattr(compile_mod, "_cache", Checker())
+    monkeypatch.setattr(registry, "_cache", Checker())
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(dense, "_sm_count", lambda index: 132)
     monkeypatch.setattr(config, "_arch_of_index", lambda index: "sm_90a")
@@ -185,4 +185,4 @@ def test_the_checker_catches_a_wrong_head_dim(checked):
     o = torch.empty(1, 4, 64, 80, dtype=torch.bfloat16)
     lse = torch.empty(1, 4, 128)
     with pytest.raises(AssertionError, match="axis 3"):
-        compile_mod._cache.get(("fwd", cfg))(q, k, v, sinks, 1 << 30, 0.1, o, lse)
+        registry._cache.get(("fwd", cfg))(q, k, v, sinks, 1 << 30, 0.1, o, lse)

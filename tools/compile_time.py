@@ -11,7 +11,7 @@ CUDA source generation, nvcc and the host library, the disk-cache store) and rec
 subprocess it starts (nvcc, the host compiler) with its wall time; ``--keep DIR`` keeps the CUDA
 source and nvcc command there for a by-hand ``nvcc --time``. ``--hash`` prints the sha256 of the
 cubin and of its SASS (``cuobjdump -sass``) so a change meant to leave the device code alone can be
-checked. ``first-use`` times ``compile._build_config`` (what the first ``get_kernel`` of a
+checked. ``first-use`` times ``registry._build_config`` (what the first ``get_kernel`` of a
 configuration runs): the kernels it needs are built in worker processes, then loaded.
 Run one measurement at a time: parallel runs distort each other.
 """
@@ -115,10 +115,10 @@ def cmd_imports(args) -> int:
     out["import tilelang"] = time.perf_counter() - t
     t = time.perf_counter()
     import flashsink  # noqa: F401
-    from flashsink.ops.build import compile as c  # noqa: F401
+    from flashsink.ops.build import keys  # noqa: F401
     out["import flashsink"] = time.perf_counter() - t
     t = time.perf_counter()
-    c.versions()
+    keys.versions()
     out["versions() (nvcc --version)"] = time.perf_counter() - t
     for k, v in out.items():
         print(f"{k:32s} {v:6.2f} s")
@@ -178,7 +178,7 @@ def cmd_one(args) -> int:
     from tilelang.cuda import backend as cuda_backend
 
     from flashsink.ops.build import compile as c
-    from flashsink.ops.build import diskcache
+    from flashsink.ops.build import diskcache, keys, lowering
     imports = time.perf_counter() - t_imp
 
     cubins = []
@@ -191,11 +191,11 @@ def cmd_one(args) -> int:
 
     nvcc_mod.compile_cuda = compile_cuda
     phases.wrap(nvcc_mod, "compile_cuda", "nvcc (compile_cuda)")
-    phases.wrap(c, "build_prim_func", "PrimFunc (kernel's Python)")
-    phases.wrap(c, "cache_key", "cache key (TIR script + sha256)")
+    phases.wrap(keys, "build_prim_func", "PrimFunc (kernel's Python)")
+    phases.wrap(keys, "cache_key", "cache key (TIR script + sha256)")
     phases.wrap(diskcache, "load", "disk cache lookup")
     phases.wrap(diskcache, "store", "disk cache store (export .so, fsync)")
-    phases.wrap(c, "_jit", "JITKernel total")
+    phases.wrap(lowering, "jit", "JITKernel total")
     phases.wrap(lower_mod, "lower_to_host_device_ir", "  lowering passes")
     phases.wrap(lower_mod, "device_codegen", "  device codegen + nvcc")
     phases.wrap(lower_mod, "device_codegen_without_compile", "  device codegen (source only)")
@@ -242,17 +242,17 @@ def cmd_first_use(args) -> int:
     _fresh_caches()
     t_imp = time.perf_counter()
     from flashsink.ops.build import compile as c
-    from flashsink.ops.build import kinds
+    from flashsink.ops.build import kinds, registry
     imports = time.perf_counter() - t_imp
     if args.jobs:
-        c.FIRST_USE_JOBS = args.jobs
+        registry.FIRST_USE_JOBS = args.jobs
     cfg = _cfg(args.problem, args.arch)
     wanted = kinds.first_use_kinds("fwd", cfg)
     t = time.perf_counter()
-    c._build_config("fwd", cfg)
+    registry._build_config("fwd", cfg)
     secs = time.perf_counter() - t
     print(json.dumps({"config": cfg.short(), "kinds": wanted, "imports_s": round(imports, 2),
-                      "first_use_s": round(secs, 2), "built": sorted(k for k, _ in c._cache),
+                      "first_use_s": round(secs, 2), "built": sorted(k for k, _ in registry._cache),
                       "counts": dict(c.counts)}, indent=1))
     return 0
 

@@ -5,7 +5,7 @@
 Issue 14 asks for at most 20 s of compilation at the first use of a configuration. This points
 TileLang's and flashsink's kernel caches at fresh temporary directories (set before anything
 imports tilelang), then times one eager fwd+bwd of the problem (the kernels the configuration
-launches are built in parallel worker processes on that call, ``compile.get_kernel``), then a
+launches are built in parallel worker processes on that call, ``registry.get_kernel``), then a
 second call of the same configuration at another length (must compile nothing: lengths are runtime
 values). Prints one line per call.
 """

@@ -195,7 +195,7 @@ def _variants(d: int) -> list:
 
 
 def _func(job):
-    from flashsink.ops.build.compile import build_prim_func
+    from flashsink.ops.build.keys import build_prim_func
     from flashsink.ops.build.config import Tiles
     from flashsink.ops.kernels.fwd import build_fwd
 

@@ -47,7 +47,7 @@ class _Nothing(torch.autograd.Function):
 def main(argv=None):
     import flashsink
     from flashsink import api, testing
-    from flashsink.ops.build import compile as compile_mod
+    from flashsink.ops.build import registry
     from flashsink.ops.launch import dense
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -85,14 +85,14 @@ def main(argv=None):
     s32 = dense._sinks_f32(s, 64, q.device)
     with torch.no_grad():
         o, lse = dense._forward(q, k, v, s32, cfg, spec, window)
-    fwd = compile_mod.get_kernel("fwd", cfg)
+    fwd = registry.get_kernel("fwd", cfg)
     row(f"launcher fwd ({type(fwd).__name__})",
         lambda: fwd(q, k, v, s32, window, float(spec.scale) * 1.4426950408889634, o, lse))
     main_fn = getattr(fwd, "main", None)
     if main_fn is not None:
         row("launcher fwd .main", lambda: main_fn(q, k, v, s32, window, float(spec.scale) * 1.4426950408889634,
                                                   o, lse))
-    row("get_kernel lookup", lambda: compile_mod.get_kernel("fwd", cfg))
+    row("get_kernel lookup", lambda: registry.get_kernel("fwd", cfg))
     row("dense._forward", lambda: dense._forward(q, k, v, s32, cfg, spec, window))
     row("dense._backward", lambda: dense._backward(do, q, k, v, o, lse, None, s32, cfg, spec, window))
 

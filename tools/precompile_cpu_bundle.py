@@ -11,7 +11,7 @@ kernels a previous suite run recorded (tools/precompile_recorded.py's input: the
 recorded.jsonl in its logs.tgz), and the benchmark presets' configurations in fast, strict and
 deterministic mode. A kernel is found on the GPU machine only where its cache key matches there: the
 same TIR and the same versions (flashsink, tilelang, tvm_ffi, nvcc's build string, platform,
-compile.versions); an entry the GPU machine's runtime cannot load is rebuilt there, not used
+keys.versions); an entry the GPU machine's runtime cannot load is rebuilt there, not used
 (compile.compile_kernel). So a first GPU call should load one kernel before relying on the bundle.
 """
 

@@ -17,7 +17,7 @@ import argparse
 import hashlib
 import itertools
 
-from flashsink.ops.build.compile import build_prim_func
+from flashsink.ops.build.keys import build_prim_func
 from flashsink.ops.build.config import KernelConfig
 from flashsink.ops.build.kinds import KINDS
 

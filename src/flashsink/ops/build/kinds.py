@@ -3,7 +3,7 @@
 A kind is its builder (``KernelConfig -> PrimFunc``, in a module that imports tilelang, so named here
 as ``"module.function"`` and imported when a kernel is built), its tile function (``config.py``; part
 of the disk-cache key), the configurations that need it, those it builds for at all, and its route
-(the first launch of a kernel builds those of its route, in parallel: ``compile.get_kernel``;
+(the first launch of a kernel builds those of its route, in parallel: ``registry.get_kernel``;
 ``flashsink precompile`` builds every route), and the configuration fields its code never reads (one
 build then serves every value of them).
 

@@ -11,9 +11,9 @@ import sys
 import time
 
 from . import diskcache
-from .compile import KINDS, compile_parallel
 from .config import PRECISIONS, KernelConfig
 from .kinds import KINDS as _REGISTRY, canonical, kinds_for, precompile_kinds
+from .parallel import compile_parallel
 
 __all__ = ["compile_parallel", "kinds_for", "precompile"]
 
@@ -34,8 +34,8 @@ def precompile(configs, *, kinds=None, jobs=None, out=sys.stderr, pairs=()) -> l
         for kind in kinds or precompile_kinds(cfg):
             todo.append((kind, cfg))
     for kind, _ in todo + list(pairs):
-        if kind not in KINDS:
-            raise ValueError(f"unknown kernel kind {kind!r}; expected one of {KINDS}")
+        if kind not in _REGISTRY:
+            raise ValueError(f"unknown kernel kind {kind!r}; expected one of {tuple(_REGISTRY)}")
     if jobs is not None and (isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1):
         raise ValueError(f"jobs must be an int >= 1 or None (one per CPU), got {jobs!r}")
     # one build for configurations that differ only in fields a kernel does not read
@@ -174,6 +174,6 @@ def add_parser(sub) -> None:
     p.add_argument("--deterministic", action="store_true", help="also the deterministic=True backward")
     p.add_argument("--precision", nargs="+", choices=PRECISIONS, default=["fast"],
                    help="the backward's precision modes (default fast, flashsink.attention's default)")
-    p.add_argument("--kinds", nargs="+", choices=KINDS, help="only these kernels (default: all a configuration needs)")
+    p.add_argument("--kinds", nargs="+", choices=tuple(_REGISTRY), help="only these kernels (default: all a configuration needs)")
     p.add_argument("--jobs", type=positive_int, default=None, help="parallel processes, >= 1 (default: CPU count)")
     p.add_argument("--dry-run", action="store_true", help="list what would be compiled and exit")

@@ -5,7 +5,7 @@ packed varlen batches (layout ``thd``) alike. Two callers, neither imported here
 ``torch.autograd.Function`` of ``attention.py`` (what ``flashsink.attention`` runs on CUDA outside
 ``torch.compile``) and the custom ops of ``custom_ops.py`` (the same launches, traceable). Validation
 happened once, in the public function (``flashsink.api``). Nothing here imports tilelang: kernels
-are built on first launch (``compile.get_kernel``).
+are built on first launch (``registry.get_kernel``).
 
 Host time matters here (every eager call runs this): the kernel handle is one dict lookup, the
 buffers that must start zeroed share one fill (the dQ accumulator none: the preprocess zeroes it),
@@ -17,7 +17,7 @@ import functools
 import torch
 
 from . import decode
-from ..build.compile import get_kernel
+from ..build.registry import get_kernel
 from ..build.kinds import KINDS
 from ..build.config import (
     BWD_SPLIT_MIN_ROWS, HEAD_DIM_RULE, LOG2E, NO_WINDOW, PRECISIONS, ROW_PAD, SUPPORTED_DTYPES, WINDOW_TILES_MAX,

@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from ..build.compile import get_kernel
+from ..build.registry import get_kernel
 from ..build.config import KVCACHE_HEAD_DIMS, LOG2E, NO_WINDOW, SUPPORTED_DTYPES, KernelConfig, arch_of, split_tiles
 
 _PLANS: dict = {}  # static facts -> (cfg, forward kernel, merge kernel, tiles)

@@ -1,0 +1,44 @@
+"""One TileLang compile (lowering, nvcc, host library) and the check of its CUDA source.
+
+:func:`jit` calls ``JITKernel`` directly, not through TileLang's own disk cache (``compile.py`` says
+why); :func:`check_source` rejects a kernel that would hang at its first launch.
+"""
+
+from __future__ import annotations
+
+import re
+
+from .keys import EXECUTION_BACKEND, CompileArgs
+
+
+def jit(func, cfg, args: CompileArgs):
+    """One TileLang compile (lowering + nvcc + host library), not through TileLang's cache."""
+    from tilelang.jit import JITKernel
+
+    return JITKernel(
+        func, out_idx=args.out_idx, execution_backend=EXECUTION_BACKEND, target=cfg.target(),
+        pass_configs=args.pass_configs, compile_flags=args.compile_flags,
+    )
+
+
+_ELECT = re.compile(r"tl_shuffle_elect<(\d+)>")
+
+
+def narrow_elections(source: str) -> list[int]:
+    """The lane elections in a kernel's CUDA source that run under fewer threads than a warp:
+    TileLang issues a bulk copy (TMA) or barrier setup from one lane it picks with
+    ``tl::tl_shuffle_elect<extent>``, ``elect.sync`` over the full warp, where ``extent`` is the number
+    of threads of the branch around it. Under a branch of fewer than 32 threads (``if tx == ...``
+    around a ``T.tma_copy``) the elected lane waits at ``elect.sync`` for lanes that never come: the
+    kernel hangs (the H200 showed it, docs/perf.md v18). 0 means the whole block and is fine."""
+    return sorted({int(n) for n in _ELECT.findall(source) if 0 < int(n) < 32})
+
+
+def check_source(source: str) -> None:
+    """Raise ``RuntimeError`` if ``source`` (a kernel's CUDA) would hang: :func:`narrow_elections`."""
+    narrow = narrow_elections(source)
+    if narrow:
+        raise RuntimeError(
+            f"the kernel elects a lane under a branch of {narrow} thread(s), fewer than a warp: elect.sync "
+            f"would wait for the warp's other lanes and hang. Issue its bulk copies (T.tma_copy) from a "
+            f"branch of whole warps (the copy elects one lane itself)")
