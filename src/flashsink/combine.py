@@ -38,6 +38,19 @@ def _check_list(name: str, xs) -> list:
     return list(xs)
 
 
+def _check_partials(name, items, shape, device, *, shape_error, device_error) -> None:
+    """ValueError unless every tensor of ``items`` (the list argument ``name``) has ``shape``, the first
+    one's dtype and ``device``; ``shape_error(i, t)`` / ``device_error(i, t)`` say what is wrong."""
+    first = items[0]
+    for i, t in enumerate(items):
+        if tuple(t.shape) != shape:
+            raise ValueError(shape_error(i, t))
+        if t.dtype != first.dtype:
+            raise ValueError(f"{name} must share one dtype, got {name}[0] {first.dtype} and {name}[{i}] {t.dtype}")
+        if t.device != device:
+            raise ValueError(device_error(i, t))
+
+
 def _validate(outs, lses, sinks, layout, return_lse):
     outs = _check_list("outs", outs)
     lses = _check_list("lses", lses)
@@ -55,35 +68,23 @@ def _validate(outs, lses, sinks, layout, return_lse):
     if o0.dim() != 4:
         raise ValueError(f"outs[0] must be 4-D {what} for layout={layout!r}, got {o0.dim()}-D shape {_shape(o0)}")
     device = o0.device
-    for i, o in enumerate(outs):
-        if o.shape != o0.shape:
-            raise ValueError(
-                f"outs[{i}] must have the shape of outs[0] {_shape(o0)} (partials over the same queries), "
-                f"got {_shape(o)}"
-            )
-        if o.dtype != o0.dtype:
-            raise ValueError(f"outs must share one dtype, got outs[0] {o0.dtype} and outs[{i}] {o.dtype}")
-        if o.device != device:
-            raise ValueError(f"outs must be on one device, got outs[0] on {device} and outs[{i}] on {o.device}")
+    _check_partials(
+        "outs", outs, tuple(o0.shape), device,
+        shape_error=lambda i, o: f"outs[{i}] must have the shape of outs[0] {_shape(o0)} (partials over the same "
+        f"queries), got {_shape(o)}",
+        device_error=lambda i, o: f"outs must be on one device, got outs[0] on {device} and outs[{i}] on {o.device}",
+    )
 
     if layout == "bhsd":
         b, h, s, _ = o0.shape
     else:
         b, s, h, _ = o0.shape
-    lse_shape = (b, h, s)
-    l0 = lses[0]
-    for i, lse in enumerate(lses):
-        if tuple(lse.shape) != lse_shape:
-            raise ValueError(
-                f"lses[{i}] must be [B, H, S] = [{b}, {h}, {s}] to match outs ({layout} {_shape(o0)}), "
-                f"got {_shape(lse)}"
-            )
-        if lse.dtype != l0.dtype:
-            raise ValueError(f"lses must share one dtype, got lses[0] {l0.dtype} and lses[{i}] {lse.dtype}")
-        if lse.device != device:
-            raise ValueError(
-                f"lses[{i}] must be on the device of outs ({device}), got {lse.device}"
-            )
+    _check_partials(
+        "lses", lses, (b, h, s), device,
+        shape_error=lambda i, lse: f"lses[{i}] must be [B, H, S] = [{b}, {h}, {s}] to match outs ({layout} "
+        f"{_shape(o0)}), got {_shape(lse)}",
+        device_error=lambda i, lse: f"lses[{i}] must be on the device of outs ({device}), got {lse.device}",
+    )
     if sinks is not None:
         _check_tensor("sinks", sinks)
         if sinks.dim() != 1 or sinks.shape[0] != h:

@@ -67,17 +67,12 @@ class FlashSinkGraph(FlashSink):
     name = "flashsink-graph"
     note = "flashsink (fast) replayed from a CUDA graph: kernel time, no host overhead"
 
+    cuda_only = "CUDA only (CUDA graphs)"
+    no_varlen = ("n/a: attention_varlen checks cu_seqlens on the host (a device-to-host copy each call), which a "
+                 "CUDA graph cannot capture")
+
     def __init__(self):
         self._graphs: dict = {}
-
-    def check_available(self, device):
-        if device != "cuda":
-            raise Unavailable("CUDA only (CUDA graphs)")
-
-    def check_problem(self, prob, device, opts):
-        if prob.seqlens is not None:
-            raise Unavailable("n/a: attention_varlen checks cu_seqlens on the host (a device-to-host copy "
-                              "each call), which a CUDA graph cannot capture")
 
     def release(self):
         self._graphs = {}

@@ -43,15 +43,9 @@ class Sdpa(System):
     name = "sdpa"
     has_sink = False
     note = "no sink"
-
-    def check_available(self, device):
-        if device != "cuda":
-            raise Unavailable("CUDA only in the bench")
-
-    def check_problem(self, prob, device, opts):
-        if prob.seqlens is not None:
-            raise Unavailable("n/a: SDPA is not varlen (no cu_seqlens); padding to the longest sequence or "
-                              "a block-diagonal mask over all tokens would time other work")
+    cuda_only = "CUDA only in the bench"
+    no_varlen = ("n/a: SDPA is not varlen (no cu_seqlens); padding to the longest sequence or a block-diagonal "
+                 "mask over all tokens would time other work")
 
     def _dense(self, prob) -> bool:
         if _all_visible(prob):

@@ -18,12 +18,18 @@ class System:
     peer = False  # a peer with sinks: counts for "speedup over the best peer"
     note = ""
     required_gate: str | None = None  # flashsink: the gate of its precision= ("fast" / "strict"); peers: none
+    cuda_only: str | None = None  # runs on CUDA only: why (the message of Unavailable elsewhere)
+    no_varlen: str | None = None  # runs no varlen problem: why (the message of Unavailable)
 
     def check_available(self, device: str) -> None:
-        """Raise :class:`Unavailable` if the system cannot run on this machine."""
+        """Raise :class:`Unavailable` if the system cannot run on this machine (``cuda_only``, off CUDA)."""
+        if self.cuda_only is not None and device != "cuda":
+            raise Unavailable(self.cuda_only)
 
     def check_problem(self, prob: Problem, device: str, opts: dict) -> None:
-        """Raise :class:`Unavailable` if the system cannot run this problem."""
+        """Raise :class:`Unavailable` if the system cannot run this problem (``no_varlen``, a varlen one)."""
+        if self.no_varlen is not None and prob.seqlens is not None:
+            raise Unavailable(self.no_varlen)
 
     def problem_note(self, prob: Problem) -> str:
         return self.note

@@ -38,26 +38,18 @@ def _head_to_seq(x: torch.Tensor, group, p: int) -> torch.Tensor:
     return out.permute(1, 2, 0, 3, 4).reshape(b, sl, p * h, d)
 
 
-class _SeqToHead(torch.autograd.Function):
+class _Reshard(torch.autograd.Function):
+    """The all-to-all between the layouts, one way (``to_heads``: :func:`_seq_to_head`, else
+    :func:`_head_to_seq`); its backward is the other way."""
+
     @staticmethod
-    def forward(ctx, x, group, p):
-        ctx.group, ctx.p = group, p
-        return _seq_to_head(x, group, p)
+    def forward(ctx, x, group, p, to_heads: bool):
+        ctx.group, ctx.p, ctx.to_heads = group, p, to_heads
+        return (_seq_to_head if to_heads else _head_to_seq)(x, group, p)
 
     @staticmethod
     def backward(ctx, g):
-        return _head_to_seq(g, ctx.group, ctx.p), None, None
-
-
-class _HeadToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, p):
-        ctx.group, ctx.p = group, p
-        return _head_to_seq(x, group, p)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _seq_to_head(g, ctx.group, ctx.p), None, None
+        return (_head_to_seq if ctx.to_heads else _seq_to_head)(g, ctx.group, ctx.p), None, None, None
 
 
 class _Replicate(torch.autograd.Function):
@@ -226,9 +218,9 @@ def ulysses_attention(
             rep = p // hk  # KV head j serves ranks [j*rep, (j+1)*rep)
             k = _Replicate.apply(k, rep)
             v = _Replicate.apply(v, rep)
-        qh = _SeqToHead.apply(q, group, p)
-        kh = _SeqToHead.apply(k, group, p)
-        vh = _SeqToHead.apply(v, group, p)
+        qh = _Reshard.apply(q, group, p, True)
+        kh = _Reshard.apply(k, group, p, True)
+        vh = _Reshard.apply(v, group, p, True)
 
     local_sinks = None
     if sinks is not None:
@@ -249,7 +241,7 @@ def ulysses_attention(
         o = oh
         lse_seq = lse.squeeze(-1) if sinks is not None else None
     else:
-        o = _HeadToSeq.apply(oh, group, p)
+        o = _Reshard.apply(oh, group, p, False)
         lse_seq = _head_to_seq(lse, group, p).squeeze(-1) if sinks is not None else None
 
     if sinks is not None:
