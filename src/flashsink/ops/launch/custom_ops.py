@@ -166,9 +166,15 @@ def _bwd_cuda(do, q, k, v, sinks, lse, dlse, window, causal, scale, layout, dete
     if _empty(spec):
         return _bwd_reference(do, q, k, v, sinks, lse, dlse, window, causal, scale, layout, deterministic)
     cfg, win, (do, q, k, v, lse) = _kernel_inputs(spec, q.device, deterministic, precision, do, q, k, v, lse)
+    return _kernel_backward(do, q, k, v, o, lse, dlse, sinks, cfg, spec, win)
+
+
+def _kernel_backward(do, q, k, v, o, lse, dlse, sinks, cfg, spec: AttnSpec, win, **launch):
+    """The CUDA backward ops' launch (``launch``: the varlen one's ``cu_seqlens``): dq, dk, dv and dsink
+    in sinks' dtype (float32 zeros without sinks)."""
     o = _saved_output(o, cfg)
     sinks32 = dense._sinks_f32(sinks, spec.heads, q.device)
-    dq, dk, dv, dsink = dense._backward(do, q, k, v, o, lse, dlse, sinks32, cfg, spec, win)
+    dq, dk, dv, dsink = dense._backward(do, q, k, v, o, lse, dlse, sinks32, cfg, spec, win, **launch)
     if dsink is None:
         return dq, dk, dv, sinks32.new_zeros(spec.heads)
     return dq, dk, dv, dsink.to(sinks.dtype)
@@ -378,12 +384,7 @@ def _varlen_bwd_cuda(do, q, k, v, sinks, lse, dlse, cu_seqlens_q, cu_seqlens_k, 
                                      max_seqlen_k, window, causal, scale, deterministic)
     cfg, win, (do, q, k, v, lse, cu_q, cu_k) = _kernel_inputs(spec, q.device, deterministic, precision, do, q, k, v,
                                                               lse, cu_seqlens_q, cu_seqlens_k)
-    o = _saved_output(o, cfg)
-    sinks32 = dense._sinks_f32(sinks, spec.heads, q.device)
-    dq, dk, dv, dsink = dense._backward(do, q, k, v, o, lse, dlse, sinks32, cfg, spec, win, cu_seqlens=(cu_q, cu_k))
-    if dsink is None:
-        return dq, dk, dv, sinks32.new_zeros(spec.heads)
-    return dq, dk, dv, dsink.to(sinks.dtype)
+    return _kernel_backward(do, q, k, v, o, lse, dlse, sinks, cfg, spec, win, cu_seqlens=(cu_q, cu_k))
 
 
 @varlen_bwd.register_fake
