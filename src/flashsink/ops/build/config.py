@@ -387,16 +387,15 @@ def fwd_ws_options(cfg: KernelConfig, tiles: Tiles | None = None, window: bool =
     ``wg_ranges`` stays off: measured slower everywhere but under a window with 64-key tiles (gpt-oss
     SWA 0.1039 -> 0.0911 at 192x64, behind ``pack_gqa``'s 0.0938 only by 3%; causal D64 N8192 1.26 ->
     2.10, golden 0.1250 -> 0.1461), and it cannot combine with ``pack_gqa``."""
-    both = {"pin_wait": FWD_PIN_WAIT, "mask_limits": FWD_MASK_LIMITS}
     if fwd_ws(cfg) and cfg.head_dim == 64:
         bm = (tiles or fwd_tiles(cfg)).block_m
         epilogue = _window_epilogue(cfg) if window and fwd_windowed(cfg) else "regs"
-        return {"epilogue": epilogue, "q_slots": 2, "pack_gqa": pack_gqa_fits(cfg, bm), **both}
+        return {"epilogue": epilogue, "q_slots": 2, "pack_gqa": pack_gqa_fits(cfg, bm)}
     epilogue = "wg" if fwd_ws(cfg) and cfg.head_dim == 128 else "smem"
     if window and fwd_windowed(cfg):  # head dim 128's windowed tiles pack (fwd_window_tiles)
         epilogue = _window_epilogue(cfg) if epilogue == "wg" else epilogue
-        return {"epilogue": epilogue, "q_slots": 1 if epilogue == "smem" else 2, "pack_gqa": True, **both}
-    return {"epilogue": epilogue, "q_slots": 1, **both}
+        return {"epilogue": epilogue, "q_slots": 1 if epilogue == "smem" else 2, "pack_gqa": True}
+    return {"epilogue": epilogue, "q_slots": 1}
 
 
 def _window_epilogue(cfg: KernelConfig) -> str:
