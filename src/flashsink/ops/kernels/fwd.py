@@ -90,12 +90,7 @@ def build_fwd_pipelined(cfg: KernelConfig, tiles: Tiles | None = None, mask: str
             acc_s = T.alloc_fragment([bm, bn], accum)  # logits, then probabilities
             p = T.alloc_fragment([bm, bn], dtype)
             acc_o = T.alloc_fragment([bm, dim_v], accum)
-            m = T.alloc_fragment([bm], accum)
-            m_prev = T.alloc_fragment([bm], accum)
-            alpha = T.alloc_fragment([bm], accum)
-            row_sum = T.alloc_fragment([bm], accum)
-            l = T.alloc_fragment([bm], accum)
-            lse = T.alloc_fragment([bm], accum)
+            m, m_prev, alpha, row_sum, l, lse = softmax.alloc_state(bm)
 
             b, bx = locate(layout, CuQ, bx, b, bm)
             q_base, sq = sequence(layout, CuQ, b, seq_q)
@@ -122,7 +117,7 @@ def build_fwd_pipelined(cfg: KernelConfig, tiles: Tiles | None = None, mask: str
                 if mask == "branch":
                     branch_logits(acc_s, row0, key0, sq, sk, window, scale_log2, False, full, kb, cfg.causal)
                 else:
-                    mask_logits(acc_s, row0, key0, sq, sk, window, scale_log2, False, None, kb, cfg.causal)
+                    mask_logits(acc_s, row0, key0, sq, sk, window, scale_log2, False, cfg.causal)
                 T.copy(tile(V, layout, b, kv_head, k_base + key0, bn), v_s)
                 softmax.update(acc_s, acc_o, m, m_prev, alpha, row_sum, l, bm, bn, dim_v)
                 T.copy(acc_s, p)

@@ -129,12 +129,7 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, fold: bool = False, o32: bool = Fa
             else:
                 p_lo = None
             acc_o = T.alloc_fragment([bm, dim_v], accum)
-            m = T.alloc_fragment([bm], accum)
-            m_prev = T.alloc_fragment([bm], accum)
-            alpha = T.alloc_fragment([bm], accum)
-            row_sum = T.alloc_fragment([bm], accum)
-            l = T.alloc_fragment([bm], accum)
-            lse = T.alloc_fragment([bm], accum)
+            m, m_prev, alpha, row_sum, l, lse = softmax.alloc_state(bm)
             # each row's last visible and last hidden key, relative to the tile's first (mask.limit_logits)
             key_hi = T.alloc_fragment([bm], "int32")
             key_lo = T.alloc_fragment([bm], "int32")

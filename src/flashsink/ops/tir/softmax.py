@@ -104,3 +104,9 @@ def finalize(acc_o, m, l, lse_out, block_m: int, dim_v: int):
         acc_o[i, j] = T.if_then_else(l[i] == 0, 0.0, acc_o[i, j] / l[i])
     for i in T.Parallel(block_m):
         lse_out[i] = T.if_then_else(l[i] == 0, -T.infinity("float32"), (m[i] + T.log2(l[i])) * LN2)
+
+
+def alloc_state(block_m: int) -> tuple:
+    """The state's row fragments of a ``block_m``-row tile, fp32: ``(m, m_prev, alpha, row_sum, l, lse)``
+    (the kernel names them by the names it unpacks them into)."""
+    return tuple(T.alloc_fragment([block_m], "float32") for _ in range(6))
