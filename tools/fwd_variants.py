@@ -42,8 +42,8 @@ VARLEN = {"varlen-swa": ("bfloat16", 64, 32768, 64, 128), "varlen-full": ("bfloa
 
 
 def _variants(d: int) -> list:
-    """(label, Tiles fields or None for the tile table's, mask, fold_scale, ws) for head dim ``d``.
-    ``ws`` False: the pipelined kernel (``fwd.build_fwd_pipelined``) with ``mask``; else fwd_ws.py's kernel,
+    """(label, Tiles fields or None for the tile table's, mask, False (the job key's fold slot), ws) for
+    head dim ``d``. ``ws`` False: the pipelined kernel (``fwd.build_fwd_pipelined``) with ``mask``; else fwd_ws.py's kernel,
     True unfolded with its defaults, or a string of its options ("fold", "o32", "regs"/"wg"/"tma", "q2",
     "pack", joined by "/")."""
     tiles = [(128, 64, 256, 2), (64, 128, 128, 2), (192, 128, 384, 2)]
