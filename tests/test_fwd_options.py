@@ -1,4 +1,4 @@
-"""The forward's measurement options (``fwd.build_fwd``: tiles, ``mask``, ``fold_scale``), timed on
+"""The pipelined forward's options (``fwd.build_fwd_pipelined``: tiles, ``mask``), timed on
 the GPU by tools/fwd_variants.py: each builds for sm_90a and sm_80, a few lower through TileLang
 and two compile with nvcc; the defaults are exactly the library's kernel. Their numerics are
 checked on the GPU by the tool, against the default kernel."""
@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from flashsink.ops.build.config import KernelConfig, Tiles, fwd_fold, fwd_mask, fwd_tiles, fwd_ws
+from flashsink.ops.build.config import KernelConfig, Tiles, fwd_mask, fwd_tiles, fwd_ws
 
 
 def _cfg(arch, **over):
@@ -18,12 +18,10 @@ def _cfg(arch, **over):
 
 
 def _script(cfg, **opts):
-    """The pipelined kernel's script (the options are its own; fwd_ws.py's kernel has tests of its own,
-    tests/test_fwd_ws.py), unless ``ws`` is given."""
-    from flashsink.ops.kernels.fwd import build_fwd
+    """The pipelined kernel's script (fwd_ws.py's kernel has tests of its own, tests/test_fwd_ws.py)."""
+    from flashsink.ops.kernels.fwd import build_fwd_pipelined
 
-    opts.setdefault("ws", False)
-    return build_fwd(cfg, **opts).script()
+    return build_fwd_pipelined(cfg, **opts).script()
 
 
 @pytest.mark.l0
@@ -35,24 +33,22 @@ def test_default_options_are_the_library_kernel(arch):
     lib = build_prim_func("fwd", cfg).script()
     default_mask = "branch" if arch == "sm_90a" else "select"  # config.fwd_mask: measured on the H200
     assert fwd_mask(cfg) == default_mask
-    assert _script(cfg, tiles=fwd_tiles(cfg), mask=default_mask, fold_scale=fwd_fold(cfg), ws=fwd_ws(cfg)) == lib
-    assert _script(cfg, mask="flag") != lib
+    if not fwd_ws(cfg):
+        assert _script(cfg, tiles=fwd_tiles(cfg), mask=default_mask) == lib
+    assert _script(cfg, mask="select" if default_mask == "branch" else "branch") != lib
 
 
 @pytest.mark.l1
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
-@pytest.mark.parametrize("mask", ["select", "split", "flag", "branch"])
-@pytest.mark.parametrize("fold", [False, True])
-def test_options_build(arch, mask, fold):
-    """Each option builds a PrimFunc with the structure it names: split has two pipelined key
-    loops (the interior one without a select), the others one; folded, the scale multiplies inside the
-    exponent and never before the select."""
-    s = _script(_cfg(arch, layout="bshd" if fold else "bhsd"), mask=mask, fold_scale=fold)
-    assert s.count('"num_stages"') == (2 if mask == "split" else 1)
+@pytest.mark.parametrize("mask", ["select", "branch"])
+def test_options_build(arch, mask):
+    """Each mask builds a PrimFunc with one pipelined key loop and one select, the scale applied before
+    it; "branch" tests the tile's wholly visible blocks."""
+    s = _script(_cfg(arch), mask=mask)
+    assert s.count('"num_stages"') == 1
     assert s.count("acc_s[i, j] = T.if_then_else(") == 1
-    assert ("acc_s[i, j] * scale_log2 - m[i]" in s) == fold
-    assert ("acc_s[i, j] * scale_log2," in s) == (not fold)  # the select's scaled value
-    assert ("kb >= flo" in s) == (mask in ("flag", "branch"))
+    assert "acc_s[i, j] * scale_log2," in s  # the select's scaled value
+    assert ("kb >= flo" in s) == (mask == "branch")
 
 
 @pytest.mark.l1
@@ -66,10 +62,11 @@ def test_tiles_option(tiles):
 
 @pytest.mark.l0
 def test_unknown_mask_is_a_value_error():
-    from flashsink.ops.kernels.fwd import build_fwd
+    from flashsink.ops.kernels.fwd import build_fwd_pipelined
 
-    with pytest.raises(ValueError, match="mask must be one of"):
-        build_fwd(_cfg("sm_90a"), mask="bogus")
+    for bad in ("bogus", "split", "flag"):
+        with pytest.raises(ValueError, match="mask must be one of"):
+            build_fwd_pipelined(_cfg("sm_90a"), mask=bad)
 
 
 def _lower(arch, **opts):
@@ -78,41 +75,32 @@ def _lower(arch, **opts):
     import tvm
 
     from flashsink.ops.build.keys import pass_configs
-    from flashsink.ops.kernels.fwd import build_fwd
+    from flashsink.ops.kernels.fwd import build_fwd_pipelined
 
     target = {"kind": "cuda", "arch": arch}
     with tvm.transform.PassContext(opt_level=3, config=pass_configs()), tvm.target.Target(target):
-        return tilelang.lower(build_fwd(_cfg(arch), **opts), target=target).kernel_source
+        return tilelang.lower(build_fwd_pipelined(_cfg(arch), **opts), target=target).kernel_source
 
 
 @pytest.mark.l1
 @pytest.mark.parametrize("arch, opts", [
-    ("sm_90a", dict(mask="flag")), ("sm_90a", dict(mask="branch", fold_scale=True)), ("sm_90a", dict(fold_scale=True)),
-    ("sm_80", dict(mask="flag", fold_scale=True)), ("sm_80", dict(mask="branch")),
+    ("sm_90a", dict(mask="branch")), ("sm_90a", dict(mask="select")), ("sm_80", dict(mask="branch")),
 ])
 def test_options_lower(arch, opts):
     src = _lower(arch, **opts)
     assert ("wgmma" in src) == (arch == "sm_90a")
 
 
-@pytest.mark.l2
-@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
-def test_split_mask_lowers(arch):
-    """Two pipelined loops: slow to lower (about a minute on two cores), so l2."""
-    src = _lower(arch, mask="split", fold_scale=True)
-    assert ("wgmma" in src) == (arch == "sm_90a")
-
-
 @pytest.mark.l1
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
-@pytest.mark.parametrize("arch, opts", [("sm_90a", dict(mask="flag", fold_scale=True)),
+@pytest.mark.parametrize("arch, opts", [("sm_90a", dict(mask="branch")),
                                         ("sm_80", dict(mask="branch", tiles=Tiles(64, 64, 128, 2)))])
 def test_options_compile(arch, opts):
     import tilelang
 
     from flashsink.ops.build.keys import pass_configs
-    from flashsink.ops.kernels.fwd import build_fwd
+    from flashsink.ops.kernels.fwd import build_fwd_pipelined
 
-    kernel = tilelang.compile(build_fwd(_cfg(arch), **opts), target={"kind": "cuda", "arch": arch},
+    kernel = tilelang.compile(build_fwd_pipelined(_cfg(arch), **opts), target={"kind": "cuda", "arch": arch},
                               execution_backend="tvm_ffi", pass_configs=pass_configs())
     assert "__global__" in kernel.get_kernel_source()

@@ -1,4 +1,4 @@
-"""The hand warp-specialized forward (``ops/kernels/fwd_ws.py``, ``build_fwd(..., ws=True)``) builds to TIR for
+"""The hand warp-specialized forward (``ops/kernels/fwd_ws.py``, ``build_fwd_ws``) builds to TIR for
 Hopper in the configurations tools/fwd_variants.py times, with the launch protocol of the pipelined
 forward; it refuses what it does not support. Lowering only, plus one nvcc compile (the GPU check of
 its o and lse is tools/fwd_variants.py's, against the pipelined kernel, and the GPU suite's wherever
@@ -11,9 +11,8 @@ import pytest
 pytest.importorskip("tilelang")
 
 from flashsink.ops.kernels import fwd  # noqa: E402
-from flashsink.ops.build.config import FWD_PIN_WAIT as PIN  # noqa: E402
-from flashsink.ops.build.config import FWD_WINDOW_ROWS_D64, KernelConfig, Tiles  # noqa: E402
-from flashsink.ops.kernels.fwd_ws import consumer_regs  # noqa: E402
+from flashsink.ops.build.config import FWD_WINDOW_ROWS_D64, KernelConfig, Tiles, fwd_fold, fwd_tiles, fwd_ws_options  # noqa: E402
+from flashsink.ops.kernels.fwd_ws import build_fwd_ws, consumer_regs  # noqa: E402
 
 pytestmark = pytest.mark.l0
 
@@ -24,6 +23,12 @@ def _cfg(dtype="bfloat16", d=128, layout="bhsd", causal=True, sinks=True, arch="
 
 def _params(func) -> list:
     return [p.name.removesuffix("_handle") for p in func.params]
+
+
+def _ws(cfg, tiles=None, fold=None):
+    """fwd_ws.py's kernel with the library's options at ``tiles`` (default the forward's)."""
+    t = tiles or fwd_tiles(cfg)
+    return build_fwd_ws(cfg, t, fold=fwd_fold(cfg) if fold is None else fold, **fwd_ws_options(cfg, t))
 
 
 def _dtypes(func) -> list:
@@ -39,8 +44,8 @@ def _dtypes(func) -> list:
     (_cfg(d=64, layout="thd", groups=1), Tiles(128, 128, 256, 2)),
 ])
 def test_ws_builds_with_the_default_signature(cfg, tiles):
-    func = fwd.build_fwd(cfg, tiles=tiles, ws=True)
-    default = fwd.build_fwd(cfg, ws=False)  # TileLang's pipelined kernel: the same launch
+    func = _ws(cfg, tiles)
+    default = fwd.build_fwd_pipelined(cfg)  # TileLang's pipelined kernel: the same launch
     assert str(func.attrs["global_symbol"]) == str(default.attrs["global_symbol"])
     assert _params(func) == _params(default)
     assert _dtypes(func) == _dtypes(default)
@@ -61,12 +66,7 @@ def test_ws_builds_with_the_default_signature(cfg, tiles):
 ])
 def test_ws_refuses_what_it_does_not_support(cfg, tiles, opts):
     with pytest.raises(NotImplementedError, match="warp-specialized"):
-        fwd.build_fwd(cfg, tiles=tiles, ws=True, **opts)
-
-
-def test_ws_refuses_options_it_has_not():
-    with pytest.raises(ValueError, match="warp-specialized forward"):
-        fwd.build_fwd(_cfg(), ws=True, mask="select")
+        _ws(cfg, tiles, **opts)
 
 
 @pytest.mark.parametrize("d", [64, 128])
@@ -79,8 +79,8 @@ def test_fold_is_the_default_and_fwd_unfolded_the_other(d):
     cfg = _cfg(d=d)
     assert fwd_fold(cfg)
     lib, unfolded = build_prim_func("fwd", cfg).script(), build_prim_func("fwd_unfolded", cfg).script()
-    assert lib == fwd.build_fwd(cfg, ws=True, fold_scale=True).script()
-    assert unfolded == fwd.build_fwd(cfg, ws=True, fold_scale=False).script() != lib
+    assert lib == _ws(cfg, fold=True).script()
+    assert unfolded == _ws(cfg, fold=False).script() != lib
 
 
 def test_consumer_registers_fit_the_register_file():
@@ -89,12 +89,6 @@ def test_consumer_registers_fit_the_register_file():
         assert regs % 8 == 0 and regs <= 240
         assert 128 * n * regs + 128 * 24 <= 65536
     assert consumer_regs(2) == 240 and consumer_regs(3) == 160
-    # with several programs an SM, setmaxnreg moves registers within a program's launch share only
-    for n, per_sm in ((1, 2), (2, 2), (1, 3)):
-        launch = 65536 // (per_sm * 128 * (n + 1)) // 8 * 8
-        regs = consumer_regs(n, per_sm)
-        assert regs % 8 == 0 and 128 * n * regs + 128 * 24 <= launch * 128 * (n + 1)
-    assert consumer_regs(1, 2) == 232 and consumer_regs(2, 2) == 104
 
 
 @pytest.mark.parametrize("d, layout", [(64, "bshd"), (128, "bhsd")])
@@ -103,13 +97,13 @@ def test_tma_epilogue_stores_each_warpgroups_rows_by_tma(d, layout):
     columns from one thread of each consumer warpgroup (a packed tile's rows change head every ``pack`` rows),
     after a proxy fence and the warpgroup's barrier; the issuing thread waits for its stores to have read the
     buffer before the next tile writes it and before the program exits. Refused where a box could write past
-    a sequence into the next one (thd), and with chain or o32."""
+    a sequence into the next one (thd), and with o32."""
     from flashsink.ops.build.config import fwd_window_tiles
     from flashsink.ops.kernels.fwd_ws import build_fwd_ws
 
     cfg = _cfg("bfloat16" if d == 64 else "float16", d, layout)
     t = fwd_window_tiles(cfg)
-    kw = dict(fold=True, q_slots=2, pack_gqa=True, mask_limits=True)
+    kw = dict(fold=True, q_slots=2, pack_gqa=True)
     tma = build_fwd_ws(cfg, t, epilogue="tma", **kw).script()
     wg = build_fwd_ws(cfg, t, epilogue="wg", **kw).script()
     pack = t.block_m // cfg.groups
@@ -118,7 +112,7 @@ def test_tma_epilogue_stores_each_warpgroups_rows_by_tma(d, layout):
     assert f"T.region(o_s_1[r, hc * 64], 1, 8, 64)" in store[0] and f"r // {pack}" in store[0]
     assert tma.count("T.fence_proxy_async()") == 1 and tma.count("T.tma_store_wait(0") == 2
     assert "store_rows_vec" not in tma and tma.count("T.tma_copy(") == wg.count("T.tma_copy(") + 1
-    for bad in (dict(cfg=_cfg("bfloat16", 64, "thd")), dict(chain=True)):
+    for bad in (dict(cfg=_cfg("bfloat16", 64, "thd")), dict(o32=True)):
         args = {**kw, "epilogue": "tma", **bad}
         with pytest.raises(NotImplementedError, match="epilogue='tma'"):
             build_fwd_ws(args.pop("cfg", cfg), t, **args)
@@ -127,7 +121,7 @@ def test_tma_epilogue_stores_each_warpgroups_rows_by_tma(d, layout):
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (compiles for sm_90a without a GPU)")
 def test_tma_epilogue_compiles_for_hopper():
     """nvcc accepts the windowed kind's kernel with epilogue="tma" (gpt-oss SWA's, bshd): one TMA store site and
-    the wait for its reads (ptxas -v on the CPU host, docs/perf.md v26: 128 registers, no spill, as with "wg")."""
+    the wait for its reads (ptxas -v on the CPU host, docs/perf-log.md v26: 128 registers, no spill, as with "wg")."""
     import subprocess
 
     from flashsink.ops.build.keys import compile_args
@@ -136,28 +130,9 @@ def test_tma_epilogue_compiles_for_hopper():
     from flashsink.ops.kernels.fwd_ws import build_fwd_ws
 
     cfg = _cfg("bfloat16", 64, "bshd")
-    f = build_fwd_ws(cfg, fwd_window_tiles(cfg), fold=True, epilogue="tma", q_slots=2, pack_gqa=True,
-                     mask_limits=True)
+    f = build_fwd_ws(cfg, fwd_window_tiles(cfg), fold=True, epilogue="tma", q_slots=2, pack_gqa=True)
     src = jit(f, cfg, compile_args(f)).get_kernel_source()
     assert src.count("tl::tma_store(O_desc") == 1 and "tl::tma_store_wait<0, true>()" in src
-
-
-def test_per_sm_launches_several_programs_an_sm():
-    """build_fwd_ws(per_sm=2): __launch_bounds__' minimum blocks and a grid of twice the programs; a count
-    that leaves the consumers too few registers is refused, naming the argument."""
-    from flashsink.ops.kernels.fwd_ws import PERSISTENT_CTAS, build_fwd_ws
-
-    cfg = _cfg(d=64, layout="bshd")
-    one = build_fwd_ws(cfg, Tiles(64, 64, 128, 3), fold=True, pingpong=False, epilogue="wg", q_slots=2,
-                       pack_gqa=True, mask_limits=True).script()
-    two = build_fwd_ws(cfg, Tiles(64, 64, 128, 3), fold=True, pingpong=False, epilogue="wg", q_slots=2,
-                       pack_gqa=True, mask_limits=True, per_sm=2).script()
-    assert "tl.min_blocks_per_sm" not in one and two.count("tl.min_blocks_per_sm") == 1
-    assert f"T.min(total, {PERSISTENT_CTAS})" in one and f"T.min(total, {PERSISTENT_CTAS * 2})" in two
-    assert f"T.set_max_nreg({consumer_regs(1, 2)}, 1)" in two
-    for bad in (0, 4, 1.5):
-        with pytest.raises(ValueError, match="per_sm"):
-            build_fwd_ws(cfg, Tiles(192, 64, 384, 3), per_sm=bad)
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (compiles for sm_90a without a GPU)")
@@ -168,7 +143,7 @@ def test_ws_compiles_for_hopper():
 
     from flashsink.ops.build.keys import pass_configs
 
-    func = fwd.build_fwd(_cfg(d=64), tiles=Tiles(128, 128, 256, 2), ws=True)
+    func = _ws(_cfg(d=64), Tiles(128, 128, 256, 2))
     kern = tilelang.compile(func, target={"kind": "cuda", "arch": "sm_90a"}, execution_backend="tvm_ffi",
                             pass_configs=pass_configs())
     src = kern.get_kernel_source()
@@ -199,24 +174,23 @@ def test_library_forward_is_ws_where_config_says(cfg, want):
 
 
 @pytest.mark.parametrize("cfg,opts", [
-    (_cfg(d=64), {"epilogue": "regs", "q_slots": 2, "pack_gqa": True, "pin_wait": PIN, "mask_limits": True}),
-    (_cfg("float16", 64, "bshd", sinks=False), {"epilogue": "regs", "q_slots": 2, "pack_gqa": True, "pin_wait": PIN, "mask_limits": True}),
-    (_cfg("float16", 64, "thd"), {"epilogue": "regs", "q_slots": 2, "pack_gqa": True, "pin_wait": PIN, "mask_limits": True}),
-    (_cfg(d=64, causal=False), {"epilogue": "regs", "q_slots": 2, "pack_gqa": True, "pin_wait": PIN, "mask_limits": True}),
-    (_cfg(d=64, groups=1), {"epilogue": "regs", "q_slots": 2, "pack_gqa": False, "pin_wait": PIN, "mask_limits": True}),
-    (_cfg(d=128), {"epilogue": "wg", "q_slots": 1, "pin_wait": PIN, "mask_limits": True}),
-    (_cfg("float16", 128, "thd"), {"epilogue": "wg", "q_slots": 1, "pin_wait": PIN, "mask_limits": True}),
-    (_cfg(d=32), {"epilogue": "smem", "q_slots": 1, "pin_wait": PIN, "mask_limits": True}),  # not fwd_ws.py's kernel
-    (_cfg(d=64, arch="sm_80"), {"epilogue": "smem", "q_slots": 1, "pin_wait": PIN, "mask_limits": True}),
-    (_cfg(d=128, arch="sm_80"), {"epilogue": "smem", "q_slots": 1, "pin_wait": PIN, "mask_limits": True}),
+    (_cfg(d=64), {"epilogue": "regs", "q_slots": 2, "pack_gqa": True}),
+    (_cfg("float16", 64, "bshd", sinks=False), {"epilogue": "regs", "q_slots": 2, "pack_gqa": True}),
+    (_cfg("float16", 64, "thd"), {"epilogue": "regs", "q_slots": 2, "pack_gqa": True}),
+    (_cfg(d=64, causal=False), {"epilogue": "regs", "q_slots": 2, "pack_gqa": True}),
+    (_cfg(d=64, groups=1), {"epilogue": "regs", "q_slots": 2, "pack_gqa": False}),
+    (_cfg(d=128), {"epilogue": "wg", "q_slots": 1}),
+    (_cfg("float16", 128, "thd"), {"epilogue": "wg", "q_slots": 1}),
+    (_cfg(d=32), {"epilogue": "smem", "q_slots": 1}),  # not fwd_ws.py's kernel
+    (_cfg(d=64, arch="sm_80"), {"epilogue": "smem", "q_slots": 1}),
+    (_cfg(d=128, arch="sm_80"), {"epilogue": "smem", "q_slots": 1}),
 ])
 def test_the_forward_options_follow_the_head_dim(cfg, opts):
     """config.fwd_ws_options: head dim 64's forward stores o from registers, double-buffers Q
-    (measured faster there on causal and windowed problems, docs/perf.md v15) and packs a GQA group
-    into one tile where it fits (docs/perf.md v18), 128's stages each consumer warpgroup's rows of o and
-    stores them 16 bytes a thread (epilogue "wg", docs/perf.md v24) with one Q slot; the kinds fwd and fwd_unfolded are that kernel at the forward's own tiles,
-    strict's fwd_o32 keeps the defaults; every kind takes ``pin_wait`` from config.FWD_PIN_WAIT (off since
-    docs/perf.md v21: measured slower) and the row limits' mask; a narrow window's kind (fwd_window) is the
+    (measured faster there on causal and windowed problems, docs/perf-log.md v15) and packs a GQA group
+    into one tile where it fits (docs/perf-log.md v18), 128's stages each consumer warpgroup's rows of o and
+    stores them 16 bytes a thread (epilogue "wg", docs/perf-log.md v24) with one Q slot; the kinds fwd and fwd_unfolded are that kernel at the forward's own tiles,
+    strict's fwd_o32 keeps the defaults; every kind masks by the row limits; a narrow window's kind (fwd_window) is the
     next test's."""
     import dataclasses
 
@@ -236,8 +210,7 @@ def test_the_forward_options_follow_the_head_dim(cfg, opts):
     strict = dataclasses.replace(cfg, precision="strict")
     if fwd_o32(strict):
         assert build_prim_func("fwd_o32", strict).script() == build_fwd_ws(
-            strict, fwd_o32_tiles(strict), fold=True, o32=True, epilogue="smem", q_slots=1, pin_wait=PIN,
-            mask_limits=True).script()
+            strict, fwd_o32_tiles(strict), fold=True, o32=True, epilogue="smem", q_slots=1).script()
 
 
 #: the windowed kind's tiles at head dim 64 where the group packs into config.FWD_WINDOW_ROWS_D64 rows
@@ -264,9 +237,9 @@ _W64 = Tiles(FWD_WINDOW_ROWS_D64, 64, 2 * FWD_WINDOW_ROWS_D64, 3)
 def test_fwd_window_is_the_packed_forward_with_64_key_tiles(cfg, tiles):
     """config.fwd_window_tiles: a window of at most WINDOW_TILES_MAX keys runs the kind ``fwd_window``
     where a GQA group packs into its rows (head dim 64: config.FWD_WINDOW_ROWS_D64 where the group divides
-    them into whole 8-row atoms, else 192, docs/perf.md v28; 128: 128 rows): 64-key tiles, three ring
+    them into whole 8-row atoms, else 192, docs/perf-log.md v28; 128: 128 rows): 64-key tiles, three ring
     slots, the group packed, each consumer warpgroup staging its own rows and one of its threads storing
-    them by TMA (epilogue "tma", docs/perf.md v27; packed batches "wg", 16 bytes a thread, v24), two Q
+    them by TMA (epilogue "tma", docs/perf-log.md v27; packed batches "wg", 16 bytes a thread, v24), two Q
     slots (head dim 128 since v26), folded as the forward is; elsewhere the kind is not built and the
     forward's tiles stand."""
     from flashsink.ops.build.keys import build_prim_func
@@ -285,37 +258,15 @@ def test_fwd_window_is_the_packed_forward_with_64_key_tiles(cfg, tiles):
         return
     assert fwd_window_tiles(cfg) == tiles
     opts = {"epilogue": "wg" if cfg.layout == "thd" else "tma", "q_slots": 2}
-    opts["pin_wait"], opts["mask_limits"] = PIN, True
     text = build_prim_func("fwd_window", cfg).script()
     assert text == build_fwd_ws(cfg, tiles, fold=fwd_fold(cfg), pack_gqa=True, **opts).script()
     assert f'"tl.launch_threads": [{tiles.block_m * 2 + 128}, 1, 1]' in text  # the consumers and the producer
     assert text != build_prim_func("fwd", cfg).script()
 
 
-def test_sink_early_loads_the_sinks_before_the_wait_for_q():
-    """build_fwd_ws(sink_early=True) (an option for tools/fwd_variants.py, docs/perf.md v28): a row tile's sink
-    logits are loaded before the consumers' wait for Q and turned into the softmax's state after it (and, for a
-    tile without keys, just before its epilogue); without sinks nothing is loaded; not with chain or wg_ranges."""
-    from flashsink.ops.kernels.fwd_ws import build_fwd_ws
-
-    kw = dict(fold=True, epilogue="tma", q_slots=2, pack_gqa=True, mask_limits=True)
-    cfg, t = _cfg(d=64, layout="bshd"), Tiles(192, 64, 384, 3)
-    text = build_fwd_ws(cfg, t, sink_early=True, **kw).script()
-    load = text.index("sink_r[i] = Sinks[")
-    wait = text.index("T.mbarrier_wait_parity(q_full", load)
-    use = "m[i] = sink_r[i] *"
-    assert text.count(use) == 2 and text.index(use) > wait and "Sinks[" not in text[wait:]
-    assert text != build_fwd_ws(cfg, t, **kw).script()
-    nosink = _cfg(d=64, layout="bshd", sinks=False)
-    assert build_fwd_ws(nosink, t, sink_early=True, **kw).script() == build_fwd_ws(nosink, t, **kw).script()
-    for bad in (dict(chain=True, epilogue="wg"), dict(wg_ranges=True, pack_gqa=False)):
-        with pytest.raises(NotImplementedError, match="sink_early"):
-            build_fwd_ws(cfg, t, sink_early=True, **{**kw, **bad})
-
-
 @pytest.mark.parametrize("groups,rows", [(8, 256), (2, 256), (16, 256), (6, 192), (3, 192)])
 def test_fwd_window_takes_256_rows_at_head_dim_64_where_the_group_packs(monkeypatch, groups, rows):
-    """config.FWD_WINDOW_ROWS_D64 = 256 (measured 12-14% faster, docs/perf.md v28; the default since v29;
+    """config.FWD_WINDOW_ROWS_D64 = 256 (measured 12-14% faster, docs/perf-log.md v28; the default since v29;
     patched here so the test holds whatever the default): the windowed kind's tiles at head dim 64 take 256
     rows where the group packs into them and 192 where it does not, and the kernel is built with four
     consumer warpgroups (640 threads, setmaxnreg 112 for the consumers)."""
@@ -348,49 +299,6 @@ def test_the_forward_kind_follows_window_and_scale(window, scale, want):
     assert _fwd_kind(_cfg(d=64, arch="sm_80"), window, scale) == "fwd"
 
 
-def test_exp2_fma_option_builds_and_leaves_the_default_alone():
-    """``build_fwd_ws(fma_every=k)`` (tools/fwd_variants.py's "ws/fold/fma8", measured slower: not a
-    default): one column group of 8 in every k takes ``softmax.exp2_fma``; the default kernel (k = 0)
-    has no polynomial; the launch is the same."""
-    from flashsink.ops.build.keys import build_prim_func
-    from flashsink.ops.kernels.fwd_ws import build_fwd_ws
-    from flashsink.ops.tir.softmax import _EXP2_POLY
-
-    cfg = _cfg(d=64)
-    lib = build_prim_func("fwd", cfg)
-    fma = build_fwd_ws(cfg, Tiles(192, 128, 384, 2), fold=True, fma_every=8)
-    assert _params(fma) == _params(lib) and _dtypes(fma) == _dtypes(lib)
-    coeff = repr(float(_EXP2_POLY[-1]))[:8]
-    assert coeff in fma.script() and coeff not in lib.script() and "reinterpret" in fma.script()
-    assert build_fwd_ws(cfg, Tiles(192, 128, 384, 2), fold=True, fma_every=0, epilogue="regs", q_slots=2,
-                        pack_gqa=True, pin_wait=PIN, mask_limits=True).script() == lib.script()
-
-
-def test_exp2_fma_arithmetic():
-    """``softmax.exp2_fma``'s arithmetic, evaluated step by step in float32 with numpy (the kernel's
-    expression in the same order): within 3e-6 of 2**x over the softmax's range, exactly 1 at 0, 0
-    below -126 and at -inf, NaN for NaN. (The kernel itself is checked on the GPU by
-    tools/fwd_variants.py against the MUFU kernel.)"""
-    import numpy as np
-
-    from flashsink.ops.tir.softmax import _EXP2_POLY, _ROUNDER
-
-    x = np.concatenate([np.linspace(-130, 1, 400_001), [-np.inf, np.nan, 0.0]]).astype(np.float32)
-    r = np.float32(_ROUNDER)
-    with np.errstate(invalid="ignore", over="ignore"):
-        t = (x + r).astype(np.float32)
-        f = (x - (t.view(np.int32).view(np.float32) - r)).astype(np.float32)
-        p = np.float32(_EXP2_POLY[-1])
-        for c in reversed(_EXP2_POLY[:-1]):
-            p = (p * f + np.float32(c)).astype(np.float32)
-        bits = (p.view(np.int32).astype(np.int64) + (t.view(np.int32).astype(np.int64) << 23)) & 0xFFFFFFFF
-        y = bits.astype(np.uint32).view(np.float32)
-        y = np.where(x >= -126, y, np.where(x < -126, np.float32(0), x))
-    body = (x >= -125) & np.isfinite(x)
-    assert np.abs(y[body] / np.exp2(x[body].astype(np.float64)) - 1).max() < 3e-6
-    assert y[-1] == 1.0 and y[-3] == 0.0 and np.isnan(y[-2]) and np.all(y[x < -126] == 0)
-
-
 @pytest.mark.parametrize("d,tiles", [(128, Tiles(128, 128, 256, 2)), (64, Tiles(128, 128, 256, 2))])
 def test_o32_option_adds_an_fp32_output_and_a_second_pv_term(d, tiles):
     """``build_fwd_ws(o32=True)`` (strict's training forward, the kind ``fwd_o32``; tools/fwd_variants.py's
@@ -418,7 +326,7 @@ def test_o32_option_adds_an_fp32_output_and_a_second_pv_term(d, tiles):
 @pytest.mark.parametrize("d,tiles", [(128, Tiles(128, 128, 256, 2)), (64, Tiles(128, 128, 256, 2)),
                                      (64, Tiles(192, 128, 384, 2))])
 def test_register_epilogue_option_drops_the_consumer_barriers(d, tiles):
-    """``build_fwd_ws(epilogue="regs")`` (head dim 64's forward since docs/perf.md v15, config.fwd_ws_options): the same
+    """``build_fwd_ws(epilogue="regs")`` (head dim 64's forward since docs/perf-log.md v15, config.fwd_ws_options): the same
     launch; o stored from a register fragment in the input dtype instead of staged in shared memory, so
     the two barriers of every consumer thread at a tile's end (barrier CONSUMER_BARRIER) are gone and the
     ping-pong's barriers stay; the default ("smem") is what build_fwd_ws builds unasked; another value is refused."""
@@ -443,7 +351,7 @@ def test_register_epilogue_option_drops_the_consumer_barriers(d, tiles):
 
 @pytest.mark.parametrize("epilogue", ["smem", "regs"])
 def test_double_buffered_q_option(epilogue):
-    """``build_fwd_ws(q_slots=2)`` (head dim 64's forward since docs/perf.md v15): Q gets a second
+    """``build_fwd_ws(q_slots=2)`` (head dim 64's forward since docs/perf-log.md v15): Q gets a second
     shared buffer and a second pair of barriers, each tile's slot and phase from the count of query tiles
     gone through (``q_done % 2``, ``(q_done // 2) & 1``), as the K/V rings do; the same launch. One slot is
     what build_fwd_ws builds unasked, TIR for TIR; slot counts other than 1-3 are refused."""
@@ -468,7 +376,7 @@ def test_double_buffered_q_option(epilogue):
     (128, Tiles(128, 128, 256, 2), {}),  # the D128 forward's
 ])
 def test_warpgroup_epilogue_option(d, tiles, opts):
-    """``build_fwd_ws(epilogue="wg")`` (the windowed kind and head dim 128's forward since docs/perf.md v24):
+    """``build_fwd_ws(epilogue="wg")`` (the windowed kind and head dim 128's forward since docs/perf-log.md v24):
     the staged epilogue's shared buffer, swizzled, but each consumer warpgroup meets only its own 128
     threads around its rows (barrier STORE_BARRIER + wg, twice a tile), never the others (no barrier of
     every consumer thread) and still takes the ping-pong's turns; the same launch."""
@@ -500,7 +408,7 @@ def test_warpgroup_epilogue_refuses_head_dims_it_cannot_tile():
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (compiles for sm_90a without a GPU)")
 def test_warpgroup_epilogue_stores_16_bytes_a_thread():
     """nvcc accepts gpt-oss SWA's windowed kernel with the "wg" epilogue, and its stores of o are 16 bytes
-    wide (where the register epilogue's are 4: half a 32-byte sector, docs/perf.md v24)."""
+    wide (where the register epilogue's are 4: half a 32-byte sector, docs/perf-log.md v24)."""
     import tilelang
 
     from flashsink.ops.build.keys import pass_configs
@@ -513,88 +421,6 @@ def test_warpgroup_epilogue_stores_16_bytes_a_thread():
     src = kern.get_kernel_source()
     assert "*(uint4*)(O + " in src and "*(uint1*)(O + " not in src
     assert "ptx_stmatrix" in src  # the accumulator to the swizzled buffer
-
-
-@pytest.mark.parametrize("slots", [2, 3])
-def test_q_ahead_option(slots):
-    """``build_fwd_ws(q_ahead=True)`` (an option for tools/fwd_variants.py, measured slower, docs/perf.md v24):
-    the producer loads the next tile's Q before this tile's K and V, and the first tile's before the loop,
-    so each step visits up to two tiles' coordinates; the consumers are unchanged. Off is what build_fwd_ws
-    builds unasked; one Q slot is refused (the next tile's Q would wait for this tile's last S product)."""
-    from flashsink.ops.kernels.fwd_ws import build_fwd_ws
-
-    cfg, tiles = _cfg(d=64), Tiles(192, 64, 384, 3)
-    func = build_fwd_ws(cfg, tiles, fold=True, epilogue="wg", q_slots=slots, pack_gqa=True, q_ahead=True)
-    off = build_fwd_ws(cfg, tiles, fold=True, epilogue="wg", q_slots=slots, pack_gqa=True)
-    assert off.script() == build_fwd_ws(cfg, tiles, fold=True, epilogue="wg", q_slots=slots, pack_gqa=True,
-                                        q_ahead=False).script()
-    assert _params(func) == _params(off) and _dtypes(func) == _dtypes(off)
-    text = func.script()
-    assert "q_step" in text and "q_step" not in off.script()
-    assert f"q_done[0] % {slots}" in text
-    with pytest.raises(ValueError, match="q_ahead"):
-        build_fwd_ws(cfg, tiles, q_slots=1, q_ahead=True)
-
-
-@pytest.mark.parametrize("epilogue", ["wg", "regs", "smem"])
-def test_chain_option(epilogue):
-    """``build_fwd_ws(chain=True)`` (an option for tools/fwd_variants.py, not measured yet, docs/perf.md v25;
-    its protocol is replayed in tests/test_ws_protocol.py):
-    a tile's last P V is issued with the next tile's first S in that tile's turn, and its epilogue runs after
-    the next tile's first softmax; the consumers take one more step, which flushes the last tile. Every
-    product is followed by its wait unconditionally (ptxas serializes the wgmma pipeline otherwise); the
-    launch is the same, and off it is the kernel built without it, TIR for TIR."""
-    from flashsink.ops.kernels.fwd_ws import build_fwd_ws
-
-    cfg, tiles = _cfg(d=64), Tiles(192, 64, 384, 3)
-    opts = dict(fold=True, epilogue=epilogue, q_slots=2, pack_gqa=True, mask_limits=True)
-    func = build_fwd_ws(cfg, tiles, chain=True, **opts)
-    off = build_fwd_ws(cfg, tiles, **opts)
-    assert off.script() == build_fwd_ws(cfg, tiles, chain=False, **opts).script()
-    assert _params(func) == _params(off) and _dtypes(func) == _dtypes(off)
-    text, plain = func.script(), off.script()
-    assert "pend_pv" in text and "m_pend" in text and "pend_pv" not in plain
-    # the first S and the pending P V in one turn, then S's wait only; the pending product's wait after the
-    # softmax is unconditional (the flush issues it alone)
-    assert text.count("T.wait_wgmma(1)") == 2 and plain.count("T.wait_wgmma(1)") == 1
-    assert text.count("T.wgmma_gemm(") == 5 and plain.count("T.wgmma_gemm(") == 4
-    assert "if pend_pv[0] != 0:" in text and "if pend[0] != 0:" in text
-    # one epilogue in either kernel (the pending tile's, or off this tile's), with the same barriers
-    for needle in ("LSE[", "O[", "tvm_storage_sync"):
-        assert text.count(needle) == plain.count(needle), needle
-
-
-@pytest.mark.parametrize("opts,match", [
-    ({"o32": True}, "chain=True supports"),
-    ({"wg_ranges": True, "pack_gqa": False}, "chain=True supports"),
-])
-def test_chain_refuses_what_it_cannot_pend(opts, match):
-    from flashsink.ops.kernels.fwd_ws import build_fwd_ws
-
-    cfg = KernelConfig("sm_90a", "bfloat16", 64, 64, 8, True, True, "bhsd",
-                       precision="strict" if opts.get("o32") else "fast")
-    with pytest.raises(NotImplementedError, match=match):
-        build_fwd_ws(cfg, Tiles(192, 64, 384, 3), fold=True, chain=True, **opts)
-    # one ring slot is fine (K and V have rings of their own: tests/test_ws_protocol.py)
-    assert "pend_pv" in build_fwd_ws(_cfg(d=64), Tiles(192, 64, 384, 1), fold=True, chain=True).script()
-
-
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (compiles for sm_90a without a GPU)")
-def test_chain_compiles_for_hopper():
-    """nvcc accepts gpt-oss SWA's windowed kernel with ``chain``; the pending P V is in the CUDA twice (with the
-    next tile's first S, and alone where a tile has no keys or the program ends)."""
-    import tilelang
-
-    from flashsink.ops.build.keys import pass_configs
-    from flashsink.ops.kernels.fwd_ws import build_fwd_ws
-
-    func = build_fwd_ws(_cfg(d=64, layout="bshd"), Tiles(192, 64, 384, 3), fold=True, epilogue="wg", q_slots=2,
-                        pack_gqa=True, mask_limits=True, chain=True)
-    kern = tilelang.compile(func, target={"kind": "cuda", "arch": "sm_90a"}, execution_backend="tvm_ffi",
-                            pass_configs=pass_configs())
-    src = kern.get_kernel_source()
-    assert src.count("tl::wgmma_rs<") == 3  # the pending P V (twice) and the loop's
-    assert "pend_pv" in src and "*(uint4*)(O + " in src
 
 
 def test_pack_gqa_option_packs_a_group_into_one_tile():
@@ -629,7 +455,7 @@ def test_pack_gqa_option_packs_a_group_into_one_tile():
 ])
 def test_library_forward_packs_gqa_where_it_fits(cfg, packs):
     """The library's forward (``fwd.build_fwd``, options from ``config.fwd_ws_options``) is the packed
-    kernel where ``config.pack_gqa_fits`` (measured on the H200, docs/perf.md v18: o and lse bitwise
+    kernel where ``config.pack_gqa_fits`` (measured on the H200, docs/perf-log.md v18: o and lse bitwise
     equal to the unpacked kernel, gpt-oss SWA 1.11x, varlen 1.36-1.39x), TIR for TIR, and the unpacked
     one elsewhere; custom tiles that cannot pack fall back instead of refusing."""
     from flashsink.ops.build.config import fwd_tiles, fwd_ws_options, pack_gqa_fits
@@ -641,7 +467,6 @@ def test_library_forward_packs_gqa_where_it_fits(cfg, packs):
     assert pack_gqa_fits(cfg, tiles.block_m) is (packs or cfg.head_dim == 128)
     lib = fwd.build_fwd(cfg).script()
     base = {"epilogue": "regs", "q_slots": 2} if cfg.head_dim == 64 else {"epilogue": "wg"}
-    base["pin_wait"], base["mask_limits"] = PIN, True
     assert lib == build_fwd_ws(cfg, tiles, fold=True, pack_gqa=packs, **base).script()
     if packs:
         assert lib != build_fwd_ws(cfg, tiles, fold=True, pack_gqa=False, **base).script()
@@ -721,49 +546,6 @@ def test_pack_gqa_on_packed_batches():
     assert "heads // 8" in text
 
 
-@pytest.mark.parametrize("d,tiles,opts", [
-    (128, Tiles(128, 64, 256, 2), {}),  # golden's: two warpgroups of 64 rows, 64-key tiles
-    (64, Tiles(192, 64, 384, 3), dict(epilogue="regs", q_slots=2)),  # gpt-oss's: three, D64's options
-])
-def test_wg_ranges_option(d, tiles, opts):
-    """``build_fwd_ws(wg_ranges=True)`` (tools/fwd_variants.py's ".../wgr", to be measured): each consumer
-    warpgroup computes the KV blocks its own 64 rows see (``kv_blocks_for_rows`` from ``row0 + wg * 64``)
-    and their wholly visible ones, runs its products and softmax only there, releases the other slots
-    as they land, and issues its last P V inside the loop (its V slot free before the skipped tiles
-    after it). Every warpgroup still takes one ping-pong turn per KV tile of the query tile. Off, the
-    kernel is the one built without the option, TIR for TIR."""
-    from flashsink.ops.kernels.fwd_ws import build_fwd_ws
-
-    cfg = _cfg(d=d, dtype="float16" if d == 128 else "bfloat16")
-    plain = build_fwd_ws(cfg, tiles, fold=True, **opts)
-    assert plain.script() == build_fwd_ws(cfg, tiles, fold=True, wg_ranges=False, **opts).script()
-    func = build_fwd_ws(cfg, tiles, fold=True, wg_ranges=True, **opts)
-    assert _params(func) == _params(plain) and _dtypes(func) == _dtypes(plain)
-    text = func.script()
-    assert "own_lo" not in plain.script()
-    assert "s0 + wg * 64" in text  # the warpgroup's own rows
-    assert "live: T.bool = T.bitwise_and(kb >= own_lo[0], kb < own_hi[0])" in text
-    assert "with_pv: T.bool = T.bitwise_and(live, kb > own_lo[0])" in text
-    assert "if kb == own_hi[0] - 1:" in text  # the last P V, in the loop
-    assert "T.bitwise_and(kb >= own_flo[0], kb < own_fhi[0])" in text  # the mask's branch, per warpgroup
-    # one turn per KV tile for every warpgroup: the turn's sync and arrival are outside `if live`
-    lines = [ln.strip() for ln in text.splitlines()]
-    at = lines.index("with_pv: T.bool = T.bitwise_and(live, kb > own_lo[0])")
-    turn = lines[at:at + 12]
-    sync, arrive = turn.index("T.tvm_storage_sync(\"shared\", 4 + wg, 256)"), turn.index(
-        f"T.named_barrier_arrive(4 + (wg + 1) % {tiles.block_m // 64}, 256)")
-    assert turn[sync + 1] == "if live:" and "if live:" not in turn[:sync] and sync < arrive
-
-
-def test_wg_ranges_refuses_pack_and_o32():
-    from flashsink.ops.kernels.fwd_ws import build_fwd_ws
-
-    with pytest.raises(ValueError, match="wg_ranges"):
-        build_fwd_ws(_cfg(d=64), Tiles(192, 64, 384, 3), fold=True, wg_ranges=True, pack_gqa=True)
-    with pytest.raises(ValueError, match="wg_ranges"):
-        build_fwd_ws(_cfg(d=64, ), Tiles(128, 64, 256, 3), fold=True, wg_ranges=True, o32=True)
-
-
 def _waits_after_pins(text: str) -> list:
     """For each ``T.wait_wgmma(0)`` of a kernel's TIR, whether the line before it stores ``l`` to ``l_pin``."""
     lines = [line.strip() for line in text.splitlines()]
@@ -771,41 +553,8 @@ def _waits_after_pins(text: str) -> list:
             for i, line in enumerate(lines) if line == "T.wait_wgmma(0)"]
 
 
-@pytest.mark.parametrize("d,tiles,opts", [
-    (128, Tiles(128, 128, 256, 2), {}),
-    (64, Tiles(192, 128, 384, 2), {"epilogue": "regs", "q_slots": 2, "pack_gqa": True}),
-    (64, Tiles(192, 64, 384, 3), {"epilogue": "regs", "q_slots": 2, "pack_gqa": True}),
-    (128, Tiles(128, 128, 256, 2), {"o32": True}),
-    (64, Tiles(192, 64, 384, 3), {"wg_ranges": True}),
-])
-def test_pin_wait_option_stores_l_before_each_wait_for_pv(d, tiles, opts):
-    """``build_fwd_ws(pin_wait=True)``: one shared buffer of the tile's rows more, and the normalizer ``l``
-    stored to it right before the wait for the previous tile's P V product, the one wait that follows a
-    softmax (ptxas otherwise hoists that wait above the softmax, docs/perf.md v20); the other waits
-    (the first tile's S, the last tile's P V) stay as they are, and so does everything else: the option
-    off is what build_fwd_ws builds unasked, TIR for TIR."""
-    from flashsink.ops.kernels.fwd_ws import build_fwd_ws
-
-    precision = "strict" if opts.get("o32") else "fast"
-    cfg = KernelConfig("sm_90a", "bfloat16", d, d, 8, True, True, "bhsd", False, precision)
-    plain = build_fwd_ws(cfg, tiles, fold=True, **opts)
-    assert plain.script() == build_fwd_ws(cfg, tiles, fold=True, pin_wait=False, **opts).script()
-    func = build_fwd_ws(cfg, tiles, fold=True, pin_wait=True, **opts)
-    assert _params(func) == _params(plain) and _dtypes(func) == _dtypes(plain)
-    text = func.script()
-    alloc = [line.strip() for line in text.splitlines() if "l_pin = " in line]
-    assert alloc == [f'l_pin = T.sblock_alloc_buffer(({tiles.block_m},), scope="shared.dyn")']
-    pinned, unpinned = _waits_after_pins(text), _waits_after_pins(plain.script())
-    assert len(pinned) == len(unpinned) >= 3 and not any(unpinned) and "l_pin" not in plain.script()
-    # the main loop's wait (and, with wg_ranges, its own loop's) is pinned; the first S and the last P V are not
-    assert sum(pinned) == 1 and not pinned[0] and not pinned[-1]
-    # the rest of the kernel is the plain one's: drop the pin's two lines and the texts agree
-    kept = [line for line in text.splitlines() if "l_pin" not in line]
-    assert kept == plain.script().splitlines()
-
-
 def test_key_limits_mask_exactly_the_invisible_keys():
-    """``mask.key_limits``, the row limits ``mask_limits``'s kernels compare each column with: key ``key0 + j``
+    """``mask.key_limits``, the row limits the forward's masked tiles compare each column with: key ``key0 + j``
     passes ``lo < j <= hi`` exactly where ``visibility``'s test (``mask.visible``, the per-element mask it
     replaces) says it is visible: causal and full, windows from 1 to none, rows past the sequence (a tile's
     padding), keys past it, seq_q below, equal to and above seq_kv (bottom-right alignment), tiles anywhere."""
@@ -837,86 +586,18 @@ def test_key_limits_mask_exactly_the_invisible_keys():
 @pytest.mark.parametrize("d,tiles,opts", [
     (64, Tiles(192, 64, 384, 3), {"epilogue": "regs", "q_slots": 2, "pack_gqa": True}),
     (128, Tiles(128, 128, 256, 2), {}),
-    (64, Tiles(192, 64, 384, 3), {"wg_ranges": True}),
 ])
-def test_mask_limits_option_masks_through_row_limits(d, tiles, opts):
-    """``build_fwd_ws(mask_limits=True)`` (config.FWD_MASK_LIMITS, on in every forward kind): two int32 row
-    fragments more, filled on each masked tile from ``mask.key_limits`` less the thread's column offset
-    in the wgmma accumulator, and the per-element select compares the column with them instead of
-    re-deriving the row's visibility; the wholly visible tiles' branch is unchanged, and the option off is
-    what build_fwd_ws builds unasked."""
-    from flashsink.ops.kernels.fwd_ws import build_fwd_ws
-
+def test_masked_tiles_mask_through_row_limits(d, tiles, opts):
+    """The masked tiles (``mask.limit_logits``): two int32 row fragments, filled on each masked tile from
+    ``mask.key_limits`` less the thread's column offset in the wgmma accumulator, and the per-element
+    select compares the column with them instead of re-deriving the row's visibility."""
     cfg = _cfg(d=d)
-    plain = build_fwd_ws(cfg, tiles, fold=True, **opts)
-    assert plain.script() == build_fwd_ws(cfg, tiles, fold=True, mask_limits=False, **opts).script()
-    func = build_fwd_ws(cfg, tiles, fold=True, mask_limits=True, **opts)
-    assert _params(func) == _params(plain) and _dtypes(func) == _dtypes(plain)
-    text, old = func.script(), plain.script()
+    text = build_fwd_ws(cfg, tiles, fold=True, **opts).script()
     frags = [line.strip() for line in text.splitlines() if '"int32", scope="local.fragment"' in line]
     assert frags == [f'key_{n} = T.sblock_alloc_buffer(({tiles.block_m},), "int32", scope="local.fragment")'
                      for n in ("hi", "lo")]
-    # the per-element test no longer holds sequence ends (`sq`, `sk`): only the limits do
-    def selects(script):
-        return [line for line in script.splitlines() if "acc_s[i, j] = T.if_then_else(" in line]
-
-    assert len(selects(text)) == len(selects(old)) >= 1
-    assert all("key_hi[i]" in line and "sk" not in line for line in selects(text))
-    assert all("sk" in line for line in selects(old))
-    assert text.count("% 4") > old.count("% 4")  # the thread's column offset
-
-
-@pytest.mark.parametrize("d,tiles,opts", [
-    (128, Tiles(128, 128, 256, 2), {}),
-    (64, Tiles(192, 128, 384, 2), {"epilogue": "regs", "q_slots": 2, "pack_gqa": True, "pin_wait": True}),
-    (64, Tiles(192, 64, 384, 3), {"epilogue": "regs", "q_slots": 2, "pack_gqa": True, "mask_limits": True}),
-])
-def test_lazy_rescale_option_moves_the_pivot_past_its_threshold_and_votes(d, tiles, opts):
-    """``build_fwd_ws(lazy_rescale=8)``: every KV tile's pivot moves only where the new maximum passes the
-    old one by more than 8 (base 2), and the output's rescale after the P V wait runs under a warp's vote
-    (``T.any_sync`` of the thread's rows' ``alpha != 1``); the option off is what build_fwd_ws builds
-    unasked, and strict's o32 refuses it."""
-    from flashsink.ops.kernels.fwd_ws import build_fwd_ws
-
-    cfg = KernelConfig("sm_90a", "bfloat16", d, d, 8, True, True, "bhsd", False, "fast")
-    plain = build_fwd_ws(cfg, tiles, fold=True, **opts).script()
-    assert plain == build_fwd_ws(cfg, tiles, fold=True, lazy_rescale=0.0, **opts).script()
-    text = build_fwd_ws(cfg, tiles, fold=True, lazy_rescale=8.0, **opts).script()
-    lines = [line.strip() for line in text.splitlines()]
-    pivot = "m[i] = T.if_then_else(m[i] - m_prev[i] > T.float32(8.0), m[i], m_prev[i])"
-    # the first KV tile's softmax and the main loop's
-    assert lines.count(pivot) == 2 and "any_sync" not in plain and "m_prev[i] > " not in plain
-    votes = [i for i, line in enumerate(lines) if line.startswith("if T.any_sync(") and "need[0]" in line]
-    assert len(votes) == 1  # the main loop's rescale (the first tile has no output to rescale)
-    assert lines[votes[0] - 3:votes[0] - 1] == ["need[0] = 0", f"for i in T.parallel({tiles.block_m}):"]
-    assert "alpha[i] != T.float32(1.0)" in lines[votes[0] - 1]
-    assert lines[votes[0] + 3] == "acc_o[i, j] = acc_o[i, j] * alpha[i]"
-    assert text.count("rescale") == plain.count("rescale")
-    with pytest.raises(ValueError, match="lazy_rescale must be 0 .* got -1.0"):
-        build_fwd_ws(cfg, tiles, fold=True, lazy_rescale=-1.0, **opts)
-    strict = KernelConfig("sm_90a", "bfloat16", d, d, 8, True, True, "bhsd", False, "strict")
-    with pytest.raises(ValueError, match="lazy_rescale"):
-        build_fwd_ws(strict, Tiles(128, 128, 256, 2), fold=True, o32=True, lazy_rescale=8.0)
-
-
-@pytest.mark.parametrize("d, tiles", [(128, Tiles(128, 128, 256, 2)), (64, Tiles(192, 128, 384, 2))])
-def test_snake_option_changes_only_the_order_of_the_persistent_tiles(d, tiles):
-    """``build_fwd_ws(snake=True)`` (the default): the producer's and the consumers' loops over the persistent
-    program's tiles take ``schedule.persistent_tile``'s snake order and ``persistent_steps``' count of turns;
-    ``snake=False`` is round-robin (tile ``cta + step * n_ctas``); nothing else differs. Which tile each
-    turn takes is tests/test_schedule.py's."""
-    from flashsink.ops.kernels.fwd_ws import build_fwd_ws
-
-    cfg = _cfg(d=d)
-    snake = build_fwd_ws(cfg, tiles, fold=True).script()
-    assert snake == build_fwd_ws(cfg, tiles, fold=True, snake=True).script()
-    rr = build_fwd_ws(cfg, tiles, fold=True, snake=False).script()
-    turn, steps = "(bx + step % 2 * (n_ctas - 1 - 2 * bx))", " - total // n_ctas % 2 * (n_ctas - bx * 2 - 1)"
-    # the consumers' loop counts its turns in place; the producer's names the count (``steps``), which
-    # ``q_ahead`` also compares the next turn with
-    assert snake.count(f"for step in range((total + n_ctas - bx{steps} - 1) // n_ctas):") == 1
-    first = "(bx + total // n_ctas % 2 * (n_ctas - 1 - 2 * bx))"
-    assert snake.count(f"steps: T.int32 = (total - {first} + n_ctas - 1) // n_ctas") == 1
-    assert snake.count("for step in range(steps):") == 1
-    assert snake.count(turn) >= 2 and "step % 2" not in rr
-    assert snake.replace(turn, "bx").replace(steps, "").replace(first, "bx") == rr
+    # the per-element test holds no sequence ends (`sq`, `sk`): only the limits do
+    selects = [line for line in text.splitlines() if "acc_s[i, j] = T.if_then_else(" in line]
+    assert len(selects) >= 1
+    assert all("key_hi[i]" in line and "sk" not in line for line in selects)
+    assert "% 4" in text  # the thread's column offset

@@ -37,12 +37,16 @@ TILES = {64: (128, 128, 256, 2), 128: (128, 128, 256, 2)}
 
 
 def _func(job):
-    from flashsink.ops.build.config import KernelConfig, Tiles
-    from flashsink.ops.kernels.fwd import build_fwd
+    from flashsink.ops.build.config import KernelConfig, Tiles, fwd_fold, fwd_ws_options
+    from flashsink.ops.kernels.fwd import build_fwd_pipelined
+    from flashsink.ops.kernels.fwd_ws import build_fwd_ws
 
     dtype, d, layout, causal, sinks, ws = job
     cfg = KernelConfig("sm_90a", dtype, d, d, H // HK, causal, sinks, layout)
-    return build_fwd(cfg, tiles=Tiles(*TILES[d]) if ws else None, ws=ws)
+    if not ws:
+        return build_fwd_pipelined(cfg)
+    t = Tiles(*TILES[d])
+    return build_fwd_ws(cfg, t, fold=fwd_fold(cfg), **fwd_ws_options(cfg, t))
 
 
 def main() -> int:

@@ -108,14 +108,11 @@ class Tiles:
 
 
 def fwd_tiles(cfg: KernelConfig) -> Tiles:
-    """Forward tiles. Hopper numbers follow TileLang's measured 128x128/256-thread
-    configuration (492 TFLOP/s, bf16 D=128 causal, H200, see TILELANG-NOTES);
-    wider key tiles for D<=64 halve the number of softmax rescales."""
+    """Forward tiles; on Hopper at head dim 64 the warp-specialized kernel's three consumer warpgroups
+    (``threads`` is its consumers'; perf-log v9)."""
     d = max(cfg.head_dim, cfg.head_dim_v)
     if cfg.hopper:
         if d <= 64:
-            # the warp-specialized kernel (fwd_ws): three consumer warpgroups of 64 rows, measured
-            # 1.11x over two on causal D64 N8192 (docs/perf.md v9); ``threads`` is its consumers'
             return Tiles(192, 128, 384, 2) if fwd_ws(cfg) else Tiles(128, 128, 256, 2)
         if d <= 128:
             return Tiles(128, 128, 256, 2)
@@ -240,69 +237,39 @@ def bwd_swap(cfg: KernelConfig, ws: bool) -> bool:
 
 
 def fwd_mask(cfg: KernelConfig) -> str:
-    """How the forward masks its logits (``fwd.build_fwd``'s ``mask``): on Hopper ``"branch"``,
-    which skips the per-element select on wholly visible KV tiles, measured on the H200
-    (tools/fwd_variants.py, docs/perf.md v7) 1.17x on causal D128 N4096 and 1.37x on causal D64
-    N8192, 3-4% slower with a 128-token window (the branch costs more than the select it saves
-    when every tile touches the window's edge); bitwise the same o and lse. The window is a runtime
-    value, so one kernel serves both. ``"select"`` elsewhere (not measured off Hopper)."""
+    """How the pipelined forward masks its logits (``fwd.build_fwd_pipelined``'s ``mask``): ``"branch"``
+    on Hopper, ``"select"`` elsewhere."""
     return "branch" if cfg.hopper else "select"
 
 
 def fwd_ws(cfg: KernelConfig) -> bool:
-    """Whether the forward is ``fwd_ws.py``'s hand warp-specialized kernel (FlashAttention-3's
-    intra-warpgroup overlap and scheduler barriers, a persistent grid): Hopper, head dims 64 and 128
-    (the kernels' own; 80 and 96 run padded to 128). Measured on the H200 (tools/fwd_variants.py,
-    docs/perf.md v9) against the pipelined kernel with mask="branch": causal D128 N4096 0.583 ->
-    0.538 ms, causal D64 N8192 1.500 -> 1.347 (192-row tiles), golden 0.158 -> 0.130, gpt-oss SWA
-    0.116 -> 0.108 (128-row tiles; 0.121 with the 192-row tiles D64 uses); o and lse bitwise equal.
-    Only equal head dims for q/k and v: those are the ones measured and checked on the GPU (a
-    separate head dim of v, e.g. 128/64, keeps the pipelined kernel until it is)."""
+    """Whether the forward is ``fwd_ws.py``'s hand warp-specialized kernel: Hopper, equal head dims 64
+    or 128 (80 and 96 run padded to 128)."""
     return cfg.hopper and cfg.head_dim == cfg.head_dim_v and cfg.head_dim in (64, 128)
 
 
 def pack_gqa_fits(cfg: KernelConfig, block_m: int) -> bool:
     """Whether ``fwd_ws.build_fwd_ws(pack_gqa=True)`` can pack a GQA group's query heads into one
-    ``block_m``-row tile: head dims 64 and 128 (a head's rows are one TMA box per 64 columns), a group of
-    at least two heads that divides ``block_m`` into whole 8-row swizzle atoms (at gpt-oss's 192 rows:
-    groups 2, 3, 4, 6, 8, 12, 24). The library packs at head dim 64, and at 128 under a window (the kind
-    ``fwd_window``: :func:`fwd_ws_options`, :func:`fwd_window_tiles`)."""
+    ``block_m``-row tile: head dims 64 and 128 (one TMA box per 64 columns), a group of at least two
+    heads that divides ``block_m`` into whole 8-row swizzle atoms."""
     g = cfg.groups
     return cfg.head_dim in (64, 128) and g >= 2 and block_m % g == 0 and (block_m // g) % 8 == 0
 
 
-#: the windowed kind's rows at head dim 64 (:func:`fwd_window_tiles`): 256 (four consumer warpgroups, where the
-#: group packs into them; else 192) measured 12-14% faster than 192 on an H100 (tools/fwd_variants.py, docs/perf.md
-#: v28: gpt-oss SWA 0.0638 -> 0.0563 ms, varlen W128 0.5171 -> 0.4446), o and lse off the tool's reference by the
-#: same amounts; the default since docs/perf.md v29 (the GPU suite ran with it). 192 restores the earlier kernels.
+#: the windowed kind's rows at head dim 64 (:func:`fwd_window_tiles`) where the group packs into them (perf-log
+#: v28, v29); 192 restores the earlier kernels
 FWD_WINDOW_ROWS_D64 = 256
 
-#: the widest window that launches the forward's windowed tiles (the kind ``fwd_window``,
-#: :func:`fwd_window_tiles`): the window measured (gpt-oss's 128); wider windows keep :func:`fwd_tiles`
+#: the widest window that launches the forward's windowed tiles (the kind ``fwd_window``); wider windows
+#: keep :func:`fwd_tiles`
 WINDOW_TILES_MAX = 128
 
 
 def fwd_window_tiles(cfg: KernelConfig) -> Tiles:
     """Forward tiles for a window of at most :data:`WINDOW_TILES_MAX` keys (the kind ``fwd_window``):
-    64-key tiles, three K/V ring slots, a GQA group packed into the tile (:func:`fwd_ws_options` with
-    ``window=True``), where the group packs (:func:`pack_gqa_fits`); elsewhere :func:`fwd_tiles`.
-    A packed tile of P positions sees W + P - 1 keys: at W=128, 24 positions (D64's 192 rows, 8 heads)
-    see 151 keys, 3-4 tiles of 64 (~215 keys a row computed) against 2-3 of 128 (~282); 16 positions
-    (D128's 128 rows) see 143, ~205 keys against 256. Measured on the H200 in one run
-    (tools/fwd_variants.py, docs/perf.md v19): gpt-oss SWA (bf16 D64 W128 N4096 H64/8) 0.0936 -> 0.0787 ms
-    (FA4 0.0827), golden (fp16 D128 W128) 0.1238 -> 0.1102 (FA4 0.1181), varlen W128 (64 sequences,
-    32768 tokens, thd) 0.6697 -> 0.6174; o within one rounding of the forward's (the key tiles split the
-    sums differently: relative L2 1.2e-3 bf16, 1.5e-4 fp16; lse 3e-8). Slower on full causal attention
-    (causal D64 N8192 1.2506 -> 1.4997: four times the softmax passes of 128-key tiles), hence a kind of
-    its own chosen by the call's window (a runtime value). Causal configurations only (a window needs
-    the causal mask); at head dim 128 padded layouts only (ptxas sm_90a: the packed thd kernel spills
-    76 bytes of registers, the bhsd one 8, D64's none; not measured on the GPU).
-
-    Head dim 64's rows: :data:`FWD_WINDOW_ROWS_D64` where the group packs into them, else 192. At 256 rows
-    (four consumer warpgroups, 32 positions of 8 heads) W=128 spans always 3 tiles of 64 (24 positions: 3-4)
-    and a row tile's fixed cost (docs/perf.md v24: 4.06 us against 1.05 us a KV tile) is shared by a third
-    more rows; ptxas sm_90a compiles it at the launch bound's 96 registers a thread (the consumers'
-    setmaxnreg is 112), no spills."""
+    64-key tiles, three K/V ring slots, the rows (:data:`FWD_WINDOW_ROWS_D64` or 192 at head dim 64, 128
+    at 128) the first the GQA group packs into (:func:`pack_gqa_fits`); causal, and at head dim 128
+    padded layouts only; elsewhere :func:`fwd_tiles`."""
     if fwd_ws(cfg) and cfg.causal and (cfg.head_dim == 64 or cfg.layout != "thd"):
         rows = dict.fromkeys([FWD_WINDOW_ROWS_D64, 192]) if cfg.head_dim == 64 else [128]
         for bm in rows:  # the first that the group packs into
@@ -318,122 +285,45 @@ def fwd_windowed(cfg: KernelConfig) -> bool:
     return fwd_window_tiles(cfg) != fwd_tiles(cfg)
 
 
-#: ``fwd_ws.build_fwd_ws``'s ``pin_wait`` in every forward kind of that kernel (fwd, fwd_unfolded, fwd_window,
-#: fwd_o32): the wait for each tile's P V product kept after its softmax by a shared-memory store. Without it
-#: ptxas (CUDA 13.0, sm_90a) hoists that wait above the row maximum and the exponentials (cuobjdump -sass,
-#: docs/perf.md v20). **Off**: measured on the H200 in one run (tools/fwd_variants.py, docs/perf.md v21) it
-#: lost where it was predicted to win: causal D64 N8192 1.2635 -> 1.3289 ms (+5.2%), golden's windowed
-#: kind 0.1100 -> 0.1138 (+3.5%), gpt-oss SWA's 0.0779 -> 0.0791, causal D128 N4096 0.5168 -> 0.5107
-#: (-1.2%, inside that run's spread); o and lse bitwise the same.
-FWD_PIN_WAIT = False
-#: ``fwd_ws.build_fwd_ws``'s ``mask_limits`` in the same kinds: a masked tile's logits compared with each row's
-#: key limits, worked out once per row (``mask.limit_logits``), instead of the visibility test per element; the
-#: same slots masked. SASS of gpt-oss SWA's windowed kernel (docs/perf.md v20): the main loop's instructions
-#: between the two waits 345 -> 305. Measured on the H200 (docs/perf.md v21, o and lse bitwise the same):
-#: golden's windowed kind 0.1100 -> 0.1071 ms (-2.6%), gpt-oss SWA's 0.0779 -> 0.0763 (-2.1%), causal D64
-#: N8192 1.2635 -> 1.2554, causal D128 N4096 0.5168 -> 0.5196 (both inside the run's spread).
-FWD_MASK_LIMITS = True
-
-
 def fwd_ws_options(cfg: KernelConfig, tiles: Tiles | None = None, window: bool = False) -> dict:
-    """``fwd_ws.build_fwd_ws``'s ``epilogue``, ``q_slots`` and ``pack_gqa`` for the forward (the kinds
-    ``fwd`` and ``fwd_unfolded``; strict's ``fwd_o32`` keeps the defaults), for ``tiles`` (default
-    :func:`fwd_tiles`). Head dim 64: ``epilogue="regs"`` (o stored from each thread's registers, no
-    barrier of every consumer thread at a tile's end) and ``q_slots=2`` (the next query tile's Q loads
-    while this one computes). Measured on the H200 in one run (tools/fwd_variants.py, docs/perf.md
-    v15), 192x128 tiles, o and lse bitwise equal to the previous kernel: gpt-oss SWA (bf16 D64 W128
-    N4096 H64/8) 0.1207 -> 0.1027 ms, also under the 0.1052 of the 128-row tiles that windows up to 128
-    keys ran until then (v12-v14's ``fwd_window``, removed then; the kind is back since v19 with packed
-    64-key tiles, :func:`fwd_window_tiles`); causal D64 N8192 1.3016 -> 1.2776. Head dim 128 keeps the staged epilogue and one Q slot:
-    there both options measured slower (golden 0.1236 -> 0.1402 with "regs", 0.1250 with two slots;
-    causal D128 N4096 0.5105 -> 0.5141 .. 0.5317).
-
-    ``pack_gqa`` (a GQA group's query heads in one tile, so one K/V tile serves the group and a tile
-    spans fewer positions: fewer KV tiles under a window, fewer wasted rows at a short sequence's
-    end) at head dim 64 where :func:`pack_gqa_fits`. Head dim 128 packs under a window only (the kind
-    ``fwd_window``): at its forward's 128x128 tiles packing measured no gain (golden 0.1238 -> 0.1257
-    ms, docs/perf.md v19; 16 positions still span 2 KV tiles, only the K/V loads per group fall), nor on
-    causal D128 N4096, where FlashAttention-4 packs (0.4962 -> 0.5071 ms, v23, H100, one run).
-    Measured on the H200 in one run (tools/fwd_variants.py, docs/perf.md v18), 192x128 tiles, o and lse bitwise equal to the unpacked kernel: gpt-oss SWA
-    0.1039 -> 0.0938 ms, varlen W128 (64 sequences, 32768 tokens) 0.9331 -> 0.6736, varlen full
-    1.3530 -> 0.9929, causal D64 N8192 1.2584 -> 1.2605 (the same within noise).
-
-    ``window``: the options of the kind ``fwd_window`` (:func:`fwd_window_tiles`): head dim 64's as
-    above; at 128 packed, with two Q slots; at both the epilogue "tma" in padded layouts and "wg" in packed
-    batches (below). Two slots lost with "regs" (golden 0.1102
-    against 0.1181 ms, docs/perf.md v19) but win with "wg", which stages o in a buffer of its own: golden
-    0.0951 -> 0.0884 and 0.0945 -> 0.0880 ms in two runs on an H100 (tools/fwd_variants.py, docs/perf.md
-    v26), o and lse off the tool's reference kernel by the same amounts (the arithmetic is unchanged: the
-    second slot only lets the producer load the next tile's Q while this one computes).
-
-    ``epilogue="wg"`` (each consumer warpgroup stages its own rows and stores them 16 bytes a thread,
-    ``fwd_ws.build_fwd_ws``) in the kind ``fwd_window`` at head dims 64 and 128 and in every head dim 128
-    forward. Measured on an H100 in one run (tools/fwd_variants.py, docs/perf.md v24), o and lse bitwise
-    the same as the epilogue it replaces: gpt-oss SWA's windowed kernel 0.0783 -> 0.0659 ms (from "regs"),
-    golden's 0.1107 -> 0.0956 (from "smem"), golden on the 128x128 tiles of windows over 128 keys 0.1219 ->
-    0.1101, causal D128 N4096 0.4863 -> 0.4852 (the same). Causal D64 N8192 keeps "regs": 1.2370 -> 1.2645
-    with "wg". ``q_ahead`` (the next tile's Q before this tile's K and V) stays off: SWA 0.0659 -> 0.0717 with
-    it, causal D64 1.2370 -> 1.2770 (three Q slots: 0.0671, 1.2265).
-
-    ``epilogue="tma"`` ("wg"'s staged rows stored by TMA from one thread of each consumer warpgroup, 8-row
-    boxes, ``fwd_ws.build_fwd_ws``; padded layouts only) measured faster in the kind ``fwd_window`` on the
-    H200 in one run (tools/fwd_variants.py, docs/perf.md v27), o and lse off the tool's reference by the
-    same amounts as "wg"'s: golden 0.0863 -> 0.0833 ms, gpt-oss SWA 0.0649 -> 0.0644 (a tie), so it is
-    the kind ``fwd_window``'s epilogue in padded layouts (docs/perf.md v28); packed batches keep "wg" (a
-    TMA box past one sequence's last row would write into the next sequence's rows).
-
-    ``pin_wait`` and ``mask_limits``: :data:`FWD_PIN_WAIT` and :data:`FWD_MASK_LIMITS` everywhere.
-
-    ``wg_ranges`` stays off: measured slower everywhere but under a window with 64-key tiles (gpt-oss
-    SWA 0.1039 -> 0.0911 at 192x64, behind ``pack_gqa``'s 0.0938 only by 3%; causal D64 N8192 1.26 ->
-    2.10, golden 0.1250 -> 0.1461), and it cannot combine with ``pack_gqa``."""
-    both = {"pin_wait": FWD_PIN_WAIT, "mask_limits": FWD_MASK_LIMITS}
+    """``fwd_ws.build_fwd_ws``'s ``epilogue``, ``q_slots`` and ``pack_gqa`` for the kinds ``fwd`` and
+    ``fwd_unfolded`` at ``tiles`` (default :func:`fwd_tiles`), or (``window``) ``fwd_window``:
+    head dim 64 "regs", two Q slots, packed where :func:`pack_gqa_fits`; head dim 128 "wg", one slot;
+    windowed, :func:`_window_epilogue`, two slots, packed; elsewhere "smem" and one slot
+    (strict's ``fwd_o32`` keeps those)."""
     if fwd_ws(cfg) and cfg.head_dim == 64:
         bm = (tiles or fwd_tiles(cfg)).block_m
         epilogue = _window_epilogue(cfg) if window and fwd_windowed(cfg) else "regs"
-        return {"epilogue": epilogue, "q_slots": 2, "pack_gqa": pack_gqa_fits(cfg, bm), **both}
+        return {"epilogue": epilogue, "q_slots": 2, "pack_gqa": pack_gqa_fits(cfg, bm)}
     epilogue = "wg" if fwd_ws(cfg) and cfg.head_dim == 128 else "smem"
     if window and fwd_windowed(cfg):  # head dim 128's windowed tiles pack (fwd_window_tiles)
         epilogue = _window_epilogue(cfg) if epilogue == "wg" else epilogue
-        return {"epilogue": epilogue, "q_slots": 1 if epilogue == "smem" else 2, "pack_gqa": True, **both}
-    return {"epilogue": epilogue, "q_slots": 1, **both}
+        return {"epilogue": epilogue, "q_slots": 1 if epilogue == "smem" else 2, "pack_gqa": True}
+    return {"epilogue": epilogue, "q_slots": 1}
 
 
 def _window_epilogue(cfg: KernelConfig) -> str:
     """The windowed kind's epilogue: "tma" in padded layouts, "wg" in packed batches (a TMA box past one
-    sequence's last row would write into the next sequence's; ``fwd_ws.build_fwd_ws``)."""
+    sequence's last row would write into the next sequence's)."""
     return "wg" if cfg.layout == "thd" else "tma"
 
 
 def fwd_o32(cfg: KernelConfig) -> bool:
-    """Whether strict's forward, when a backward follows, is the kind ``fwd_o32``: ``fwd_ws.py``'s kernel
-    with P @ V as two-term products and the output also written in fp32, from which the backward
-    takes Delta = rowsum(dO * O) in a memory-bound pass (the kind ``preprocess_o32``) instead of
-    recomputing P and dP (the strict ``preprocess``). Measured on the H200 (tools/fwd_variants.py,
-    tools/bwd_variants.py, docs/perf.md v13): the forward 0.513 -> 0.721 ms at causal D128 N4096 and
-    1.259 -> 1.798 at causal D64 N8192, the preprocess 0.541 -> 0.060 and 1.450 -> 0.060: strict
-    fwd+bwd 3.47 -> 3.20 ms and 8.12 -> 7.27. Float64 emulation (docs/perf.md v13): Delta from a
-    once-rounded P's fp32 O moves dsink off the precision standard in fp16 (relative L2 1.7e-3);
-    with two terms its error is 1e-7..3e-6, as with P * dP. Hopper, the warp-specialized forward's
-    head dims, padded layouts (a packed batch's kernel is not checked for spills yet); a call with
-    ``scale <= 0`` (no folded kernel) and the torch.compile route keep P * dP."""
+    """Whether strict's forward, when a backward follows, is the kind ``fwd_o32`` (two-term P @ V, the
+    output also in fp32 for the kind ``preprocess_o32``'s Delta): strict, :func:`fwd_ws`, padded layouts.
+    A call with ``scale <= 0`` and the torch.compile route keep the strict ``preprocess``."""
     return cfg.precision == "strict" and fwd_ws(cfg) and cfg.layout != "thd"
 
 
 def fwd_o32_tiles(cfg: KernelConfig) -> Tiles:
-    """``fwd_o32``'s tiles: two consumer warpgroups at both head dims (D64's three spill 272 bytes of
-    registers with P's second term)."""
+    """``fwd_o32``'s tiles: two consumer warpgroups at both head dims (D64's three spill with P's second
+    term)."""
     return Tiles(128, 128, 256, 2)
 
 
 def fwd_fold(cfg: KernelConfig) -> bool:
-    """Whether the forward (``fwd_ws.py``'s kernel) folds the scale into the exponent's FMA,
-    ``exp2(s * scale_log2 - m * scale_log2)``, instead of scaling every logit first: measured on the
-    H200 (tools/fwd_variants.py, docs/perf.md v10-v11) causal D128 N4096 0.5295 -> 0.5116 ms (128x128
-    tiles), causal D64 N8192 1.3324 -> 1.2812 (192x128); o within one rounding of the unfolded
-    kernel's (relative L2 3.7e-5), lse 1.4e-8. The running maximum is then over the unscaled logits,
-    which is right for a positive scale only: a call with ``scale <= 0`` launches the kind
-    ``fwd_unfolded`` (the same kernel without the fold, built on its first such call)."""
+    """Whether the forward folds the scale into the exponent's FMA, ``exp2(s * scale_log2 - m * scale_log2)``:
+    :func:`fwd_ws`. Right for a positive scale only; a call with ``scale <= 0`` launches ``fwd_unfolded``."""
     return fwd_ws(cfg)
 
 

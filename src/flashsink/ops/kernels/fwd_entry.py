@@ -1,4 +1,4 @@
-"""The forward's arguments, defined once for its two kernels (``fwd.build_fwd``'s and
+"""The forward's arguments, defined once for its two kernels (``fwd.build_fwd_pipelined``'s and
 ``fwd_ws.build_fwd_ws``'s, which differ only in schedule): the sizes they run over, the shapes and
 dtypes of their tensors, and the entry point that binds those tensors to a kernel body."""
 
@@ -13,7 +13,7 @@ from ..tir.schedule import grid
 
 def fwd_shapes(cfg: KernelConfig) -> SimpleNamespace:
     """The forward's dynamic sizes (``batch, heads, seq_q, seq_kv``) and its tensors' shapes, defined
-    once for :func:`build_fwd`'s and ``fwd_ws.build_fwd_ws``'s kernels."""
+    once for ``fwd.build_fwd_pipelined``'s and ``fwd_ws.build_fwd_ws``'s kernels."""
     batch, heads, seq_q, seq_kv, rows_pad = T.dynamic("batch, heads, seq_q, seq_kv, rows_pad")
     q_shape, k_shape, v_shape, o_shape = qkv_shapes(cfg.layout, batch, heads, heads // cfg.groups, seq_q, seq_kv,
                                                     cfg.head_dim, cfg.head_dim_v)

@@ -24,15 +24,14 @@ def visible(row, key, seq_q, seq_kv, window, causal: bool):
 
 
 @T.macro
-def mask_logits(acc_s, row0, key0, sq, sk, window, scale_log2, fold_scale: bool, full, kb, causal: bool,
+def mask_logits(acc_s, row0, key0, sq, sk, window, scale_log2, fold_scale: bool, causal: bool,
                 pack: int | None = None):
     """Masked slots of one tile of logits to -inf; visible ones scaled (unless ``fold_scale``).
-    ``full`` (flo, fhi): KV block ``kb`` in it is wholly visible, ORed into the mask. (``sq``, ``sk``:
-    the sequence lengths, named as the caller's, which TileLang's script then keeps.) ``pack``: the
-    tile holds a GQA group's heads, ``pack`` query positions each (``layout.tile_row``)."""
+    (``sq``, ``sk``: the sequence lengths, named as the caller's, which TileLang's script then keeps.)
+    ``pack``: the tile holds a GQA group's heads, ``pack`` query positions each (``layout.tile_row``)."""
     for i, j in T.Parallel(acc_s.shape[0], acc_s.shape[1]):
         acc_s[i, j] = T.if_then_else(
-            _keep(tile_row(row0, i, pack), key0 + j, kb, sq, sk, window, causal, full),
+            visible(tile_row(row0, i, pack), key0 + j, sq, sk, window, causal),
             acc_s[i, j] if fold_scale else acc_s[i, j] * scale_log2,
             -T.infinity("float32"),
         )
@@ -94,7 +93,7 @@ def branch_logits(acc_s, row0, key0, sq, sk, window, scale_log2, fold_scale: boo
         scale_logits(acc_s, scale_log2, fold_scale)
     else:
         if limits is None:
-            mask_logits(acc_s, row0, key0, sq, sk, window, scale_log2, fold_scale, None, kb, causal, pack)
+            mask_logits(acc_s, row0, key0, sq, sk, window, scale_log2, fold_scale, causal, pack)
         else:
             limit_logits(acc_s, limits, row0, key0, sq, sk, window, scale_log2, fold_scale, causal, pack)
 
@@ -124,11 +123,3 @@ def select_visible(value, row, key, seq_q, seq_kv, window, causal: bool, masked:
     if not masked:
         return value
     return T.if_then_else(visible(row, key, seq_q, seq_kv, window, causal), value, 0.0)
-
-
-def _keep(row, key, kb, seq_q, seq_kv, window, causal: bool, full):
-    """The select's condition: ``visible``, or (``full`` given) KV block ``kb`` wholly visible."""
-    vis = visible(row, key, seq_q, seq_kv, window, causal)
-    if full is None:
-        return vis
-    return in_blocks(kb, full) | vis
