@@ -1,6 +1,6 @@
 """The fast main backward, warp-specialized by hand for Hopper (FlashAttention-3's layout).
 
-Same gradients, grid and arguments as ``bwd.build_bwd`` (fast precision), different schedule. With
+Same gradients, grid and arguments as ``bwd.build_bwd_pipelined``, a different schedule. With
 ``precision="strict"`` (strict's default at head dim 64, ``config.bwd_ws``; TileLang's kernel at D128,
 where this one measured slower) its P and dS products are two-term, ``hi + lo`` (``split.py``): eight
 wgmma per tile instead of five.
