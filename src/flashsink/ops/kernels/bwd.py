@@ -93,6 +93,22 @@ def build_preprocess(cfg: KernelConfig):
 
 
 @T.macro
+def _store_delta(Delta, dLSE, LSE, Sinks, lse, delta, contrib, total, head, b, bx, q_base, row0, sq, dSinkAcc,
+                 dSinkPart, cfg: KernelConfig, load_lse: bool):
+    """The preprocesses' end: a gradient flowing into lse folded into Delta (dS = P * (dP - (Delta -
+    dlse))), Delta stored, and with sinks (``load_lse``: lse loaded first) the sink gradient."""
+    layout, bm = cfg.layout, delta.shape[0]
+    for i in T.Parallel(bm):
+        delta[i] -= stat_at(dLSE, layout, b, head, q_base + row0 + i)
+    store_stat(Delta, layout, b, head, q_base, row0, sq, delta, bm)
+    if cfg.has_sinks:
+        if load_lse:
+            T.copy(stat_tile(LSE, layout, b, head, q_base + row0, bm), lse)
+        _sink_grad(Sinks, lse, delta, contrib, total, head, b, bx, row0, sq, dSinkAcc, dSinkPart, cfg.deterministic,
+                   layout == "thd")
+
+
+@T.macro
 def _sink_grad(Sinks, lse, delta, contrib, total, head, b, bx, row0, sq, dSinkAcc, dSinkPart, deterministic: bool,
                packed: bool):
     """dsink[head] += -sum_rows exp(sink - lse) * Delta over this program's rows (< sq): one
@@ -153,14 +169,8 @@ def _build_preprocess_fast(cfg: KernelConfig, o_dtype: str, t):
             for i, j in T.Parallel(bm, dim_v):
                 prod[i, j] = T.Cast(accum, o[i, j]) * T.Cast(accum, do[i, j])
             T.reduce_sum(prod, delta, dim=1)
-            # A gradient flowing into lse folds into Delta: dS = P * (dP - (Delta - dlse)).
-            for i in T.Parallel(bm):
-                delta[i] -= stat_at(dLSE, layout, b, head, q_base + row0 + i)
-            store_stat(Delta, layout, b, head, q_base, row0, sq, delta, bm)
-            if cfg.has_sinks:
-                T.copy(stat_tile(LSE, layout, b, head, q_base + row0, bm), lse)
-                _sink_grad(Sinks, lse, delta, contrib, total, head, b, bx, row0, sq, dSinkAcc, dSinkPart,
-                           cfg.deterministic, layout == "thd")
+            _store_delta(Delta, dLSE, LSE, Sinks, lse, delta, contrib, total, head, b, bx, q_base, row0, sq, dSinkAcc,
+                         dSinkPart, cfg, True)
 
     cu, longest, n_cu = varlen_params(layout)
 
@@ -252,13 +262,8 @@ def build_preprocess_strict(cfg: KernelConfig, t, branch: bool, lpt: bool):
                 T.reduce_sum(p, part, dim=1)
                 for i in T.Parallel(bm):
                     delta[i] += part[i]
-            # A gradient flowing into lse folds into Delta: dS = P * (dP - (Delta - dlse)).
-            for i in T.Parallel(bm):
-                delta[i] -= stat_at(dLSE, layout, b, head, q_base + row0 + i)
-            store_stat(Delta, layout, b, head, q_base, row0, sq, delta, bm)
-            if cfg.has_sinks:
-                _sink_grad(Sinks, lse, delta, contrib, total, head, b, bx, row0, sq, dSinkAcc, dSinkPart,
-                           cfg.deterministic, layout == "thd")
+            _store_delta(Delta, dLSE, LSE, Sinks, lse, delta, contrib, total, head, b, bx, q_base, row0, sq, dSinkAcc,
+                         dSinkPart, cfg, False)
 
     cu, longest, n_cu = varlen_params(layout)
 
