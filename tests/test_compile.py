@@ -72,25 +72,6 @@ def test_split_main_backward_compiles():
     assert "wgmma" in src and src.count("AtomicAdd") >= 2
 
 
-@pytest.mark.l1
-def test_main_backward_with_dq_cast_compiles(monkeypatch):
-    """config.DQ_CAST on (off until measured, docs/perf.md v17): the unsplit fast main backward casts dQ
-    itself (bwd_ws.build_bwd_ws(dq_cast=True)): its counts' acq_rel atomic, the fp32 rows' TMA load back
-    and the dQ stores build for sm_90a."""
-    from flashsink.ops.build import config
-
-    monkeypatch.setattr(config, "DQ_CAST", True)
-    cfg = _cfg("sm_90a", "bwd", precision="fast", dtype="float16", head_dim=128, head_dim_v=128)
-    assert config.bwd_dq_cast(cfg)
-    src = compile_kernel("bwd", cfg).get_kernel_source()
-    assert "AtomicAddRet" in src and "DqCount" in src and "half_t* __restrict__ dQ" in src
-    # the rows' load back is issued by the dQ warp as a whole (one lane elected of 32): elected under
-    # its one counting thread, the first build hung on the H200 (docs/perf.md v18)
-    from flashsink.ops.build.lowering import narrow_elections
-
-    assert narrow_elections(src) == [] and "tl_shuffle_elect<32>" in src
-
-
 @pytest.mark.l2
 def test_deterministic_main_kernel_compiles():
     """The deterministic main backward (no dQ atomics, per-program sink partials)."""
@@ -125,56 +106,59 @@ def test_main_backward_compiles_other_group_sizes(groups):
 
 @pytest.mark.l1
 def test_swapped_grid_main_backward_compiles():
-    """``build_bwd(swap=True)``: TileLang's main backward with its KV tiles longest first from the grid's
-    own dims (KV heads along x, tiles along y), strict D64 on sm_90a, where the index-arithmetic order
-    did not compile (docs/perf.md v10); strict's default on padded layouts since v11 (``config.bwd_swap``,
-    measured on the H200; at D64 strict runs the hand kernel since v13, so TileLang's is asked for with
-    ``ws=False``), the launch order's TIR but for the grid's bindings."""
+    """``build_bwd_pipelined(swap=True)``: TileLang's main backward with its KV tiles longest first from the
+    grid's own dims (KV heads along x, tiles along y), strict D64 on sm_90a, where the index-arithmetic order
+    did not compile (docs/perf-log.md v10); ``config.bwd_swap``'s choice on padded layouts (at D64 strict
+    runs the hand kernel, so TileLang's is built directly), the launch order's TIR but for the grid's
+    bindings."""
     import tilelang
 
-    from flashsink.ops.kernels.bwd import build_bwd
+    from flashsink.ops.kernels.bwd import build_bwd_pipelined
     from flashsink.ops.build.keys import pass_configs
+    from flashsink.ops.build.config import bwd_branch, bwd_tiles
+
+    def build_bwd(cfg, swap=True):
+        return build_bwd_pipelined(cfg, bwd_tiles(cfg), 1, bwd_branch(cfg), swap, True, True)
 
     cfg = _cfg("sm_90a", "bwd", precision="strict")
-    func = build_bwd(cfg, ws=False, swap=True)
+    func = build_bwd(cfg, swap=True)
     text = func.script()
-    assert text == build_bwd(cfg, ws=False).script() != build_bwd(cfg, ws=False, swap=False).script()
+    assert text == build_bwd(cfg).script() != build_bwd(cfg, swap=False).script()
     assert 'T.thread_binding(heads // 8, thread="blockIdx.x")' in text
     assert 'T.thread_binding(n_tiles, thread="blockIdx.y")' in text
     kernel = tilelang.compile(func, target={"kind": "cuda", "arch": "sm_90a"}, execution_backend="tvm_ffi",
                               pass_configs=pass_configs())
     assert "__global__" in kernel.get_kernel_source()
     with pytest.raises(ValueError, match="padded layout"):
-        build_bwd(_cfg("sm_90a", "bwd", precision="strict", layout="thd"), ws=False, swap=True)
+        build_bwd(_cfg("sm_90a", "bwd", precision="strict", layout="thd"), swap=True)
 
 
 @pytest.mark.l1
 @pytest.mark.parametrize("arch, opts", [("sm_90a", {"branch": False, "lpt": False}), ("sm_80", {"branch": True}),
                                         ("sm_90a", {"branch": True, "lpt": False})])
 def test_strict_preprocess_options_compile(arch, opts):
-    """``build_preprocess(branch=, lpt=)`` (strict; tools/bwd_variants.py's "strict pre/..."): P without the
+    """``build_preprocess_strict(branch=, lpt=)`` (tools/bwd_variants.py's "strict pre/..."): P without the
     per-element mask on wholly visible KV tiles; the query tiles with the most keys first from the grid's
     layout. The library's kernel takes ``config.pre_branch`` / ``pre_lpt`` (both on Hopper, neither on
-    sm_80); the other choices build and compile too; the fast preprocess, which computes no P, refuses
-    them, and lpt needs a padded layout."""
+    sm_80); the other choices build and compile too, and lpt needs a padded layout."""
     import tilelang
 
-    from flashsink.ops.kernels.bwd import build_preprocess
+    from flashsink.ops.kernels.bwd import build_preprocess, build_preprocess_strict
     from flashsink.ops.build.keys import build_prim_func, pass_configs
-    from flashsink.ops.build.config import pre_branch, pre_lpt
+    from flashsink.ops.build.config import pre_branch, pre_lpt, pre_tiles
+
+    def build(cfg, branch=False, lpt=False):
+        return build_preprocess_strict(cfg, pre_tiles(cfg), branch, lpt)
 
     cfg = _cfg(arch, "preprocess", precision="strict")
-    func = build_preprocess(cfg, **opts)
-    lib = build_preprocess(cfg, branch=pre_branch(cfg), lpt=pre_lpt(cfg)).script()
+    func = build(cfg, **opts)
+    lib = build(cfg, branch=pre_branch(cfg), lpt=pre_lpt(cfg)).script()
     assert build_prim_func("preprocess", cfg).script() == build_preprocess(cfg).script() == lib != func.script()
     kernel = tilelang.compile(func, target={"kind": "cuda", "arch": arch}, execution_backend="tvm_ffi",
                               pass_configs=pass_configs())
     assert "__global__" in kernel.get_kernel_source()
-    opts = {k: True for k in opts}
-    with pytest.raises(ValueError, match="strict preprocess"):
-        build_preprocess(_cfg(arch, "preprocess", precision="fast"), **opts)
     with pytest.raises(ValueError, match="padded layout"):
-        build_preprocess(_cfg(arch, "preprocess", precision="strict", layout="thd"), lpt=True)
+        build(_cfg(arch, "preprocess", precision="strict", layout="thd"), lpt=True)
 
 
 @pytest.mark.l1
@@ -182,7 +166,7 @@ def test_strict_preprocess_options_compile(arch, opts):
 def test_kvcache_gathers_through_a_shared_page_table(arch):
     """``build_fwd_kvcache`` resolves each key tile's rows to (page, row) once, into shared memory, and
     its K/V loads index the cache through that table: no division by ``page_size`` inside a load's
-    address (the 64-bit division routines that held the per-load gather to ~300 GB/s, docs/perf.md v13)."""
+    address (the 64-bit division routines that held the per-load gather to ~300 GB/s, docs/perf-log.md v13)."""
     import re
 
     import tilelang
@@ -200,11 +184,9 @@ def test_kvcache_gathers_through_a_shared_page_table(arch):
 
 @pytest.mark.l1
 def test_kvcache_prefetch_loads_the_next_tile_into_registers():
-    """``build_fwd_kvcache(prefetch=True)`` (the default): each key tile's K/V rows are gathered into
-    registers (``k_r``, ``v_r``) one step ahead and stored to shared memory at the next step's start, so
-    their loads are in flight during this tile's products and softmax; ``prefetch=False`` gathers
-    straight into shared memory. The same gather either way (``fetch``'s zeros and NaN keys); the
-    GPU suite checks the outputs."""
+    """``build_fwd_kvcache``: each key tile's K/V rows are gathered into registers (``k_r``, ``v_r``) one
+    step ahead and stored to shared memory at the next step's start, so their loads are in flight during
+    this tile's products and softmax (``fetch``'s zeros and NaN keys); the GPU suite checks the outputs."""
     import re
 
     import tilelang
@@ -213,9 +195,6 @@ def test_kvcache_prefetch_loads_the_next_tile_into_registers():
     from flashsink.ops.kernels.fwd_kvcache import build_fwd_kvcache
 
     cfg = _cfg("sm_90a", "fwd_kvcache", layout="bshd")
-    assert build_fwd_kvcache(cfg).script() == build_fwd_kvcache(cfg, prefetch=True).script()
-    plain = build_fwd_kvcache(cfg, prefetch=False).script()
-    assert "k_r" not in plain and "v_r" not in plain
     src = tilelang.compile(build_fwd_kvcache(cfg), target={"kind": "cuda", "arch": "sm_90a"},
                            execution_backend="tvm_ffi", pass_configs=pass_configs()).get_kernel_source()
     loop = [line.strip() for line in src[src.index("for (int kb"):].splitlines()]
@@ -226,42 +205,6 @@ def test_kvcache_prefetch_loads_the_next_tile_into_registers():
     assert len(to_shared) == 2 and len(to_regs) == 2 and max(to_shared) < min(to_regs)
     assert all(re.search(r"= \*\(uint4\*\)\((k_r|v_r) \+", loop[i]) for i in to_shared)
     assert sum(bool(re.search(r"\*\(uint4\*\)\((K|V) \+", line)) for line in loop) == 2
-
-
-@pytest.mark.l1
-def test_kvcache_aligned_loads_each_tile_as_one_tma_box():
-    """``build_fwd_kvcache(aligned=True)`` (an option for tools/kvcache_variants.py, measured slower than the
-    gather, docs/perf.md v29): with a
-    page size that is a multiple of the key tile, a tile is one page's affine box, so K and V arrive by TMA
-    through ``T.Pipelined`` (a producer warpgroup and the consumers' mbarriers) instead of the gather; the
-    block table is read for the page index only (no K/V load goes through it element by element), and the
-    box's row is ``min(key0, seq_kv - bn)`` into the page (negative: TMA's zero fill) so no key past a row's
-    length is read. The default kernel is unchanged by the option's existence; it refuses ``prefetch=True``."""
-    import re
-
-    import tilelang
-
-    from flashsink.ops.build.keys import pass_configs
-    from flashsink.ops.kernels.fwd_kvcache import build_fwd_kvcache
-
-    cfg = _cfg("sm_90a", "fwd_kvcache", layout="bshd")
-    with pytest.raises(ValueError, match="prefetch=False"):
-        build_fwd_kvcache(cfg, aligned=True)
-    with pytest.raises(ValueError, match="needs aligned=True"):
-        build_fwd_kvcache(cfg, stages=3)
-    with pytest.raises(ValueError, match="stages must be"):
-        build_fwd_kvcache(cfg, prefetch=False, aligned=True, stages=-1)
-    two = build_fwd_kvcache(cfg, prefetch=False, aligned=True).script()
-    assert build_fwd_kvcache(cfg, prefetch=False, aligned=True, stages=2).script() == two
-    assert '"num_stages": 4' in build_fwd_kvcache(cfg, prefetch=False, aligned=True, stages=4).script()
-    func = build_fwd_kvcache(cfg, prefetch=False, aligned=True)
-    src = tilelang.compile(func, target={"kind": "cuda", "arch": "sm_90a"}, execution_backend="tvm_ffi",
-                           pass_configs=pass_configs()).get_kernel_source()
-    tma = [line for line in src.splitlines() if "tl::tma_load(" in line]
-    assert len(tma) == 2 and "K_desc" in tma[0] and "V_desc" in tma[1], tma
-    assert all("BlockTable[" not in line for line in tma)  # the page index comes from a scalar read before
-    assert not re.search(r"\*\(uint4\*\)\((K|V) \+", src)  # no element-wise gather
-    assert all(re.search(r"min\(\(kb \* 128\), \(\w+ - 128\)\)", line) for line in tma), tma
 
 
 def _indent(line: str) -> int:
@@ -276,7 +219,7 @@ def test_split_kv_kernels_mask_only_the_partial_key_tiles(kind, layout):
     a window's leading edge); the wholly visible tiles (``block_range.full_kv_blocks_for_rows``) are only scaled, on
     a branch taken once a tile (``mask.branch_tile``, the backward's). A decode split streams tens of such tiles: the mask was 41% of ``fwd_split``'s
     key-loop instructions (sm_90a SASS, 870 -> 503 a wholly visible tile; ``fwd_kvcache``'s gather 1,452 -> 1,069,
-    docs/perf.md v30). The GPU suite checks the outputs (decode and kvcache cases with windows, lengths off the
+    docs/perf-log.md v30). The GPU suite checks the outputs (decode and kvcache cases with windows, lengths off the
     tiles, several query rows, chunks)."""
     from flashsink.ops.build.keys import build_prim_func
 
@@ -295,10 +238,3 @@ def test_split_kv_kernels_mask_only_the_partial_key_tiles(kind, layout):
     assert masks and all(i > other for i in masks), (branch, other, masks)  # the select on the else branch only
     ends = [i for i in range(other + 1, len(body)) if body[i].strip() and _indent(body[i]) <= _indent(body[other])]
     assert all(i < ends[0] for i in masks)
-    # branch=False (tools/kvcache_variants.py's "masked" rows): the mask on every tile, no branch
-    from flashsink.ops.kernels.fwd_kvcache import build_fwd_kvcache
-    from flashsink.ops.kernels.fwd_split import build_fwd_split
-
-    build = build_fwd_split if kind == "fwd_split" else build_fwd_kvcache
-    masked = build(_cfg("sm_90a", kind, layout=layout), branch=False).script()
-    assert "T.bitwise_and(kb >= " not in masked and 'T.infinity("float32")' in masked

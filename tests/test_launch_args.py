@@ -373,53 +373,6 @@ def test_split_backward_launches(monkeypatch, launches, case):
     check_buffer(dv, v.shape, v.dtype)
 
 
-@pytest.mark.parametrize("case", DENSE, ids=lambda c: f"{c[7]}-B{c[0]}-H{c[1]}-HK{c[2]}-N{c[3]}x{c[4]}-D{c[5]}")
-def test_dq_cast_backward_launches(monkeypatch, launches, case):
-    """With ``config.DQ_CAST`` on (off until measured, docs/perf.md v17), the unsplit fast backward is the
-    preprocess (which zeroes the dQ accumulator) and the main kernel built with ``dq_cast``, which gets
-    dQ and int32 counts ``[B, H, row blocks]`` arriving zeroed after dV, and no postprocess; the kinds a
-    first use builds drop the postprocess where no split kernel needs it."""
-    from flashsink.ops.build import kinds
-
-    _arch(monkeypatch, "sm_90a")
-    monkeypatch.setattr(config, "DQ_CAST", True)
-    monkeypatch.setattr(dense, "_use_split", lambda cfg, spec, window, total_q=None: False)
-    q, k, v, do, sinks, spec = _dense_inputs(case)
-    cfg = dense.kernel_config(spec, torch.device("cuda", 0), False, "fast")
-    assert config.bwd_dq_cast(cfg)
-    sinks32 = dense._sinks_f32(sinks, spec.heads, q.device)
-    lse = torch.randn(spec.batch, spec.heads, _rows(spec.seq_q))
-    window = NO_WINDOW if spec.window is None else spec.window
-    dq, dk, dv, _ = dense._backward(do, q, k, v, _fake_o(q, spec), lse, None, sinks32, cfg, spec, window)
-    assert [x.kind for x in launches] == ["preprocess", "bwd"]
-    pre, main = launches
-    assert len(main.args) == 13  # q, k, v, do, lse, delta, window, scale, dq_acc, dk, dv, dq, count
-    dq_acc, dk_buf, dv_buf, dq_buf, count = main.args[-5:]
-    assert same(pre.args[-1], dq_acc)
-    check_buffer(dq_acc, (spec.batch, spec.heads, _rows(spec.seq_q), spec.head_dim))
-    check_buffer(count, (spec.batch, spec.heads, -(-spec.seq_q // config.bwd_tiles(cfg).block_m)), torch.int32)
-    assert torch.all(main.seen[-1] == 0)
-    assert same(dq, dq_buf) and same(dk, dk_buf) and same(dv, dv_buf)
-    check_buffer(dq_buf, q.shape, q.dtype)
-    want = ("fwd", "preprocess", "bwd") + (("bwd_split", "postprocess") if config.bwd_split(cfg) > 1 else ())
-    assert set(kinds.kinds_for(cfg)) & {"preprocess", "bwd", "bwd_split", "postprocess"} == set(want[1:])
-
-
-@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
-def test_dq_cast_zeroes_rows_that_see_no_key(layout):
-    """Causal with more queries than keys (bottom-right aligned): the first seq_q - seq_kv rows see no
-    key, no KV tile adds into a row block made of them, so the casting main backward never writes them:
-    the host zeroes them (and nothing else); without keys every row."""
-    from types import SimpleNamespace
-
-    for seq_q, seq_kv, causal, n0 in ((300, 100, True, 200), (300, 100, False, 0), (100, 300, True, 0),
-                                      (50, 0, False, 50)):
-        dq = torch.full((2, 3, seq_q, 8) if layout == "bhsd" else (2, seq_q, 3, 8), 7.0)
-        dense._zero_unseen_rows(dq, SimpleNamespace(seq_q=seq_q, seq_kv=seq_kv, causal=causal), layout)
-        rows = dq if layout == "bhsd" else dq.transpose(1, 2)
-        assert torch.all(rows[:, :, :n0] == 0) and torch.all(rows[:, :, n0:] == 7.0)
-
-
 def test_split_backward_is_chosen_for_long_rows(monkeypatch):
     """bwd_split runs where a KV tile sees at least BWD_SPLIT_MIN_ROWS rows and the configuration has
     a split (GQA, not deterministic, Hopper); windowed and short problems keep the unsplit kernel."""

@@ -9,7 +9,7 @@ under a round-robin scheduler. A protocol that deadlocks stops making progress; 
 reads a ring slot holding another tile than the one it wants is a stale read. Both fail the test.
 
 They check the protocols, not the CUDA: the models mirror the kernels' loops by hand (the forward
-default, ``wg_ranges=True`` and ``chain=True``, the backward with and without ``prefetch``) and must follow them when
+default, ``wg_ranges=True`` and ``chain=True``, the backward) and must follow them when
 the kernels' synchronization changes. What they caught: ``wg_ranges`` with its last P V after the
 loop (as the default forward does) deadlocks a 192-row tile's first warpgroup with 64-key tiles and
 2 ring slots (the tiles it skips after its own wait for the slot it still holds); the kernel issues
@@ -295,18 +295,14 @@ def test_the_model_sees_the_deadlock_the_kernel_avoids():
 # -- the main backward (ops/kernels/bwd_ws.py) -----------------------------------------------------------
 
 
-def _run_bwd(n_it, stages, with_dq, dq_first, prefetch, dq_cast=False):
+def _run_bwd(n_it, stages, with_dq, dq_first):
     """One program of the hand warp-specialized main backward: the producer fills the ring (Q, dO, lse,
-    Delta of a row block per slot) and bulk-adds each handed-off dQ tile; two consumers wait for a slot
-    (``prefetch``: the next block's slot one block ahead), meet once per block (the shared dS^T, with
-    dQ), release the slot and hand dQ over (``dq_first``: before the release). ``dq_cast``: the
-    producer's first warp loads the ring alone (32 arrivals per slot) and its second warp adds each dQ
-    tile as it is handed over (32 arrivals release dq_s); the count and cast that follow wait on nothing
-    another warp does. ``"ok"`` or ``"deadlock"``, and the stale reads seen (a slot, or dq_s, holding
+    Delta of a row block per slot) and bulk-adds each handed-off dQ tile; two consumers wait for a slot,
+    meet once per block (the shared dS^T, with dQ), release the slot and hand dQ over (``dq_first``:
+    before the release). ``"ok"`` or ``"deadlock"``, and the stale reads seen (a slot, or dq_s, holding
     another block than the one read)."""
-    loaders = 32 if dq_cast else THREADS
-    full, empty = [_MBarrier(loaders) for _ in range(stages)], [_MBarrier(2 * THREADS) for _ in range(stages)]
-    dq_full, dq_empty = _MBarrier(2 * THREADS), _MBarrier(32 if dq_cast else THREADS)
+    full, empty = [_MBarrier(THREADS) for _ in range(stages)], [_MBarrier(2 * THREADS) for _ in range(stages)]
+    dq_full, dq_empty = _MBarrier(2 * THREADS), _MBarrier(THREADS)
     meet = _Named()
     held = [None] * stages
     dq_held = [None]
@@ -325,18 +321,14 @@ def _run_bwd(n_it, stages, with_dq, dq_first, prefetch, dq_cast=False):
             while not empty[s].done(((it // stages) & 1) ^ 1):
                 yield
             held[s] = it
-            full[s].arrive(loaders)
-            if with_dq and not dq_cast and it > 0:  # the previous block's dQ, while the consumers work on this one
+            full[s].arrive(THREADS)
+            if with_dq and it > 0:  # the previous block's dQ, while the consumers work on this one
                 yield from add_dq(it - 1, THREADS)
-        if with_dq and not dq_cast and n_it > 0:
+        if with_dq and n_it > 0:
             while not dq_full.done((n_it - 1) & 1):
                 yield
             if dq_held[0] != n_it - 1:
                 stale.append(f"the last dQ add reads dq_s holding block {dq_held[0]}")
-
-    def dq_writer():  # dq_cast: the producer's second warp
-        for it in range(n_it):
-            yield from add_dq(it, 32)
 
     def meet_both():  # the consumers' named barrier: both warpgroups bar.sync, 256 threads
         generation = meet.generation
@@ -362,24 +354,12 @@ def _run_bwd(n_it, stages, with_dq, dq_first, prefetch, dq_cast=False):
         return first
 
     def consumer(w):
-        if prefetch and n_it > 0:
-            while not full[0].done(0):
-                yield
-            if held[0] != 0:
-                stale.append(f"consumer {w} prefetches slot 0 holding block {held[0]}")
         for it in range(n_it):
             s = it % stages
-            if not prefetch:
-                while not full[s].done((it // stages) & 1):
-                    yield
+            while not full[s].done((it // stages) & 1):
+                yield
             if held[s] != it:
                 stale.append(f"consumer {w} reads slot {s} holding block {held[s]}, wants {it}")
-            if prefetch and it + 1 < n_it:
-                s_next = (it + 1) % stages
-                while not full[s_next].done(((it + 1) // stages) & 1):
-                    yield
-                if held[s_next] != it + 1:
-                    stale.append(f"consumer {w} prefetches slot {s_next} holding block {held[s_next]}")
             if with_dq:
                 yield from meet_both()
             if held[s] != it:  # dK's product reads Q, dV's dO: still this block's
@@ -390,24 +370,13 @@ def _run_bwd(n_it, stages, with_dq, dq_first, prefetch, dq_cast=False):
             if with_dq and not dq_first:
                 yield from hand_dq(it)
 
-    agents = [producer(), consumer(0), consumer(1)] + ([dq_writer()] if dq_cast and with_dq else [])
+    agents = [producer(), consumer(0), consumer(1)]
     return _schedule(agents, full + empty + [dq_full, dq_empty], [meet]), stale
 
 
-@pytest.mark.parametrize("prefetch, dq_cast", [(False, False), (True, False), (False, True)])
-def test_bwd_protocol_completes_without_stale_reads(prefetch, dq_cast):
-    """The main backward's ring and dQ hand-off, with and without ``prefetch`` (the next block's slot
-    waited on one block earlier) or ``dq_cast`` (loads and dQ adds in two producer warps), dQ handed
-    over before or after the slot's release, 1-3 ring slots, 0-9 row blocks, and the deterministic
-    kernel's (no dQ)."""
+def test_bwd_protocol_completes_without_stale_reads():
+    """The main backward's ring and dQ hand-off, dQ handed over before or after the slot's release,
+    1-3 ring slots, 0-9 row blocks, and the deterministic kernel's (no dQ)."""
     for n_it, stages, with_dq, dq_first in itertools.product(range(10), (1, 2, 3), (True, False), (False, True)):
-        if prefetch and stages == 1 and n_it > 1:
-            continue  # one slot cannot hold the next block while this one is read (the options use 2-3)
-        result, stale = _run_bwd(n_it, stages, with_dq, dq_first, prefetch, dq_cast)
+        result, stale = _run_bwd(n_it, stages, with_dq, dq_first)
         assert (result, stale) == ("ok", []), dict(n_it=n_it, stages=stages, with_dq=with_dq, dq_first=dq_first)
-
-
-def test_bwd_model_sees_a_one_slot_prefetch_deadlock():
-    """The model can fail: with one ring slot the next block's slot is this block's, which the
-    producer refills only after this block's release, so waiting for it first never completes."""
-    assert _run_bwd(3, 1, True, False, True)[0] == "deadlock"

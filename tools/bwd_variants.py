@@ -33,20 +33,17 @@ PROBLEMS = {
 }
 H, HK = 64, 8
 #: fast against strict differs by one rounding of P and dS to the input dtype: measured 2.7e-3
-#: (bf16), 3.2e-4 (fp16) (docs/perf.md v6); a variant past this is wrong, not imprecise
+#: (bf16), 3.2e-4 (fp16) (docs/perf-log.md v6); a variant past this is wrong, not imprecise
 MAX_REL_L2 = 1e-2
 #: seconds a child process gets to run one variant once, and to start (load its kernels)
 PROBE_TIMEOUT_S, PROBE_START_S = 60, 240
 
 
 def _variants(d: int, only: str = "") -> list:
-    """(label, Tiles fields, (dq_bulk, overlap, split, ws, lpt, precision, branch, swap[, dq_first[, skip_halves[, prefetch
-    [, dq_cast]]]])) of the main
-    backward for head dim ``d`` (``bwd.build_bwd``'s options). ``ws``: bwd_ws.py's hand warp-specialized
-    kernel (``t.stages`` is its ring's depth); ``lpt``: its KV tiles issued longest first
-    (schedule.by_work; ``/launch`` in a label: the old order); ``branch``: the mask skipped on wholly
-    visible tiles (``/nobranch``: masked everywhere); ``swap``: TileLang's kernel longest first from
-    its grid's dims."""
+    """(label, Tiles fields, (dq_bulk, overlap, split, ws, precision, branch, swap, dq_first)) of the main
+    backward for head dim ``d``. ``ws``: ``bwd_ws.build_bwd_ws(cfg, tiles, split, dq_first)`` (``t.stages`` is
+    its ring's depth); otherwise ``bwd.build_bwd_pipelined(cfg, tiles, split, branch, swap, dq_bulk, overlap)``,
+    TileLang's kernel (None: the config's choice for ``dq_bulk``, ``overlap`` and ``branch``)."""
     t = (64, 128, 256, 2)
     t3 = (64, 128, 256, 3)
     fast = [("64x128/s2", t, (False, False, 1, False)),
@@ -71,61 +68,26 @@ def _variants(d: int, only: str = "") -> list:
                  ("128x128/s2/split8/bulk+overlap", (128, 128, 256, 2), (True, True, 8, False)),
                  ("ws 128x128/s2", (128, 128, 256, 2), (None, None, 1, True)),
                  ("ws 128x128/s2/split8", (128, 128, 256, 2), (None, None, 8, True))]
-    out = [(label, tiles, opts + (True, "fast", None, False)) for label, tiles, opts in fast]
-    # v10's two changes apart and together against the kernel before them ("/launch/nobranch"):
-    # the launch order (tiles longest first, or "/launch": each head's tiles in a row) and the
-    # ws kernel's per-element mask only off wholly visible tiles (or "/nobranch": everywhere)
-    for split in (1, 8):
-        name = "ws 64x128/s2" + (f"/split{split}" if split > 1 else "")
-        out += [(name + "/launch", t, (None, None, split, True, False, "fast", True, False)),
-                (name + "/nobranch", t, (None, None, split, True, True, "fast", False, False)),
-                (name + "/launch/nobranch", t, (None, None, split, True, False, "fast", False, False))]
+    out = [(label, tiles, opts + ("fast", None, False, False)) for label, tiles, opts in fast]
     # FlashAttention-3's order of the last two products: dQ's, then dK's, dQ handed off while dK's runs
-    out += [("ws 64x128/s2/dqfirst", t, (None, None, 1, True, True, "fast", True, False, True))]
+    out += [("ws 64x128/s2/dqfirst", t, (None, None, 1, True, "fast", None, False, True))]
     if d <= 64:
-        out += [("ws 128x128/s2/dqfirst", (128, 128, 256, 2), (None, None, 1, True, True, "fast", True, False, True))]
-    out += [("strict 64x128/s2", t, (None, None, 1, False, True, "strict", None, False)),
-            ("strict 64x128/s2/branch", t, (None, None, 1, False, True, "strict", True, False)),
+        out += [("ws 128x128/s2/dqfirst", (128, 128, 256, 2), (None, None, 1, True, "fast", None, False, True))]
+    out += [("strict 64x128/s2", t, (None, None, 1, False, "strict", None, False, False)),
+            ("strict 64x128/s2/branch", t, (None, None, 1, False, "strict", True, False, False)),
             # longest first from the grid's dims (KV heads along x): no index arithmetic
-            ("strict 64x128/s2/swap", t, (None, None, 1, False, True, "strict", False, True)),
-            ("strict 64x128/s2/swap+branch", t, (None, None, 1, False, True, "strict", True, True)),
+            ("strict 64x128/s2/swap", t, (None, None, 1, False, "strict", False, True, False)),
+            ("strict 64x128/s2/swap+branch", t, (None, None, 1, False, "strict", True, True, False)),
             # the default's swap+branch with other stages and tiles
-            ("strict 64x128/s1/swap+branch", (64, 128, 256, 1), (None, None, 1, False, True, "strict", True, True)),
-            ("strict 64x128/s3/swap+branch", t3, (None, None, 1, False, True, "strict", True, True)),
-            ("strict 32x128/s2/swap+branch", (32, 128, 256, 2), (None, None, 1, False, True, "strict", True, True)),
+            ("strict 64x128/s1/swap+branch", (64, 128, 256, 1), (None, None, 1, False, "strict", True, True, False)),
+            ("strict 64x128/s3/swap+branch", t3, (None, None, 1, False, "strict", True, True, False)),
+            ("strict 32x128/s2/swap+branch", (32, 128, 256, 2), (None, None, 1, False, "strict", True, True, False)),
             # the hand warp-specialized kernel with strict's two-term products (8 wgmma per tile; a third
             # ring slot only at D64: at D128 the two-term dS^T's shared tiles leave no room for it)
-            ("ws strict 64x128/s2", t, (None, None, 1, True, True, "strict", True, False, False))]
+            ("ws strict 64x128/s2", t, (None, None, 1, True, "strict", None, False, False))]
     if d <= 64:
-        out += [("ws strict 64x128/s3", t3, (None, None, 1, True, True, "strict", True, False, False))]
-    # a consumer skips the row blocks its half of the keys cannot see (bwd_ws.build_bwd_ws(skip_halves=True)):
-    # with 64-row blocks, the diagonal's first block and (W=128) a window's last one; fast and strict
-    out += [("ws 64x128/s2/skip", t, (None, None, 1, True, True, "fast", True, False, False, True)),
-            ("ws strict 64x128/s2/skip", t, (None, None, 1, True, True, "strict", True, False, False, True))]
-    # the next row block's S^T and dP^T ("sdp") or S^T alone ("s") issued before this block's softmax
-    # (bwd_ws.build_bwd_ws(prefetch=)): its slot is waited on one block earlier, hence a third ring slot too
-    out += [(f"ws 64x128/s{st}/prefetch-{pf}", tt, (None, None, 1, True, True, "fast", True, False, False, False, pf))
-            for pf in ("sdp", "s") for st, tt in ((2, t), (3, t3))]
-    # ... and in strict's hand-scheduled kernel (D64's strict default; ptxas: no spills with "sdp")
-    out += [(f"ws strict 64x128/s{st}/prefetch-sdp", tt, (None, None, 1, True, True, "strict", True, False, False,
-                                                         False, "sdp")) for st, tt in ((2, t), (3, t3))]
-    # dQ's cast in the main kernel by each row block's last add (bwd_ws.build_bwd_ws(dq_cast=True)): no
-    # postprocess; alone and with skip_halves on D128's tiles, on D64's dQ-first tiles
-    out += [("ws 64x128/s2/dqcast", t, (None, None, 1, True, True, "fast", True, False, False, False, "", True)),
-            ("ws 64x128/s2/skip/dqcast", t, (None, None, 1, True, True, "fast", True, False, False, True, "", True))]
-    if d <= 64:
-        out += [("ws 128x128/s2/dqfirst/dqcast", (128, 128, 256, 2),
-                 (None, None, 1, True, True, "fast", True, False, True, False, "", True))]
-        # D64's default tiles (dQ first, 128-row blocks) with skip_halves, alone and with the cast: v18
-        # measured skip on D128's 64-row tiles (golden's main kernel 0.2135 -> 0.2069 ms), not on these
-        out += [(f"ws 128x128/s2/dqfirst/skip{c}", (128, 128, 256, 2),
-                 (None, None, 1, True, True, "fast", True, False, True, True, "", bool(c))) for c in ("", "/dqcast")]
+        out += [("ws strict 64x128/s3", t3, (None, None, 1, True, "strict", None, False, False))]
     return _chosen(out, only)
-
-
-def _dq_cast(opts) -> bool:
-    """Whether a variant's main kernel casts dQ itself (two more arguments, no postprocess)."""
-    return len(opts) > 11 and bool(opts[11])
 
 
 def _chosen(variants: list, only: str) -> list:
@@ -138,7 +100,7 @@ def _chosen(variants: list, only: str) -> list:
 
 def _variants_arg(ap, only: str) -> str:
     """``--variants`` as :func:`_chosen` takes it: "all" (the default) for every variant; an empty list is
-    refused, since on a GPU host it would compile every variant there (docs/perf.md v24: a list read with
+    refused, since on a GPU host it would compile every variant there (docs/perf-log.md v24: a list read with
     ``$(cat file)`` from a file that did not travel cost a device call)."""
     if only.strip() == "all":
         return ""
@@ -147,17 +109,20 @@ def _variants_arg(ap, only: str) -> str:
     return only
 
 
-#: variants of the strict preprocess (label, build_preprocess options), chosen by --variants as the main
-#: backward's are: "/branch", P without the per-element mask on wholly visible KV tiles; "/lpt", the
-#: query tiles with the most keys first (bwd.build_preprocess)
-PRE_VARIANTS = [("strict pre/branch", (("branch", True),)), ("strict pre/lpt", (("lpt", True),)),
+#: variants of the strict preprocess (label, options), chosen by --variants as the main backward's are:
+#: ``bwd.build_preprocess_strict(cfg, tiles, branch, lpt)`` ("/branch": P without the per-element mask on
+#: wholly visible KV tiles; "/lpt": the query tiles with the most keys first; tiles default to
+#: ``config.pre_tiles``), or ("o32") the kind ``preprocess_o32``
+PRE_VARIANTS = [("strict pre", (("branch", False), ("lpt", False))),
+                ("strict pre/branch", (("branch", True), ("lpt", False))),
+                ("strict pre/lpt", (("branch", False), ("lpt", True))),
                 ("strict pre/branch+lpt", (("branch", True), ("lpt", True))),
                 # other tiles with the defaults' branch+lpt (Hopper's is 128 rows x 64 keys, 2 stages)
                 ("strict pre/branch+lpt 64x128/s2", (("branch", True), ("lpt", True), ("tiles", (64, 128, 256, 2)))),
                 ("strict pre/branch+lpt 128x64/s3", (("branch", True), ("lpt", True), ("tiles", (128, 64, 256, 3)))),
                 ("strict pre/branch+lpt 64x64/s2", (("branch", True), ("lpt", True), ("tiles", (64, 64, 128, 2)))),
-                # Delta from the forward's fp32 O (fwd_ws's o32 option) in the fast preprocess's memory-bound
-                # pass; timed here on the library's o upcast (so its Delta differs from P * dP's by o's rounding)
+                # Delta from the forward's fp32 O in the fast preprocess's memory-bound pass; timed here on
+                # the library's o upcast (so its Delta differs from P * dP's by o's rounding)
                 ("strict pre/o32", (("o32", True),))]
 
 
@@ -173,7 +138,8 @@ def _cfg(dtype: str, d: int, precision: str):
 
 
 def _func(job):
-    from flashsink.ops.kernels import bwd
+    from flashsink.ops.kernels import bwd, bwd_ws
+    from flashsink.ops.build import config
     from flashsink.ops.build.keys import build_prim_func
     from flashsink.ops.build.config import Tiles
 
@@ -181,15 +147,18 @@ def _func(job):
     cfg = _cfg(dtype, d, precision)
     if kind == "pre-variant":  # the strict preprocess with the options of PRE_VARIANTS
         opts = dict(opts)
-        if "tiles" in opts:
-            opts["tiles"] = Tiles(*opts["tiles"])
-        return bwd.build_preprocess(cfg, **opts)
+        if opts.get("o32"):
+            return bwd.build_preprocess_o32(cfg)
+        t = Tiles(*opts["tiles"]) if "tiles" in opts else config.pre_tiles(cfg)
+        return bwd.build_preprocess_strict(cfg, t, opts["branch"], opts["lpt"])
     if kind == "bwd-variant":
-        cfg = _cfg(dtype, d, opts[5])
-        return bwd.build_bwd(cfg, tiles=Tiles(*tiles), dq_bulk=opts[0], overlap=opts[1], split=opts[2], ws=opts[3],
-                             lpt=opts[4], branch=opts[6], swap=opts[7], dq_first=opts[8] if len(opts) > 8 else False,
-                             skip_halves=opts[9] if len(opts) > 9 else False,
-                             prefetch=opts[10] if len(opts) > 10 else "", dq_cast=_dq_cast(opts))
+        dq_bulk, overlap, split, ws, prec, branch, swap, dq_first = opts
+        cfg, t = _cfg(dtype, d, prec), Tiles(*tiles)
+        if ws:
+            return bwd_ws.build_bwd_ws(cfg, t, split, dq_first)
+        return bwd.build_bwd_pipelined(cfg, t, split, config.bwd_branch(cfg) if branch is None else branch, swap,
+                                       config.bwd_dq_bulk(cfg) if dq_bulk is None else dq_bulk,
+                                       config.bwd_overlap(cfg) if overlap is None else overlap)
     return build_prim_func(kind, cfg)
 
 
@@ -244,10 +213,8 @@ class _Problem:
                                                self.o, self.lse)
         self.fwd()
 
-    def backward(self, prec, main, split=1, cast_rows=0):
-        """dq, dk, dv, dsink of one backward with the main kernel ``main``; ``cast_rows`` (its row blocks'
-        rows, 0 for none): ``main`` casts dQ itself (``dQ`` and a zeroed ``DqCount`` after dV, no
-        postprocess)."""
+    def backward(self, prec, main, split=1):
+        """dq, dk, dv, dsink of one backward with the main kernel ``main``."""
         import torch
 
         q, k, v, do, rows, d = self.q, self.k, self.v, self.do, self.rows, self.d
@@ -268,10 +235,6 @@ class _Problem:
             main(q, k, v, do, self.lse, delta, self.win, self.scale, acc, dkv[0], dkv[1])
             post(dkv[0], dk)
             post(dkv[1], dv)
-        elif cast_rows:
-            count = torch.zeros(1, H, -(-self.n // cast_rows), dtype=torch.int32, device="cuda")
-            main(q, k, v, do, self.lse, delta, self.win, self.scale, acc, dk, dv, dq, count)
-            return dq, dk, dv, dsink
         else:
             main(q, k, v, do, self.lse, delta, self.win, self.scale, acc, dk, dv)
         post(acc, dq)
@@ -298,7 +261,7 @@ def _probe_worker(name, jobs, out):
         out.put((job, "start"))
         try:
             main = kern(job[0], job[3], job[4], job[5])
-            prob.backward(job[5][5], main, job[5][2], job[4][0] if _dq_cast(job[5]) else 0)
+            prob.backward(job[5][4], main, job[5][2])
             torch.cuda.synchronize()
         except Exception as exc:
             out.put((job, f"{type(exc).__name__}: {str(exc)[-300:]}"))
@@ -476,8 +439,7 @@ def main() -> int:
         row["kernels"]["zero fill"] = do_bench(lambda: acc.zero_(), return_mode="median")
         row["kernels"]["main (strict)"] = do_bench(lambda: kern("bwd", "strict")(q, k, v, do, lse, delta, win, scale, acc, dk, dv), return_mode="median")
         dkv = torch.zeros(2, 1, HK, rows, d, dtype=torch.float32, device="cuda")
-        unsplit = {}
-        for label, tiles, opts in [("default*", None, (None, None, 1, False, True, "fast", None, False))] + _variants(d, args.variants):
+        for label, tiles, opts in [("default*", None, (None, None, 1, False, "fast", None, False, False))] + _variants(d, args.variants):
             main = kern("bwd", "fast") if tiles is None else kern("bwd-variant", "fast", tiles, opts)
             if main is None:
                 row["kernels"][f"main {label}"] = "compile failed"
@@ -486,34 +448,20 @@ def main() -> int:
             if fault:
                 row["kernels"][f"main {label}"] = f"RUN FAILED ({fault})"
                 continue
-            split, prec = opts[2], opts[5]
-            cast_rows = tiles[0] if _dq_cast(opts) else 0
-            got = backward(prec, main, split, cast_rows)
+            split, prec = opts[2], opts[4]
+            got = backward(prec, main, split)
             errs = [float((g.double() - r.double()).norm() / r.double().norm()) for g, r in zip(got, ref)]
             if not all(e <= MAX_REL_L2 for e in errs):  # NaN fails too
                 row["kernels"][f"main {label}"] = ("WRONG: relL2 vs strict dq/dk/dv/dsink "
                                                         + " ".join(f"{e:.1e}" for e in errs))
                 continue
             outs = (acc, dkv[0], dkv[1]) if split > 1 else (acc, dk, dv)
-            if cast_rows:  # dQ and the counts, zeroed for every call (the row "main" includes that fill)
-                count = torch.zeros(1, H, -(-n // cast_rows), dtype=torch.int32, device="cuda")
-                ms = do_bench(lambda: (count.zero_(), main(q, k, v, do, lse, delta, win, scale, *outs, dq, count)),
-                              return_mode="median")
-            else:
-                ms = do_bench(lambda: main(q, k, v, do, lse, delta, win, scale, *outs), return_mode="median")
-            total = do_bench(lambda: backward(prec, main, split, cast_rows), return_mode="median")
+            ms = do_bench(lambda: main(q, k, v, do, lse, delta, win, scale, *outs), return_mode="median")
+            total = do_bench(lambda: backward(prec, main, split), return_mode="median")
             row["kernels"][f"main {label}"] = ms
             row["kernels"][f"  bwd total {label}"] = total
             row["kernels"][f"  fwd+bwd TFLOP/s {label}"] = flops_fb / ((fwd_ms + total) * 1e-3) / 1e12
             row["kernels"][f"  relL2 vs strict dq/dk/dv/dsink {label}"] = " ".join(f"{e:.1e}" for e in errs)
-            if opts[3] and split == 1:  # unsplit ws: dK/dV written once per program, reproducible
-                unsplit[label] = (got[1].clone(), got[2].clone())
-        # v10's launch order and mask branch change no value: dK/dV bitwise equal to the old kernel's
-        old = unsplit.get("ws 64x128/s2/launch/nobranch")
-        for label, (gk, gv) in unsplit.items():
-            if old is not None and label != "ws 64x128/s2/launch/nobranch":
-                row["kernels"][f"  dK, dV bitwise equal to /launch/nobranch: {label}"] = str(
-                    torch.equal(gk, old[0]) and torch.equal(gv, old[1]))
         results.append(row)
         print(f"\n== {name}: {dtype_name} N={n} D={d} W={window} H={H}/{HK} (fwd+bwd {flops_fb / 1e12:.2f} TFLOP)")
         for key, val in row["kernels"].items():

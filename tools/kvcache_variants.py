@@ -7,25 +7,13 @@ random block table with pages shared by no two rows). The kernel (``fwd_kvcache.
 is timed alone with ``triton.testing.do_bench`` (median) at multiples of ``ops/kvcache.n_splits_for``'s
 split count, then the whole call (``flashsink.attention_kvcache``) for reference, with the bytes each
 moves. Its correctness (odd lengths, rows past their capacity, bad pages, page sizes, windows) is
-tests/test_kvcache_gpu.py's, in the GPU suite; until v13 this tool also compared the per-load gather
-with the shared page table, bitwise (docs/perf.md v12-v13).
-
-``--aligned``: also the kernel built with ``aligned=True`` (a key tile's K and V as one TMA box of one page,
-pipelined; page sizes that are multiples of the key tile), compiled through TileLang's disk cache (compile
-it on the CPU host first, as tools/fwd_variants.py says), checked against the library's kernel first (both
-kernels' partials merged by ``ops/decode.combine_splits``: lengths of every residue, several pages sizes,
-two query rows a sequence, a window, cache rows past each length and unused pages filled with NaN, and a
-block-table entry outside the cache, whose row both kernels must give as NaN), then timed beside it.
-
-``--masked``: also the kernels built with ``branch=False`` (the per-element mask on every key tile, as before
-docs/perf.md v30: ``fwd_kvcache``'s gather and, with ``--split-layouts``, the split decode's kernel), timed beside
-the library's in the same run, rows "masked ..."; through TileLang's disk cache, as ``--aligned``.
+tests/test_kvcache_gpu.py's, in the GPU suite.
 
 ``--split-layouts``: also the split decode's kernel (``fwd_split.py``, ``attention``'s decode path) alone over
 contiguous caches in both padded layouts, ``[B, H_kv, S, D]`` (bhsd: a key tile is 16 KB contiguous) and
 ``[B, S, H_kv, D]`` (bshd: 128-byte rows 1 KB apart, as in a page), at ``decode.n_splits_for``'s split
-count: whether the paged cache's layout, rather than its gather, is what holds ``attention_kvcache`` under
-the split decode (docs/perf.md v29, Next 4). Through TileLang's disk cache, as ``--aligned``.
+count (compiled through TileLang's disk cache: compile it on the CPU host first, as tools/fwd_variants.py
+says).
 """
 
 from __future__ import annotations
@@ -64,14 +52,8 @@ def main() -> int:
     ap.add_argument("--splits", default=None,
                     help="key splits per row as counts (e.g. 5,9,17), instead of --splits-x's multiples: the split "
                          "decode runs 5 at B=8 (two waves), the gather 17 at 16k-64k keys")
-    ap.add_argument("--aligned", action="store_true",
-                    help="also check and time build_fwd_kvcache(aligned=True) (page sizes multiples of the key tile)")
-    ap.add_argument("--aligned-stages", default="0",
-                    help="with --aligned: the pipeline's TMA stages, one kernel each (0: the tiles' two)")
     ap.add_argument("--split-layouts", action="store_true",
                     help="also time the split decode's kernel over contiguous bhsd and bshd caches")
-    ap.add_argument("--masked", action="store_true",
-                    help="also time the kernels built with branch=False (the mask on every key tile, before v30)")
     args = ap.parse_args()
     multiples = [int(x) for x in args.splits_x.split(",")]
     counts = None if args.splits is None else [int(x) for x in args.splits.split(",")]
@@ -91,19 +73,6 @@ def main() -> int:
                        causal=True, has_sinks=True, layout="bshd")  # (the forward ignores sinks: the bundle's kernel)
     kern = get_kernel("fwd_kvcache", cfg)  # the library's kernel, through its cache
     kernels = {"kernel": kern}
-    if args.masked:
-        kernels["masked"] = _masked_kernel(cfg)
-    if args.aligned:
-        if args.page_size % split_tiles(cfg).block_n:
-            ap.error(f"--aligned needs a page size that is a multiple of {split_tiles(cfg).block_n}, "
-                     f"got {args.page_size}")
-        for st in (int(x) for x in args.aligned_stages.split(",")):
-            name = "aligned" + (f" s{st}" if st else "")
-            aligned = _aligned_kernel(cfg, st)
-            if _check_aligned(kern, aligned, cfg, name):
-                kernels[name] = aligned
-            else:
-                print(f"{name}: FAILED its check against the library's kernel; not timed")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     scale = LOG2E / math.sqrt(D)
     print(f"{'cache':>8} {'splits':<14} {'ms':>8} {'GB/s':>7} {'x first':>7}")
@@ -120,7 +89,7 @@ def main() -> int:
                 ms = do_bench(lambda: kn(q, k, v, table, lengths, NO_WINDOW, scale, o, lse), warmup=25, rep=200)
                 rows.append((f"{name} x{x}" if x else f"{name} s{splits}", ms, splits))
         if args.split_layouts:
-            rows += _split_rows(cfg, q, n, sms, scale, args.masked)
+            rows += _split_rows(cfg, q, n, sms, scale)
         for name, ms, sp in rows:
             print(f"{n:>8} {name:<14} {ms:8.4f} {nbytes / ms / 1e6:7.0f} {rows[0][1] / ms:7.2f}  ({sp} splits)")
         sinks = torch.zeros(H, device="cuda")  # (with sinks: the kernel bundle's configuration)
@@ -130,7 +99,7 @@ def main() -> int:
     return 0
 
 
-def _split_kernel(cfg, layout, branch=True):
+def _split_kernel(cfg, layout):
     """fwd_split.build_fwd_split for ``layout``, through TileLang's disk cache (bwd_variants' loader)."""
     import dataclasses
 
@@ -138,21 +107,12 @@ def _split_kernel(cfg, layout, branch=True):
 
     from flashsink.ops.kernels.fwd_split import build_fwd_split
 
-    return _load(dataclasses.replace(cfg, layout=layout), lambda c: build_fwd_split(c, branch=branch))
+    return _load(dataclasses.replace(cfg, layout=layout), build_fwd_split)
 
 
-def _masked_kernel(cfg):
-    """build_fwd_kvcache(branch=False): the gather with the mask on every key tile, through TileLang's disk cache."""
-    from bwd_variants import _load
-
-    from flashsink.ops.kernels.fwd_kvcache import build_fwd_kvcache
-
-    return _load(cfg, lambda c: build_fwd_kvcache(c, branch=False))
-
-
-def _split_rows(cfg, q, n, sms, scale, masked=False):
+def _split_rows(cfg, q, n, sms, scale):
     """(label, ms, splits) of the split decode's kernel against ``n`` fresh random keys a row in contiguous
-    bhsd and bshd caches (q the same); ``masked``: also the kernel built with ``branch=False``."""
+    bhsd and bshd caches (q the same)."""
     import torch
     from triton.testing import do_bench
 
@@ -169,73 +129,10 @@ def _split_rows(cfg, q, n, sms, scale, masked=False):
         splits = n_splits_for(spec, cfg, sms)
         o = torch.empty((B, H, 1, splits, D), device="cuda")
         lse = torch.empty((B, H, 1, splits), device="cuda")
-        for label, branch in (("", True), ("masked ", False))[: 2 if masked else 1]:
-            kern = _split_kernel(cfg, layout, branch)
-            ms = do_bench(lambda: kern(q_l, k_l, v_l, NO_WINDOW, scale, o, lse), warmup=25, rep=200)
-            rows.append((f"{label}split {layout}", ms, splits))
+        kern = _split_kernel(cfg, layout)
+        ms = do_bench(lambda: kern(q_l, k_l, v_l, NO_WINDOW, scale, o, lse), warmup=25, rep=200)
+        rows.append((f"split {layout}", ms, splits))
     return rows
-
-
-def _aligned_kernel(cfg, stages=0):
-    """build_fwd_kvcache(aligned=True, stages=stages), through TileLang's disk cache (bwd_variants' loader)."""
-    from bwd_variants import _load
-
-    from flashsink.ops.kernels.fwd_kvcache import build_fwd_kvcache
-
-    return _load(cfg, lambda c: build_fwd_kvcache(c, prefetch=False, aligned=True, stages=stages))
-
-
-def _check_aligned(ref, kern, cfg, name="aligned") -> bool:
-    """The aligned kernel's merged o and lse against the library kernel's, case by case (printed); True if all
-    agree: the same NaN rows, elsewhere within 1e-2 absolute on o and 1e-4 on lse (the products sum the last
-    tile's keys in other columns)."""
-    import torch
-
-    from flashsink.ops.build.config import LOG2E, NO_WINDOW
-    from flashsink.ops.launch.decode import combine_splits
-
-    ok_all = True
-    g = torch.Generator(device="cuda").manual_seed(1)
-    sinks = torch.zeros(H, device="cuda")
-    for page_size, seq_q, window, bad in ((128, 1, None, False), (256, 1, None, False), (512, 5, None, False),
-                                          (256, 1, 128, False), (128, 5, 200, False), (256, 1, None, True)):
-        cap = 2048
-        pages = cap // page_size
-        lengths = torch.tensor([1, 5, 127, 128, 129, 1000, 1024, cap][:B], dtype=torch.int32, device="cuda")
-        lengths = torch.maximum(lengths, torch.tensor(seq_q, device="cuda", dtype=torch.int32))
-        q = torch.randn(B, seq_q, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
-        n_pages = B * pages + 3  # three pages no row uses
-        k = torch.full((n_pages, page_size, HK, D), float("nan"), device="cuda", dtype=torch.bfloat16)
-        v = torch.full_like(k, float("nan"))
-        table = torch.randperm(n_pages, device="cuda", generator=g)[: B * pages].to(torch.int32).view(B, pages)
-        for b in range(B):  # keys below each row's length finite; past it (and unused pages) NaN
-            n = int(lengths[b])
-            for j in range(-(-n // page_size)):
-                rows = min(page_size, n - j * page_size)
-                k[table[b, j], :rows] = torch.randn(rows, HK, D, device="cuda", generator=g).to(k.dtype)
-                v[table[b, j], :rows] = torch.randn(rows, HK, D, device="cuda", generator=g).to(v.dtype)
-        if bad:
-            table[6, 2] = n_pages  # row 6 (1024 keys) sees a page outside the cache
-        splits = 3
-        outs = []
-        for kn in (ref, kern):
-            o = torch.full((B, H, seq_q, splits, D), float("nan"), device="cuda")
-            lse = torch.full((B, H, seq_q, splits), float("nan"), device="cuda")
-            kn(q, k, v, table, lengths, NO_WINDOW if window is None else window, LOG2E / math.sqrt(D), o, lse)
-            outs.append(combine_splits(o, lse, sinks, False))
-        (o_r, l_r), (o_a, l_a) = outs
-        same_nan = torch.equal(o_r.isnan(), o_a.isnan()) and torch.equal(l_r.isnan(), l_a.isnan())
-        finite = ~l_r.isnan()
-        err_o = float((o_r - o_a)[finite.unsqueeze(-1).expand_as(o_r)].abs().max()) if finite.any() else 0.0
-        err_l = float((l_r - l_a)[finite].abs().max()) if finite.any() else 0.0
-        nan_rows = int(l_r.isnan().flatten(1).any(1).sum())
-        ok = same_nan and err_o <= 1e-2 and err_l <= 1e-4 and (nan_rows == (1 if bad else 0))
-        ok_all &= ok
-        print(f"{name} check: page {page_size:>3} seq_q {seq_q} window {window} bad page {bad}: "
-              f"o max err {err_o:.2e}, "
-              f"lse {err_l:.2e}, NaN rows {nan_rows}, NaN pattern {'equal' if same_nan else 'DIFFERENT'}: "
-              f"{'ok' if ok else 'FAIL'}")
-    return ok_all
 
 
 if __name__ == "__main__":

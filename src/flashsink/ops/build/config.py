@@ -123,16 +123,14 @@ def fwd_tiles(cfg: KernelConfig) -> Tiles:
 
 
 def bwd_tiles(cfg: KernelConfig) -> Tiles:
-    """Main backward tiles: ``block_n`` keys stay resident (dK, dV accumulate in
-    registers), ``block_m`` query rows stream through."""
+    """Main backward tiles: ``block_n`` keys resident (dK, dV in registers), ``block_m`` query rows
+    streaming. Hopper D256: 128 keys over two warpgroups (perf-log v6)."""
     d = max(cfg.head_dim, cfg.head_dim_v)
     if cfg.hopper:
         if bwd_dq_first(cfg):
             return Tiles(128, 128, 256, 2)
         if d <= 128:
             return Tiles(64, 128, 256, 2)
-        # D=256: 128 resident keys over two warpgroups (a 64-key tile gives the P^T
-        # fragment and the MMA operand layouts TileLang cannot reconcile).
         return Tiles(32, 128, 256, 1)
     if d <= 128:
         return Tiles(32, 64, 128, 1)
@@ -140,34 +138,20 @@ def bwd_tiles(cfg: KernelConfig) -> Tiles:
 
 
 def bwd_dq_bulk(cfg: KernelConfig) -> bool:
-    """Whether the main backward adds its dQ tiles with one bulk (TMA) reduce-add from shared
-    memory instead of per-thread fp32 atomics. Hopper, head dims up to 128: measured on the H200
-    (tools/bwd_variants.py, docs/perf.md v6) 19-23% off the main kernel on every problem."""
+    """Whether TileLang's main backward adds its dQ tiles by one bulk (TMA) reduce-add from shared
+    memory instead of per-thread atomics (perf-log v6)."""
     return cfg.hopper and max(cfg.head_dim, cfg.head_dim_v) <= 128
 
 
 def bwd_overlap(cfg: KernelConfig) -> bool:
-    """Whether the main backward issues its S^T and dP^T products asynchronously back to back and
-    computes P while the second runs (Hopper wgmma, head dims up to 128: 7-12% off on the H200)."""
+    """Whether TileLang's main backward issues S^T and dP^T asynchronously back to back and computes P
+    while the second runs (perf-log v6)."""
     return cfg.hopper and max(cfg.head_dim, cfg.head_dim_v) <= 128
 
 
 def bwd_ws(cfg: KernelConfig) -> bool:
-    """Whether the main backward is ``bwd_ws.py``'s hand warp-specialized kernel: Hopper,
-    precision="fast", head dims up to 128 (its 64x128 tiles). Measured on the H200
-    (tools/bwd_variants.py, docs/perf.md v7) against TileLang's pipelined kernel with bulk dQ and async
-    S/dP: 10-15% off the unsplit main kernel (golden 0.237 -> 0.213 ms, gpt-oss SWA 0.183 -> 0.155),
-    7-14% off the split one (causal D128 N4096 1.95 -> 1.81 ms, D64 N8192 5.52 -> 4.77); since v10 it
-    runs unsplit with its tiles longest first (causal D128 N4096: 1.62 ms, :func:`bwd_split`).
-
-    Strict (two-term P and dS products, 8 wgmma per tile against fast's 5) at head dim 64 too: measured
-    on the H200 (docs/perf.md v13) causal D64 N8192 main kernel 6.08 -> 5.33 ms against TileLang's
-    pipelined strict kernel (longest first, branched). At D128 it loses (2.28 -> 2.41 ms: the two-term
-    dS^T tiles leave shared memory for two ring slots only), so strict D128 and D256 keep TileLang's.
-
-    Built and not measured yet (tools/bwd_variants.py rows, docs/perf.md v16): ``skip_halves`` (a
-    consumer skips the row blocks its half of the keys cannot see) and ``prefetch`` (the next row
-    block's S^T, and dP^T, issued before this block's softmax)."""
+    """Whether the main backward is ``bwd_ws.py``'s hand warp-specialized kernel: Hopper, fast at head
+    dims up to 128, strict at head dim 64 only (perf-log v7, v10, v13)."""
     if not cfg.hopper:
         return False
     if cfg.precision == "strict":
@@ -176,64 +160,23 @@ def bwd_ws(cfg: KernelConfig) -> bool:
 
 
 def bwd_dq_first(cfg: KernelConfig) -> bool:
-    """Whether the warp-specialized main backward issues each tile's dQ product before its dK product
-    and hands dQ to the producer while dK's runs (FlashAttention-3's order; ``bwd_ws.build_bwd_ws``),
-    with 128-row query tiles (:func:`bwd_tiles`): head dim 64. Measured on the H200
-    (tools/bwd_variants.py, docs/perf.md v12): causal D64 N8192 main kernel 3.832 -> 3.662 ms (64-row
-    tiles in the old order -> 128-row tiles dQ first; 128-row tiles in the old order were 3.958, 64-row
-    tiles dQ first 4.278), gpt-oss SWA 0.162 -> 0.158. At D128 the order loses (64-row tiles 1.701 ->
-    1.806 ms dQ first; 128-row tiles do not fit its registers), so D128 and D32 (not measured) keep
-    64-row tiles in the old order. Causal padded layouts only: ptxas spills the 128-row kernel's
-    registers for full (non-causal) attention (104 bytes) and packed batches (296 bytes), where the
-    64-row kernel spills none."""
+    """Whether the hand warp-specialized main backward issues each tile's dQ product before its dK
+    product and hands dQ over while dK's runs, with 128-row tiles (:func:`bwd_tiles`): fast, head dim
+    64, causal, padded layouts (perf-log v12)."""
     return (bwd_ws(cfg) and cfg.precision == "fast" and cfg.head_dim == cfg.head_dim_v == 64 and cfg.causal
             and cfg.layout != "thd")
 
 
-def bwd_ws_options(cfg: KernelConfig) -> dict:
-    """The hand warp-specialized main backward's ``skip_halves`` and ``prefetch``
-    (``bwd_ws.build_bwd_ws``) for the library's kernels: both off until measured (tools/bwd_variants.py's
-    ".../skip" and ".../prefetch-*" rows, docs/perf.md v16). Turning one on is a change here; ``prefetch``
-    waits for the next block's ring slot one block early, so it wants 3 stages in :func:`bwd_tiles`."""
-    return {"skip_halves": False, "prefetch": ""}
+def bwd_branch(cfg: KernelConfig) -> bool:
+    """Whether TileLang's main backward (where not :func:`bwd_ws`) skips the per-element mask on wholly
+    visible row blocks: Hopper's strict kernel (perf-log v11). The hand kernel always does (v10)."""
+    return cfg.hopper and cfg.precision == "strict"
 
 
-#: whether :func:`bwd_dq_cast` answers yes where it can: off until the option is measured on the H200
-#: (tools/bwd_variants.py's ".../dqcast" rows, docs/perf.md v17); turning it on is the whole switch
-DQ_CAST = False
-
-
-def bwd_dq_cast(cfg: KernelConfig) -> bool:
-    """Whether the unsplit fast main backward casts dQ itself (``bwd_ws.build_bwd_ws(dq_cast=True)``:
-    each row block's last add, counted, loads the finished fp32 rows back and writes dQ), so no
-    postprocess runs after it (``dense._backward``; the split kernel keeps the postprocess).
-    Where it can: the hand warp-specialized kernel, fast precision, padded layouts, not deterministic.
-    Built, not measured yet (docs/perf.md v17: predicted golden -35..-45 us, gpt-oss SWA -15..-20 us of
-    the backward): :data:`DQ_CAST` is off until tools/bwd_variants.py says it wins."""
-    return (DQ_CAST and bwd_ws(cfg) and cfg.precision == "fast" and not cfg.deterministic
-            and cfg.layout != "thd")
-
-
-def bwd_branch(cfg: KernelConfig, ws: bool) -> bool:
-    """Whether the main backward skips its per-element mask (two selects per element, P and dS)
-    on wholly visible row blocks, as the forward's ``"branch"`` does: the hand warp-specialized
-    kernel (``ws``), where the causal problems' tiles are mostly wholly visible. TileLang's
-    pipelined kernel (strict, D256, sm_80) keeps the mask everywhere until measured
-    (tools/bwd_variants.py times both, docs/perf.md v10). Measured since on the H200 for TileLang's
-    strict kernel (docs/perf.md v11, causal, longest first from its grid): D128 N4096 2.558 -> 2.392 ms,
-    D64 N8192 6.702 -> 6.043, dK/dV bitwise equal; so Hopper's strict kernel branches too (D256's
-    fast split kernel and sm_80 keep the mask everywhere: not measured)."""
-    return ws or (cfg.hopper and cfg.precision == "strict")
-
-
-def bwd_swap(cfg: KernelConfig, ws: bool) -> bool:
-    """Whether TileLang's main backward (strict, D256, sm_80: not ``ws``) issues its KV tiles longest
-    first by laying its grid out as (KV heads, KV tiles) instead of (KV tiles, KV heads): the GPU hands
-    out programs x fastest, so tile 0 (the causal tile every row sees) of every head goes first. Its
-    CUDA is the launch-order kernel's with ``blockIdx.x`` and ``blockIdx.y`` exchanged; the same order
-    by index arithmetic (``schedule.by_work``) misled TileLang 0.1.15's sync placement (docs/perf.md
-    v10). Padded layouts only: a packed batch's KV tiles could pass the grid's y extent (65535)."""
-    return not ws and cfg.layout != "thd"
+def bwd_swap(cfg: KernelConfig) -> bool:
+    """Whether TileLang's main backward issues its KV tiles longest first from its grid's layout (KV
+    heads along x, KV tiles along y): padded layouts (perf-log v10, v11)."""
+    return cfg.layout != "thd"
 
 
 def fwd_mask(cfg: KernelConfig) -> str:
@@ -333,16 +276,10 @@ MAX_BWD_SPLIT = 8
 
 
 def bwd_split(cfg: KernelConfig) -> int:
-    """Programs per (KV tile, KV head) of the ``bwd_split`` kernel (``bwd.build_bwd``), each
-    streaming ``groups / split`` query heads: the largest divisor of the group up to
-    MAX_BWD_SPLIT. 1 (no split kernel) for groups of one head, strict and deterministic
-    configurations (its dK/dV are fp32 atomics, so not bitwise reproducible; strict keeps dK/dV
-    reproducible as before), head_dim != head_dim_v (one cast kernel), off Hopper (measured there
-    only), and where the main backward is the hand warp-specialized kernel (``bwd_ws``): with its
-    KV tiles issued longest first and the mask branch, the unsplit kernel is as fast as the split
-    one and saves the fp32 dK/dV zeroing and casts (H200, causal bf16 D128 N4096 H64/8, main kernel
-    1.62 ms unsplit against 1.61-1.77 split 8 ways, whole backward 1.72 against 1.77;
-    tools/bwd_variants.py, docs/perf.md v10). The split kernel stays for D256 (TileLang's kernel)."""
+    """Programs per (KV tile, KV head) of the ``bwd_split`` kernel, each streaming ``groups / split``
+    query heads: the largest divisor of the group up to :data:`MAX_BWD_SPLIT`; 1 (no split kernel)
+    for groups of one head, strict or deterministic configurations, head_dim != head_dim_v, off
+    Hopper, and where :func:`bwd_ws` (perf-log v6, v10)."""
     if cfg.deterministic or cfg.precision != "fast" or cfg.head_dim != cfg.head_dim_v or not cfg.hopper:
         return 1
     if bwd_ws(cfg):
@@ -350,25 +287,19 @@ def bwd_split(cfg: KernelConfig) -> int:
     return max(d for d in range(1, MAX_BWD_SPLIT + 1) if cfg.groups % d == 0)
 
 
-#: the split main backward (head dim 256 since v10, :func:`bwd_split`) runs when the rows one KV
-#: tile can see reach this many: measured on the H200 (docs/perf.md v6, TileLang's kernel at D64/D128),
-#: full causal N=4096/8192 ran 1.5-1.6x faster split 8 ways, while window 128 ran 6-10% slower (few
-#: rows per program: the fp32 dK/dV adds and casts dominate); not re-measured at D256
+#: the split main backward runs when the rows one KV tile can see reach this many (perf-log v6)
 BWD_SPLIT_MIN_ROWS = 1024
 
 
 def pre_branch(cfg: KernelConfig) -> bool:
-    """Whether the strict preprocess (Delta from P and dP) computes P without the per-element mask on
-    the KV tiles wholly visible to its query tile, as the forward's ``"branch"``: Hopper. Measured on
-    the H200 (tools/bwd_variants.py, docs/perf.md v12) with :func:`pre_lpt`: causal D128 N4096 0.609 ->
-    0.549 ms, causal D64 N8192 1.624 -> 1.432 (branch alone 0.573 / 1.485), Delta bitwise equal."""
+    """Whether the strict preprocess (Delta from P and dP) skips the per-element mask on the KV tiles
+    wholly visible to its query tile: Hopper (perf-log v12)."""
     return cfg.hopper and cfg.precision == "strict"
 
 
 def pre_lpt(cfg: KernelConfig) -> bool:
     """Whether the strict preprocess issues its causal query tiles with the most keys first, from its
-    grid's layout (heads along x, query tiles along y counted from the last; ``schedule.grid_dims``):
-    with :func:`pre_branch`, padded layouts (a packed batch's tiles could pass the grid's y extent)."""
+    grid's layout (``schedule.grid_dims``): with :func:`pre_branch`, padded layouts (perf-log v12)."""
     return pre_branch(cfg) and cfg.layout != "thd"
 
 
@@ -401,7 +332,7 @@ SPLIT_ROWS = 64
 
 
 def split_tiles(cfg: KernelConfig) -> Tiles:
-    """Split-KV forward (decode): one packed row tile, keys streaming through."""
+    """Split-KV forward (decode, the paged cache): one packed row tile, keys streaming through."""
     d = max(cfg.head_dim, cfg.head_dim_v)
     if cfg.hopper:
         return Tiles(SPLIT_ROWS, 128 if d <= 128 else 64, 128, 2)

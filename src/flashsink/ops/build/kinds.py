@@ -17,7 +17,7 @@ import importlib
 from typing import Callable, Optional
 
 from .config import (
-    KVCACHE_HEAD_DIMS, SPLIT_ROWS, KernelConfig, bwd_dq_cast, bwd_split, bwd_tiles, dq_tiles, fwd_fold, fwd_o32,
+    KVCACHE_HEAD_DIMS, SPLIT_ROWS, KernelConfig, bwd_split, bwd_tiles, dq_tiles, fwd_fold, fwd_o32,
     fwd_o32_tiles, fwd_tiles, fwd_window_tiles, fwd_windowed, pre_o32_tiles, pre_tiles, split_tiles,
 )
 
@@ -42,9 +42,8 @@ def _has_split(cfg: KernelConfig) -> bool:
 
 
 def _postprocess(cfg: KernelConfig) -> bool:
-    # the fp32 accumulators' cast: after the atomic main backwards, unless the unsplit one casts dQ
-    # itself (config.bwd_dq_cast) and the configuration has no split kernel
-    return not cfg.deterministic and (not bwd_dq_cast(cfg) or _has_split(cfg))
+    # the fp32 accumulators' cast: after the atomic main backwards
+    return not cfg.deterministic
 
 
 def _kvcache(cfg: KernelConfig) -> bool:

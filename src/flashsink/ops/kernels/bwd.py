@@ -30,8 +30,8 @@ import tilelang.language as T
 from ..tir.block_range import full_kv_blocks_for_rows, full_row_blocks_for_keys, kv_blocks_for_rows, row_blocks_for_keys
 from .bwd_entry import main_bwd_entry, main_bwd_shapes
 from .bwd_ws import build_bwd_ws
-from ..build.config import (ROW_BLOCK, KernelConfig, bwd_branch, bwd_dq_bulk, bwd_dq_cast, bwd_dq_first, bwd_overlap, bwd_split,
-                     bwd_swap, bwd_tiles, bwd_ws, bwd_ws_options, dq_tiles, pre_branch, pre_lpt, pre_o32_tiles, pre_tiles)
+from ..build.config import (ROW_BLOCK, KernelConfig, bwd_branch, bwd_dq_bulk, bwd_dq_first, bwd_overlap, bwd_split,
+                     bwd_swap, bwd_tiles, bwd_ws, dq_tiles, pre_branch, pre_lpt, pre_o32_tiles, pre_tiles)
 from ..tir.layout import (acc_tile, clear_acc_rows, kernel, optional, prologue_load, qkv_shapes, row_runs, sequence, stage_stat,
                      staged_stat, stat_at, stat_shape, stat_tile, store_rows, store_stat, tile, varlen_params)
 from ..tir.schedule import grid, grid_coords, grid_dims, locate
@@ -77,33 +77,35 @@ def product(a, hi, lo, b_s, acc, rows: int, cols: int, fast: bool):
 
 
 def build_preprocess_o32(cfg: KernelConfig):
-    """Strict's Delta from the forward's fp32 O (``config.fwd_o32``): :func:`build_preprocess`'s ``o32``."""
-    return build_preprocess(cfg, o32=True)
+    """Strict's Delta = rowsum(dO * O) from the forward's fp32 O (``config.fwd_o32``) in the fast
+    preprocess's memory-bound pass, instead of recomputing P and dP."""
+    if cfg.precision != "strict":
+        raise ValueError(f"preprocess_o32 is strict's Delta from the forward's fp32 O; got precision={cfg.precision!r}")
+    return _build_preprocess_fast(cfg, "float32", pre_o32_tiles(cfg))
 
 
-def build_preprocess(cfg: KernelConfig, branch: bool | None = None, lpt: bool | None = None, tiles=None,
-                     o32: bool = False):
-    """Delta and the sink gradient: from P and dP (strict) or from O and dO (fast). ``branch``,
-    ``lpt`` and ``tiles`` (strict only; default ``config.pre_branch`` / ``config.pre_lpt`` /
-    ``config.pre_tiles``, other values for tools/bwd_variants.py): see :func:`_build_preprocess_strict`.
-
-    ``o32`` (strict; the kind ``preprocess_o32``, ``config.fwd_o32``): Delta = rowsum(dO * O) in the
-    fast preprocess's memory-bound pass, from the fp32 O of the forward's ``o32`` kernel
-    (``fwd_ws.build_fwd_ws``: P @ V as two-term products), instead of recomputing P and dP."""
-    if o32:
-        if cfg.precision != "strict" or branch or lpt or tiles is not None:
-            raise ValueError("o32=True is strict's Delta from the forward's fp32 O (no P: branch, lpt and tiles do "
-                             f"not apply); got precision={cfg.precision!r}, branch={branch}, lpt={lpt}, tiles={tiles}")
-        return _build_preprocess_fast(cfg, "float32", pre_o32_tiles(cfg))
-    branch = pre_branch(cfg) if branch is None else branch
-    lpt = pre_lpt(cfg) if lpt is None else lpt
+def build_preprocess(cfg: KernelConfig):
+    """Delta and the sink gradient: from P and dP (strict, :func:`build_preprocess_strict` with
+    ``config.pre_branch`` / ``pre_lpt`` / ``pre_tiles``) or from O and dO (fast)."""
     if cfg.precision == "fast":
-        if branch or lpt or tiles is not None:
-            raise ValueError("branch, lpt and tiles apply to the strict preprocess (the fast one computes no P)")
         return _build_preprocess_fast(cfg, cfg.dtype, pre_tiles(cfg))
-    if lpt and cfg.layout == "thd":
-        raise ValueError(f"lpt=True needs a padded layout (bhsd or bshd); got layout={cfg.layout!r}")
-    return _build_preprocess_strict(cfg, branch, lpt, tiles or pre_tiles(cfg))
+    return build_preprocess_strict(cfg, pre_tiles(cfg), pre_branch(cfg), pre_lpt(cfg))
+
+
+@T.macro
+def _store_delta(Delta, dLSE, LSE, Sinks, lse, delta, contrib, total, head, b, bx, q_base, row0, sq, dSinkAcc,
+                 dSinkPart, cfg: KernelConfig, load_lse: bool):
+    """The preprocesses' end: a gradient flowing into lse folded into Delta (dS = P * (dP - (Delta -
+    dlse))), Delta stored, and with sinks (``load_lse``: lse loaded first) the sink gradient."""
+    layout, bm = cfg.layout, delta.shape[0]
+    for i in T.Parallel(bm):
+        delta[i] -= stat_at(dLSE, layout, b, head, q_base + row0 + i)
+    store_stat(Delta, layout, b, head, q_base, row0, sq, delta, bm)
+    if cfg.has_sinks:
+        if load_lse:
+            T.copy(stat_tile(LSE, layout, b, head, q_base + row0, bm), lse)
+        _sink_grad(Sinks, lse, delta, contrib, total, head, b, bx, row0, sq, dSinkAcc, dSinkPart, cfg.deterministic,
+                   layout == "thd")
 
 
 @T.macro
@@ -133,7 +135,7 @@ def _build_preprocess_fast(cfg: KernelConfig, o_dtype: str, t):
 
     Memory-bound: one read of O and dO. O (``o_dtype``: the input dtype, fast mode) carries its
     rounding to fp16/bf16 into ``dP - Delta`` (FlashAttention's choice; the strict preprocess avoids
-    it); an fp32 O (``build_preprocess(o32=True)``) does not. ``t``: its tiles (``config.pre_tiles``).
+    it); an fp32 O (:func:`build_preprocess_o32`) does not. ``t``: its tiles.
 
     Outside deterministic mode it also zeroes its rows of the dQ accumulator (``dQAcc``, which the main
     backward adds into), as FlashAttention-3's preprocess does: no fill of its own per backward.
@@ -167,14 +169,8 @@ def _build_preprocess_fast(cfg: KernelConfig, o_dtype: str, t):
             for i, j in T.Parallel(bm, dim_v):
                 prod[i, j] = T.Cast(accum, o[i, j]) * T.Cast(accum, do[i, j])
             T.reduce_sum(prod, delta, dim=1)
-            # A gradient flowing into lse folds into Delta: dS = P * (dP - (Delta - dlse)).
-            for i in T.Parallel(bm):
-                delta[i] -= stat_at(dLSE, layout, b, head, q_base + row0 + i)
-            store_stat(Delta, layout, b, head, q_base, row0, sq, delta, bm)
-            if cfg.has_sinks:
-                T.copy(stat_tile(LSE, layout, b, head, q_base + row0, bm), lse)
-                _sink_grad(Sinks, lse, delta, contrib, total, head, b, bx, row0, sq, dSinkAcc, dSinkPart,
-                           cfg.deterministic, layout == "thd")
+            _store_delta(Delta, dLSE, LSE, Sinks, lse, delta, contrib, total, head, b, bx, q_base, row0, sq, dSinkAcc,
+                         dSinkPart, cfg, True)
 
     cu, longest, n_cu = varlen_params(layout)
 
@@ -198,24 +194,19 @@ def _build_preprocess_fast(cfg: KernelConfig, o_dtype: str, t):
     return flashsink_bwd_preprocess_fast
 
 
-def _build_preprocess_strict(cfg: KernelConfig, branch: bool, lpt: bool, t):
+def build_preprocess_strict(cfg: KernelConfig, t, branch: bool, lpt: bool):
     """Delta = rowsum(P * dP) (= rowsum(dO * O) exactly), and the sink gradient.
 
-    Query-stationary like the forward: each program recomputes P and dP = dO V^T for its
-    query tile over the KV blocks it sees. Summing ``P * dP`` in fp32 avoids the rounding
-    of O to fp16/bf16, which ``rowsum(dO * O)`` would carry into ``dP - Delta`` where
-    that difference cancels (rows with few visible keys: measured 86-98% of dK/dQ
-    elements within tolerance at N=1, W=1, against >= 99.9% exact). It reads Q, K, V
-    and dO instead of O and dO, so windowed problems move about the same bytes.
-
-    ``branch`` (``config.pre_branch``: Hopper): P skips the per-element mask on the KV tiles wholly
-    visible to the query tile (``block_range.full_kv_blocks_for_rows``), as the forward's ``"branch"``
-    does. ``lpt`` (``config.pre_lpt``: Hopper, padded layouts): the causal query tiles with the most keys
-    first, from the grid's layout (heads along x, query tiles along y, counted from the last), as the
-    strict main backward's ``swap``. Both leave Delta bitwise the same (measured on the H200). ``t``:
-    the tiles (``config.pre_tiles``: ``block_m`` query rows stationary, ``block_n`` keys streaming).
+    Query-stationary like the forward: each program recomputes P and dP = dO V^T for its query tile
+    (``t``: ``block_m`` rows stationary, ``block_n`` keys streaming) over the KV blocks it sees. The
+    fp32 sum avoids O's rounding to fp16/bf16, which ``rowsum(dO * O)`` would carry into ``dP - Delta``
+    where that difference cancels (rows with few visible keys). ``branch``: P skips the per-element
+    mask on the KV tiles wholly visible to the query tile (``block_range.full_kv_blocks_for_rows``).
+    ``lpt``: the causal query tiles with the most keys first, from the grid's layout (padded layouts).
     Outside deterministic mode it zeroes its rows of the dQ accumulator, as the fast one does.
     """
+    if lpt and cfg.layout == "thd":
+        raise ValueError(f"lpt=True needs a padded layout (bhsd or bshd); got layout={cfg.layout!r}")
     bm, bn = t.block_m, t.block_n
     dim, dim_v, groups, layout = cfg.head_dim, cfg.head_dim_v, cfg.groups, cfg.layout
     dtype, accum = cfg.dtype, "float32"
@@ -271,13 +262,8 @@ def _build_preprocess_strict(cfg: KernelConfig, branch: bool, lpt: bool, t):
                 T.reduce_sum(p, part, dim=1)
                 for i in T.Parallel(bm):
                     delta[i] += part[i]
-            # A gradient flowing into lse folds into Delta: dS = P * (dP - (Delta - dlse)).
-            for i in T.Parallel(bm):
-                delta[i] -= stat_at(dLSE, layout, b, head, q_base + row0 + i)
-            store_stat(Delta, layout, b, head, q_base, row0, sq, delta, bm)
-            if cfg.has_sinks:
-                _sink_grad(Sinks, lse, delta, contrib, total, head, b, bx, row0, sq, dSinkAcc, dSinkPart,
-                           cfg.deterministic, layout == "thd")
+            _store_delta(Delta, dLSE, LSE, Sinks, lse, delta, contrib, total, head, b, bx, q_base, row0, sq, dSinkAcc,
+                         dSinkPart, cfg, False)
 
     cu, longest, n_cu = varlen_params(layout)
 
@@ -306,67 +292,27 @@ def _build_preprocess_strict(cfg: KernelConfig, branch: bool, lpt: bool, t):
     return flashsink_bwd_preprocess
 
 
-def build_bwd(cfg: KernelConfig, tiles=None, dq_bulk=None, overlap=None, split=None, ws=None, lpt=True,
-              branch=None, swap=None, dq_first=None, skip_halves=None, prefetch=None, dq_cast=None):
-    """The main backward. The options default to the tile table's choices and exist for
-    tools/bwd_variants.py, which times alternatives: ``tiles`` (``bwd_tiles(cfg)``); ``dq_bulk``,
-    dQ tiles added by one bulk (TMA) reduce-add from shared memory instead of per-thread atomics
-    (Hopper); ``overlap``, the S^T and dP^T products issued asynchronously back to back, P
-    computed while the second runs (Hopper wgmma); ``split`` (``bwd_split(cfg)``), the query
-    heads of a GQA group shared out over that many programs per KV tile (default 1;
-    :func:`build_bwd_split` is the kernel kind with ``config.bwd_split(cfg)``).
+def build_bwd(cfg: KernelConfig, split: int = 1):
+    """The main backward (``config.bwd_tiles``): ``bwd_ws.py``'s hand warp-specialized kernel where
+    ``config.bwd_ws``, else TileLang's pipelined kernel (:func:`build_bwd_pipelined`) with the
+    config's branch, swap, dQ bulk add and overlap. ``split``: see :func:`build_bwd_pipelined`."""
+    t = bwd_tiles(cfg)
+    if bwd_ws(cfg):
+        return build_bwd_ws(cfg, t, split, bwd_dq_first(cfg))
+    return build_bwd_pipelined(cfg, t, split, bwd_branch(cfg), bwd_swap(cfg), bwd_dq_bulk(cfg), bwd_overlap(cfg))
 
-    With ``split == 1`` a program streams every query head of its group, and dK/dV leave the chip
-    once, in the input dtype. With ``split > 1`` (more programs: a causal problem of 32 KV tiles
-    x 8 KV heads is 256 programs on 132 SMs otherwise) each program adds its share of dK/dV into
-    fp32 accumulators (``[.., rows_pad_kv, D]``, zeroed by the host) that the postprocess casts,
-    as it does for dQ: not bitwise reproducible, so deterministic configurations keep 1.
 
-    ``ws`` (``bwd_ws(cfg)``): the hand warp-specialized Hopper kernel of ``bwd_ws.py`` (fast precision's
-    default, and strict's at head dim 64 with two-term products; its dQ is
-    always the producer's bulk reduce-add and its S^T/dP^T always overlap, so ``dq_bulk`` and
-    ``overlap`` do not apply).
+def build_bwd_pipelined(cfg: KernelConfig, t, split: int, branch: bool, swap: bool, dq_bulk: bool, overlap: bool):
+    """TileLang's main backward over tiles ``t`` (``T.Pipelined``), KV-stationary.
 
-    ``lpt`` (ws only): KV tiles issued longest first (``schedule.by_work``); False, the launch order.
-    ``swap`` (``config.bwd_swap(cfg, ws)``; TileLang's kernel, padded layouts): the same order from the
-    grid itself, KV heads along its x and KV tiles along y (no index arithmetic, which misleads
-    TileLang's sync placement, see the kernel; the y extent, 65535 tiles, is why packed layouts keep
-    the launch order).
-    ``dq_first`` (ws only, ``bwd_ws.build_bwd_ws``; default ``config.bwd_dq_first(cfg)``): dQ's product
-    before dK's, its hand-off during dK's.
-    ``branch`` (``config.bwd_branch(cfg)``): the per-element mask only on the row blocks that are
-    not wholly visible (``block_range.full_row_blocks_for_keys``), as the forward's ``"branch"``.
-    ``skip_halves`` (ws only, ``bwd_ws.build_bwd_ws``; default ``config.bwd_ws_options(cfg)``, off until
-    measured): a consumer warpgroup skips the row blocks its half of the keys cannot see. ``prefetch`` (ws
-    only, likewise):
-    the next row block's S^T and dP^T ("sdp") or S^T ("s") issued before this block's softmax.
-    ``dq_cast`` (ws only, ``config.bwd_dq_cast(cfg)`` for the unsplit kernel, off until measured): dQ
-    cast in the kernel by the last add of each row block, no postprocess (two more arguments, ``dQ``
-    and a zeroed ``DqCount``).
+    ``split == 1``: a program streams every query head of its group and writes dK/dV once, in the
+    input dtype. ``split > 1``: the group's query heads over that many programs per KV tile, each
+    adding its share of dK/dV into fp32 accumulators (``[.., rows_pad_kv, D]``, zeroed by the host)
+    that the postprocess casts. ``branch``: the per-element mask only on row blocks not wholly
+    visible (``block_range.full_row_blocks_for_keys``). ``swap``: the KV tiles longest first from the
+    grid's layout (KV heads along x, tiles along y; padded layouts). ``dq_bulk``: dQ tiles added by one
+    bulk (TMA) reduce-add. ``overlap``: S^T and dP^T issued asynchronously back to back (Hopper wgmma).
     """
-    t = tiles or bwd_tiles(cfg)
-    ws = bwd_ws(cfg) if ws is None else ws
-    branch = bwd_branch(cfg, ws) if branch is None else branch
-    swap = bwd_swap(cfg, ws) if swap is None else swap
-    dq_bulk = bwd_dq_bulk(cfg) if dq_bulk is None else dq_bulk
-    overlap = bwd_overlap(cfg) if overlap is None else overlap
-    split = 1 if split is None else split
-    if cfg.groups % split or (split > 1 and (cfg.deterministic or cfg.head_dim != cfg.head_dim_v)):
-        raise ValueError(f"split={split} needs a divisor of groups={cfg.groups}, a non-deterministic "
-                         "configuration and head_dim == head_dim_v")
-    if dq_cast is None:
-        dq_cast = ws and split == 1 and bwd_dq_cast(cfg)
-    opts = bwd_ws_options(cfg) if ws else {"skip_halves": False, "prefetch": ""}
-    skip_halves = opts["skip_halves"] if skip_halves is None else skip_halves
-    prefetch = opts["prefetch"] if prefetch is None else prefetch
-    if ws:
-        dq_first = bwd_dq_first(cfg) if dq_first is None else dq_first
-        return build_bwd_ws(cfg, t, split, lpt, branch, dq_first, skip_halves, prefetch, dq_cast)
-    if skip_halves or prefetch or dq_cast:
-        raise ValueError("skip_halves=True, prefetch and dq_cast=True apply to the warp-specialized kernel (ws) only")
-    if not lpt:
-        raise ValueError("lpt=False applies to the warp-specialized kernel (ws) only: TileLang's pipelined kernel "
-                         "runs in launch order (or, swap=True, longest first from its grid)")
     if swap and cfg.layout == "thd":
         raise ValueError("swap=True needs a padded layout (bhsd or bshd): packed KV tiles may exceed the grid's "
                          f"y extent; got layout={cfg.layout!r}")
@@ -398,11 +344,8 @@ def build_bwd(cfg: KernelConfig, tiles=None, dq_bulk=None, overlap=None, split=N
 
     @T.macro
     def body(Q, K, V, dO, LSE, Delta, CuQ, CuK, window, scale, dQAcc, dK, dV, n_tiles, n_seqs):
-        # the launch order: TileLang's pipelined kernels keep it (schedule.by_work's index arithmetic
-        # confuses TileLang 0.1.15's shared-memory sync placement here: at D64 the longest-first
-        # strict kernel gave wrong gradients on the H200 and the launch-order variant of the flat
-        # grid did not compile, 2026-12-04, docs/perf.md v10); ``swap`` gets the longest-first order
-        # from the grid's own dims instead (KV heads along x, tiles along y), the same TIR otherwise
+        # not schedule.by_work's flat index arithmetic, which misleads TileLang 0.1.15's sync placement
+        # here (perf-log v10): ``swap`` takes the longest-first order from the grid's own dims
         with T.Kernel(*grid_dims(n_tiles, heads_kv * split, swap), n_seqs, threads=t.threads) as (g0, g1, b):
             bx, hs = grid_coords(g0, g1, n_tiles, longest_last=False, on=swap)
             kv_head = hs // split
@@ -508,7 +451,7 @@ def build_bwd_split(cfg: KernelConfig):
     """The main backward with a GQA group's query heads over ``config.bwd_split(cfg)`` programs per
     KV tile (fp32 dK/dV accumulators): for problems whose KV tiles see many rows, where the unsplit
     kernel has too few programs (``dense._backward`` chooses)."""
-    return build_bwd(cfg, split=bwd_split(cfg), dq_cast=False)  # (its launch casts with the postprocess)
+    return build_bwd(cfg, split=bwd_split(cfg))
 
 
 def build_dq(cfg: KernelConfig):

@@ -14,6 +14,9 @@ def main_bwd_shapes(cfg, split: int) -> SimpleNamespace:
     """The dynamic sizes (``batch, heads, seq_q, seq_kv, rows_pad, rows_pad_kv``), ``heads_kv`` and
     the tensors' shapes. With ``split > 1`` dK and dV are fp32 accumulators with padded rows
     (``dkv_dtype``); deterministic configurations take no dQ accumulator (``with_dq``)."""
+    if cfg.groups % split or (split > 1 and (cfg.deterministic or cfg.head_dim != cfg.head_dim_v)):
+        raise ValueError(f"split={split} needs a divisor of groups={cfg.groups}, a non-deterministic "
+                         "configuration and head_dim == head_dim_v")
     layout, dim, dim_v = cfg.layout, cfg.head_dim, cfg.head_dim_v
     batch, heads, seq_q, seq_kv, rows_pad, rows_pad_kv = T.dynamic("batch, heads, seq_q, seq_kv, rows_pad, rows_pad_kv")
     heads_kv = heads // cfg.groups
@@ -30,18 +33,15 @@ def main_bwd_shapes(cfg, split: int) -> SimpleNamespace:
     )
 
 
-def main_bwd_entry(cfg, s: SimpleNamespace, body, block_n: int, dq_cast: bool = False):
+def main_bwd_entry(cfg, s: SimpleNamespace, body, block_n: int):
     """The kernel ``flashsink_bwd`` (``flashsink_bwd_varlen`` for thd) over the tensors of
     ``s`` (:func:`main_bwd_shapes`): ``body`` runs over the KV tiles of ``block_n`` rows and the
-    sequences (its last two arguments, ``schedule.grid``'s). ``dq_cast`` (``bwd_ws.build_bwd_ws``'s
-    option): two more parameters, ``dQ`` (q's shape and dtype, written by the kernel) and ``DqCount``
-    (int32 ``[batch, heads, row blocks]``, zeroed by the caller), passed to ``body`` last."""
+    sequences (its last two arguments, ``schedule.grid``'s)."""
     layout, dtype, accum = cfg.layout, cfg.dtype, "float32"
     q_shape, k_shape, v_shape, o_shape, st_shape = s.q_shape, s.k_shape, s.v_shape, s.o_shape, s.st_shape
     acc_shape, dk_shape, dv_shape, dkv_dtype, with_dq = s.acc_shape, s.dk_shape, s.dv_shape, s.dkv_dtype, s.with_dq
     seq_kv, batch = s.seq_kv, s.batch
     cu, longest, n_cu = varlen_params(layout)
-    n_rb = T.dynamic("n_rb")
 
     @kernel("flashsink_bwd", layout)
     def flashsink_bwd(
@@ -59,11 +59,7 @@ def main_bwd_entry(cfg, s: SimpleNamespace, body, block_n: int, dq_cast: bool = 
         dQAcc: optional(with_dq, T.Tensor(acc_shape, accum)),
         dK: T.Tensor(dk_shape, dkv_dtype),
         dV: T.Tensor(dv_shape, dkv_dtype),
-        dQ: optional(dq_cast, T.Tensor(q_shape, dtype)),
-        DqCount: optional(dq_cast, T.Tensor([batch, s.heads, n_rb], "int32")),
     ):
-        cast = (dQ, DqCount) if dq_cast else ()
-        body(Q, K, V, dO, LSE, Delta, CuQ, CuK, window, scale, dQAcc, dK, dV,
-             *grid(layout, seq_kv, n_cu, batch, block_n), *cast)
+        body(Q, K, V, dO, LSE, Delta, CuQ, CuK, window, scale, dQAcc, dK, dV, *grid(layout, seq_kv, n_cu, batch, block_n))
 
     return flashsink_bwd

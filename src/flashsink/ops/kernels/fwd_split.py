@@ -4,8 +4,7 @@ and its LSE without the sink. ``decode.py`` decides when to use it and merges th
 
 Only the key tiles that some query row does not see whole (the rows' last keys, a window's leading
 edge) take the per-element mask; the others are only scaled (``block_range.full_kv_blocks_for_rows``,
-one branch a tile: ``mask.branch_tile``, as in the backward). A decode split streams tens of tiles, nearly all wholly visible: the mask was 41%
-of the key loop's instructions (sm_90a SASS: 870 -> 503 a wholly visible tile, docs/perf.md v30).
+one branch a tile: ``mask.branch_tile``, as in the backward).
 """
 
 import tilelang.language as T
@@ -17,9 +16,8 @@ from ..tir.layout import index, qkv_shapes, tile
 from ..tir.mask import branch_tile, in_blocks, scale_logits, visible
 
 
-def build_fwd_split(cfg: KernelConfig, branch: bool = True):
-    """The kernel; ``branch=False`` (tools/kvcache_variants.py's "masked" rows): the per-element mask on every key
-    tile, as before docs/perf.md v30."""
+def build_fwd_split(cfg: KernelConfig):
+    """The kernel (the module's docstring), over ``config.split_tiles``."""
     t = split_tiles(cfg)
     bm, bn = t.block_m, t.block_n
     dim, dim_v, groups, layout = cfg.head_dim, cfg.head_dim_v, cfg.groups, cfg.layout
@@ -65,7 +63,7 @@ def build_fwd_split(cfg: KernelConfig, branch: bool = True):
             # the wholly visible KV blocks of every query row (all of them are in the tile): no per-element mask
             # there, only the scale. Rows past the group's (q zero) then keep finite logits instead of -inf;
             # they are never stored, and a softmax row never mixes with another.
-            full = full_kv_blocks_for_rows(lo, hi, 0, seq_q, bn, seq_q, seq_kv, window, cfg.causal) if branch else None
+            full = full_kv_blocks_for_rows(lo, hi, 0, seq_q, bn, seq_q, seq_kv, window, cfg.causal)
             per = T.ceildiv(hi - lo, n_splits)
             my_lo = T.min(hi, lo + split * per)
             my_hi = T.min(hi, my_lo + per)
@@ -75,7 +73,7 @@ def build_fwd_split(cfg: KernelConfig, branch: bool = True):
                 T.copy(tile(K, layout, b, kv_head, key0, bn), k_s)
                 T.clear(acc_s)
                 T.gemm(q_s, k_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-                branch_tile(_logits, None if full is None else in_blocks(kb, full), acc_s, n_rows, key0, seq_q,
+                branch_tile(_logits, in_blocks(kb, full), acc_s, n_rows, key0, seq_q,
                             seq_kv, window, scale_log2, bm, bn, cfg.causal)
                 T.copy(tile(V, layout, b, kv_head, key0, bn), v_s)
                 softmax.update(acc_s, acc_o, m, m_prev, alpha, row_sum, l, bm, bn, dim_v)

@@ -21,7 +21,7 @@ from ..build.registry import get_kernel
 from ..build.kinds import KINDS
 from ..build.config import (
     BWD_SPLIT_MIN_ROWS, HEAD_DIM_RULE, LOG2E, NO_WINDOW, PRECISIONS, ROW_PAD, SUPPORTED_DTYPES, WINDOW_TILES_MAX,
-    KernelConfig, arch_of, bwd_dq_cast, bwd_split, bwd_tiles, fwd_fold, fwd_o32, fwd_windowed, kernel_head_dim,
+    KernelConfig, arch_of, bwd_split, fwd_fold, fwd_o32, fwd_windowed, kernel_head_dim,
 )
 from ..build.config import padded_rows as _padded_rows, varlen_rows  # noqa: F401  (the ops' and tests' names)
 
@@ -245,26 +245,10 @@ def _backward(do, q, k, v, o, lse, dlse, sinks32, cfg, spec, window, cu_seqlens=
         post(dq_acc, dq)
         post(dk_acc, dk)
         post(dv_acc, dv)
-    elif bwd_dq_cast(cfg):
-        # dQ cast by each row block's last add (config.bwd_dq_cast), counted per (batch, head, row
-        # block) from zero: no postprocess
-        count = torch.zeros((spec.batch, spec.heads, -(-spec.seq_q // bwd_tiles(cfg).block_m)), dtype=torch.int32,
-                            device=dev)
-        get_kernel("bwd", cfg)(q, k, v, do, lse, delta, *seq_kv, window, scale, dq_acc, dk, dv, dq, count)
-        _zero_unseen_rows(dq, spec, cfg.layout)
     else:
         get_kernel("bwd", cfg)(q, k, v, do, lse, delta, *seq_kv, window, scale, dq_acc, dk, dv)
         get_kernel("postprocess", cfg)(dq_acc, dq)
     return dq, dk, dv, (dsink if cfg.has_sinks else None)
-
-
-def _zero_unseen_rows(dq, spec, layout):
-    """dQ's rows that see no key (P = 0 there): the first ``seq_q - seq_kv`` of a causal problem with more
-    queries than keys (bottom-right aligned), or all of them without keys. No KV tile adds into a row
-    block made of such rows, so the casting main backward never writes it; one fill, only for such calls."""
-    n0 = spec.seq_q if spec.seq_kv == 0 else (spec.seq_q - spec.seq_kv if spec.causal else 0)
-    if n0 > 0:
-        (dq[:, :, :n0] if layout == "bhsd" else dq[:, :n0]).zero_()
 
 
 #: per (kind, device), float32 buffers that no kernel writes, grown (doubling) as needed and

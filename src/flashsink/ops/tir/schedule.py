@@ -24,7 +24,7 @@ asks :func:`locate` which sequence and which tile of it a program has.
 
 Why not a prefix sum of tiles per sequence computed by the host with torch ops (FlashAttention's
 way, ``cumsum(ceil(len / block))``) and searched the same way: it costs as many loads, a few torch
-calls per launch (5-15 us each on the H200's host, docs/perf.md), a tensor more in every packed
+calls per launch (5-15 us each on the H200's host, docs/perf-log.md), a tensor more in every packed
 kernel's signature, and its grid is the same upper bound (the host cannot know the exact count
 without a sync), so it leaves as many programs idle.
 
@@ -77,13 +77,9 @@ def persistent_tile(cta, step, n_ctas, snake: bool = True):
     so the program that took a round's first tile takes the next round's last. Without it, program
     ``cta`` takes ``cta, cta + n_ctas, ..`` (round-robin).
 
-    Why: the forward's tiles are issued longest first (causal query tiles, ``fwd_ws._locate``), so under
-    round-robin the first programs take the longest tile of every round. A model of the persistent
-    forward (each program's time the sum of its tiles' KV tiles, tests/test_schedule.py) puts the
-    slowest program at 1.062x the mean under round-robin and 1.000x with the snake for causal D128
-    N4096 (2,048 tiles of 128 rows on 132 programs), 1.044x against 1.001x for gpt-oss full D64 N8192
-    (2,736 packed tiles of 24 positions); the grid ends with its slowest program. Tiles of equal work
-    (windows, no mask) are unaffected.
+    The forward's tiles are issued longest first (``fwd_ws._locate``), so under round-robin the first
+    programs would take the longest tile of every round; the snake evens them out (a model in
+    tests/test_schedule.py, perf-log v23).
 
     Plain arithmetic, so the same function runs on Python ints (the tests) and in a kernel."""
     return step * n_ctas + _place(cta, step, n_ctas, snake)
@@ -112,18 +108,12 @@ def by_work(p, n_tiles, heads, longest_last: bool, lpt: bool = True):
     rows); windowed and non-causal tiles cost the same, so the order only matters for causal problems.
     The heads of one tile are consecutive.
 
-    Order ``(tile, head)`` instead of the launch's natural ``(head, tile)`` (each head's tiles in a
-    row, a sawtooth of long and short): for the causal main backward at N=4096, 32 KV tiles x 8 KV
-    heads = 256 programs on 132 SMs, a greedy simulation gives a makespan 1.59x the ideal in the old
-    order and 1.00x in this one, and the H200 measured 1.56x with the mask branch (docs/perf.md v10).
+    Used by the hand warp-specialized main backward (``bwd_ws.py``), which places its syncs by hand
+    (perf-log v10). TileLang's pipelined kernels take the same order from the grid's own layout
+    (:func:`grid_dims`, :func:`grid_coords`: ``bwd.build_bwd_pipelined(swap=True)``, the strict
+    preprocess's ``lpt``), since this index arithmetic misleads TileLang 0.1.15's sync placement.
 
-    Used by the hand warp-specialized main backward (``bwd_ws.py``), which places its syncs by hand.
-    TileLang's pipelined kernels keep the launch order: this index arithmetic misleads TileLang
-    0.1.15's automatic sync placement (wrong gradients or a compile error, docs/perf.md v10); there
-    :func:`grid_dims` and :func:`grid_coords` take the same order from the grid's own layout instead
-    (``bwd.build_bwd(swap=True)``, the strict preprocess's ``lpt``).
-
-    ``lpt=False`` gives the old order, each head's tiles in a row (tools/bwd_variants.py times both).
+    ``lpt=False``: the launch order, each head's tiles in a row (the tests' reference order).
     """
     if not lpt:
         return p % n_tiles, p // n_tiles
