@@ -73,7 +73,7 @@ def test_split_main_backward_compiles():
 
 @pytest.mark.l1
 def test_main_backward_with_dq_cast_compiles(monkeypatch):
-    """config.DQ_CAST on (off until measured, docs/perf.md v17): the unsplit fast main backward casts dQ
+    """config.DQ_CAST on (off until measured, docs/perf-log.md v17): the unsplit fast main backward casts dQ
     itself (bwd_ws.build_bwd_ws(dq_cast=True)): its counts' acq_rel atomic, the fp32 rows' TMA load back
     and the dQ stores build for sm_90a."""
     from flashsink.ops import config
@@ -84,7 +84,7 @@ def test_main_backward_with_dq_cast_compiles(monkeypatch):
     src = compile_kernel("bwd", cfg).get_kernel_source()
     assert "AtomicAddRet" in src and "DqCount" in src and "half_t* __restrict__ dQ" in src
     # the rows' load back is issued by the dQ warp as a whole (one lane elected of 32): elected under
-    # its one counting thread, the first build hung on the H200 (docs/perf.md v18)
+    # its one counting thread, the first build hung on the H200 (docs/perf-log.md v18)
     from flashsink.ops.compile import narrow_elections
 
     assert narrow_elections(src) == [] and "tl_shuffle_elect<32>" in src
@@ -126,7 +126,7 @@ def test_main_backward_compiles_other_group_sizes(groups):
 def test_swapped_grid_main_backward_compiles():
     """``build_bwd(swap=True)``: TileLang's main backward with its KV tiles longest first from the grid's
     own dims (KV heads along x, tiles along y), strict D64 on sm_90a, where the index-arithmetic order
-    did not compile (docs/perf.md v10); strict's default on padded layouts since v11 (``config.bwd_swap``,
+    did not compile (docs/perf-log.md v10); strict's default on padded layouts since v11 (``config.bwd_swap``,
     measured on the H200; at D64 strict runs the hand kernel since v13, so TileLang's is asked for with
     ``ws=False``), the launch order's TIR but for the grid's bindings."""
     import tilelang
@@ -181,7 +181,7 @@ def test_strict_preprocess_options_compile(arch, opts):
 def test_kvcache_gathers_through_a_shared_page_table(arch):
     """``build_fwd_kvcache`` resolves each key tile's rows to (page, row) once, into shared memory, and
     its K/V loads index the cache through that table: no division by ``page_size`` inside a load's
-    address (the 64-bit division routines that held the per-load gather to ~300 GB/s, docs/perf.md v13)."""
+    address (the 64-bit division routines that held the per-load gather to ~300 GB/s, docs/perf-log.md v13)."""
     import re
 
     import tilelang
@@ -230,7 +230,7 @@ def test_kvcache_prefetch_loads_the_next_tile_into_registers():
 @pytest.mark.l1
 def test_kvcache_aligned_loads_each_tile_as_one_tma_box():
     """``build_fwd_kvcache(aligned=True)`` (an option for tools/kvcache_variants.py, measured slower than the
-    gather, docs/perf.md v29): with a
+    gather, docs/perf-log.md v29): with a
     page size that is a multiple of the key tile, a tile is one page's affine box, so K and V arrive by TMA
     through ``T.Pipelined`` (a producer warpgroup and the consumers' mbarriers) instead of the gather; the
     block table is read for the page index only (no K/V load goes through it element by element), and the
@@ -275,7 +275,7 @@ def test_split_kv_kernels_mask_only_the_partial_key_tiles(kind, layout):
     a window's leading edge); the wholly visible tiles (``block_range.full_kv_blocks_for_rows``) are only scaled, on
     a branch taken once a tile (``mask.branch_tile``, the backward's). A decode split streams tens of such tiles: the mask was 41% of ``fwd_split``'s
     key-loop instructions (sm_90a SASS, 870 -> 503 a wholly visible tile; ``fwd_kvcache``'s gather 1,452 -> 1,069,
-    docs/perf.md v30). The GPU suite checks the outputs (decode and kvcache cases with windows, lengths off the
+    docs/perf-log.md v30). The GPU suite checks the outputs (decode and kvcache cases with windows, lengths off the
     tiles, several query rows, chunks)."""
     from flashsink.ops.compile import build_prim_func
 

@@ -127,7 +127,7 @@ def test_tma_epilogue_stores_each_warpgroups_rows_by_tma(d, layout):
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (compiles for sm_90a without a GPU)")
 def test_tma_epilogue_compiles_for_hopper():
     """nvcc accepts the windowed kind's kernel with epilogue="tma" (gpt-oss SWA's, bshd): one TMA store site and
-    the wait for its reads (ptxas -v on the CPU host, docs/perf.md v26: 128 registers, no spill, as with "wg")."""
+    the wait for its reads (ptxas -v on the CPU host, docs/perf-log.md v26: 128 registers, no spill, as with "wg")."""
     import subprocess
 
     from flashsink.ops.compile import _compile_args, _jit
@@ -211,11 +211,11 @@ def test_library_forward_is_ws_where_config_says(cfg, want):
 ])
 def test_the_forward_options_follow_the_head_dim(cfg, opts):
     """config.fwd_ws_options: head dim 64's forward stores o from registers, double-buffers Q
-    (measured faster there on causal and windowed problems, docs/perf.md v15) and packs a GQA group
-    into one tile where it fits (docs/perf.md v18), 128's stages each consumer warpgroup's rows of o and
-    stores them 16 bytes a thread (epilogue "wg", docs/perf.md v24) with one Q slot; the kinds fwd and fwd_unfolded are that kernel at the forward's own tiles,
+    (measured faster there on causal and windowed problems, docs/perf-log.md v15) and packs a GQA group
+    into one tile where it fits (docs/perf-log.md v18), 128's stages each consumer warpgroup's rows of o and
+    stores them 16 bytes a thread (epilogue "wg", docs/perf-log.md v24) with one Q slot; the kinds fwd and fwd_unfolded are that kernel at the forward's own tiles,
     strict's fwd_o32 keeps the defaults; every kind takes ``pin_wait`` from config.FWD_PIN_WAIT (off since
-    docs/perf.md v21: measured slower) and the row limits' mask; a narrow window's kind (fwd_window) is the
+    docs/perf-log.md v21: measured slower) and the row limits' mask; a narrow window's kind (fwd_window) is the
     next test's."""
     import dataclasses
 
@@ -263,9 +263,9 @@ _W64 = Tiles(FWD_WINDOW_ROWS_D64, 64, 2 * FWD_WINDOW_ROWS_D64, 3)
 def test_fwd_window_is_the_packed_forward_with_64_key_tiles(cfg, tiles):
     """config.fwd_window_tiles: a window of at most WINDOW_TILES_MAX keys runs the kind ``fwd_window``
     where a GQA group packs into its rows (head dim 64: config.FWD_WINDOW_ROWS_D64 where the group divides
-    them into whole 8-row atoms, else 192, docs/perf.md v28; 128: 128 rows): 64-key tiles, three ring
+    them into whole 8-row atoms, else 192, docs/perf-log.md v28; 128: 128 rows): 64-key tiles, three ring
     slots, the group packed, each consumer warpgroup staging its own rows and one of its threads storing
-    them by TMA (epilogue "tma", docs/perf.md v27; packed batches "wg", 16 bytes a thread, v24), two Q
+    them by TMA (epilogue "tma", docs/perf-log.md v27; packed batches "wg", 16 bytes a thread, v24), two Q
     slots (head dim 128 since v26), folded as the forward is; elsewhere the kind is not built and the
     forward's tiles stand."""
     from flashsink.ops.compile import build_prim_func
@@ -292,7 +292,7 @@ def test_fwd_window_is_the_packed_forward_with_64_key_tiles(cfg, tiles):
 
 
 def test_sink_early_loads_the_sinks_before_the_wait_for_q():
-    """build_fwd_ws(sink_early=True) (an option for tools/fwd_variants.py, docs/perf.md v28): a row tile's sink
+    """build_fwd_ws(sink_early=True) (an option for tools/fwd_variants.py, docs/perf-log.md v28): a row tile's sink
     logits are loaded before the consumers' wait for Q and turned into the softmax's state after it (and, for a
     tile without keys, just before its epilogue); without sinks nothing is loaded; not with chain or wg_ranges."""
     from flashsink.ops.fwd_ws import build_fwd_ws
@@ -314,7 +314,7 @@ def test_sink_early_loads_the_sinks_before_the_wait_for_q():
 
 @pytest.mark.parametrize("groups,rows", [(8, 256), (2, 256), (16, 256), (6, 192), (3, 192)])
 def test_fwd_window_takes_256_rows_at_head_dim_64_where_the_group_packs(monkeypatch, groups, rows):
-    """config.FWD_WINDOW_ROWS_D64 = 256 (measured 12-14% faster, docs/perf.md v28; the default since v29;
+    """config.FWD_WINDOW_ROWS_D64 = 256 (measured 12-14% faster, docs/perf-log.md v28; the default since v29;
     patched here so the test holds whatever the default): the windowed kind's tiles at head dim 64 take 256
     rows where the group packs into them and 192 where it does not, and the kernel is built with four
     consumer warpgroups (640 threads, setmaxnreg 112 for the consumers)."""
@@ -417,7 +417,7 @@ def test_o32_option_adds_an_fp32_output_and_a_second_pv_term(d, tiles):
 @pytest.mark.parametrize("d,tiles", [(128, Tiles(128, 128, 256, 2)), (64, Tiles(128, 128, 256, 2)),
                                      (64, Tiles(192, 128, 384, 2))])
 def test_register_epilogue_option_drops_the_consumer_barriers(d, tiles):
-    """``build_fwd_ws(epilogue="regs")`` (head dim 64's forward since docs/perf.md v15, config.fwd_ws_options): the same
+    """``build_fwd_ws(epilogue="regs")`` (head dim 64's forward since docs/perf-log.md v15, config.fwd_ws_options): the same
     launch; o stored from a register fragment in the input dtype instead of staged in shared memory, so
     the two barriers of every consumer thread at a tile's end (barrier CONSUMER_BARRIER) are gone and the
     ping-pong's barriers stay; the default ("smem") is what build_fwd_ws builds unasked; another value is refused."""
@@ -442,7 +442,7 @@ def test_register_epilogue_option_drops_the_consumer_barriers(d, tiles):
 
 @pytest.mark.parametrize("epilogue", ["smem", "regs"])
 def test_double_buffered_q_option(epilogue):
-    """``build_fwd_ws(q_slots=2)`` (head dim 64's forward since docs/perf.md v15): Q gets a second
+    """``build_fwd_ws(q_slots=2)`` (head dim 64's forward since docs/perf-log.md v15): Q gets a second
     shared buffer and a second pair of barriers, each tile's slot and phase from the count of query tiles
     gone through (``q_done % 2``, ``(q_done // 2) & 1``), as the K/V rings do; the same launch. One slot is
     what build_fwd_ws builds unasked, TIR for TIR; slot counts other than 1-3 are refused."""
@@ -467,7 +467,7 @@ def test_double_buffered_q_option(epilogue):
     (128, Tiles(128, 128, 256, 2), {}),  # the D128 forward's
 ])
 def test_warpgroup_epilogue_option(d, tiles, opts):
-    """``build_fwd_ws(epilogue="wg")`` (the windowed kind and head dim 128's forward since docs/perf.md v24):
+    """``build_fwd_ws(epilogue="wg")`` (the windowed kind and head dim 128's forward since docs/perf-log.md v24):
     the staged epilogue's shared buffer, swizzled, but each consumer warpgroup meets only its own 128
     threads around its rows (barrier STORE_BARRIER + wg, twice a tile), never the others (no barrier of
     every consumer thread) and still takes the ping-pong's turns; the same launch."""
@@ -499,7 +499,7 @@ def test_warpgroup_epilogue_refuses_head_dims_it_cannot_tile():
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (compiles for sm_90a without a GPU)")
 def test_warpgroup_epilogue_stores_16_bytes_a_thread():
     """nvcc accepts gpt-oss SWA's windowed kernel with the "wg" epilogue, and its stores of o are 16 bytes
-    wide (where the register epilogue's are 4: half a 32-byte sector, docs/perf.md v24)."""
+    wide (where the register epilogue's are 4: half a 32-byte sector, docs/perf-log.md v24)."""
     import tilelang
 
     from flashsink.ops.compile import pass_configs
@@ -516,7 +516,7 @@ def test_warpgroup_epilogue_stores_16_bytes_a_thread():
 
 @pytest.mark.parametrize("slots", [2, 3])
 def test_q_ahead_option(slots):
-    """``build_fwd_ws(q_ahead=True)`` (an option for tools/fwd_variants.py, measured slower, docs/perf.md v24):
+    """``build_fwd_ws(q_ahead=True)`` (an option for tools/fwd_variants.py, measured slower, docs/perf-log.md v24):
     the producer loads the next tile's Q before this tile's K and V, and the first tile's before the loop,
     so each step visits up to two tiles' coordinates; the consumers are unchanged. Off is what build_fwd_ws
     builds unasked; one Q slot is refused (the next tile's Q would wait for this tile's last S product)."""
@@ -537,7 +537,7 @@ def test_q_ahead_option(slots):
 
 @pytest.mark.parametrize("epilogue", ["wg", "regs", "smem"])
 def test_chain_option(epilogue):
-    """``build_fwd_ws(chain=True)`` (an option for tools/fwd_variants.py, not measured yet, docs/perf.md v25;
+    """``build_fwd_ws(chain=True)`` (an option for tools/fwd_variants.py, not measured yet, docs/perf-log.md v25;
     its protocol is replayed in tests/test_ws_protocol.py):
     a tile's last P V is issued with the next tile's first S in that tile's turn, and its epilogue runs after
     the next tile's first softmax; the consumers take one more step, which flushes the last tile. Every
@@ -628,7 +628,7 @@ def test_pack_gqa_option_packs_a_group_into_one_tile():
 ])
 def test_library_forward_packs_gqa_where_it_fits(cfg, packs):
     """The library's forward (``fwd.build_fwd``, options from ``config.fwd_ws_options``) is the packed
-    kernel where ``config.pack_gqa_fits`` (measured on the H200, docs/perf.md v18: o and lse bitwise
+    kernel where ``config.pack_gqa_fits`` (measured on the H200, docs/perf-log.md v18: o and lse bitwise
     equal to the unpacked kernel, gpt-oss SWA 1.11x, varlen 1.36-1.39x), TIR for TIR, and the unpacked
     one elsewhere; custom tiles that cannot pack fall back instead of refusing."""
     from flashsink.ops.config import fwd_tiles, fwd_ws_options, pack_gqa_fits
@@ -779,7 +779,7 @@ def _waits_after_pins(text: str) -> list:
 def test_pin_wait_option_stores_l_before_each_wait_for_pv(d, tiles, opts):
     """``build_fwd_ws(pin_wait=True)``: one shared buffer of the tile's rows more, and the normalizer ``l``
     stored to it right before the wait for the previous tile's P V product, the one wait that follows a
-    softmax (ptxas otherwise hoists that wait above the softmax, docs/perf.md v20); the other waits
+    softmax (ptxas otherwise hoists that wait above the softmax, docs/perf-log.md v20); the other waits
     (the first tile's S, the last tile's P V) stay as they are, and so does everything else: the option
     off is what build_fwd_ws builds unasked, TIR for TIR."""
     from flashsink.ops.fwd_ws import build_fwd_ws

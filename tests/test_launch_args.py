@@ -374,7 +374,7 @@ def test_split_backward_launches(monkeypatch, launches, case):
 
 @pytest.mark.parametrize("case", DENSE, ids=lambda c: f"{c[7]}-B{c[0]}-H{c[1]}-HK{c[2]}-N{c[3]}x{c[4]}-D{c[5]}")
 def test_dq_cast_backward_launches(monkeypatch, launches, case):
-    """With ``config.DQ_CAST`` on (off until measured, docs/perf.md v17), the unsplit fast backward is the
+    """With ``config.DQ_CAST`` on (off until measured, docs/perf-log.md v17), the unsplit fast backward is the
     preprocess (which zeroes the dQ accumulator) and the main kernel built with ``dq_cast``, which gets
     dQ and int32 counts ``[B, H, row blocks]`` arriving zeroed after dV, and no postprocess; the kinds a
     first use builds drop the postprocess where no split kernel needs it."""

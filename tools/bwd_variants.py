@@ -33,7 +33,7 @@ PROBLEMS = {
 }
 H, HK = 64, 8
 #: fast against strict differs by one rounding of P and dS to the input dtype: measured 2.7e-3
-#: (bf16), 3.2e-4 (fp16) (docs/perf.md v6); a variant past this is wrong, not imprecise
+#: (bf16), 3.2e-4 (fp16) (docs/perf-log.md v6); a variant past this is wrong, not imprecise
 MAX_REL_L2 = 1e-2
 #: seconds a child process gets to run one variant once, and to start (load its kernels)
 PROBE_TIMEOUT_S, PROBE_START_S = 60, 240
@@ -138,7 +138,7 @@ def _chosen(variants: list, only: str) -> list:
 
 def _variants_arg(ap, only: str) -> str:
     """``--variants`` as :func:`_chosen` takes it: "all" (the default) for every variant; an empty list is
-    refused, since on a GPU host it would compile every variant there (docs/perf.md v24: a list read with
+    refused, since on a GPU host it would compile every variant there (docs/perf-log.md v24: a list read with
     ``$(cat file)`` from a file that did not travel cost a device call)."""
     if only.strip() == "all":
         return ""

@@ -14,7 +14,7 @@ time it with ``triton.testing.do_bench`` (median). Prints one table per problem:
 (``4 * visible pairs * D``), speed-up over the default, max and relative L2 errors of o and lse.
 Kernels depend on (dtype, head dim) only, so problems sharing them compile them once.
 
-Compile on the CPU host first, so the device call compiles nothing (docs/perf.md v21: 35 kernels in 197 s
+Compile on the CPU host first, so the device call compiles nothing (docs/perf-log.md v21: 35 kernels in 197 s
 on 2 CPU cores, a 0.4 MB archive; the GPU host loaded every one from it): run the same command here with
 ``TILELANG_CACHE_DIR=$PWD/.tlcache`` (the probes and the timing then fail for want of CUDA, after the
 compile), ``tar -cJf .tlcache.tar.xz .tlcache``, carry it, and start the device command with
@@ -79,14 +79,14 @@ def _variants(d: int) -> list:
     # o stored from registers (build_fwd_ws(epilogue="regs")): no barrier of every consumer thread at a
     # tile's end, so the ping-pong's two warpgroups are not realigned at every query tile (windows: 2-3
     # KV tiles per query tile); at the forward's own tiles and at 128 rows (the windowed tiles D64 ran
-    # until docs/perf.md v15); and Q double-buffered (build_fwd_ws(q_slots=2)): the next query tile's Q
+    # until docs/perf-log.md v15); and Q double-buffered (build_fwd_ws(q_slots=2)): the next query tile's Q
     # loads while this one computes, instead of on the tile boundary. Head dim 64's forward is regs/q2
     # since v15 (config.fwd_ws_options); every other ws row names its options, smem and one slot unless
     # its label says otherwise
     out += [(f"ws/fold/{o} " + "x".join(map(str, t[:2])) + "/s2", t, "branch", False, o)
             for t in dict.fromkeys([own, (128, 128, 256, 2)]) for o in ("regs", "q2", "regs/q2")]
     # a GQA group's heads packed into one tile (build_fwd_ws(pack_gqa=True), FA4's default on Hopper): at
-    # W=128 a tile of 24 positions x 8 heads spans 2-3 KV tiles where 192 positions span 3 (perf.md v15);
+    # W=128 a tile of 24 positions x 8 heads spans 2-3 KV tiles where 192 positions span 3 (perf-log.md v15);
     # with the forward's own options (regs/q2) and without them; head dims 64 and 128 (fwd_ws._pack_rows)
     if d == 64:
         out += [(f"ws/fold/{o} 192x128/s2", own, "branch", False, o) for o in ("regs/q2/pack", "pack")]
@@ -119,7 +119,7 @@ def _variants(d: int) -> list:
     if d <= 64:  # and over D64's own 128-key tiles: at W=128 each warpgroup of a 192-row tile sees 2 of its 3
         out.append(("ws/fold/regs/q2/wgr 192x128/s2", own, "branch", False, "regs/q2/wgr"))
     # the wait for P V kept after the softmax (build_fwd_ws(pin_wait=True); ptxas hoists it above the softmax
-    # otherwise) and the mask by per-row key limits (mask_limits=True), both the library's since docs/perf.md
+    # otherwise) and the mask by per-row key limits (mask_limits=True), both the library's since docs/perf-log.md
     # v20: the forward's own kernel, the windowed kind's and strict's o32, each with neither, either and both
     mine = ("regs/q2/pack", own) if d <= 64 else ("", own)
     win = ("regs/q2/pack", (192, 64, 384, 3)) if d <= 64 else ("pack", (128, 64, 256, 3))
@@ -138,13 +138,13 @@ def _variants(d: int) -> list:
     # the output's rescale only where a warp's rows moved their pivot by more than 2**8 (lazy_rescale=8), with
     # and (the library's options since v21) without pin_wait
     out += [ws_row((o or "fold") + x, t) for o, t in (mine, win) for x in ("/pin/lim/lazy", "/lim/lazy")]
-    # the persistent programs in round-robin (build_fwd_ws(snake=False), the order until docs/perf.md v23)
+    # the persistent programs in round-robin (build_fwd_ws(snake=False), the order until docs/perf-log.md v23)
     # against the snake, the library's since then: the same kernels otherwise
     out += [ws_row((o or "fold") + "/lim/rr", t) for o, t in (mine, win)]
     if d == 128:  # FlashAttention-4's causal forward at D128 on Hopper: a GQA group packed into 128x128 tiles
         out += [ws_row("pack/lim" + x, own) for x in ("", "/lazy")]
     # each consumer warpgroup's rows of o staged in shared memory and stored 16 bytes a thread (epilogue="wg"),
-    # and the next tile's Q loaded before this tile's K and V (q_ahead: two or three Q slots), docs/perf.md v24
+    # and the next tile's Q loaded before this tile's K and V (q_ahead: two or three Q slots), docs/perf-log.md v24
     if d <= 64:
         out += [ws_row(x, t) for t in (own, win[1]) for x in
                 ("regs/q2/pack/lim/qa", "regs/q3/pack/lim/qa", "wg/q2/pack/lim", "wg/q2/pack/lim/qa",
@@ -152,7 +152,7 @@ def _variants(d: int) -> list:
     else:
         out += [ws_row(x, own) for x in ("wg/lim",)]
         out += [ws_row(x, win[1]) for x in ("q2/pack/lim/qa", "wg/pack/lim", "wg/q2/pack/lim/qa")]
-    # the row tiles back to back (build_fwd_ws(chain=True), docs/perf.md v25): a tile's last P V issued with the
+    # the row tiles back to back (build_fwd_ws(chain=True), docs/perf-log.md v25): a tile's last P V issued with the
     # next tile's first S, its epilogue after that tile's first softmax; the windowed kind's options with it,
     # and the forward's own (causal: one row tile in ~43 KV tiles, so little to gain there)
     if d <= 64:
@@ -172,7 +172,7 @@ def _variants(d: int) -> list:
         out += [ws_row("tma/q2/pack/lim", win[1]), ws_row("tma/q2/pack/lim", own)]
         # four consumer warpgroups (256 rows: 32 positions of 8 heads; 112 registers a consumer thread): at W=128
         # a row tile then always sees 3 KV tiles of 64 (24 positions see 3-4), and the row tile's fixed cost
-        # (docs/perf.md v24: 4.06 us against 1.05 us a KV tile) is shared by a third more rows
+        # (docs/perf-log.md v24: 4.06 us against 1.05 us a KV tile) is shared by a third more rows
         out += [ws_row(x, (256, 64, 512, st)) for x in ("tma/q2/pack/lim", "tma/pack/lim") for st in (2, 3)]
         out += [ws_row(x, (256, 64, 512, st)) for x, st in (("wg/q2/pack/lim", 3), ("tma/q2/pack/lim", 4),
                                                               ("tma/q3/pack/lim/qa", 3))]
@@ -188,7 +188,7 @@ def _variants(d: int) -> list:
         out += [ws_row("wg/q2/pack/lim", (128, 64, 256, st)) for st in (2, 4)]
         out += [ws_row("tma/q2/pack/lim", win[1]), ws_row("tma/lim", own)]
         # golden's windowed tiles at 192 rows (three consumer warpgroups, 160 registers; 24 positions of 8 heads),
-        # as the 256-row tiles did for head dim 64 (docs/perf.md v28): a row tile's fixed cost over more rows
+        # as the 256-row tiles did for head dim 64 (docs/perf-log.md v28): a row tile's fixed cost over more rows
         out += [ws_row("tma/q2/pack/lim", (192, 64, 384, 3))]
         out += [ws_row("tma/q2/pack/lim/se", win[1]), ws_row("wg/lim/se", own)]
     return out
@@ -315,7 +315,7 @@ def main() -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--rounds", type=int, default=1,
                     help="time every variant this many times, one after another in turn (round-robin), and report "
-                         "the median: a GPU's clock drifts over a call (docs/perf.md v29: the same kernel 1.14 ms "
+                         "the median: a GPU's clock drifts over a call (docs/perf-log.md v29: the same kernel 1.14 ms "
                          "first in a run, 1.24 later), so one pass in order favours the first rows")
     ap.add_argument("--variants", default="all",
                     help="comma-separated: the variants whose label contains one of them, or '=label' exactly, as "

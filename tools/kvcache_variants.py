@@ -8,7 +8,7 @@ is timed alone with ``triton.testing.do_bench`` (median) at multiples of ``ops/k
 split count, then the whole call (``flashsink.attention_kvcache``) for reference, with the bytes each
 moves. Its correctness (odd lengths, rows past their capacity, bad pages, page sizes, windows) is
 tests/test_kvcache_gpu.py's, in the GPU suite; until v13 this tool also compared the per-load gather
-with the shared page table, bitwise (docs/perf.md v12-v13).
+with the shared page table, bitwise (docs/perf-log.md v12-v13).
 
 ``--aligned``: also the kernel built with ``aligned=True`` (a key tile's K and V as one TMA box of one page,
 pipelined; page sizes that are multiples of the key tile), compiled through TileLang's disk cache (compile
@@ -18,14 +18,14 @@ two query rows a sequence, a window, cache rows past each length and unused page
 block-table entry outside the cache, whose row both kernels must give as NaN), then timed beside it.
 
 ``--masked``: also the kernels built with ``branch=False`` (the per-element mask on every key tile, as before
-docs/perf.md v30: ``fwd_kvcache``'s gather and, with ``--split-layouts``, the split decode's kernel), timed beside
+docs/perf-log.md v30: ``fwd_kvcache``'s gather and, with ``--split-layouts``, the split decode's kernel), timed beside
 the library's in the same run, rows "masked ..."; through TileLang's disk cache, as ``--aligned``.
 
 ``--split-layouts``: also the split decode's kernel (``fwd_split.py``, ``attention``'s decode path) alone over
 contiguous caches in both padded layouts, ``[B, H_kv, S, D]`` (bhsd: a key tile is 16 KB contiguous) and
 ``[B, S, H_kv, D]`` (bshd: 128-byte rows 1 KB apart, as in a page), at ``decode.n_splits_for``'s split
 count: whether the paged cache's layout, rather than its gather, is what holds ``attention_kvcache`` under
-the split decode (docs/perf.md v29, Next 4). Through TileLang's disk cache, as ``--aligned``.
+the split decode (docs/perf-log.md v29, Next 4). Through TileLang's disk cache, as ``--aligned``.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ a profiler to attach to and compare the two kernels side by side:
 ``kernel_cutlass_kernel_flash_attncuteflash_fwd_sm90FlashAttentionForwardSm90_...``).
 
 ``NCU_SHAPE`` B,H,HKV,N,D[,W] (default 1,64,8,4096,128: causal bf16 D128, where the library's forward is
-0.90x FA4's, docs/perf.md v22). FA4 must be importable (``source .fa4/setup.sh`` on the GPU host); without
+0.90x FA4's, docs/perf-log.md v22). FA4 must be importable (``source .fa4/setup.sh`` on the GPU host); without
 it only the library's forward runs, and the script says so. The two outputs are checked against each other
 (bf16 relative L2), so a profile of a wrong kernel does not pass unnoticed.
 """

@@ -401,7 +401,7 @@ def build_bwd(cfg: KernelConfig, tiles=None, dq_bulk=None, overlap=None, split=N
         # the launch order: TileLang's pipelined kernels keep it (schedule.by_work's index arithmetic
         # confuses TileLang 0.1.15's shared-memory sync placement here: at D64 the longest-first
         # strict kernel gave wrong gradients on the H200 and the launch-order variant of the flat
-        # grid did not compile, 2026-12-04, docs/perf.md v10); ``swap`` gets the longest-first order
+        # grid did not compile, 2026-12-04, docs/perf-log.md v10); ``swap`` gets the longest-first order
         # from the grid's own dims instead (KV heads along x, tiles along y), the same TIR otherwise
         with T.Kernel(*grid_dims(n_tiles, heads_kv * split, swap), n_seqs, threads=t.threads) as (g0, g1, b):
             bx, hs = grid_coords(g0, g1, n_tiles, longest_last=False, on=swap)

@@ -16,7 +16,7 @@ wgmma per tile instead of five.
 
 Why not TileLang's own warp specialization (``T.Pipelined``): its consumers wait for every
 product (``T.gemm``) and issue the dQ reduce-add themselves, then wait for it, with four
-barriers between the two consumers per tile (docs/perf.md, v6).
+barriers between the two consumers per tile (docs/perf-log.md, v6).
 """
 
 import tilelang.language as T
@@ -196,7 +196,7 @@ def build_bwd_ws(cfg: KernelConfig, t, split: int, lpt: bool = True, branch: boo
             # the whole warp reaches the copy: TileLang issues it from one lane it elects with elect.sync,
             # which needs every lane of the warp (issued under ``tx == ...`` alone, the elected lane
             # waited for the other 31 at elect.sync while they waited on cast_full: the hang the H200
-            # showed, docs/perf.md v18); the elected lane's expect_tx precedes its own arrival, and the
+            # showed, docs/perf-log.md v18); the elected lane's expect_tx precedes its own arrival, and the
             # phase needs all 32 arrivals
             T.tma_copy(acc_tile(dQAcc, layout, b, head, row0, bm), cast_s, barrier=cast_full)
             T.barrier_arrive(cast_full)

@@ -251,7 +251,7 @@ def narrow_elections(source: str) -> list[int]:
     ``tl::tl_shuffle_elect<extent>``, ``elect.sync`` over the full warp, where ``extent`` is the number
     of threads of the branch around it. Under a branch of fewer than 32 threads (``if tx == ...``
     around a ``T.tma_copy``) the elected lane waits at ``elect.sync`` for lanes that never come: the
-    kernel hangs (the H200 showed it, docs/perf.md v18). 0 means the whole block and is fine."""
+    kernel hangs (the H200 showed it, docs/perf-log.md v18). 0 means the whole block and is fine."""
     return sorted({int(n) for n in _ELECT.findall(source) if 0 < int(n) < 32})
 
 
@@ -474,7 +474,7 @@ def _build_config(kind: str, cfg: KernelConfig) -> None:
     in this process, which has its imports done, while worker processes (TileLang's lowering holds
     the GIL in its Python parts) build the others, longest first: a spawned worker spends ~3.5 s on
     its interpreter and imports before its first kernel, and that is then off the first use's
-    critical path (docs/perf.md, "First use: where the compile time goes"). With fewer workers than
+    critical path (docs/perf-log.md, "First use: where the compile time goes"). With fewer workers than
     kernels, this process then builds those no worker has started."""
     wanted = [k for k in kinds.first_use_kinds(kind, cfg) if (k, cfg) not in _cache]
     missing = []

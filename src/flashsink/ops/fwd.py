@@ -61,7 +61,7 @@ def build_fwd(cfg: KernelConfig, tiles: Tiles | None = None, mask: str | None = 
     window's leading edge with it; ``"flag"``, one loop whose select ORs a per-tile "wholly
     visible" scalar into the mask (``block_range.full_kv_blocks_for_rows`` says which tiles are);
     ``"branch"``, one loop that branches on that scalar around the select (registers only: the
-    backward's per-tile branch failed ThreadSync, docs/perf.md v5, with shared memory inside);
+    backward's per-tile branch failed ThreadSync, docs/perf-log.md v5, with shared memory inside);
     ``fold_scale``, the logits kept unscaled until the exponent, where the scale folds into one
     FMA as in TileLang's flash-attention examples (``softmax.update``). ``fold_scale`` needs
     ``scale > 0``: the running maximum is taken over the unscaled logits.

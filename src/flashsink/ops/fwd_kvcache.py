@@ -18,7 +18,7 @@ The split-KV kernel of ``fwd_split.py`` with the keys read through a block table
 - only the key tiles that some query row of the tile does not see whole (the rows' last keys, a
   window's leading edge) take the per-element mask; the others are only scaled
   (``block_range.full_kv_blocks_for_rows``, one branch a tile: ``mask.branch_tile``): the gather's key loop 1,452 -> 1,069
-  instructions a wholly visible tile (sm_90a SASS, docs/perf.md v30).
+  instructions a wholly visible tile (sm_90a SASS, docs/perf-log.md v30).
 - checks on the device, instead of on the host (no sync): a length outside ``[0, max_pages *
   page_size]`` gives NaN partials for the whole row (nothing is read); a used page index outside
   ``[0, num_pages)`` is not read: its keys are NaN, so every query row that sees such a key gets
@@ -49,19 +49,19 @@ def build_fwd_kvcache(cfg: KernelConfig, prefetch: bool = True, aligned: bool = 
     block table inside the load's address, the code generator computed it in 64-bit integers (the
     cache's flat index is 64-bit), several 64-bit divisions by ``page_size`` per load, each a called
     routine (sm_90a SASS: 160 call sites; 40 with the table, none in the key loop); that kernel moved
-    290-330 GB/s on the H200 against 720-1000 with the table (decode B=8, 4k-64k keys; docs/perf.md
+    290-330 GB/s on the H200 against 720-1000 with the table (decode B=8, 4k-64k keys; docs/perf-log.md
     v13), with the same partials bitwise.
 
     ``prefetch`` (the default): the key loop gathers the next tile's K/V rows into registers before this
     tile's products and softmax, and stores them to shared memory at the next step's start, so the
     gather's loads are in flight while the tile computes. Without it each tile's gather is a plain load
     that the products wait for (``T.Pipelined`` does not make a conditional gather asynchronous:
-    TileLang 0.1.15 emits the same code for it, docs/perf.md v22), and ``attention_kvcache`` moved
+    TileLang 0.1.15 emits the same code for it, docs/perf-log.md v22), and ``attention_kvcache`` moved
     680-960 GB/s where ``attention``'s split-KV decode moves 1,240-2,520 on the same keys (v23, H100).
     The same gather either way, so the same partials; 64 more registers per thread for the two tiles
     (ptxas: 241 at sm_90a, 187 at sm_80, no spills).
 
-    ``aligned`` (an option for tools/kvcache_variants.py, measured slower, docs/perf.md v29): for a page size
+    ``aligned`` (an option for tools/kvcache_variants.py, measured slower, docs/perf-log.md v29): for a page size
     that is a multiple of the key tile (the caller's to ensure; vLLM's and FlashInfer's 16-256 pages against
     D64's 128-key tiles are not all), a key tile wholly below its row's length lies in one page, so it is one
     affine box, ``K[page, off:off + bn, kv_head, :]``, which ``T.Pipelined`` loads asynchronously (TMA on
@@ -75,13 +75,13 @@ def build_fwd_kvcache(cfg: KernelConfig, prefetch: bool = True, aligned: bool = 
     a producer warpgroup beside 240-register consumers, keep fewer bytes in flight an SM than the gather's
     programs, each holding its next tile in registers). A page index outside the cache is not read (page 0 is,
     its logits then NaN, as the gather's NaN keys make them). ``stages`` (with ``aligned``; 0: ``split_tiles``'
-    two): the pipeline's TMA stages, more bytes in flight a program (docs/perf.md v29, Next 4; not measured yet).
+    two): the pipeline's TMA stages, more bytes in flight a program (docs/perf-log.md v29, Next 4; not measured yet).
     (The block table's entries of a split read into shared memory before the loop, so that the producer's TMA
     issue waits on shared memory instead of a global load, did not compile: TileLang 0.1.15 ran over 200 s
     on it and was stopped.)
 
     ``branch`` (the default; False for tools/kvcache_variants.py's "masked" rows): the per-element mask only on the
-    key tiles that need it (the module's docstring); False masks every tile, as before docs/perf.md v30."""
+    key tiles that need it (the module's docstring); False masks every tile, as before docs/perf-log.md v30."""
     if aligned and prefetch:
         raise ValueError("build_fwd_kvcache: aligned=True loads its tiles through T.Pipelined; pass prefetch=False")
     if stages and not aligned:
@@ -245,7 +245,7 @@ def build_fwd_kvcache(cfg: KernelConfig, prefetch: bool = True, aligned: bool = 
                     T.copy(_box(K, BlockTable, b, kv_head, kb * bn, seq_kv, bn, page_size, num_pages), k_s)
                     scores(q_s, k_s, acc_s, p0, _box_key0(kb * bn, seq_kv, bn), seq_kv, window, scale_log2, kb, full)
                     # the page's check once a tile (inside the loop below it would be a load and a 64-bit division
-                    # an element: 8x slower, docs/perf.md v29)
+                    # an element: 8x slower, docs/perf-log.md v29)
                     page_ok[0] = T.if_then_else(_page_ok(BlockTable, b, kb * bn, page_size, num_pages), 1, 0)
                     for i, j in T.Parallel(bm, bn):  # keys of the tile before: out; a page outside the cache: NaN
                         acc_s[i, j] = T.if_then_else(

@@ -5,7 +5,7 @@ and its LSE without the sink. ``decode.py`` decides when to use it and merges th
 Only the key tiles that some query row does not see whole (the rows' last keys, a window's leading
 edge) take the per-element mask; the others are only scaled (``block_range.full_kv_blocks_for_rows``,
 one branch a tile: ``mask.branch_tile``, as in the backward). A decode split streams tens of tiles, nearly all wholly visible: the mask was 41%
-of the key loop's instructions (sm_90a SASS: 870 -> 503 a wholly visible tile, docs/perf.md v30).
+of the key loop's instructions (sm_90a SASS: 870 -> 503 a wholly visible tile, docs/perf-log.md v30).
 """
 
 import tilelang.language as T
@@ -19,7 +19,7 @@ from .mask import branch_tile, in_blocks, scale_logits, visible
 
 def build_fwd_split(cfg: KernelConfig, branch: bool = True):
     """The kernel; ``branch=False`` (tools/kvcache_variants.py's "masked" rows): the per-element mask on every key
-    tile, as before docs/perf.md v30."""
+    tile, as before docs/perf-log.md v30."""
     t = split_tiles(cfg)
     bm, bn = t.block_m, t.block_n
     dim, dim_v, groups, layout = cfg.head_dim, cfg.head_dim_v, cfg.groups, cfg.layout

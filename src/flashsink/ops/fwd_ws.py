@@ -1,6 +1,6 @@
 """The forward, warp-specialized by hand for Hopper (FlashAttention-3's schedule).
 
-Same outputs and arguments as ``fwd.build_fwd`` (o and lse bitwise equal, docs/perf.md v9), a
+Same outputs and arguments as ``fwd.build_fwd`` (o and lse bitwise equal, docs/perf-log.md v9), a
 different schedule: a persistent grid of programs looping over the (row tile, head, sequence) tiles,
 each with ``block_m / 64`` consumer warpgroups (each owns 64 query rows of the tile) and one producer
 warpgroup:
@@ -79,7 +79,7 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
     every other round of tiles in reverse (``schedule.persistent_tile``), so the programs that take a
     round's longest causal tiles take the next round's shortest; round-robin left the first programs
     ~4-6% more work than the mean on gpt-oss's causal problems (a model, the function's docstring).
-    Measured on an H100 in one run (docs/perf.md v23): causal D128 N4096 0.5159 -> 0.4962 ms, causal D64
+    Measured on an H100 in one run (docs/perf-log.md v23): causal D128 N4096 0.5159 -> 0.4962 ms, causal D64
     N8192 1.2433 -> 1.2117, windowed problems unchanged; o and lse bitwise the same.
 
     ``per_sm`` (an option for tools/fwd_variants.py): programs an SM, the persistent grid ``ctas * per_sm``
@@ -87,7 +87,7 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
     one program's row-tile chain (the wait for Q, the first softmax, the last P V, the epilogue) would
     run while another's products have the tensor cores. ptxas allocates the whole kernel at the launch
     bound, not at the consumers' setmaxnreg, so only one consumer warpgroup a program fits at two (128
-    registers; two consumers get 80 and spill). Measured on an H100 in two runs (docs/perf.md v26): gpt-oss
+    registers; two consumers get 80 and spill). Measured on an H100 in two runs (docs/perf-log.md v26): gpt-oss
     SWA's 64x64 tiles at two an SM 0.0674-0.0697 ms against the windowed kind's 0.0646-0.0652 (192x64,
     one an SM); golden at 64x64 0.1296 against 0.0880-0.0884.
 
@@ -97,7 +97,7 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
     ``fold``: the scale folded into the exponent's FMA (``softmax.update``'s ``scale_log2``; needs a
     positive scale: ``config.fwd_fold``, and the kind ``fwd_unfolded`` for the others).
 
-    ``fma_every`` (an option for tools/fwd_variants.py; measured 14-30% slower, docs/perf.md v13: the
+    ``fma_every`` (an option for tools/fwd_variants.py; measured 14-30% slower, docs/perf-log.md v13: the
     forward is bound by issue slots, not the MUFU): one column group of 8 in every
     ``fma_every`` takes its exponentials on the FMA pipe (``softmax.exp2_fma``), the others on the MUFU:
     at head dim 64 a tile's 8192 exponentials per consumer take the MUFU (16 per cycle per SM) about as
@@ -109,26 +109,26 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
     takes Delta = rowsum(dO * O) in a memory-bound pass (``bwd.build_preprocess(o32=True)``) instead of
     recomputing P and dP. Why two terms: with P rounded once, that Delta moves dsink off the precision
     standard (float64 emulation, fp16 D64 N1024: dsink relative L2 1.7e-3, 2 of 4 heads outside the
-    tolerance); with two, dsink's error is 1e-7 to 3e-6, as with the exact Delta (docs/perf.md v13).
+    tolerance); with two, dsink's error is 1e-7 to 3e-6, as with the exact Delta (docs/perf-log.md v13).
 
     ``epilogue`` (``config.fwd_ws_options``: "regs" at head dim 64, "wg" at 128 and in the windowed kind
     ``fwd_window``, "smem" elsewhere): "smem" stages each tile's o in
     shared memory between two barriers of every consumer thread, then stores it row by row; "regs"
     stores o from each thread's registers (cast to the input dtype), so the consumer warpgroups never
     wait for each other at a tile's end. With 2-3 KV tiles per query tile (windows of 128 keys) that
-    wait, twice per tile, realigns the ping-pong's two warpgroups at every tile (docs/perf.md v14, measured in v15).
+    wait, twice per tile, realigns the ping-pong's two warpgroups at every tile (docs/perf-log.md v14, measured in v15).
 
     ``epilogue="wg"``: each consumer warpgroup stages its own 64 rows of o in shared memory between two
     barriers of its own 128 threads (``STORE_BARRIER + wg``; the warpgroups never wait for each other),
     then stores them 16 bytes a thread (``layout.store_rows_vec``): whole rows per warp, where "regs"
     writes 4 bytes of a row a store, half a 32-byte sector, and queues 16 stores a thread per tile. ncu
-    on gpt-oss SWA's windowed kernel (docs/perf.md v24): 48% of the kernel's L2 sectors were those
+    on gpt-oss SWA's windowed kernel (docs/perf-log.md v24): 48% of the kernel's L2 sectors were those
     halves, and the stores' queue held up the next tile's first instructions. Measured on an H100 in one
-    run (tools/fwd_variants.py, docs/perf.md v24), o and lse bitwise the same: SWA's windowed kernel
+    run (tools/fwd_variants.py, docs/perf-log.md v24), o and lse bitwise the same: SWA's windowed kernel
     0.0783 -> 0.0659 ms (from "regs"), golden's 0.1107 -> 0.0956 (from "smem"), causal D128 the same, causal
     D64 N8192 1.2370 -> 1.2645 (from "regs", which it keeps).
 
-    ``epilogue="tma"`` (built in docs/perf.md v26, measured in v27; the kind ``fwd_window``'s epilogue in padded
+    ``epilogue="tma"`` (built in docs/perf-log.md v26, measured in v27; the kind ``fwd_window``'s epilogue in padded
     layouts since v28, ``config.fwd_ws_options``): as
     "wg", but one thread of each consumer warpgroup stores its staged rows by TMA (boxes of 8 rows and 64
     columns, ``_store_o_tma``) after a proxy fence, and waits for the stores to have read the buffer only
@@ -145,13 +145,13 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
     ``q_ahead``: the producer loads the next tile's Q before this tile's K and V (the first tile's before
     its loop), where otherwise it comes after them: with few KV tiles per query tile (windows) the ring
     then holds the producer back until the consumers are nearly through the tile, and the next Q lands
-    late (ncu, docs/perf.md v24: the consumers' wait for Q was the largest single stall of the SWA
+    late (ncu, docs/perf-log.md v24: the consumers' wait for Q was the largest single stall of the SWA
     kernel's tile prologue). With two slots the load waits for the previous tile's last S product; with
     three, for the one before that. An option for tools/fwd_variants.py: measured slower (H100, v24, against
     the "wg" epilogue without it): SWA's windowed kernel 0.0659 -> 0.0717 ms with two slots, 0.0671 with
     three (not profiled; a guess: the early load holds back the producer's K/V loads of this tile).
 
-    ``chain`` (an option for tools/fwd_variants.py, docs/perf.md v25; measured slower on an H100 in v26:
+    ``chain`` (an option for tools/fwd_variants.py, docs/perf-log.md v25; measured slower on an H100 in v26:
     gpt-oss SWA's windowed kernel 0.0651 -> 0.0708 ms, golden's 0.0961 -> 0.1124, causal D64 N8192 1.2060
     -> 1.2952, o and lse off the tool's reference by the same amounts as the default's): the persistent
     consumers' row tiles run back to back. A tile's last P V product is not issued at its end but with the
@@ -171,12 +171,12 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
     registers, no spills, like the default.
 
     ``pack_gqa`` (``config.fwd_ws_options``: on at head dim 64 where ``config.pack_gqa_fits``, measured
-    on the H200, docs/perf.md v18, and at 128 in the windowed kind ``fwd_window``, v19;
+    on the H200, docs/perf-log.md v18, and at 128 in the windowed kind ``fwd_window``, v19;
     FlashAttention-4's default on Hopper): a tile holds the ``groups`` query heads of one KV head, ``block_m / groups`` positions of
     each, head after head (row ``i``: head ``h0 + i // P``, position ``p0 + i % P``), so one K/V tile
     serves the whole group. Under a narrow window a tile then spans fewer keys: at W=128 and 192 rows
     of 8 heads, 24 positions see 151 keys (2-3 KV tiles of 128) where 192 positions see 319 (3),
-    ~29% fewer products and softmax passes per row (docs/perf.md v15). Padded layouts; ``groups``
+    ~29% fewer products and softmax passes per row (docs/perf-log.md v15). Padded layouts; ``groups``
     must divide ``block_m`` into whole 8-row groups (the shared-memory swizzle's atom). The tiles run
     over the statistics' padded rows, so every lse row (padding included) is written as without it.
     Packed batches (thd) pack the same way: the varlen tile scheduler (``schedule.py``) hands out
@@ -198,7 +198,7 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
     the softmax depends on it, so without the store it hoists the wait to the top of the softmax's block,
     right after the mask: the tile's row maximum, exponentials and sums then run after P V has finished
     instead of beside it, which undoes the intra-warpgroup overlap above (cuobjdump -sass of the sm_90a
-    cubins, every forward kind, docs/perf.md v20). It keeps shared-memory stores before the wait, and the
+    cubins, every forward kind, docs/perf-log.md v20). It keeps shared-memory stores before the wait, and the
     store needs ``l``, the last value of the softmax's chain. Off by default: measured slower
     (``config.FWD_PIN_WAIT`` has the numbers).
 
@@ -212,17 +212,17 @@ def build_fwd_ws(cfg: KernelConfig, t: Tiles, ctas: int | None = PERSISTENT_CTAS
     skips the output's rescale when none of its rows moved (``softmax.rescale``'s ``need``): after a row's
     first tiles most tiles skip ``dim_v / 2`` multiplies per thread on the path between one tile's P V
     product and the next. FlashAttention-4's conditional rescaling (it uses 8). Not with ``o32``. With
-    ``pin_wait`` it made up what the pin cost (docs/perf.md v21); without it, against the library's
+    ``pin_wait`` it made up what the pin cost (docs/perf-log.md v21); without it, against the library's
     options (v23, H100, one run), it loses: causal D64 N8192 1.2117 -> 1.2603 ms, causal D128 N4096 0.4962 ->
     0.5016; o within one more rounding (bf16 relative L2 ~3e-3 against the exact pivot's ~1e-3 between
     tilings). So it stays an option.
 
-    ``sink_early`` (an option for tools/fwd_variants.py, measured within the runs' spread, docs/perf.md v29:
+    ``sink_early`` (an option for tools/fwd_variants.py, measured within the runs' spread, docs/perf-log.md v29:
     gpt-oss SWA at 256 rows 0.0556 -> 0.0562 ms, golden 0.0852 -> 0.0845, causal D64 1.1950 -> 1.1956, five
     passes round-robin on an H100): a row tile's sink logits loaded at
     its start and turned into the softmax's state only after the wait for Q (``softmax.load_sinks``,
     ``softmax.init_from``), where :func:`softmax.init_state` loads and uses them before that wait. ncu on gpt-oss
-    SWA's windowed kernel (docs/perf.md v28, call 6): the multiply by log2(e) right after the load held 1.5% of
+    SWA's windowed kernel (docs/perf-log.md v28, call 6): the multiply by log2(e) right after the load held 1.5% of
     the samples on the long scoreboard, once a row tile. Not with ``chain`` or ``wg_ranges``."""
     if lazy_rescale < 0:
         raise ValueError(f"lazy_rescale must be 0 (off) or a positive threshold in base 2, got {lazy_rescale!r}")

@@ -24,7 +24,7 @@ asks :func:`locate` which sequence and which tile of it a program has.
 
 Why not a prefix sum of tiles per sequence computed by the host with torch ops (FlashAttention's
 way, ``cumsum(ceil(len / block))``) and searched the same way: it costs as many loads, a few torch
-calls per launch (5-15 us each on the H200's host, docs/perf.md), a tensor more in every packed
+calls per launch (5-15 us each on the H200's host, docs/perf-log.md), a tensor more in every packed
 kernel's signature, and its grid is the same upper bound (the host cannot know the exact count
 without a sync), so it leaves as many programs idle.
 
@@ -115,11 +115,11 @@ def by_work(p, n_tiles, heads, longest_last: bool, lpt: bool = True):
     Order ``(tile, head)`` instead of the launch's natural ``(head, tile)`` (each head's tiles in a
     row, a sawtooth of long and short): for the causal main backward at N=4096, 32 KV tiles x 8 KV
     heads = 256 programs on 132 SMs, a greedy simulation gives a makespan 1.59x the ideal in the old
-    order and 1.00x in this one, and the H200 measured 1.56x with the mask branch (docs/perf.md v10).
+    order and 1.00x in this one, and the H200 measured 1.56x with the mask branch (docs/perf-log.md v10).
 
     Used by the hand warp-specialized main backward (``bwd_ws.py``), which places its syncs by hand.
     TileLang's pipelined kernels keep the launch order: this index arithmetic misleads TileLang
-    0.1.15's automatic sync placement (wrong gradients or a compile error, docs/perf.md v10); there
+    0.1.15's automatic sync placement (wrong gradients or a compile error, docs/perf-log.md v10); there
     :func:`grid_dims` and :func:`grid_coords` take the same order from the grid's own layout instead
     (``bwd.build_bwd(swap=True)``, the strict preprocess's ``lpt``).
 
