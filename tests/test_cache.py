@@ -306,7 +306,7 @@ def test_real_errors_are_not_retried(tmp_path, monkeypatch):
 @pytest.mark.l0
 def test_a_kernel_that_would_hang_is_a_compile_error(tmp_path, monkeypatch):
     """A kernel whose CUDA elects a lane under a branch of fewer than 32 threads (``elect.sync`` waits
-    for lanes that never come: the H200 hang of the first dq_cast kernel, docs/perf.md v18) fails its
+    for lanes that never come: the H200 hang of the first dq_cast kernel, docs/perf-log.md v18) fails its
     compile, not retried, instead of hanging at its first launch; elections over whole warps, warpgroups
     and the block (0) pass."""
     assert lowering.narrow_elections("tl_shuffle_elect<0>() tl_shuffle_elect<32>() tl_shuffle_elect<384>()") == []

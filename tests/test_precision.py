@@ -403,7 +403,7 @@ def test_fast_gate_floor_of_the_rounded_o():
 
 
 def test_fast_gate_one_key_with_a_lucky_torch():
-    """The GPU suite's N=1 flake (docs/perf.md v21, v25): one visible key, 16 query heads on one KV head,
+    """The GPU suite's N=1 flake (docs/perf-log.md v21, v25): one visible key, 16 query heads on one KV head,
     bf16. dS = P (dP - Delta) = P (1 - P) dO.v cancels where P is near 1, so O's rounding, which Delta
     carries, dominates dk's error. This draw (seed 296) of the kernel's arithmetic (Delta from the
     rounded O, dS rounded to bf16, dk rounded) fails the gate against torch's lucky bf16 error alone, and

@@ -46,7 +46,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("recorded", nargs="?", default=None,
                     help="a suite run's recorded.jsonl (FLASHSINK_RECORD_KERNELS; default: the copy in tools/, "
-                         "from the suite of docs/perf.md v21)")
+                         "from the suite of docs/perf-log.md v21)")
     ap.add_argument("--jobs", type=int, default=None, help="compile processes (default one per CPU)")
     args = ap.parse_args()
     from precompile_gpu_cases import suite_pairs

@@ -72,7 +72,7 @@ Edge cases:
       It is far below torch's own error on most problems (~0.2 u against ~1.4 u at 96 tokens), but at
       one visible key dS = P (1 - P) dO.v cancels where P is near 1, O's rounding dominates, and torch
       in the dtype can be lucky: the kernel's arithmetic failed 16 of 2,000 seeds of the GPU suite's
-      N=1 case without this floor and none with it (docs/perf.md v25). L2 bound and element guard:
+      N=1 case without this floor and none with it (docs/perf-log.md v25). L2 bound and element guard:
       ``1.5 * max(||lowp - e||, u * ||e||, ||e_O - e||)``, ``4 * max(max |lowp - e|, max |e_O - e|) +
       atol_small``.
     * ``e`` all zero: the floor is 0, so the bound is ``1.5 * ||lowp||`` (exact zeros when lowp is).

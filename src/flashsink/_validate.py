@@ -444,7 +444,7 @@ def validate_varlen(
     # (no host reads) and on meta tensors (no values) the ops check them where they run (check_varlen_op).
     # CUDA offsets already checked and unchanged since (the same tensor, its version counter, total and
     # max_seqlen: the layers of one step share them) are not copied again: the copy waits for the GPU,
-    # which made every eager varlen call as slow as its host path (H200, docs/perf.md v11).
+    # which made every eager varlen call as slow as its host path (H200, docs/perf-log.md v11).
     tq, tk = q.shape[0], k.shape[0]
     if (not _tracing() and cu_seqlens_q.device.type != "meta"
             and not (_checked(cu_seqlens_q, tq, max_seqlen_q) and _checked(cu_seqlens_k, tk, max_seqlen_k))):

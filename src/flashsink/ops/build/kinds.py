@@ -71,7 +71,7 @@ class Kind:
     #: use builds the kernels of its own route only (:func:`first_use_kinds`)
     route: str = "dense"
     #: about how many seconds one build takes, serially (tools/compile_time.py on the 2-core CPU machine,
-    #: docs/perf.md "First use: where the compile time goes"; measured for fwd, preprocess, bwd
+    #: docs/perf-log.md "First use: where the compile time goes"; measured for fwd, preprocess, bwd
     #: and postprocess, the others set by the kernel they resemble; fwd_kvcache builds slowest of all): a
     #: first use builds the longest in its own process and the others in workers longest first, so only
     #: their order matters
@@ -126,7 +126,7 @@ def first_use_kinds(name: str, cfg: KernelConfig) -> tuple:
     """What the first launch of kernel ``name`` for ``cfg`` builds, in parallel: ``name`` and the other
     kernels of :func:`kinds_for` on its route. A training step's first call builds the forward and
     backward kernels, not the split-KV decode pair, which compiles the slowest of all (~23 s on the
-    H200's host, docs/perf.md v9) and which a training step never launches; the first decode call
+    H200's host, docs/perf-log.md v9) and which a training step never launches; the first decode call
     builds that pair. (``flashsink precompile`` builds every route at once.)"""
     route = KINDS[name].route
     return tuple(dict.fromkeys((name, *(k for k in kinds_for(cfg) if KINDS[k].route == route))))

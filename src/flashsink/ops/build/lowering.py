@@ -30,7 +30,7 @@ def narrow_elections(source: str) -> list[int]:
     ``tl::tl_shuffle_elect<extent>``, ``elect.sync`` over the full warp, where ``extent`` is the number
     of threads of the branch around it. Under a branch of fewer than 32 threads (``if tx == ...``
     around a ``T.tma_copy``) the elected lane waits at ``elect.sync`` for lanes that never come: the
-    kernel hangs (the H200 showed it, docs/perf.md v18). 0 means the whole block and is fine."""
+    kernel hangs (the H200 showed it, docs/perf-log.md v18). 0 means the whole block and is fine."""
     return sorted({int(n) for n in _ELECT.findall(source) if 0 < int(n) < 32})
 
 

@@ -56,7 +56,7 @@ def _build_config(kind: str, cfg: KernelConfig) -> None:
     in this process, which has its imports done, while worker processes (TileLang's lowering holds
     the GIL in its Python parts) build the others, longest first: a spawned worker spends ~3.5 s on
     its interpreter and imports before its first kernel, and that is then off the first use's
-    critical path (docs/perf.md, "First use: where the compile time goes"). With fewer workers than
+    critical path (docs/perf-log.md, "First use: where the compile time goes"). With fewer workers than
     kernels, this process then builds those no worker has started."""
     wanted = [k for k in kinds.first_use_kinds(kind, cfg) if (k, cfg) not in _cache]
     missing = []

@@ -69,7 +69,7 @@ def forward_split(q, k, v, sinks32, cfg, spec, window, sm_count: int, lse_rows: 
 
     B, H, Sq, Dv = spec.batch, spec.heads, spec.seq_q, cfg.head_dim_v  # the kernels' (padded) head dim
     S = n_splits_for(spec, cfg, sm_count)
-    # two allocations: on the GPU host a slice or a view costs as much as an allocation (perf.md v8)
+    # two allocations: on the GPU host a slice or a view costs as much as an allocation (perf-log.md v8)
     o_part = torch.empty((B, H, Sq, S, Dv), dtype=torch.float32, device=q.device)
     lse_part = torch.empty((B, H, Sq, S), dtype=torch.float32, device=q.device)
     get_kernel("fwd_split", cfg)(q, k, v, window, float(spec.scale) * LOG2E, o_part, lse_part)

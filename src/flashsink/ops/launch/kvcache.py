@@ -114,7 +114,7 @@ def kernel_attention_kvcache(spec, q, k_cache, v_cache, cache_seqlens, block_tab
     else:
         sinks32 = sinks if sinks.dtype == torch.float32 and sinks.is_contiguous() else sinks.to(torch.float32).contiguous()
     S = n_splits_for(spec, tiles, _sm_count(dev.index if dev.index is not None else torch.cuda.current_device()))
-    # two allocations: on the GPU host a slice or a view costs as much as an allocation (perf.md v8)
+    # two allocations: on the GPU host a slice or a view costs as much as an allocation (perf-log.md v8)
     o_part = torch.empty((B, H, Sq, S, Dv), dtype=torch.float32, device=dev)
     lse_part = torch.empty((B, H, Sq, S), dtype=torch.float32, device=dev)
     window = NO_WINDOW if spec.window is None else min(spec.window, NO_WINDOW)
