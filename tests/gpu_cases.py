@@ -254,6 +254,7 @@ def kvcache_config(arch: str, c):
     return KernelConfig(
         arch=arch, dtype=SUPPORTED_DTYPES[c.dtype], head_dim=c.head_dim, head_dim_v=c.head_dim,
         groups=c.heads // c.kv_heads, causal=True, has_sinks=c.sinks, layout="bshd",
+        deterministic=False, precision="strict",
     )
 
 
@@ -262,4 +263,4 @@ def merge_test_config(arch: str):
     from flashsink.ops.build.config import KernelConfig
 
     return KernelConfig(arch=arch, dtype="float32", head_dim=64, head_dim_v=64, groups=1, causal=True,
-                        has_sinks=True, layout="bhsd")
+                        has_sinks=True, layout="bhsd", deterministic=False, precision="strict")

@@ -35,7 +35,7 @@ from flashsink.ops.build.config import KernelConfig
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 
 CFG = KernelConfig(arch="sm_80", dtype="bfloat16", head_dim=64, head_dim_v=64, groups=1, causal=True,
-                   has_sinks=True, layout="bhsd")
+                   has_sinks=True, layout="bhsd", deterministic=False, precision="strict")
 N_PROCS = 8
 
 
@@ -568,7 +568,7 @@ def test_key_holds_its_own_kinds_tiles_only(monkeypatch):
     from flashsink.ops.build import kinds
     from flashsink.ops.build.config import KernelConfig, Tiles
 
-    cfg = KernelConfig("sm_90a", "bfloat16", 64, 64, 8, True, True, "bhsd")
+    cfg = KernelConfig("sm_90a", "bfloat16", 64, 64, 8, True, True, "bhsd", deterministic=False, precision="strict")
     func = comp.build_prim_func("merge_splits", cfg)
     args = comp.compile_args(func)
 

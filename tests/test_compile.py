@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not o
 def _cfg(arch, kind, **over):
     base = dict(
         arch=arch, dtype="bfloat16", head_dim=64, head_dim_v=64, groups=8, causal=True, has_sinks=True,
-        layout="bhsd", deterministic=(kind == "dq"),
+        layout="bhsd", deterministic=(kind == "dq"), precision="strict",
     )
     base.update(over)
     return KernelConfig(**base)

@@ -12,7 +12,7 @@ from flashsink.ops.build.config import KernelConfig, Tiles, fwd_mask, fwd_tiles,
 
 def _cfg(arch, **over):
     base = dict(arch=arch, dtype="bfloat16", head_dim=64, head_dim_v=64, groups=8, causal=True, has_sinks=True,
-                layout="bhsd")
+                layout="bhsd", deterministic=False, precision="strict")
     base.update(over)
     return KernelConfig(**base)
 

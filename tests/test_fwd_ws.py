@@ -18,7 +18,7 @@ pytestmark = pytest.mark.l0
 
 
 def _cfg(dtype="bfloat16", d=128, layout="bhsd", causal=True, sinks=True, arch="sm_90a", groups=8):
-    return KernelConfig(arch, dtype, d, d, groups, causal, sinks, layout)
+    return KernelConfig(arch, dtype, d, d, groups, causal, sinks, layout, deterministic=False, precision="strict")
 
 
 def _params(func) -> list:
@@ -154,7 +154,7 @@ def test_ws_compiles_for_hopper():
     (_cfg(), True),
     (_cfg("float16", 64, "thd"), True),
     (_cfg(d=64, causal=False, sinks=False, groups=1), True),
-    (KernelConfig("sm_90a", "bfloat16", 128, 64, 8, True, True, "bhsd"), False),  # v's own head dim: not measured
+    (KernelConfig("sm_90a", "bfloat16", 128, 64, 8, True, True, "bhsd", deterministic=False, precision="strict"), False),  # v's own head dim: not measured
     (_cfg(d=32), False),
     (_cfg(d=256), False),
     (_cfg(arch="sm_80"), False),
@@ -400,7 +400,7 @@ def test_warpgroup_epilogue_refuses_head_dims_it_cannot_tile():
     """A warpgroup's 64 rows in 16-byte runs over 128 threads: value head dims that are multiples of 16."""
     from flashsink.ops.kernels.fwd_ws import build_fwd_ws
 
-    cfg = KernelConfig("sm_90a", "bfloat16", 64, 40, 8, True, True, "bhsd")
+    cfg = KernelConfig("sm_90a", "bfloat16", 64, 40, 8, True, True, "bhsd", deterministic=False, precision="strict")
     with pytest.raises(NotImplementedError, match="multiples of 16; got 40"):
         build_fwd_ws(cfg, Tiles(128, 64, 256, 2), epilogue="wg")
 

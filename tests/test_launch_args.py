@@ -20,14 +20,14 @@ import torch
 from flashsink._validate import validate_attention, validate_varlen
 from flashsink.ops.build import registry
 from flashsink.ops.launch import attention, custom_ops, dense
-from flashsink.ops.build import config
+from flashsink.ops.build import config, kinds
 from flashsink.ops.build.config import LOG2E, NO_WINDOW, KernelConfig
 
 pytestmark = pytest.mark.l0
 
 
 #: the forward's kinds: one launch protocol (``dense._fwd_kind`` picks one per call)
-FORWARDS = ("fwd", "fwd_unfolded", "fwd_window")
+FORWARDS = kinds.forward_kinds()
 
 
 class Launch:

@@ -23,7 +23,7 @@ pytest.importorskip("tilelang", reason="the kernels' signatures come from TileLa
 
 from flashsink._validate import validate_attention, validate_varlen  # noqa: E402
 from flashsink.ops.launch import attention, custom_ops, dense
-from flashsink.ops.build import config  # noqa: E402
+from flashsink.ops.build import config, kinds  # noqa: E402
 from flashsink.ops.build import keys, registry  # noqa: E402
 from flashsink.ops.build.config import KernelConfig  # noqa: E402
 
@@ -73,7 +73,7 @@ def checked(monkeypatch):
                         assert a.shape[axis] == n, (
                             f"{kind} {name}: shape {list(a.shape)}, the kernel ({cfg.short()}) has {n} at axis {axis}")
                     assert a.dtype == dtype, f"{kind} {name}: {a.dtype}, the kernel's is {dtype}"
-                if kind in ("fwd", "fwd_unfolded", "fwd_window", "merge_splits"):
+                if kind in (*kinds.forward_kinds(), "merge_splits"):
                     args[-1].fill_(0.5)  # lse: finite, so the backward's inputs are ordinary
                 seen.append((kind, cfg))
 
@@ -180,7 +180,7 @@ def test_varlen_launches_match_the_kernels(monkeypatch, checked, case, precision
 def test_the_checker_catches_a_wrong_head_dim(checked):
     """The checker itself: a buffer sized for the problem's head dim (80) where the kernel runs 128."""
     cfg = KernelConfig(arch="sm_90a", dtype="bfloat16", head_dim=128, head_dim_v=128, groups=2, causal=True,
-                       has_sinks=True, layout="bhsd", precision="fast")
+                       has_sinks=True, layout="bhsd", precision="fast", deterministic=False)
     q, k, v, sinks, _ = _dense(1, 4, 2, 64, 64, 128, "bhsd", None)
     o = torch.empty(1, 4, 64, 80, dtype=torch.bfloat16)
     lse = torch.empty(1, 4, 128)

@@ -101,7 +101,7 @@ def test_precompile_refuses_bad_jobs():
     from flashsink.ops.build.config import KernelConfig
     from flashsink.ops.build.precompile import precompile
 
-    cfg = KernelConfig("sm_80", "bfloat16", 64, 64, 1, True, True, "bhsd")
+    cfg = KernelConfig("sm_80", "bfloat16", 64, 64, 1, True, True, "bhsd", deterministic=False, precision="strict")
     for jobs in (0, -1, 1.5):
         with pytest.raises(ValueError, match="jobs"):
             precompile([cfg], kinds=("postprocess",), jobs=jobs)
@@ -122,7 +122,7 @@ def test_precompile_starts_the_longest_builds_first(monkeypatch):
             yield kind, cfg, 0.0, "cached", None
 
     monkeypatch.setattr(pc, "compile_parallel", fake_parallel)
-    cfgs = [KernelConfig("sm_90a", dt, 64, 64, 8, True, True, "bhsd") for dt in ("bfloat16", "float16")]
+    cfgs = [KernelConfig("sm_90a", dt, 64, 64, 8, True, True, "bhsd", deterministic=False, precision="strict") for dt in ("bfloat16", "float16")]
     kinds = ("postprocess", "preprocess", "bwd", "fwd")
     assert pc.precompile(cfgs, kinds=kinds, jobs=2, out=io.StringIO()) == []
     order = [kind for kind, _ in seen]

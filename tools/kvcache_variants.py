@@ -70,7 +70,7 @@ def main() -> int:
     from flashsink._validate_kvcache import validate_kvcache
 
     cfg = KernelConfig(arch=arch_of(torch.device("cuda")), dtype="bfloat16", head_dim=D, head_dim_v=D, groups=H // HK,
-                       causal=True, has_sinks=True, layout="bshd")  # (the forward ignores sinks: the bundle's kernel)
+                       causal=True, has_sinks=True, layout="bshd", deterministic=False, precision="strict")  # (the forward ignores sinks: the bundle's kernel)
     kern = get_kernel("fwd_kvcache", cfg)  # the library's kernel, through its cache
     kernels = {"kernel": kern}
     sms = torch.cuda.get_device_properties(0).multi_processor_count

@@ -13,15 +13,16 @@ def suite_pairs(arch: str) -> list:
     """(kind, config) of every kernel the GPU test matrix builds for ``arch``."""
     from gpu_cases import case_config, decode_cases, kernel_configs, kvcache_cases, kvcache_config, merge_test_config
 
+    from flashsink.ops.build.kinds import kvcache_kinds, route_kinds
     from flashsink.ops.build.precompile import kinds_for
 
     # the split-KV forward only where the tests take it (decode cases, in both precision modes: the
     # configuration, hence the kernel's cache key, carries the mode), not for every config
     split = {case_config(arch, c, precision=p) for c in decode_cases() for p in ("fast", "strict")}
     pairs = [(k, cfg) for cfg in dict.fromkeys(kernel_configs(arch)) for k in kinds_for(cfg)
-             if k not in ("fwd_split", "merge_splits", "fwd_kvcache") or cfg in split]
+             if k not in route_kinds("decode") or cfg in split]
     # attention_kvcache's kernels only for its cases (tests/test_kvcache_gpu.py)
-    pairs += [(k, kvcache_config(arch, c)) for c in kvcache_cases() for k in ("fwd_kvcache", "merge_splits")]
+    pairs += [(k, kvcache_config(arch, c)) for c in kvcache_cases() for k in kvcache_kinds()]
     pairs += [("merge_splits", merge_test_config(arch))]
     return pairs
 

@@ -77,10 +77,11 @@ class KernelConfig:
     causal: bool
     has_sinks: bool
     layout: str  # "bhsd", "bshd" or "thd" (packed varlen, cu_seqlens at runtime)
-    deterministic: bool = False
+    deterministic: bool
     # "fast": single-term fp16/bf16 products and Delta = rowsum(dO * O) (FA4/FLA/flex's error class);
-    # "strict": two-term products and Delta from P * dP (the seed's precision standard)
-    precision: str = "strict"
+    # "strict": two-term products and Delta from P * dP (the seed's precision standard). No default:
+    # every configuration names its mode (the public functions' default is "fast")
+    precision: str
 
     @property
     def hopper(self) -> bool:

@@ -7,17 +7,19 @@ of the disk-cache key), the configurations that need it, those it builds for at 
 ``flashsink precompile`` builds every route), and the configuration fields its code never reads (one
 build then serves every value of them).
 
-A new kind is one entry here, its builder, and its launch in ``launch/dense.py``.
+A new kind is one entry here, its builder, and its launch (docs/architecture.md, "Adding a kernel kind").
+Everything that lists, selects or builds kernels asks this module: first use, ``flashsink precompile``, the
+disk cache's key, the forward's choice per call (:func:`forward_kind`), the tests and the tools.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 from .config import (
-    KVCACHE_HEAD_DIMS, SPLIT_ROWS, KernelConfig, bwd_split, bwd_tiles, dq_tiles, fwd_fold, fwd_o32,
+    WINDOW_TILES_MAX, KVCACHE_HEAD_DIMS, SPLIT_ROWS, KernelConfig, bwd_split, bwd_tiles, dq_tiles, fwd_fold, fwd_o32,
     fwd_o32_tiles, fwd_tiles, fwd_window_tiles, fwd_windowed, pre_o32_tiles, pre_tiles, split_tiles,
 )
 
@@ -58,9 +60,20 @@ def _never(cfg: KernelConfig) -> bool:
     return False
 
 
+def _unfolded_call(cfg: KernelConfig, window: int, scale: float) -> bool:
+    # the fold takes the running maximum over unscaled logits: right for a positive scale only
+    return scale <= 0 and fwd_fold(cfg)
+
+
+def _window_call(cfg: KernelConfig, window: int, scale: float) -> bool:
+    return window <= WINDOW_TILES_MAX and fwd_windowed(cfg)
+
+
 @dataclasses.dataclass(frozen=True)
 class Kind:
-    builder: str  # "module.function" in flashsink.ops
+    #: "module.function" of a builder in flashsink.ops.kernels (imported when a kernel is built, so that
+    #: nothing here imports tilelang), or the builder itself (``KernelConfig -> PrimFunc``)
+    builder: Union[str, Callable]
     tiles: Optional[Callable]  # the config.py tile function, or None (fixed blocks)
     needed: Callable[[KernelConfig], bool]  # does a configuration's forward + backward launch it?
     ignores: tuple = ()  # KernelConfig fields the kernel's code does not read
@@ -76,8 +89,16 @@ class Kind:
     #: first use builds the longest in its own process and the others in workers longest first, so only
     #: their order matters
     build_s: float = 5.0
+    #: a forward the dense route may launch instead of "fwd": ``(cfg, window, scale) -> bool``, asked in
+    #: the registry's order by :func:`forward_kind` (None: not such a forward)
+    chosen_when: Optional[Callable] = None
+    #: configurations ``flashsink precompile`` builds it for beyond :attr:`needed` (attention_kvcache's
+    #: kernels, which no forward or backward of ``attention`` launches)
+    precompiled_when: Optional[Callable[[KernelConfig], bool]] = None
 
     def build(self, cfg: KernelConfig):
+        if callable(self.builder):
+            return self.builder(cfg)
         module, function = self.builder.rsplit(".", 1)
         return getattr(importlib.import_module(f"..kernels.{module}", __package__), function)(cfg)
 
@@ -88,12 +109,12 @@ KINDS: dict = {
     # the forward without the scale folded into its exponent, where "fwd" folds it (config.fwd_fold):
     # launched by a call with scale <= 0 only, so built on the first such call, not ahead
     "fwd_unfolded": Kind("fwd.build_fwd_unfolded", fwd_tiles, _never, ignores=("deterministic", "precision"),
-                         builds=fwd_fold, build_s=16.0),
+                         builds=fwd_fold, build_s=16.0, chosen_when=_unfolded_call),
     # the forward with a narrow window's tiles (config.fwd_window_tiles: 64-key tiles, a GQA group packed),
     # where they differ from "fwd"'s: launched by calls with window <= config.WINDOW_TILES_MAX (gpt-oss's
     # sliding layers share their configuration with the full ones, so a first use builds both forwards)
     "fwd_window": Kind("fwd.build_fwd_window", fwd_window_tiles, fwd_windowed, ignores=("deterministic", "precision"),
-                       builds=fwd_windowed, build_s=16.0),
+                       builds=fwd_windowed, build_s=16.0, chosen_when=_window_call),
     # strict's forward when a backward follows, and that backward's Delta pass (config.fwd_o32): two-term
     # P @ V and the output in fp32 too, read by a memory-bound Delta instead of recomputing P and dP
     "fwd_o32": Kind("fwd.build_fwd_o32", fwd_o32_tiles, fwd_o32, ignores=("deterministic",), builds=fwd_o32,
@@ -108,13 +129,18 @@ KINDS: dict = {
     "fwd_split": Kind("fwd_split.build_fwd_split", split_tiles, _split_kv, ignores=("deterministic", "precision"),
                       route="decode", builds=_split_kernel, build_s=16.0),
     "fwd_kvcache": Kind("fwd_kvcache.build_fwd_kvcache", split_tiles, _never, ignores=("deterministic", "precision"),
-                        route="decode", build_s=20.0),
+                        route="decode", build_s=20.0, precompiled_when=_kvcache),
     # merges the split-KV partials (decode through attention, and attention_kvcache)
     "merge_splits": Kind("merge_splits.build_merge_splits", None, _split_kv, ignores=("deterministic", "precision"),
-                         route="decode", build_s=2.5),
+                         route="decode", build_s=2.5, precompiled_when=_kvcache),
 }
 
-_DEFAULTS = {f.name: f.default for f in dataclasses.fields(KernelConfig) if f.default is not dataclasses.MISSING}
+#: the value a kind's ignored field takes in the configuration it is built and cached for (:func:`canonical`);
+#: fixed here, not a KernelConfig default (KernelConfig has none for these), so the disk-cache keys stay
+#: those of every earlier release
+CANONICAL = {"deterministic": False, "precision": "strict"}
+#: the forward the dense route launches unless a row's ``chosen_when`` takes the call
+DEFAULT_FORWARD = "fwd"
 
 
 def kinds_for(cfg: KernelConfig) -> tuple:
@@ -141,14 +167,38 @@ def longest_first(names) -> list:
 def precompile_kinds(cfg: KernelConfig) -> tuple:
     """What ``flashsink precompile`` builds for ``cfg``: :func:`kinds_for`, and attention_kvcache's
     kernels where that configuration serves it."""
-    extra = ("fwd_kvcache", "merge_splits") if _kvcache(cfg) else ()
+    extra = tuple(name for name, kind in KINDS.items() if kind.precompiled_when and kind.precompiled_when(cfg))
     return tuple(dict.fromkeys(kinds_for(cfg) + extra))
 
 
+def forward_kind(cfg: KernelConfig, window: int, scale: float) -> str:
+    """The forward kernel a call launches (strict's fp32-output training forward aside): the first row
+    whose ``chosen_when`` takes ``(cfg, window, scale)``, else :data:`DEFAULT_FORWARD`."""
+    for name, kind in KINDS.items():
+        if kind.chosen_when is not None and kind.chosen_when(cfg, window, scale):
+            return name
+    return DEFAULT_FORWARD
+
+
+def forward_kinds() -> tuple:
+    """The forwards :func:`forward_kind` chooses from (one launch protocol: ``fwd_entry``'s signature)."""
+    return (DEFAULT_FORWARD, *(name for name, kind in KINDS.items() if kind.chosen_when is not None))
+
+
+def route_kinds(route: str) -> tuple:
+    """The kinds of one route ("dense" or "decode")."""
+    return tuple(name for name, kind in KINDS.items() if kind.route == route)
+
+
+def kvcache_kinds() -> tuple:
+    """The kinds ``attention_kvcache`` launches (those precompiled beyond a forward and backward)."""
+    return tuple(name for name, kind in KINDS.items() if kind.precompiled_when is not None)
+
+
 def canonical(name: str, cfg: KernelConfig) -> KernelConfig:
-    """``cfg`` with the fields kernel ``name`` does not read at their defaults: the configuration it
-    is built (and cached on disk) for."""
-    ignored = {f: _DEFAULTS[f] for f in KINDS[name].ignores if getattr(cfg, f) != _DEFAULTS[f]}
+    """``cfg`` with the fields kernel ``name`` does not read at :data:`CANONICAL`'s values: the
+    configuration it is built (and cached on disk) for."""
+    ignored = {f: CANONICAL[f] for f in KINDS[name].ignores if getattr(cfg, f) != CANONICAL[f]}
     return dataclasses.replace(cfg, **ignored) if ignored else cfg
 
 

@@ -18,10 +18,10 @@ import torch
 
 from . import decode
 from ..build.registry import get_kernel
-from ..build.kinds import KINDS
+from ..build.kinds import KINDS, forward_kind
 from ..build.config import (
-    BWD_SPLIT_MIN_ROWS, HEAD_DIM_RULE, LOG2E, NO_WINDOW, PRECISIONS, ROW_PAD, SUPPORTED_DTYPES, WINDOW_TILES_MAX,
-    KernelConfig, arch_of, bwd_split, fwd_fold, fwd_o32, fwd_windowed, kernel_head_dim,
+    BWD_SPLIT_MIN_ROWS, HEAD_DIM_RULE, LOG2E, NO_WINDOW, PRECISIONS, ROW_PAD, SUPPORTED_DTYPES,
+    KernelConfig, arch_of, bwd_split, fwd_o32, kernel_head_dim,
 )
 from ..build.config import padded_rows as _padded_rows, varlen_rows  # noqa: F401  (the ops' and tests' names)
 
@@ -164,15 +164,10 @@ def _forward(q, k, v, sinks32, cfg, spec, window, cu_seqlens=None, o32=False):
 
 
 def _fwd_kind(cfg, window: int, scale: float) -> str:
-    """The forward kernel for a call: ``fwd_unfolded`` for a scale <= 0 where the forward folds the scale
-    (``config.fwd_fold``: the running maximum is then over unscaled logits, right for a positive scale
-    only; whatever the window); ``fwd_window`` for a window of at most WINDOW_TILES_MAX keys where it
-    has tiles of its own (``config.fwd_windowed``); else ``fwd``."""
-    if scale <= 0 and fwd_fold(cfg):
-        return "fwd_unfolded"
-    if window <= WINDOW_TILES_MAX and fwd_windowed(cfg):
-        return "fwd_window"
-    return "fwd"
+    """The forward kernel for a call: the registry's choice (``kinds.forward_kind``: ``fwd_unfolded`` for a
+    scale <= 0 where the forward folds the scale, ``fwd_window`` for a window of at most
+    ``config.WINDOW_TILES_MAX`` keys where it has tiles of its own, else ``fwd``)."""
+    return forward_kind(cfg, window, scale)
 
 
 def _backward(do, q, k, v, o, lse, dlse, sinks32, cfg, spec, window, cu_seqlens=None):

@@ -53,6 +53,7 @@ def _plan(spec, device):
         cfg = KernelConfig(
             arch=arch, dtype=SUPPORTED_DTYPES[spec.dtype], head_dim=spec.head_dim, head_dim_v=spec.head_dim_v,
             groups=spec.groups, causal=True, has_sinks=spec.has_sinks, layout="bshd",
+            deterministic=False, precision="strict",
         )
         plan = _PLANS[key] = (cfg, get_kernel("fwd_kvcache", cfg), get_kernel("merge_splits", cfg), split_tiles(cfg))
     return plan
