@@ -33,7 +33,6 @@ import platform
 import re
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -313,9 +312,9 @@ def _load_kernel(files: dict, func, cfg, args: _CompileArgs, root: Path):
     from tilelang.jit import JITKernel
     from tilelang.jit.adapter.base import CachedTextSource
 
-    fd, so_path = tempfile.mkstemp(prefix=f"load-{os.getpid()}-", suffix=".so", dir=root / "tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
+    with diskcache.scratch(root, "load") as d:
+        so_path = str(d / _SO)
+        with open(so_path, "xb") as f:
             f.write(files[_SO])
         return JITKernel.from_database(
             func=func,
@@ -330,8 +329,6 @@ def _load_kernel(files: dict, func, cfg, args: _CompileArgs, root: Path):
             pass_configs=args.pass_configs,
             compile_flags=args.compile_flags,
         )
-    finally:
-        os.unlink(so_path)
 
 
 def compile_kernel(kind: str, cfg: KernelConfig, *, load_only: bool = False):
