@@ -30,6 +30,32 @@ def seed(text: str) -> int:
     return n
 
 
+def _float(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if x != x or x in (float("inf"), float("-inf")):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return x
+
+
+def nonneg_float(text: str) -> float:
+    """A finite float >= 0 (``nan``, ``inf`` and negatives are usage errors)."""
+    x = _float(text)
+    if x < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
+    return x
+
+
+def positive_float(text: str) -> float:
+    """A finite float > 0."""
+    x = _float(text)
+    if x <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+    return x
+
+
 def add_command(sub, name: str, func=None, *, help: str, description: str | None = None) -> argparse.ArgumentParser:
     """The parser of subcommand ``name`` of ``sub`` (an ``add_subparsers()`` result): ``help`` is its line
     in the parent's command list, ``description`` heads its own ``--help``, and ``func(args)`` runs it
