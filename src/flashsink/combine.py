@@ -95,16 +95,17 @@ def _validate(outs, lses, sinks, layout, return_lse):
     return outs, lses
 
 
-def _check_lse_values(lses) -> None:
+def _check_lse_values(stacked: torch.Tensor, lses) -> None:
     """ValueError naming the first partial whose lse holds +inf or NaN: ``-inf`` is a row that saw no
     key of that range (valid); +inf or NaN is no log-sum-exp of finite scores and would make the row
-    NaN silently. Reads the values (one reduction per partial); skipped while torch.compile traces and
-    on meta tensors, where there are none."""
-    if torch.compiler.is_compiling():
+    NaN silently. ``stacked``: the lses stacked (``[.., n]``); one reduction and one read on the host
+    whatever the number of partials; skipped while torch.compile traces and on meta tensors."""
+    if torch.compiler.is_compiling() or stacked.device.type == "meta" or stacked.numel() == 0:
         return
-    for i, lse in enumerate(lses):
-        if lse.device.type == "meta":
-            return
+    top = stacked.detach().amax().item()  # NaN if any is NaN, +inf if any is +inf
+    if top == top and top != float("inf"):
+        return
+    for i, lse in enumerate(lses):  # the error's details only
         bad = torch.isnan(lse) | torch.isposinf(lse)
         if bad.any():
             first = [int(x) for x in bad.nonzero()[0]]
@@ -179,13 +180,16 @@ def combine(outs, lses, sinks=None, *, layout="bhsd", return_lse=False):
     code the split-KV decode uses: a fixed number of ops for any number of partials.
     """
     outs, lses = _validate(outs, lses, sinks, layout, return_lse)
-    _check_lse_values(lses)
-    return merge_partials(outs, lses, sinks, layout=layout, return_lse=return_lse)
+    return _merge(outs, lses, sinks, layout, return_lse, check=True)
 
 
 def merge_partials(outs, lses, sinks=None, *, layout="bhsd", return_lse=False):
-    """:func:`combine` without its checks (the callers' partials are checked or their own, e.g. the ring's,
-    whose per-step merge must not wait on the host): a NaN lse makes its row NaN, +inf takes the row."""
+    """:func:`combine` without its checks, for flashsink's own partials (the ring's, whose per-step merge
+    must not wait on the host): a NaN lse makes its row NaN, a +inf one takes the row's weight."""
+    return _merge(outs, lses, sinks, layout, return_lse, check=False)
+
+
+def _merge(outs, lses, sinks, layout, return_lse, check):
     out_dtype = outs[0].dtype
     cdt = torch.float64 if torch.float64 in (out_dtype, lses[0].dtype) else torch.float32
 
@@ -193,6 +197,8 @@ def merge_partials(outs, lses, sinks=None, *, layout="bhsd", return_lse=False):
     if sinks is not None:
         terms.append(sinks.to(cdt).view(1, -1, 1).expand_as(terms[0]))
     terms = torch.stack(terms, dim=-1)  # [B, H, S, n (+1)]
+    if check:
+        _check_lse_values(terms[..., : len(lses)], lses)
     if layout == "bshd":
         terms = terms.transpose(1, 2)  # rows in the outs' order, [B, S, H, n (+1)]
     o, lse = merge_stacked(torch.stack(outs, dim=-2), terms)  # outs stacked: [B, *, *, n, D]
