@@ -356,13 +356,15 @@ def _flip(entry):
     p.write_bytes(bytes(b))
 
 
-def _edit_manifest(entry, change):
+def _edit_manifest(entry, change, seal=False):
+    """Edit the manifest's fields; ``seal``: and its checksum too (what only someone who can write
+    files as you can do)."""
     import json
 
     p = entry / diskcache.ENTRY_MANIFEST
     m = json.loads(p.read_text())
     change(m)
-    p.write_text(json.dumps(m))
+    p.write_text(diskcache._seal(m) if seal else json.dumps(m))
 
 
 TAMPER = {
@@ -374,7 +376,9 @@ TAMPER = {
                 "params.json is not a regular file"),
     "manifest-garbage": (lambda e: (e / diskcache.ENTRY_MANIFEST).write_text("{not json"), "manifest unreadable"),
     "manifest-other-key": (lambda e: _edit_manifest(e, lambda m: m["key"].update(kind="bwd")),
-                           "recorded key differs"),
+                           "checksum does not match its fields"),
+    "manifest-other-key-resealed": (lambda e: _edit_manifest(e, lambda m: m["key"].update(kind="bwd"), seal=True),
+                                    "entry name does not match its recorded key"),
 }
 
 
@@ -444,7 +448,6 @@ def test_default_dir_follows_xdg(monkeypatch, tmp_path):
 @pytest.mark.parametrize("where", ["root", "kernels"])
 def test_group_writable_dir_is_refused(tmp_path, monkeypatch, where):
     root = diskcache.ensure_cache_dir(tmp_path / "cache")
-    diskcache._checked.clear()
     target = root if where == "root" else root / "kernels"
     os.chmod(target, 0o775)
     with pytest.raises(CacheDirError, match=r"writable by group or others \(mode 0775\).*chmod go-w"):

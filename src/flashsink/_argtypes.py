@@ -14,20 +14,43 @@ def _int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
 
 
+def _float(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    return _within(x, x == x and abs(x) != float("inf"), "a finite number", text)
+
+
+def _within(value, ok: bool, need: str, shown):
+    """``value`` if ``ok``, else the usage error ``must be <need>, got <shown>``."""
+    if not ok:
+        raise argparse.ArgumentTypeError(f"must be {need}, got {shown!r}")
+    return value
+
+
 def positive_int(text: str) -> int:
     """An int >= 1."""
     n = _int(text)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
-    return n
+    return _within(n, n >= 1, ">= 1", n)
 
 
 def seed(text: str) -> int:
     """A seed for ``torch.Generator.manual_seed``: an int in ``[0, 2**64)``."""
     n = _int(text)
-    if not 0 <= n < 1 << 64:
-        raise argparse.ArgumentTypeError(f"must be in [0, 2**64), got {n}")
-    return n
+    return _within(n, 0 <= n < 1 << 64, "in [0, 2**64)", n)
+
+
+def nonneg_float(text: str) -> float:
+    """A finite float >= 0 (``nan``, ``inf`` and negatives are usage errors)."""
+    x = _float(text)
+    return _within(x, x >= 0, ">= 0", text)
+
+
+def positive_float(text: str) -> float:
+    """A finite float > 0."""
+    x = _float(text)
+    return _within(x, x > 0, "> 0", text)
 
 
 def add_command(sub, name: str, func=None, *, help: str, description: str | None = None) -> argparse.ArgumentParser:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .ops.build.config import padded_rows, varlen_rows  # the lse rows the ops return (a leaf: torch only)
+from .ops.build.config import PRECISIONS, padded_rows, varlen_rows  # the lse rows the ops return (a leaf: torch only)
 
 LAYOUTS = ("bhsd", "bshd")
 #: input dtypes of q, k, v and sinks (the reference computes in float32, or float64 for float64;
@@ -101,9 +101,27 @@ def check_flag(name: str, value) -> None:
         raise TypeError(f"{name} must be a bool, got {type(value).__name__} ({value!r})")
 
 
+def check_precision(precision) -> str:
+    """``precision`` as given, or ValueError naming the choices (shared by the functions, the module,
+    the integrations and the custom ops)."""
+    if not isinstance(precision, str) or precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    return precision
+
+
+def check_strided(name: str, t) -> None:
+    """TypeError unless the tensor ``t`` is dense (layout torch.strided): a sparse or nested tensor would
+    otherwise fail deep inside torch with its own message."""
+    if t.layout != torch.strided:
+        raise TypeError(
+            f"{name} must be a dense tensor (layout torch.strided), got layout {t.layout}; convert it with .to_dense()"
+        )
+
+
 def _check_tensor(name: str, t, *, floating: bool = True) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    check_strided(name, t)
     if floating and t.dtype not in FLOAT_DTYPES:
         raise TypeError(
             f"{name} must have a floating-point dtype (float16, bfloat16, float32 or float64), "
@@ -217,7 +235,8 @@ def _spec_key(q, k, v, sinks, window, causal, scale, layout):
         return None
     try:
         return (type(q), type(k), type(v), q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device,
-                v.device, None if sinks is None else (type(sinks), sinks.shape, sinks.dtype, sinks.device),
+                v.device, q.layout, k.layout, v.layout,
+                None if sinks is None else (type(sinks), sinks.shape, sinks.dtype, sinks.device, sinks.layout),
                 type(window), window, type(causal), causal, type(scale), scale, layout)
     except AttributeError:  # not tensors: the checks say what is wrong
         return None
@@ -293,6 +312,7 @@ def _tracing() -> bool:
 def _check_cu_structure(name: str, cu, device: torch.device) -> None:
     if not isinstance(cu, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of int32 or int64, got {type(cu).__name__}")
+    check_strided(name, cu)
     if cu.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"{name} must have dtype int32 or int64, got {cu.dtype}")
     if cu.dim() != 1 or cu.shape[0] < 1:
@@ -496,15 +516,15 @@ def check_bwd_op(do, q, k, v, sinks, lse, dlse, window, causal, scale, layout) -
 
 
 def check_varlen_op(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window, causal,
-                    scale) -> AttnSpec:
-    """``flashsink::varlen_fwd``: the checks of :func:`validate_varlen`, the offsets' values included:
-    on the host off CUDA (where the reference reads them anyway), with device asserts on CUDA."""
+                    scale, values: bool = True) -> AttnSpec:
+    """``flashsink::varlen_fwd``: the checks of :func:`validate_varlen`, the offsets' values included
+    (``values``): on the host off CUDA (where the reference reads them anyway), with device asserts on CUDA."""
     if scale is None:
         raise TypeError("scale must be a float for the flashsink ops (flashsink.attention_varlen defaults it)")
     spec = _check_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks, window, causal, scale
     )
-    if cu_seqlens_q.device.type == "meta" or _tracing():
+    if not values or cu_seqlens_q.device.type == "meta" or _tracing():
         return spec  # no values to read
     tq, tk = q.shape[0], k.shape[0]
     if cu_seqlens_q.is_cuda:
@@ -516,10 +536,19 @@ def check_varlen_op(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
 
 def check_varlen_bwd_op(do, q, k, v, sinks, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                        window, causal, scale) -> AttnSpec:
+                        window, causal, scale, values: bool = True) -> AttnSpec:
     """``flashsink::varlen_bwd``: :func:`check_varlen_op`, and do / lse / dlse shaped as ``varlen_fwd``
     returns o / lse."""
     spec = check_varlen_op(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window, causal,
-                           scale)
+                           scale, values)
     _check_grads(do, lse, dlse, out_shape(spec, q), (spec.heads, varlen_rows(q.shape[0])), q)
     return spec
+
+
+def check_op_options(deterministic, precision, o=None) -> None:
+    """The ops' arguments beyond the public functions' checks: ``deterministic`` a bool, ``precision``
+    one of the modes, the saved output ``o`` (backward ops) a tensor or None."""
+    check_flag("deterministic", deterministic)
+    check_precision(precision)
+    if o is not None:
+        _check_tensor("o", o)

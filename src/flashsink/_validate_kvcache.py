@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ._validate import (_check_heads, _check_options, _check_same_dtype_device, _check_sinks, _check_tensor, _shape,
-                        _spec_window)
+                        _spec_window, check_strided)
 
 
 @dataclass(frozen=True)
@@ -58,6 +58,7 @@ class KVCacheSpec:
 def _check_int_tensor(name: str, t, dims: int, what: str, device) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of int32 {what}, got {type(t).__name__}")
+    check_strided(name, t)
     if t.dtype != torch.int32:
         raise TypeError(f"{name} must have dtype int32 (the kernels read it on the device), got {t.dtype}; "
                         f"convert it once with .to(torch.int32)")

@@ -5,9 +5,8 @@ from __future__ import annotations
 import torch
 
 from . import reference
-from ._validate import check_flag, validate_attention, validate_varlen
+from ._validate import check_flag, check_precision, validate_attention, validate_varlen  # noqa: F401 (check_precision: api's name too)
 from ._validate_kvcache import check_cache_values, validate_kvcache
-from .ops.build.config import PRECISIONS
 from .ops.launch.attention import kernel_attention, kernel_attention_varlen  # registers the ops; never imports tilelang
 from .ops.launch.kvcache import kernel_attention_kvcache
 
@@ -17,13 +16,6 @@ __all__ = ["attention", "attention_kvcache", "attention_varlen"]
 def _check_flags(return_lse, deterministic) -> None:
     check_flag("return_lse", return_lse)
     check_flag("deterministic", deterministic)
-
-
-def check_precision(precision) -> str:
-    """``precision`` as given, or ValueError naming the choices (shared by the module and the integrations)."""
-    if not isinstance(precision, str) or precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-    return precision
 
 
 def attention(

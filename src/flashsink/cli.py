@@ -206,23 +206,26 @@ def _cache_root(args):
     return diskcache.cache_dir(), how
 
 
+def _unsafe(command: str, exc) -> int:
+    print(f"flashsink cache {command}: UNSAFE, flashsink refuses to use it: {exc}", file=sys.stderr)
+    return 2
+
+
 def cmd_cache_info(args) -> int:
     from .errors import CacheDirError
-    from .ops.build import diskcache
+    from .ops.build import cachedir, diskcache
 
     root, how = _cache_root(args)
     print(f"flashsink kernel cache: {root} ({how})")
-    if not root.exists():
+    try:  # checked (ops.cachedir: the path from /, the subdirectories), never created; None: missing
+        resolved = cachedir.trusted_root(root, create=False)
+    except CacheDirError as exc:
+        return _unsafe("info", exc)
+    if resolved is None:
         print("it does not exist yet: 0 entries (the first compiled kernel creates it, mode 0700)")
         return 0
-    try:
-        for d in (root, *(root / s for s in diskcache.SUBDIRS if (root / s).exists())):
-            diskcache.check_private_dir(d)
-    except CacheDirError as exc:
-        print(f"UNSAFE, flashsink refuses to use it: {exc}", file=sys.stderr)
-        return 2
-    print("permissions: owned by you, writable by nobody else: ok")
-    found = diskcache.entries(root)
+    print("permissions: it and every directory above it safe, owned by you, writable by nobody else: ok")
+    found = diskcache.entries(resolved)
     total = sum(e.size for e in found)
     bad = [e for e in found if e.status != "ok"]
     print(f"{len(found)} entries, {_size(total)}" + (f", {len(bad)} failing verification" if bad else ""))
@@ -230,7 +233,7 @@ def cmd_cache_info(args) -> int:
         print(f"{'kind':<11} {'configuration':<58} {'size':>10}  {'tilelang':<9} {'created':<25} status")
         for e in found:
             cfg = e.summary.split(" ", 1)[1] if e.summary.startswith(e.kind + " ") else e.summary
-            print(f"{e.kind:<11} {cfg:<58} {_size(e.size):>10}  {e.versions.get('tilelang', '?'):<9} "
+            print(f"{e.kind:<11} {cfg:<58} {_size(e.size):>10}  {str(e.versions.get('tilelang', '?')):<9} "
                   f"{e.created:<25} {e.status}")
             if args.verbose:
                 print(f"{'':<11} {e.name}  nvcc: {e.versions.get('nvcc', '?')}")
@@ -239,18 +242,17 @@ def cmd_cache_info(args) -> int:
 
 def cmd_cache_clear(args) -> int:
     from .errors import CacheDirError
-    from .ops.build import diskcache
+    from .ops.build import cachedir, diskcache
 
     root, _ = _cache_root(args)
-    if not (root / "kernels").exists():
+    try:  # checked (ops.cachedir: the path from /, the subdirectories), never created; None: missing
+        resolved = cachedir.trusted_root(root, create=False)
+    except CacheDirError as exc:
+        return _unsafe("clear", exc)
+    if resolved is None or not (resolved / "kernels").exists():
         print(f"flashsink kernel cache {root}: nothing to clear")
         return 0
-    try:
-        diskcache.check_private_dir(root)
-    except CacheDirError as exc:
-        print(f"flashsink cache clear: {exc}", file=sys.stderr)
-        return 2
-    n = sum(1 for _ in (root / "kernels").iterdir())
+    n = sum(1 for _ in (resolved / "kernels").iterdir())
     if not args.yes:
         if not sys.stdin.isatty():
             print(f"flashsink cache clear: would remove {n} entries from {root}; pass --yes to do it "
@@ -260,8 +262,13 @@ def cmd_cache_clear(args) -> int:
         if answer.strip().lower() not in ("y", "yes"):
             print("nothing removed")
             return 1
-    removed, freed = diskcache.clear(root)
-    print(f"removed {removed} entries ({_size(freed)}) from {root}")
+    done = diskcache.clear(resolved)
+    print(f"removed {done.entries} entries ({_size(done.bytes)}) from {root}")
+    if done.kept:
+        print(f"left alone {len(done.kept)} item(s) that flashsink did not write (no valid flashsink marker "
+              "names them); remove them yourself if you do not need them:")
+        for path, why in done.kept:
+            print(f"  {path}: {why}")
     return 0
 
 
@@ -271,8 +278,8 @@ def _add_cache_parser(sub) -> None:
         help="show or clear the on-disk kernel cache",
         description="flashsink keeps compiled kernels in FLASHSINK_CACHE_DIR (default "
         "$XDG_CACHE_HOME/flashsink, else ~/.cache/flashsink). `info` lists the entries and checks each "
-        "against its recorded checksums; `clear` removes them (and leftover temporary files), touching "
-        "nothing else in the directory.",
+        "against its recorded checksums; `clear` removes them (and leftover temporary files and unused "
+        "locks): only what a valid flashsink marker names, listing what it leaves alone.",
     )
     csub = p.add_subparsers(dest="cache_command", metavar="{info,clear}")
     csub.required = True

@@ -96,6 +96,26 @@ def _validate(outs, lses, sinks, layout, return_lse):
     return outs, lses
 
 
+def _check_lse_values(stacked: torch.Tensor, lses) -> None:
+    """ValueError naming the first partial whose lse holds +inf or NaN: ``-inf`` is a row that saw no
+    key of that range (valid); +inf or NaN is no log-sum-exp of finite scores and would make the row
+    NaN silently. ``stacked``: the lses stacked (``[.., n]``); one reduction and one read on the host
+    whatever the number of partials; skipped while torch.compile traces and on meta tensors."""
+    if torch.compiler.is_compiling() or stacked.device.type == "meta" or stacked.numel() == 0:
+        return
+    top = stacked.detach().amax().item()  # NaN if any is NaN, +inf if any is +inf
+    if top == top and top != float("inf"):
+        return
+    for i, lse in enumerate(lses):  # the error's details only
+        bad = torch.isnan(lse) | torch.isposinf(lse)
+        if bad.any():
+            first = [int(x) for x in bad.nonzero()[0]]
+            raise ValueError(
+                f"lses[{i}] must hold finite values or -inf (a row that saw no key of that range), got "
+                f"{int(bad.sum())} entries +inf or NaN, the first at [b, h, s] = {first}: {lse[tuple(first)].item()}"
+            )
+
+
 def merge_stacked(o: torch.Tensor, terms: torch.Tensor):
     """The merge algebra on stacked partials, in a fixed number of PyTorch ops (no loop over them).
 
@@ -141,7 +161,8 @@ def combine(outs, lses, sinks=None, *, layout="bhsd", return_lse=False):
             ("bshd"), one shape, dtype and device for all.
         lses: list of the partials' natural-log LSEs (no sink in them), float ``[B, H, S]`` in both
             layouts, one per entry of ``outs``; ``-inf`` marks a row that saw no key of that range
-            (its ``o`` is ignored there).
+            (its ``o`` is ignored there). ``+inf`` or NaN is a ValueError naming the partial (read on
+            the host: one reduction per partial, skipped while torch.compile traces).
         sinks: ``[H]`` sink logits (any float dtype) applied once, or None (the result is then a
             partial again, which can itself be combined later).
         layout: "bhsd" or "bshd", the layout of ``outs`` and of the returned o.
@@ -154,12 +175,22 @@ def combine(outs, lses, sinks=None, *, layout="bhsd", return_lse=False):
         is ``-inf`` and there is no sink gives o = 0 and lse = -inf, with zero gradients.
         Non-finite sinks as in :func:`flashsink.reference.attention`: a ``-inf`` sink is no sink,
         a ``+inf`` sink takes all the weight (o = 0, lse = +inf), a NaN sink makes its head NaN.
-        NaN in a partial's lse, or in its o where its lse is finite, reaches the output.
+        NaN in a partial's o where its lse is finite reaches the output.
 
     The partials are stacked once (``[.., n, D]``) and merged by :func:`merge_stacked`, the same
     code the split-KV decode uses: a fixed number of ops for any number of partials.
     """
     outs, lses = _validate(outs, lses, sinks, layout, return_lse)
+    return _merge(outs, lses, sinks, layout, return_lse, check=True)
+
+
+def merge_partials(outs, lses, sinks=None, *, layout="bhsd", return_lse=False):
+    """:func:`combine` without its checks, for flashsink's own partials (the ring's, whose per-step merge
+    must not wait on the host): a NaN lse makes its row NaN, a +inf one takes the row's weight."""
+    return _merge(outs, lses, sinks, layout, return_lse, check=False)
+
+
+def _merge(outs, lses, sinks, layout, return_lse, check):
     out_dtype = outs[0].dtype
     cdt = torch.float64 if torch.float64 in (out_dtype, lses[0].dtype) else torch.float32
 
@@ -167,6 +198,8 @@ def combine(outs, lses, sinks=None, *, layout="bhsd", return_lse=False):
     if sinks is not None:
         terms.append(sinks.to(cdt).view(1, -1, 1).expand_as(terms[0]))
     terms = torch.stack(terms, dim=-1)  # [B, H, S, n (+1)]
+    if check:
+        _check_lse_values(terms[..., : len(lses)], lses)
     if layout == "bshd":
         terms = terms.transpose(1, 2)  # rows in the outs' order, [B, S, H, n (+1)]
     o, lse = merge_stacked(torch.stack(outs, dim=-2), terms)  # outs stacked: [B, *, *, n, D]

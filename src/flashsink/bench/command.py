@@ -67,6 +67,8 @@ def _check_output_path(option: str, path) -> None:
     parent = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path) or not os.path.isdir(parent):
         raise ValueError(f"{option} {path}: {'is a directory' if os.path.isdir(path) else 'no directory ' + parent}")
+    if os.path.exists(path) and not os.path.isfile(path):
+        raise ValueError(f"{option} {path}: not a regular file (a device, FIFO or socket); give a file path")
     if not os.access(path if os.path.exists(path) else parent, os.W_OK):
         raise ValueError(f"{option} {path}: not writable")
 
@@ -83,12 +85,16 @@ def cmd_bench(args) -> int:
     try:
         for name in ("json", "plot"):  # before the run, not after it
             _check_output_path(f"--{name}", getattr(args, name))
-        if args.seq and args.shape:
+        if args.seq is not None and args.shape is not None:
             raise ValueError("--seq selects lengths of the presets' sweeps; --shape gives its own length")
-        if args.shape:
+        keep = None if args.seq is None else _parse_seq(args.seq)  # "" too: checked whatever runs
+        if args.shape is not None:  # "" too: a usage error, not the default problem
             problems = [parse_shape(args.shape, args.dtype or ("fp32" if device == "cpu" else "bf16"),
                                     causal=not args.no_causal)]
         elif device == "cpu" and args.preset is None:
+            if keep is not None:
+                raise ValueError("--seq selects lengths of the presets' sweeps: on --device cpu give --preset too "
+                                 "(without one it runs a single small problem)")
             problems = [parse_shape(CPU_DEFAULT_SHAPE, args.dtype or "fp32")]
         else:
             names = list(PRESETS) if args.preset in (None, "all") else [p.strip() for p in args.preset.split(",")]
@@ -99,15 +105,14 @@ def cmd_bench(args) -> int:
                 problems = [p for n in names for p in preset_problems(n, tiny=True, dtype=args.dtype or "fp32")]
             else:
                 problems = [p for n in names for p in preset_problems(n, dtype=args.dtype)]
-            if args.seq:
-                keep = _parse_seq(args.seq)
+            if keep is not None:
                 lengths = sorted({p.n for p in problems})
                 problems = [p for p in problems if p.n in keep]
                 if not problems:
                     raise ValueError(f"--seq {args.seq} matches no problem of {', '.join(names)}"
                                      f"{' (the tiny CPU versions)' if device == 'cpu' else ''}; their lengths: "
                                      f"{','.join(map(str, lengths))}")
-        if args.shape and args.preset:
+        if args.shape is not None and args.preset is not None:
             raise ValueError("give --preset or --shape, not both")
         for p in problems:
             if p.heads % max(1, p.kv_heads) or min(p.batch, p.heads, p.kv_heads, p.seq_q, p.seq_kv, p.head_dim) < 1:
@@ -136,8 +141,11 @@ def cmd_bench(args) -> int:
 
     def save(res):
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump(res, f, indent=1, default=str)
+            try:
+                with open(args.json, "w") as f:
+                    json.dump(res, f, indent=1, default=str)
+            except OSError as exc:  # e.g. the disk filled up during the run: one line, not a traceback
+                raise _WriteFailed(f"error: could not write --json {args.json}: {exc.strerror or exc}") from None
 
     # `timeout` sends SIGTERM: keep what was measured (table, JSON, plot of the problems done).
     def on_term(signum, frame):
@@ -150,6 +158,9 @@ def cmd_bench(args) -> int:
         run_bench(problems, systems=systems, modes=modes, device=device, timer=timer,
                   opts={"eager_max_gib": args.eager_max_gib}, profile=args.profile,
                   gate2=not args.no_gate2, seed=args.seed, result=result, on_problem=save)
+    except _WriteFailed as exc:
+        print(exc, file=sys.stderr)
+        return 1
     except (_Interrupted, KeyboardInterrupt):
         interrupted = True
         _say("interrupted: reporting the problems finished so far")
@@ -161,7 +172,11 @@ def cmd_bench(args) -> int:
         result["interrupted"] = True
     print(format_table(result), flush=True)
     if args.json:
-        save(result)
+        try:
+            save(result)
+        except _WriteFailed as exc:
+            print(exc, file=sys.stderr)
+            return 1
         _say(f"wrote {args.json}")
     if args.plot:
         msg = plot(result, args.plot)
@@ -177,8 +192,12 @@ class _Interrupted(Exception):
     pass
 
 
+class _WriteFailed(Exception):
+    """The JSON output could not be written (its message is the one line to print)."""
+
+
 def add_parser(sub) -> None:
-    from .._argtypes import add_command, seed
+    from .._argtypes import add_command, nonneg_float, positive_float, seed
 
     p = add_command(
         sub, "bench", cmd_bench,
@@ -204,9 +223,10 @@ def add_parser(sub) -> None:
     p.add_argument("--json", metavar="PATH", help="write all rows, gates and header as JSON")
     p.add_argument("--plot", metavar="PATH", help="write a PNG (needs matplotlib)")
     p.add_argument("--profile", action="store_true", help="per-kernel time table of flashsink's fwd+bwd")
-    p.add_argument("--warmup-ms", type=float, default=25.0, help="do_bench warm-up (default 25 ms)")
-    p.add_argument("--rep-ms", type=float, default=100.0, help="do_bench repetition time (default 100 ms)")
-    p.add_argument("--eager-max-gib", type=float, default=48.0, help="skip eager above this score memory")
+    p.add_argument("--warmup-ms", type=nonneg_float, default=25.0, help="do_bench warm-up (default 25 ms)")
+    p.add_argument("--rep-ms", type=positive_float, default=100.0, help="do_bench repetition time (default 100 ms)")
+    p.add_argument("--eager-max-gib", type=nonneg_float, default=48.0,
+                   help="skip eager above this score memory, GiB >= 0 (default 48)")
     p.add_argument("--no-gate2", action="store_true", help="gate 1 only (skips the low-precision reference)")
     p.add_argument("--no-precompile", action="store_true", help="compile flashsink kernels in-process")
     p.add_argument("--seed", type=seed, default=0, help="input seed in [0, 2**64) (default 0)")

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from .._validate import validate_attention
 from ..api import attention
-from ..combine import combine
+from ..combine import merge_partials  # the partials are ours: no per-step check (no host sync)
 from ..visibility import first_key, first_query, query_end
 from .sharding import _segments
 
@@ -193,7 +193,7 @@ def _ring_forward(q, k, v, sinks, cfg: _RingCfg):
         for q0, q1, k0, k1, kind in cfg.plan((cfg.rank - t) % cfg.p):
             o_p, lse_p = _piece(q[:, q0:q1], kv[0][:, k0:k1], kv[1][:, k0:k1], kind, cfg)
             # Online merge of partials over disjoint keys (no sink yet).
-            o_m, lse_m = combine(
+            o_m, lse_m = merge_partials(
                 [o_acc[:, q0:q1], o_p.to(cdt)], [lse_acc[:, :, q0:q1], lse_p.to(cdt)],
                 None, layout="bshd", return_lse=True,
             )
@@ -203,7 +203,7 @@ def _ring_forward(q, k, v, sinks, cfg: _RingCfg):
             _Ring.wait(works)
             kv = tuple(nxt)
     # The sink, exactly once.
-    return combine([o_acc], [lse_acc], sinks, layout="bshd", return_lse=True)
+    return merge_partials([o_acc], [lse_acc], sinks, layout="bshd", return_lse=True)  # sinks checked on entry
 
 
 def _piece_grads(q, k, v, do, delta, lse, kind: str, cfg: _RingCfg):

@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import os
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -71,9 +69,9 @@ def _load_kernel(files: dict, func, cfg, args: CompileArgs, root: Path):
     from tilelang.jit import JITKernel
     from tilelang.jit.adapter.base import CachedTextSource
 
-    fd, so_path = tempfile.mkstemp(prefix=f"load-{os.getpid()}-", suffix=".so", dir=root / "tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
+    with diskcache.scratch(root, "load") as d:
+        so_path = str(d / _SO)
+        with open(so_path, "xb") as f:
             f.write(files[_SO])
         return JITKernel.from_database(
             func=func,
@@ -88,8 +86,6 @@ def _load_kernel(files: dict, func, cfg, args: CompileArgs, root: Path):
             pass_configs=args.pass_configs,
             compile_flags=args.compile_flags,
         )
-    finally:
-        os.unlink(so_path)
 
 
 def compile_kernel(kind: str, cfg: KernelConfig, *, load_only: bool = False):

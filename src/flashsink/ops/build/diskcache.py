@@ -7,20 +7,27 @@ Layout of ``$FLASHSINK_CACHE_DIR`` (default ``$XDG_CACHE_HOME/flashsink``, else
     locks/<kind>-<digest>.lock one flock per key: who compiles, who waits
     tmp/                       staging and build directories, renamed or removed when done
 
-Security model. An entry holds a shared library that is loaded into the process, so:
+Security model (the checks themselves are in ``cachedir.py``). An entry holds a shared library
+that is loaded into the process, so:
 
-* the cache directory and its subdirectories are created with mode 0700, and a directory that is
-  owned by another user or writable by group/others is refused with :class:`CacheDirError`
-  (another user could otherwise plant code there);
-* every entry records its full key and the sha256 of each of its files; before loading, the key
-  must equal the one asked for and every file must hash to its recorded value, with no file
-  missing or added. The bytes that were hashed are the bytes that get loaded (they are copied to a
-  private temporary file first), so nothing can swap a file between the check and the load. An
-  entry that fails is logged as a warning, removed and rebuilt, never loaded.
+* the cache directory must be ours and private, and so must every directory above it be safe
+  (owned by us or root, not writable by others unless sticky), checked by a walk from ``/`` at the
+  first use and compared again (cheaply) before every load; its subdirectories and entries must be
+  real directories, never symlinks. A directory that fails is refused with :class:`CacheDirError`;
+* every entry records its full key and the sha256 of each of its files in a manifest that carries a
+  checksum over its own fields and is validated by a schema (types, not just keys); before loading,
+  the key must equal the one asked for and every file must be a regular file that hashes to its
+  recorded value, with no file missing or added. Files are opened without following links or waiting
+  on FIFOs. The bytes that were hashed are the bytes that get loaded (they are copied to a private
+  temporary file first), so nothing can swap a file between the check and the load. An entry that
+  fails is logged as a warning, moved out of ``kernels/`` and rebuilt, never loaded;
+* only what a valid flashsink marker names is ever deleted: an entry's files named by its manifest,
+  a lock file holding its marker line, a ``tmp/`` directory holding its marker file. ``clear`` and
+  the stale-``tmp/`` sweep leave everything else alone (``clear`` lists it) and follow no symlink.
 
-What this does not defend against: someone who can already write files as you (they could edit
-the manifest along with the library, or your shell profile). The checksums catch corruption,
-half-written files and edits to single files; the permissions keep other users out.
+What this does not defend against: root, or someone who can already write files as you (they could
+rewrite the manifest and its checksum along with the library, or your shell profile). The checksums
+catch corruption, half-written files and edits; the directory checks keep other users out.
 
 Concurrency: entries are built in ``tmp/`` and published with one atomic ``os.rename``, so a
 reader sees a complete entry or none. A per-key ``fcntl.flock`` makes processes that need the same
@@ -44,15 +51,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ...errors import CacheDirError
+from . import cachedir
+from .cachedir import ENV_DIR, SUBDIRS, read_regular
 
 log = logging.getLogger("flashsink")
 
-ENV_DIR = "FLASHSINK_CACHE_DIR"
-FORMAT = 1
+__all__ = ["ENV_DIR", "SUBDIRS", "cache_dir", "ensure_cache_dir", "load", "store", "clear", "entries"]
+
+#: 2: the manifest carries a checksum over its own fields (1 had none: such entries are rebuilt)
+FORMAT = 2
 ENTRY_MANIFEST = "flashsink-entry.json"
-SUBDIRS = ("kernels", "locks", "tmp")
+#: the marker file of a directory flashsink made in tmp/ (a build, a staging or a load directory)
+TMP_MARKER = "flashsink-tmp.json"
+#: the first line of every lock file flashsink made (what ``clear`` needs to find to remove it)
+LOCK_MARKER = b"flashsink kernel-cache lock\n"
 #: a staging/build directory whose process is gone and that is older than this is removed
 STALE_TMP_SECONDS = 600
+_MANIFEST_LIMIT = 1 << 20  # a manifest is a few KiB; a bigger file is not one of ours
 
 
 def default_cache_dir() -> Path:
@@ -66,60 +81,10 @@ def cache_dir() -> Path:
     return Path(os.path.expanduser(given)).absolute() if given else default_cache_dir().absolute()
 
 
-def _owner_name(uid: int) -> str:
-    try:
-        import pwd
-
-        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
-    except (ImportError, KeyError):
-        return f"uid {uid}"
-
-
-def check_private_dir(path: Path) -> None:
-    """Raise :class:`CacheDirError` unless ``path`` is a directory owned by us that only we can write."""
-    try:
-        st = os.stat(path)
-    except OSError as exc:
-        raise CacheDirError(f"flashsink cache directory {path} cannot be read: {exc}") from exc
-    if not stat.S_ISDIR(st.st_mode):
-        raise CacheDirError(f"flashsink cache directory {path} is not a directory; set {ENV_DIR} to a directory")
-    me = os.geteuid()
-    if st.st_uid != me:
-        raise CacheDirError(
-            f"flashsink cache directory {path} is owned by {_owner_name(st.st_uid)}, not by you "
-            f"({_owner_name(me)}). It holds native code that is loaded into this process, so flashsink only "
-            f"uses a directory of your own: set {ENV_DIR} to one (it is created with mode 0700)."
-        )
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise CacheDirError(
-            f"flashsink cache directory {path} is writable by group or others (mode "
-            f"{stat.S_IMODE(st.st_mode):04o}). It holds native code that is loaded into this process, so "
-            f"flashsink refuses it: run `chmod go-w {path}` (or `chmod 700`), or set {ENV_DIR} to a private directory."
-        )
-
-
-_checked: set = set()
-
-
 def ensure_cache_dir(path: Path | None = None) -> Path:
-    """Create (mode 0700) and check the cache directory and its subdirectories; returns it."""
-    root = Path(path) if path is not None else cache_dir()
-    if root in _checked and root.is_dir():
-        return root
-    for d in (root, *(root / s for s in SUBDIRS)):
-        try:
-            d.mkdir(mode=0o700, parents=True)
-            os.chmod(d, 0o700)  # mkdir's mode is filtered by the umask; ours must not be looser
-        except FileExistsError:
-            pass
-        except OSError as exc:
-            raise CacheDirError(
-                f"flashsink cannot create its cache directory {d}: {exc}. Set {ENV_DIR} to a writable "
-                "directory of your own."
-            ) from exc
-        check_private_dir(d)
-    _checked.add(root)
-    return root
+    """Create (mode 0700) and check the cache directory and its subdirectories (``cachedir.trusted_root``:
+    every call compares with the last walk and walks again on any change); returns the resolved directory."""
+    return cachedir.trusted_root(Path(path) if path is not None else cache_dir())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -138,11 +103,23 @@ def entry_name(kind: str, key: dict) -> str:
     return f"{safe}-{digest(key)[:32]}"
 
 
+def _open_lock(path: Path) -> int:
+    """The lock file's fd: a regular file of ours, never a link (O_NOFOLLOW) or a FIFO (O_NONBLOCK)."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise CacheDirError(f"flashsink cannot open its lock file {path}: {exc}") from exc
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+        os.close(fd)
+        raise CacheDirError(f"flashsink lock file {path} is not a regular file of yours; remove it")
+    return fd
+
+
 @contextlib.contextmanager
 def key_lock(root: Path, name: str):
     """Hold the per-key lock. Yields True if it had to wait for another process (or thread)."""
-    path = root / "locks" / f"{name}.lock"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    fd = _open_lock(root / "locks" / f"{name}.lock")
     try:
         waited = False
         try:
@@ -151,77 +128,203 @@ def key_lock(root: Path, name: str):
             waited = True
             log.info("flashsink: another process is compiling %s; waiting for it", name)
             fcntl.flock(fd, fcntl.LOCK_EX)
+        if os.fstat(fd).st_size == 0:  # new: mark it as ours (under the lock: written once)
+            os.write(fd, LOCK_MARKER)
         yield waited
     finally:
         os.close(fd)  # closing releases the flock
 
 
 # ----------------------------------------------------------------------------------------------
-# entries
+# manifests and markers: JSON with a checksum over its own fields, checked against a schema
 
 def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _read_manifest(entry: Path) -> dict:
-    with open(entry / ENTRY_MANIFEST, "rb") as f:
-        manifest = json.loads(f.read())
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise ValueError(f"unknown manifest format {manifest.get('format') if isinstance(manifest, dict) else '?'}")
+def _is_hex64(x) -> bool:
+    return isinstance(x, str) and len(x) == 64 and all(c in "0123456789abcdef" for c in x)
+
+
+def _seal(record: dict) -> str:
+    """``record`` as JSON with ``checksum``: the sha256 of its other fields, canonical."""
+    plain = json.loads(canonical(record))  # what reading it back gives (tuples are lists, ...)
+    plain.pop("checksum", None)
+    return json.dumps({**plain, "checksum": _sha256(canonical(plain).encode())}, indent=1, sort_keys=True)
+
+
+def _types_of(record: dict, schema: dict) -> str | None:
+    """What is wrong with the types of ``record``'s fields (``schema``: field -> type), or None."""
+    for name, want in schema.items():
+        if name not in record:
+            return f"field {name!r} missing"
+        value = record[name]
+        if not isinstance(value, want) or (want is int and isinstance(value, bool)):
+            return f"field {name!r} is {type(value).__name__}, not {getattr(want, '__name__', want)}"
+    return None
+
+
+def _unseal(blob: bytes, schema: dict) -> dict:
+    """The record in ``blob`` if it is JSON of the current format whose fields have the schema's types
+    and whose checksum matches; raises ValueError saying what is wrong."""
+    try:
+        record = json.loads(blob)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ValueError(f"not JSON ({exc})") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"not a JSON object but {type(record).__name__}")
+    if record.get("format") != FORMAT:
+        raise ValueError(f"unknown format {record.get('format')!r} (this flashsink writes {FORMAT})")
+    wrong = _types_of(record, {**schema, "checksum": str})
+    if wrong:
+        raise ValueError(wrong)
+    plain = {k: v for k, v in record.items() if k != "checksum"}
+    if record["checksum"] != _sha256(canonical(plain).encode()):
+        raise ValueError("its checksum does not match its fields (edited)")
+    return record
+
+
+_MANIFEST_SCHEMA = {"format": int, "name": str, "kind": str, "summary": str, "key": dict, "files": dict,
+                    "created": str}
+
+
+def _check_files(files: dict) -> None:
+    if not files:
+        raise ValueError("manifest lists no files")
+    for name, meta in files.items():
+        if not name or "/" in name or name in (".", "..", ENTRY_MANIFEST, TMP_MARKER):
+            raise ValueError(f"manifest lists a bad file name {name!r}")
+        if not isinstance(meta, dict) or _types_of(meta, {"size": int, "sha256": str}) or not _is_hex64(meta["sha256"]):
+            raise ValueError(f"manifest's record of {name!r} is not {{'size': int, 'sha256': hex digest}}: {meta!r}")
+
+
+def parse_manifest(blob: bytes, name: str) -> dict:
+    """The manifest of entry ``name`` from its bytes, fully validated; raises ValueError."""
+    manifest = _unseal(blob, _MANIFEST_SCHEMA)
+    _check_files(manifest["files"])
+    if manifest["name"] != name or entry_name(manifest["kind"], manifest["key"]) != name:
+        raise ValueError("entry name does not match its recorded key")
     return manifest
+
+
+def _read_manifest(dir_fd: int, name: str) -> dict:
+    try:
+        return parse_manifest(read_regular(ENTRY_MANIFEST, dir_fd, _MANIFEST_LIMIT), name)
+    except ValueError as exc:
+        raise ValueError(f"manifest unreadable: {exc}") from None
+
+
+# ----------------------------------------------------------------------------------------------
+# entries
+
+def _verify_fd(fd: int, name: str, key: dict | None) -> tuple[dict, dict]:
+    manifest = _read_manifest(fd, name)
+    if key is not None and canonical(manifest["key"]) != canonical(key):
+        raise ValueError("recorded key differs from the key asked for")
+    files = manifest["files"]
+    present = set(os.listdir(fd)) - {ENTRY_MANIFEST}
+    if present != set(files):
+        extra, missing = sorted(present - set(files)), sorted(set(files) - present)
+        raise ValueError(f"files differ from the manifest (missing {missing}, unexpected {extra})")
+    data = {}
+    for file, meta in files.items():
+        blob = read_regular(file, fd)
+        if _sha256(blob) != meta["sha256"]:
+            raise ValueError(f"sha256 of {file} differs from the recorded one")
+        data[file] = blob
+    return manifest, data
 
 
 def verify_entry(entry: Path, key: dict | None = None) -> tuple[dict, dict]:
     """Check one entry; returns (manifest, {file name: verified bytes}). Raises ValueError saying
     what is wrong. ``key=None`` checks the files against the manifest only (``cache info``)."""
     try:
-        manifest = _read_manifest(entry)
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"manifest unreadable: {exc}") from None
-    if key is not None:
-        if canonical(manifest.get("key")) != canonical(key):
-            raise ValueError("recorded key differs from the key asked for")
-    if manifest.get("name") != entry.name or entry_name(manifest.get("kind", ""), manifest.get("key")) != entry.name:
-        raise ValueError("entry name does not match its recorded key")
-    files = manifest.get("files")
-    if not isinstance(files, dict) or not files:
-        raise ValueError("manifest lists no files")
-    present = set(os.listdir(entry)) - {ENTRY_MANIFEST}
-    if present != set(files):
-        extra, missing = sorted(present - set(files)), sorted(set(files) - present)
-        raise ValueError(f"files differ from the manifest (missing {missing}, unexpected {extra})")
-    data = {}
-    for name, meta in files.items():
-        p = entry / name
-        if p.is_symlink() or not p.is_file():
-            raise ValueError(f"{name} is not a regular file")
-        with open(p, "rb") as f:
-            blob = f.read()
-        if _sha256(blob) != meta.get("sha256"):
-            raise ValueError(f"sha256 of {name} differs from the recorded one")
-        data[name] = blob
-    return manifest, data
+        fd = cachedir.open_entry(entry)
+    except (OSError, CacheDirError) as exc:
+        raise ValueError(f"not a private directory of yours: {exc}") from None
+    try:
+        return _verify_fd(fd, entry.name, key)
+    except OSError as exc:
+        raise ValueError(f"cannot be read: {exc}") from None
+    finally:
+        os.close(fd)
+
+
+def _sealed(path: Path, file: str, parse) -> dict | None:
+    """``parse(bytes)`` of the file ``file`` in directory ``path`` (a real, private directory of ours:
+    never followed if it is a link), or None if any of that fails."""
+    try:
+        fd = cachedir.open_entry(path)
+    except (OSError, CacheDirError):
+        return None
+    try:
+        return parse(read_regular(file, fd, _MANIFEST_LIMIT))
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
+
+
+def _valid_manifest(path: Path, name: str | None = None) -> dict | None:
+    """The valid manifest of entry ``name`` (default: the directory's name) in ``path``, or None."""
+    return _sealed(path, ENTRY_MANIFEST, lambda blob: parse_manifest(blob, name or path.name))
+
+
+def _marked_files(path: Path, name: str) -> list | None:
+    """The files of the entry directory ``path`` that a valid manifest of entry ``name`` names (manifest
+    last), or None without one."""
+    manifest = _valid_manifest(path, name)
+    return None if manifest is None else [*sorted(manifest["files"]), ENTRY_MANIFEST]
+
+
+def _remove_marked(path: Path, files: list) -> list:
+    """Remove the regular files ``files`` of directory ``path``, then the directory if that emptied it;
+    returns what is left in it (nothing is followed: a link or a directory named in ``files`` stays)."""
+    for f in files:
+        with contextlib.suppress(OSError):
+            if stat.S_ISREG(os.lstat(path / f).st_mode):
+                os.unlink(path / f)
+    try:
+        os.rmdir(path)
+        return []
+    except OSError:
+        with contextlib.suppress(OSError):
+            return sorted(os.listdir(path))
+        return []
 
 
 def discard(root: Path, path: Path) -> None:
-    """Remove a directory atomically from view (rename into tmp/), then delete it."""
-    trash = root / "tmp" / f"discard-{path.name}-{uuid.uuid4().hex[:8]}"
+    """Take the entry ``path`` out of ``kernels/`` (renamed into ``tmp/``, atomically), then delete the
+    files its manifest names; what flashsink did not write stays in ``tmp/discard-*`` (``clear`` lists
+    it) and a link is never followed."""
+    files = _marked_files(path, path.name)
+    trash = root / "tmp" / f"discard-{os.getpid()}-{path.name}-{uuid.uuid4().hex[:8]}"
     try:
         os.rename(path, trash)
     except FileNotFoundError:
         return
     except OSError:
         trash = path
-    shutil.rmtree(trash, ignore_errors=True)
+    if files is not None:
+        left = _remove_marked(trash, files)
+        if left:
+            log.warning("flashsink: cache entry %s held files flashsink did not write (%s); left them in %s",
+                        path, ", ".join(left), trash)
+    elif stat.S_ISDIR(os.lstat(trash).st_mode) and not os.listdir(trash):
+        os.rmdir(trash)
+    else:
+        log.warning("flashsink: cache entry %s had no valid manifest; moved it, undeleted, to %s", path, trash)
 
 
 def load(root: Path, name: str, key: dict) -> tuple[dict, dict] | None:
     """The verified (manifest, files) of entry ``name`` for ``key``, or None on a miss.
 
-    An entry that fails verification is a miss: it is logged as a warning and removed, so the
-    caller rebuilds it. Call with the key's lock held."""
+    The cache directory is checked again first (``cachedir.recheck``: :class:`CacheDirError` if it is
+    no longer safe). An entry that fails verification is a miss: it is logged as a warning and moved
+    away, so the caller rebuilds it. Call with the key's lock held."""
+    cachedir.recheck(root)
     entry = root / "kernels" / name
-    if not entry.exists():
+    if not os.path.lexists(entry):
         return None
     try:
         return verify_entry(entry, key)
@@ -232,7 +335,7 @@ def load(root: Path, name: str, key: dict) -> tuple[dict, dict] | None:
 
 
 def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     try:
         os.fsync(fd)
     except OSError:
@@ -241,15 +344,73 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
+# ----------------------------------------------------------------------------------------------
+# tmp/: only directories with flashsink's marker, removed only when their process is gone
+
+_TMP_SCHEMA = {"format": int, "name": str, "pid": int, "host": str}
+
+
+def _tmp_marker(path: Path) -> dict | None:
+    """The valid marker of the tmp/ directory ``path`` (a real directory of ours), or None."""
+    marker = _sealed(path, TMP_MARKER, lambda blob: _unseal(blob, _TMP_SCHEMA))
+    return marker if marker is not None and marker["name"] == path.name else None
+
+
+def _alive(marker: dict) -> bool:
+    """Whether the process that made a tmp/ directory may still be running (another host's: assumed so)."""
+    if marker["host"] != os.uname().nodename:
+        return True
+    try:
+        os.kill(marker["pid"], 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
+def sweepable(path: Path, older_than: float | None = None) -> bool:
+    """Whether tmp/``path`` is flashsink's (its marker), its process gone and (``older_than``) untouched
+    for that many seconds."""
+    marker = _tmp_marker(path)
+    if marker is None or _alive(marker):
+        return False
+    if older_than is None:
+        return True
+    try:
+        return time.time() - os.lstat(path).st_mtime > older_than
+    except OSError:
+        return False
+
+
+def _rmtree(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        shutil.rmtree(path)  # the fd-based rmtree: links inside are removed, never followed
+
+
 def _clean_stale_tmp(root: Path) -> None:
-    """Remove what killed processes left in tmp/ (owner gone and not touched for a while)."""
-    now = time.time()
+    """Remove what killed processes left in tmp/: flashsink's directories whose process is gone and that
+    were not touched for a while. Nothing without a marker is touched."""
     for p in (root / "tmp").iterdir():
-        try:
-            if not _owner_alive(p.name) and now - p.lstat().st_mtime > STALE_TMP_SECONDS:
-                shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
-        except OSError:
-            pass
+        if sweepable(p, STALE_TMP_SECONDS):
+            _rmtree(p)
+
+
+def _marked_dir(root: Path, prefix: str) -> Path:
+    d = Path(tempfile.mkdtemp(prefix=f"{prefix}-{os.getpid()}-", dir=root / "tmp"))
+    marker = {"format": FORMAT, "name": d.name, "pid": os.getpid(), "host": os.uname().nodename}
+    (d / TMP_MARKER).write_text(_seal(marker))
+    return d
+
+
+@contextlib.contextmanager
+def scratch(root: Path, prefix: str):
+    """A fresh directory ``tmp/<prefix>-<pid>-*`` with flashsink's marker, removed afterwards."""
+    d = _marked_dir(root, prefix)
+    try:
+        yield d
+    finally:
+        _rmtree(d)
 
 
 def store(root: Path, name: str, key: dict, write_files, *, kind: str, summary: str, extra: dict | None = None) -> Path:
@@ -257,11 +418,12 @@ def store(root: Path, name: str, key: dict, write_files, *, kind: str, summary: 
     checksums and the key go into the manifest and the directory is renamed into place. Call with
     the key's lock held. Returns the entry path."""
     _clean_stale_tmp(root)
-    staging = Path(tempfile.mkdtemp(prefix=f"stage-{os.getpid()}-{name}-", dir=root / "tmp"))
-    try:
+    with scratch(root, f"stage-{name}") as staging:
         write_files(staging)
         files = {}
         for p in sorted(staging.iterdir()):
+            if p.name == TMP_MARKER:
+                continue
             if not p.is_file() or p.is_symlink():
                 raise RuntimeError(f"unexpected non-file {p.name} in a cache entry")
             with open(p, "rb") as f:
@@ -269,28 +431,27 @@ def store(root: Path, name: str, key: dict, write_files, *, kind: str, summary: 
             files[p.name] = {"size": len(blob), "sha256": _sha256(blob)}
             _fsync(p)
         manifest = {
-            "format": FORMAT, "name": name, "kind": kind, "summary": summary, "key": key,
-            "files": files, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **(extra or {}),
+            **(extra or {}), "format": FORMAT, "name": name, "kind": kind, "summary": summary, "key": key,
+            "files": files, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
         with open(staging / ENTRY_MANIFEST, "w") as f:
-            f.write(json.dumps(manifest, indent=1, sort_keys=True, default=str))
+            f.write(_seal(manifest))
             f.flush()
             os.fsync(f.fileno())
+        os.unlink(staging / TMP_MARKER)  # an entry now (from here until the rename it is unmarked)
         os.chmod(staging, 0o700)
         _fsync(staging)
         final = root / "kernels" / name
-        if final.exists():  # a stale or broken entry: take it out of view first
+        if os.path.lexists(final):  # a stale or broken entry: take it out of view first
             discard(root, final)
         try:
             os.rename(staging, final)
         except OSError:
-            if not final.exists():
+            if not os.path.lexists(final):
                 raise
             # another writer (one that did not hold our lock) published first: keep theirs
         _fsync(root / "kernels")
         return final
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -298,19 +459,18 @@ def private_tmp(root: Path):
     """A build directory in ``tmp/`` that is the process's temporary directory (``tempfile`` and
     ``TMPDIR``, which nvcc uses) while the block runs; removed afterwards, success or failure, so a
     failed or killed compile leaves no files behind. Callers serialise compiles (compile.py's lock)."""
-    build = tempfile.mkdtemp(prefix=f"build-{os.getpid()}-", dir=root / "tmp")
     old_tempdir, old_env = tempfile.tempdir, os.environ.get("TMPDIR")
-    tempfile.tempdir = build
-    os.environ["TMPDIR"] = build
-    try:
-        yield Path(build)
-    finally:
-        tempfile.tempdir = old_tempdir
-        if old_env is None:
-            os.environ.pop("TMPDIR", None)
-        else:
-            os.environ["TMPDIR"] = old_env
-        shutil.rmtree(build, ignore_errors=True)
+    with scratch(root, "build") as build:
+        tempfile.tempdir = str(build)
+        os.environ["TMPDIR"] = str(build)
+        try:
+            yield build
+        finally:
+            tempfile.tempdir = old_tempdir
+            if old_env is None:
+                os.environ.pop("TMPDIR", None)
+            else:
+                os.environ["TMPDIR"] = old_env
 
 
 # ----------------------------------------------------------------------------------------------
@@ -328,11 +488,14 @@ class EntryInfo:
 
 
 def _dir_size(path: Path) -> int:
+    """Bytes of the regular files under ``path`` (lstat only: no link followed, nothing opened)."""
     total = 0
-    for p in path.rglob("*"):
-        with contextlib.suppress(OSError):
-            if p.is_file() and not p.is_symlink():
-                total += p.stat().st_size
+    for top, dirs, files in os.walk(path, followlinks=False):
+        for f in files:
+            with contextlib.suppress(OSError):
+                st = os.lstat(os.path.join(top, f))
+                if stat.S_ISREG(st.st_mode):
+                    total += st.st_size
     return total
 
 
@@ -348,60 +511,68 @@ def entries(root: Path) -> list:
             manifest, _ = verify_entry(entry)
         except ValueError as why:
             info.status = f"CORRUPT: {why}"
-            with contextlib.suppress(OSError, ValueError):
-                manifest = _read_manifest(entry)
-                info.kind, info.summary = manifest.get("kind", "?"), manifest.get("summary", "?")
-        else:
-            info.kind, info.summary = manifest.get("kind", "?"), manifest.get("summary", "?")
-            info.created = manifest.get("created", "?")
-            info.versions = (manifest.get("key") or {}).get("versions", {})
+            manifest = _valid_manifest(entry)  # shown only if the manifest itself is intact
+        if manifest is not None:
+            info.kind, info.summary, info.created = manifest["kind"], manifest["summary"], manifest["created"]
+            versions = manifest["key"].get("versions")
+            info.versions = versions if isinstance(versions, dict) else {}
         out.append(info)
     return out
 
 
-def _owner_alive(tmp_name: str) -> bool:
-    """Whether the process that made tmp/<tmp_name> (``build-<pid>-...``, ``stage-<pid>-...``,
-    ``load-<pid>-...``) is still running on this host."""
-    parts = tmp_name.split("-")
-    if len(parts) < 3 or parts[0] not in ("build", "stage", "load") or not parts[1].isdigit():
-        return False
+@dataclass
+class Cleared:
+    entries: int = 0
+    bytes: int = 0
+    kept: list = field(default_factory=list)  # (path, why) of what was left alone
+
+
+def _clear_lock(p: Path, kept: list) -> None:
     try:
-        os.kill(int(parts[1]), 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True
-    return True
+        fd = os.open(p, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        kept.append((p, f"not a lock file of flashsink's ({exc.strerror or exc})"))
+        return
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or os.pread(fd, 64, 0) != LOCK_MARKER:
+            kept.append((p, "no flashsink lock marker"))
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # not held by a compile now
+        except BlockingIOError:
+            return  # in use: not "left alone", just busy
+        os.unlink(p)
+    except OSError as exc:
+        kept.append((p, f"could not be removed ({exc.strerror or exc})"))
+    finally:
+        os.close(fd)
 
 
-def clear(root: Path) -> tuple[int, int]:
-    """Remove every entry, leftover temporary directory and unused lock; returns (entries, bytes).
-
-    Only the cache's own subdirectories are touched, never other files in ``root``."""
-    removed, freed = 0, 0
-    kernels = root / "kernels"
-    if kernels.is_dir():
-        for entry in list(kernels.iterdir()):
-            freed += _dir_size(entry)
-            discard(root, entry)
-            removed += 1
-    tmp = root / "tmp"
-    if tmp.is_dir():
-        for p in list(tmp.iterdir()):
-            if _owner_alive(p.name):
-                continue  # a compile or save in progress uses it, and removes it itself
-            with contextlib.suppress(OSError):
-                shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
-    locks = root / "locks"
-    if locks.is_dir():
-        for p in list(locks.iterdir()):
-            with contextlib.suppress(OSError):
-                fd = os.open(p, os.O_RDWR)
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # not held by a compile now
-                    p.unlink()
-                except BlockingIOError:
-                    pass
-                finally:
-                    os.close(fd)
-    return removed, freed
+def clear(root: Path) -> Cleared:
+    """Remove every entry, leftover temporary directory and unused lock that flashsink wrote (a valid
+    marker names it); everything else in the cache is left alone and listed in ``Cleared.kept``.
+    ``root`` must have passed ``cachedir.trusted_root``. Only the cache's subdirectories are looked at."""
+    cachedir.recheck(root)
+    done = Cleared()
+    for entry in sorted((root / "kernels").iterdir()):
+        files = _marked_files(entry, entry.name)
+        if files is None:
+            done.kept.append((entry, "no valid flashsink manifest (or not a directory of yours)"))
+            continue
+        size = _dir_size(entry)
+        left = _remove_marked(entry, files)
+        if left:
+            done.kept.append((entry, f"holds files flashsink did not write: {', '.join(left)}"))
+        else:
+            done.entries += 1
+            done.bytes += size
+    for p in sorted((root / "tmp").iterdir()):
+        if sweepable(p):
+            _rmtree(p)
+        elif _tmp_marker(p) is None:
+            done.kept.append((p, "no flashsink marker"))
+        # else: a compile or save in progress uses it, and removes it itself
+    for p in sorted((root / "locks").iterdir()):
+        _clear_lock(p, done.kept)
+    return done

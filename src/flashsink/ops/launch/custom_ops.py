@@ -102,6 +102,7 @@ def _fwd_reference(
     """Reference implementation (every device but CUDA): o and the row-padded lse (``precision`` changes
     nothing here: the reference is exact in its compute dtype)."""
     spec = _validate.check_op(q, k, v, sinks, window, causal, scale, layout)  # the ops are public names
+    _validate.check_op_options(deterministic, precision)
     o, lse = reference._attention(q, k, v, sinks, spec, return_lse=True)
     rows = dense._padded_rows(spec.seq_q)
     return o.contiguous(), torch.nn.functional.pad(lse, (0, rows - spec.seq_q))
@@ -113,6 +114,7 @@ fwd = torch.library.custom_op("flashsink::fwd", _fwd_reference, mutates_args=())
 @fwd.register_kernel("cuda")
 def _fwd_cuda(q, k, v, sinks, window, causal, scale, layout, deterministic, precision="fast"):
     spec = _validate.check_op(q, k, v, sinks, window, causal, scale, layout)  # the ops are public names
+    _validate.check_op_options(deterministic, precision)
     if _empty(spec):
         return _fwd_reference(q, k, v, sinks, window, causal, scale, layout, deterministic, precision)
     cfg, win, (q, k, v) = _kernel_inputs(spec, q.device, deterministic, precision, q, k, v)
@@ -126,6 +128,7 @@ def _fwd_cuda(q, k, v, sinks, window, causal, scale, layout, deterministic, prec
 @fwd.register_fake
 def _fwd_fake(q, k, v, sinks, window, causal, scale, layout, deterministic, precision="fast"):
     spec = _validate.check_op(q, k, v, sinks, window, causal, scale, layout)  # the ops are public names
+    _validate.check_op_options(deterministic, precision)
     o = q.new_empty(_validate.out_shape(spec, q))
     lse = q.new_empty((spec.batch, spec.heads, dense._padded_rows(spec.seq_q)), dtype=_lse_dtype(q.dtype))
     return o, lse
@@ -153,6 +156,7 @@ def _bwd_reference(
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """Reference implementation (every device but CUDA): the closed-form gradient (o is not read)."""
     spec = _validate.check_bwd_op(do, q, k, v, sinks, lse, dlse, window, causal, scale, layout)
+    _validate.check_op_options(deterministic, precision, o)
     dlse = None if dlse is None else dlse[:, :, : spec.seq_q]
     return _reference_backward(do, q, k, v, sinks, dlse, spec)
 
@@ -163,6 +167,7 @@ bwd = torch.library.custom_op("flashsink::bwd", _bwd_reference, mutates_args=())
 @bwd.register_kernel("cuda")
 def _bwd_cuda(do, q, k, v, sinks, lse, dlse, window, causal, scale, layout, deterministic, precision="fast", o=None):
     spec = _validate.check_bwd_op(do, q, k, v, sinks, lse, dlse, window, causal, scale, layout)
+    _validate.check_op_options(deterministic, precision, o)
     if _empty(spec):
         return _bwd_reference(do, q, k, v, sinks, lse, dlse, window, causal, scale, layout, deterministic)
     cfg, win, (do, q, k, v, lse) = _kernel_inputs(spec, q.device, deterministic, precision, do, q, k, v, lse)
@@ -296,6 +301,7 @@ def _varlen_fwd_reference(
     """Reference implementation (every device but CUDA): the varlen reference, lse row-padded."""
     spec = _validate.check_varlen_op(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window,
                                      causal, scale)
+    _validate.check_op_options(deterministic, precision)
     cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()  # inside the op: never in a graph
     o, lse = reference._attention_varlen(q, k, v, cu_q, cu_k, sinks, spec, return_lse=True)
     total = q.shape[0]
@@ -310,6 +316,7 @@ def _varlen_fwd_cuda(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
                      deterministic, precision="fast"):
     spec = _validate.check_varlen_op(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window,
                                      causal, scale)
+    _validate.check_op_options(deterministic, precision)
     if _varlen_empty(spec, q, k):
         return _varlen_fwd_reference(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                      window, causal, scale, deterministic)
@@ -352,6 +359,7 @@ def _varlen_bwd_reference(
     """Reference implementation (every device but CUDA): the closed-form gradient, one sequence at a time."""
     spec = _validate.check_varlen_bwd_op(do, q, k, v, sinks, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                          max_seqlen_k, window, causal, scale)
+    _validate.check_op_options(deterministic, precision, o)
     cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     acc = _lse_dtype(q.dtype)  # the reference's compute dtype: dsink is summed over sequences in it
     s_acc = None if sinks is None else sinks.to(acc)
@@ -379,6 +387,7 @@ def _varlen_bwd_cuda(do, q, k, v, sinks, lse, dlse, cu_seqlens_q, cu_seqlens_k, 
                      causal, scale, deterministic, precision="fast", o=None):
     spec = _validate.check_varlen_bwd_op(do, q, k, v, sinks, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                          max_seqlen_k, window, causal, scale)
+    _validate.check_op_options(deterministic, precision, o)
     if _varlen_empty(spec, q, k):
         return _varlen_bwd_reference(do, q, k, v, sinks, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                      max_seqlen_k, window, causal, scale, deterministic)
@@ -461,3 +470,53 @@ def _kvcache_refuse_grad(ctx, inputs, output):
 
 
 kvcache_fwd.register_autograd(None, setup_context=_kvcache_refuse_grad)
+
+
+# ------------------------------------------------------------------------------------------------
+# torch.ops.flashsink.<op>(...) checks its arguments as the public functions do, with their error types
+# and text, *before* the schema parses them: the schema turns an int ``causal=1`` into True before any
+# implementation sees it, and answers a wrong type with a bare RuntimeError. The same checks run again
+# in the implementations (for calls through the overload, ``torch.ops.flashsink.fwd.default``, which
+# this does not see); the varlen offsets' values are read there only, once.
+
+def _pre_fwd(q, k, v, sinks, window, causal, scale, layout, deterministic, precision="fast"):
+    _validate.check_op(q, k, v, sinks, window, causal, scale, layout)
+    _validate.check_op_options(deterministic, precision)
+
+
+def _pre_bwd(do, q, k, v, sinks, lse, dlse, window, causal, scale, layout, deterministic, precision="fast", o=None):
+    _validate.check_bwd_op(do, q, k, v, sinks, lse, dlse, window, causal, scale, layout)
+    _validate.check_op_options(deterministic, precision, o)
+
+
+def _pre_varlen_fwd(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window, causal, scale,
+                    deterministic, precision="fast"):
+    _validate.check_varlen_op(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window, causal,
+                              scale, values=False)
+    _validate.check_op_options(deterministic, precision)
+
+
+def _pre_varlen_bwd(do, q, k, v, sinks, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window,
+                    causal, scale, deterministic, precision="fast", o=None):
+    _validate.check_varlen_bwd_op(do, q, k, v, sinks, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                  max_seqlen_k, window, causal, scale, values=False)
+    _validate.check_op_options(deterministic, precision, o)
+
+
+class _CheckedOp(torch._ops.OpOverloadPacket):
+    """``torch.ops.flashsink.<name>``: the op's packet, whose call checks the arguments first."""
+
+    def __init__(self, packet, check):
+        super().__init__(packet._qualified_op_name, packet.__name__, packet._op, packet._overload_names)
+        self.__module__ = packet.__module__  # its overloads are found by it (torch._ops), not by this module
+        self._check = check
+
+    def __call__(self, /, *args, **kwargs):
+        if not torch.compiler.is_compiling():  # traced calls are flashsink's own; the fakes check them
+            self._check(*args, **kwargs)
+        return self._op(*args, **kwargs)
+
+
+for _name, _check in (("fwd", _pre_fwd), ("bwd", _pre_bwd), ("varlen_fwd", _pre_varlen_fwd),
+                      ("varlen_bwd", _pre_varlen_bwd), ("kvcache_fwd", check_kvcache_op)):
+    setattr(torch.ops.flashsink, _name, _CheckedOp(getattr(torch.ops.flashsink, _name), _check))
