@@ -134,8 +134,8 @@ TINY_PRESETS: dict[str, tuple] = {
     "decode": ("bf16", 2, 4, 2, 16, None, (64, 200)),
     "hf-train": ("bf16", 1, 4, 2, 16, 16, (96,)),
     "decode-paged": ("bf16", 2, 4, 2, 16, None, (64, 200)),
-    "gptoss-stack-4k": ("bf16", 4, 4, 2, 16, 8, (24,)),
-    "gptoss-stack-16k": ("bf16", 2, 4, 2, 16, 8, (48,)),
+    "gptoss-stack-4k": ("bf16", 3, 4, 2, 16, 8, (16,)),
+    "gptoss-stack-16k": ("bf16", 2, 4, 2, 16, 8, (24,)),
 }
 MODES = ("fwd", "bwd", "fwd+bwd")
 VARLEN_PRESETS = ("varlen",)
@@ -145,6 +145,7 @@ TINY_PAGE_SIZE = 16
 HF_PRESETS = ("hf-train",)
 STACK_PRESETS = ("gptoss-stack-4k", "gptoss-stack-16k")
 STACK_LAYERS = 24  # gpt-oss: 12 sliding + 12 full
+TINY_STACK_LAYERS = 4  # --device cpu: the same alternation, 2 + 2 (the CPU paths are slow)
 VARLEN_SEED = 5  # fixed: every run packs the same lengths
 FORWARD_ONLY = "n/a: decode is forward only (inference)"
 
@@ -179,7 +180,7 @@ def preset_problems(name: str, *, tiny: bool = False, dtype: str | None = None) 
                 for win in windows for n in seqs]
     if name in STACK_PRESETS:  # b documents of n tokens each, packed
         lens = (seqs[0],) * b
-        layers = tuple(w if i % 2 == 0 else None for i in range(STACK_LAYERS))
+        layers = tuple(w if i % 2 == 0 else None for i in range(TINY_STACK_LAYERS if tiny else STACK_LAYERS))
         return [Problem(name, b, h, hk, seqs[0], seqs[0], d, w, dt, seqlens=lens, layer_windows=layers)]
     if name in HF_PRESETS:
         return [Problem(name, b, h, hk, n, n, d, w, dt, hf_train=True) for n in seqs]
