@@ -46,11 +46,15 @@ NO_CUDA_MESSAGE = ("error: --host-chain needs a CUDA GPU (it holds the GPU busy 
                    "chain's launches only queue, and times their issue); there is no CPU version of it")
 
 
-def chain_problem(dtype: str = "bf16", *, sinks: bool = True) -> Problem:
-    """The dense gpt-oss chain: 24 layers alternating W=128 (first) and full causal; ``sinks=False`` (sdpa):
-    every layer full causal (SDPA's window would be a dense mask, other work)."""
-    s = SHAPE
-    layers = tuple(s["window"] if sinks and i % 2 == 0 else None for i in range(STACK_LAYERS))
+def chain_problem(dtype: str = "bf16", *, sinks: bool = True, shape: dict | None = None,
+                  layers: int = STACK_LAYERS) -> Problem:
+    """The dense gpt-oss chain (``shape``: :data:`SHAPE` unless given, for the tests): ``layers`` layers
+    alternating W (first) and full causal; ``sinks=False`` (sdpa): every layer full causal (SDPA's window
+    would be a dense mask, other work)."""
+    s = SHAPE if shape is None else shape
+    if layers < 1:
+        raise ValueError(f"chain_problem: layers must be >= 1, got {layers}")
+    layers = tuple(s["window"] if sinks and i % 2 == 0 else None for i in range(layers))
     return Problem("host-chain", s["batch"], s["heads"], s["kv_heads"], s["seq"], s["seq"], s["head_dim"],
                    s["window"] if sinks else None, dtype, layer_windows=layers)
 
@@ -164,10 +168,12 @@ def add_ratios(rows: list[dict]) -> None:
 
 
 def run_host_chain(systems: list[str], *, device: str, dtype: str = "bf16", reps: int = REPS, warmup: int = WARMUP,
-                   seed: int = 0, say, busy=None, registry=None, clock=time.perf_counter) -> dict:
+                   seed: int = 0, say, busy=None, registry=None, clock=time.perf_counter, shape: dict | None = None,
+                   layers: int = STACK_LAYERS) -> dict:
     """Rows of the host-chain mode for ``systems`` (of :data:`SYSTEMS`): per system its us per layer (or the
     reason it was not measured) and the ratio to sdpa. ``busy``, ``registry`` (name -> System class) and
-    ``clock`` are injectable for the tests; on CUDA ``busy`` defaults to :class:`CudaBusy`."""
+    ``clock``, ``shape`` and ``layers`` are injectable for the tests; on CUDA ``busy`` defaults to
+    :class:`CudaBusy`."""
     bad = [s for s in systems if s not in SYSTEMS]
     if bad or not systems:
         raise ValueError(f"--systems with --host-chain: choose from {', '.join(SYSTEMS)}, got {bad or systems}")
@@ -181,7 +187,7 @@ def run_host_chain(systems: list[str], *, device: str, dtype: str = "bf16", reps
     inputs: dict = {}
     for name in systems:
         system = registry[name]()
-        prob = chain_problem(dtype, sinks=system.has_sink)
+        prob = chain_problem(dtype, sinks=system.has_sink, shape=shape, layers=layers)
         row = {"system": name, "problem": prob.label(), "layers": len(prob.layer_windows), "valid": False,
                "us_per_layer": None, "us_chain": None, "ratio_to_sdpa": None, "reps": 0, "invalid_reps": 0,
                "sleep_ms": None, "unheld_ms": None, "status": "", "note": "" if system.has_sink else "no sink"}
