@@ -1121,6 +1121,7 @@ def test_host_chain_rows_and_ratio_on_cpu(monkeypatch):
     (["--host-chain", "--systems", "flex"], "--systems with --host-chain: choose from flashsink, fa4, sdpa"),
     (["--host-chain", "--chain-reps", "0"], "--chain-reps must be >= 1"),
     (["--chain-reps", "5"], "--chain-reps goes with --host-chain"),
+    (["--chain-reps", "20"], "--chain-reps goes with --host-chain"),
     (["--host-chain", "--json", "/nonexistent/x.json"], "--json /nonexistent/x.json"),
     (["--host-chain"], "--host-chain needs a CUDA GPU"),
 ])
@@ -1142,3 +1143,36 @@ def test_help_documents_the_stack_and_host_chain():
     assert "--host-chain" in text and "--chain-reps" in text and "gptoss-stack-4k" in text
     readme = open(os.path.join(ROOT, "README.md")).read()
     assert "--host-chain" in readme and "gptoss-stack-16k" in readme
+
+
+@pytest.mark.parametrize("valid", [True, False])
+def test_host_chain_cli_writes_json_and_table(monkeypatch, tmp_path, capsys, valid):
+    """The command's path past its checks (CUDA faked, the measurement injected): the table on stdout, the
+    JSON with the bench's header and the rows, exit 1 when a row is INVALID."""
+    from flashsink.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU")
+    got = {}
+
+    def fake_run(systems, **kw):
+        got.update(kw, systems=systems)
+        rows = [{"system": s, "problem": "host-chain p", "layers": 24, "valid": valid or s != "fa4",
+                 "us_per_layer": u, "us_chain": u * 24, "reps": kw["reps"], "invalid_reps": 0, "sleep_ms": 50.0,
+                 "unheld_ms": 1.0, "status": "ok" if (valid or s != "fa4") else "INVALID: the GPU finished",
+                 "note": ""} for s, u in zip(systems, (30.0, 45.0, 40.0))]
+        hc.add_ratios(rows)
+        return {"mode": "host-chain", "rows": rows, "timing": "fake"}
+
+    monkeypatch.setattr(hc, "run_host_chain", fake_run)
+    out = tmp_path / "hc.json"
+    rc = main(["bench", "--host-chain", "--chain-reps", "7", "--json", str(out)])
+    assert rc == (0 if valid else 1)
+    assert got["systems"] == list(hc.SYSTEMS) and got["reps"] == 7 and got["dtype"] == "bf16"
+    data = json.loads(out.read_text())
+    assert data["header"]["device"] == "Fake GPU" and data["mode"] == "host-chain"
+    rows = {r["system"]: r for r in data["rows"]}
+    assert rows["flashsink"]["ratio_to_sdpa"] == pytest.approx(0.75)
+    assert (rows["fa4"]["ratio_to_sdpa"] is None) == (not valid)
+    cap = capsys.readouterr()
+    assert "us/layer" in cap.out and "0.75" in cap.out and "calibrating" in cap.err

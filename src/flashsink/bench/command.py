@@ -73,11 +73,11 @@ def _check_output_path(option: str, path) -> None:
 
 
 def cmd_bench(args) -> int:
-    if args.host_chain:
+    if getattr(args, "host_chain", False):
         from .host_chain import cmd_host_chain
 
         return cmd_host_chain(args, check_output_path=_check_output_path)
-    if args.chain_reps != HOST_CHAIN_REPS:
+    if getattr(args, "chain_reps", None) is not None:
         print("error: --chain-reps goes with --host-chain", file=sys.stderr)
         return 2
     if args.device == "cpu":
@@ -225,5 +225,5 @@ def add_parser(sub) -> None:
                    "H=64/8 D=64 bf16, W=128 / full alternating, each output the next query, one backward) for "
                    "flashsink, fa4 and sdpa (no sink), the GPU held busy (torch.cuda._sleep) so launches only queue; "
                    "us/layer and the ratio to sdpa. CUDA only; takes --systems, --json, --dtype, --seed, --chain-reps")
-    p.add_argument("--chain-reps", type=int, default=HOST_CHAIN_REPS,
+    p.add_argument("--chain-reps", type=int, default=None,
                    help=f"--host-chain: valid held repeats, median taken (default {HOST_CHAIN_REPS})")

@@ -268,8 +268,9 @@ def cmd_host_chain(args, *, cuda_available=None, check_output_path=None) -> int:
     given = [flag for dest, flag in _OTHER_FLAGS if getattr(args, dest, None)]
     if given:
         return usage(f"--host-chain times its own fixed chain; drop {', '.join(given)}")
-    if args.chain_reps < 1:
-        return usage(f"--chain-reps must be >= 1, got {args.chain_reps}")
+    reps = REPS if args.chain_reps is None else args.chain_reps
+    if reps < 1:
+        return usage(f"--chain-reps must be >= 1, got {reps}")
     systems = [s.strip() for s in (args.systems or "").split(",") if s.strip()] or list(SYSTEMS)
     bad = [s for s in systems if s not in SYSTEMS]
     if bad:
@@ -284,10 +285,10 @@ def cmd_host_chain(args, *, cuda_available=None, check_output_path=None) -> int:
         print(NO_CUDA_MESSAGE, file=sys.stderr)
         return 2
     dtype = args.dtype or "bf16"
-    _say(f"host-chain on {torch.cuda.get_device_name()}: {', '.join(systems)}, {args.chain_reps} repeats; "
+    _say(f"host-chain on {torch.cuda.get_device_name()}: {', '.join(systems)}, {reps} repeats; "
          "calibrating the busy hold ...")
     result = {"header": header("cuda")}
-    result.update(run_host_chain(systems, device="cuda", dtype=dtype, reps=args.chain_reps, seed=args.seed,
+    result.update(run_host_chain(systems, device="cuda", dtype=dtype, reps=reps, seed=args.seed,
                                  say=_say))
     print(format_host_chain(result), flush=True)
     if args.json:
