@@ -53,7 +53,7 @@ def test_flops_and_bytes():
 
 def test_presets_and_shape():
     assert set(bench.PRESETS) == {"golden", "gptoss-swa", "gptoss-full", "causal-d128", "varlen", "decode", "hf-train",
-                                  "decode-paged"}
+                                  "decode-paged", "gptoss-stack-4k", "gptoss-stack-16k"}
     assert set(bench.TINY_PRESETS) == set(bench.PRESETS)
     g = bench.preset_problems("golden")[0]
     assert (g.dtype, g.batch, g.heads, g.kv_heads, g.seq_q, g.head_dim, g.window) == ("fp16", 1, 64, 8, 4096, 128, 128)
@@ -839,3 +839,340 @@ def test_precompile_covers_every_flashsink_row(monkeypatch):
     command._precompile([prob, varlen], "cuda", rows)
     assert [(c.deterministic, c.precision) for c in got] == list(rows)
     assert {(c.arch, c.head_dim, c.groups, c.layout) for c in got} == {("sm_90a", 32, 2, "bhsd")}
+
+
+# ----------------------------------------------------------------------------------------------
+# the attention stack (gptoss-stack-4k / -16k) and --host-chain (issue 49, targets 4 and 5)
+
+from flashsink.bench import host_chain as hc  # noqa: E402
+from flashsink.bench import stack as bench_stack  # noqa: E402
+
+
+@pytest.mark.parametrize("name,docs,length", [("gptoss-stack-4k", 8, 4096), ("gptoss-stack-16k", 2, 16384)])
+def test_stack_presets_shapes_and_flops(name, docs, length):
+    (p,) = bench.preset_problems(name)
+    assert (p.dtype, p.heads, p.kv_heads, p.head_dim, p.window) == ("bf16", 64, 8, 64, 128)
+    assert p.seqlens == (length,) * docs and p.tokens_q == 32768 and p.n == 32768 and p.kind == "stack"
+    assert p.layer_windows == (128, None) * 12  # gpt-oss: sliding first, 12 of each
+    layers = bench_stack.layer_problems(p)
+    assert len(layers) == 24 and all(lp.layer_windows is None and lp.seqlens == p.seqlens for lp in layers)
+    # 12x the full layer's + 12x the windowed layer's, the bench's convention (14 * pairs * D * H for fwd+bwd)
+    full = length * (length + 1) // 2
+    win = sum(min(i + 1, 128) for i in range(length))
+    for mode in bench.MODES:
+        assert bench.flops(p, mode) == bench.FLOP_FACTOR[mode] * 64 * 64 * docs * 12 * (full + win)
+        one = [bench.Problem("x", docs, 64, 8, length, length, 64, w, "bf16", seqlens=p.seqlens) for w in (128, None)]
+        assert bench.min_bytes(p, mode) == 12 * sum(bench.min_bytes(x, mode) for x in one)
+    assert "stack of 24 layers (12 W=128 + 12 full)" in p.label() and f"{docs} docs of {length}" in p.label()
+    (tiny,) = bench.preset_problems(name, tiny=True)
+    assert tiny.kind == "stack" and tiny.layer_windows == (tiny.window, None) * 2
+    with pytest.raises(ValueError, match="not a stack"):
+        bench_stack.layer_problems(bench.preset_problems("golden")[0])
+
+
+class _Counting(bench.System):
+    """A fake layer: o = 0.5 * q + mean(v) + sinks.mean(); records each call's q and output, and counts the
+    backward of each call (a custom autograd Function)."""
+
+    name = "counting"
+    peer = True
+    log: list = []
+    backwards: list = []
+
+    def forward(self, t, prob):
+        calls, backs = type(self).log, type(self).backwards
+        idx = len(calls)
+
+        class Layer(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, q, k, v, s):
+                ctx.shapes = (k.shape, v.shape, s.shape)
+                return 0.5 * q + v.mean() + s.mean() + 0 * k.sum()
+
+            @staticmethod
+            def backward(ctx, g):
+                backs.append(idx)
+                ks, vs, ss = ctx.shapes
+                return 0.5 * g, torch.zeros(ks), torch.full(vs, float(g.sum()) / vs.numel()), \
+                    torch.full(ss, float(g.sum()) / ss.numel())
+
+        o = Layer.apply(t["q"], t["k"], t["v"], t["sinks"])
+        calls.append((t["q"], o, prob.window, t["k"]))
+        return o
+
+
+def test_stack_chain_wiring_output_feeds_the_next_query_and_one_backward():
+    (p,) = bench.preset_problems("gptoss-stack-4k", tiny=True)
+    p = bench.Problem(p.preset, p.batch, p.heads, p.kv_heads, p.seq_q, p.seq_kv, p.head_dim, p.window, "fp32",
+                      seqlens=p.seqlens, layer_windows=(p.window, None) * 12)  # the full 24 layers, tiny tensors
+    inp = bench_stack.make_stack_inputs(p, "cpu", seed=1)
+    assert len(inp["layers"]) == 24
+    assert not torch.equal(inp["layers"][0]["k"], inp["layers"][1]["k"])  # fixed K/V per layer, not shared
+    st = bench_stack.StackSystem(_Counting(), p)
+    calls = st.callables(inp, p)
+    _Counting.log, _Counting.backwards = [], []
+    grads = calls["fwd+bwd"]()
+    log = _Counting.log
+    assert len(log) == 24
+    assert [w for *_, w, _k in log] == [p.window, None] * 12
+    for i in range(1, 24):
+        assert log[i][0] is log[i - 1][1]  # this layer's query is the previous layer's output
+    for i in range(24):
+        assert torch.equal(log[i][3], inp["layers"][i]["k"])  # each layer its own k
+    assert sorted(_Counting.backwards) == list(range(24))  # one backward through every layer, once each
+    # o = 0.5^24 q + ...: dq = 0.5^24 do; every layer's v and sinks get a gradient
+    torch.testing.assert_close(grads[0], inp["do"] * 0.5 ** 24)
+    assert len(grads) == 1 + 3 * 24 and all(g is not None for g in grads)
+
+
+def _stack_problem_cpu():
+    (p,) = bench.preset_problems("gptoss-stack-4k", tiny=True, dtype="bf16")
+    return p
+
+
+def test_stack_preset_runs_on_cpu_with_gates_and_ratio_vs_fa4(monkeypatch):
+    """The tiny stack through run_bench: eager and a fake FA4 (the reference) gated per layer and timed, the
+    wrong system gated none, sdpa unavailable with its reason, vs_fa4 from the same run, the summary line."""
+    _fake_fa4(monkeypatch, [])
+
+    class Fa4CPU(bench.Fa4):
+        def check_available(self, device):
+            pass
+
+    monkeypatch.setitem(bench.SYSTEMS, "fa4", Fa4CPU)
+    monkeypatch.setitem(bench.SYSTEMS, "wrong", _Wrong)
+    p = _stack_problem_cpu()
+    res = bench.run_bench([p], systems=["eager", "fa4", "wrong", "sdpa"], modes=["fwd+bwd"], device="cpu",
+                          timer=bench.Timer("cpu", rep_ms=1.0, min_reps=1), gate2=True)
+    rows = {r["system"]: r for r in res["rows"]}
+    for name, g in (("eager", "strict"), ("fa4", "strict"), ("wrong", "none")):
+        r = rows[name]
+        assert r["status"] == "ok" and r["ms"] > 0 and r["gate"] == g and r["kind"] == "stack", r
+        assert r["flops"] == bench.flops(p, "fwd+bwd") and r["layers"] == 4
+        assert r["vs_fa4"] == pytest.approx(rows["fa4"]["ms"] / r["ms"])
+    assert rows["wrong"]["gate_fails"].startswith("W=8 strict: o")
+    assert rows["sdpa"]["status"].startswith("unavailable: CUDA only") and rows["sdpa"]["ms"] is None
+    assert {(g["system"], g["layer"]) for g in res["gates"]} >= {("eager", "W=8"), ("eager", "full"), ("fa4", "W=8")}
+    table = bench.format_table(res)
+    assert "stack: gptoss-stack-4k stack of 4 layers" in table and "(target >= 1.15x)" in table
+
+
+def test_stack_gate_failure_is_fail(monkeypatch):
+    """A flashsink that misses its gate on the stack's full layer is FAIL (and run_bench keeps the reason)."""
+    import flashsink
+    from flashsink import reference
+
+    def off_on_full(q, k, v, cu_q, cu_k, mq, mk, sinks=None, *, window=None, precision="fast", **kw):
+        o = reference.attention_varlen(q, k, v, cu_q, cu_k, mq, mk, sinks, window=window, **kw)
+        return o if window is not None else o * 1.05
+
+    monkeypatch.setattr(flashsink, "attention_varlen", off_on_full)
+    res = bench.run_bench([_stack_problem_cpu()], systems=["flashsink"], modes=["fwd"], device="cpu",
+                          timer=bench.Timer("cpu", rep_ms=1.0, min_reps=1))
+    (row,) = res["rows"]
+    assert row["status"].startswith("FAIL (fast gate): full: o") and row["gate"] == "none", row
+
+
+def test_stack_check_says_which_systems_cannot_run_it():
+    p = bench.preset_problems("gptoss-stack-4k")[0]
+    with pytest.raises(bench.Unavailable, match="not varlen"):
+        bench_stack.check_stack(bench.Sdpa(), p, "cuda", {})
+    with pytest.raises(bench.Unavailable, match="cannot capture"):
+        bench_stack.check_stack(bench.SYSTEMS["flashsink-graph"](), p, "cuda", {})
+    with pytest.raises(bench.Unavailable, match="shared by the stack's 24 layers"):
+        bench_stack.check_stack(bench.Eager(), p, "cuda", {"eager_max_gib": 48.0})
+
+
+class _FakeClock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+class _FakeBusy:
+    """The GPU as a clock: hold(ms) busy until now + ms; finished: the clock is past the end."""
+
+    def __init__(self, clock):
+        self.clock, self.holds, self.syncs = clock, [], 0
+
+    def hold(self, ms):
+        self.holds.append(ms)
+        return self.clock.t + ms * 1e-3
+
+    def finished(self, end):
+        return self.clock.t >= end
+
+    def sync(self):
+        self.syncs += 1
+
+
+def test_host_chain_arithmetic_median_per_layer():
+    clock = _FakeClock()
+    costs = iter([0.010] * 3 + [0.002] + [0.0024, 0.0048, 0.0012, 0.0036, 0.0030])  # warm-up, estimate, 5 reps
+    resets = []
+
+    def step():
+        clock.t += next(costs)
+
+    busy = _FakeBusy(clock)
+    m = hc.measure(step, busy, layers=24, reps=5, warmup=3, reset=lambda: resets.append(1), clock=clock)
+    assert m["valid"] and m["invalid_reps"] == 0 and m["reps"] == 5
+    assert m["us_chain"] == pytest.approx(3000.0) and m["us_per_layer"] == pytest.approx(125.0)
+    assert m["unheld_ms"] == pytest.approx(2.0) and busy.holds == [hc.MIN_SLEEP_MS] * 5  # max(50, 4 x 2 ms)
+    assert len(resets) == 3 + 1 + 5
+
+
+def test_host_chain_lengthens_the_hold_when_the_gpu_catches_up():
+    clock = _FakeClock()
+    costs = iter([0.001, 0.001] + [0.080] + [0.002] * 10)  # one warm-up, estimate, then one repeat issues 80 ms
+
+    def step():
+        clock.t += next(costs)
+
+    busy = _FakeBusy(clock)
+    m = hc.measure(step, busy, layers=24, reps=3, warmup=1, clock=clock)
+    assert m["valid"] and m["invalid_reps"] == 1
+    assert busy.holds == [50.0, 200.0, 200.0, 200.0] and m["sleep_ms"] == 200.0
+    assert m["us_per_layer"] == pytest.approx(2000.0 / 24)
+
+
+def test_host_chain_flags_a_chain_that_waits_on_the_gpu_invalid():
+    clock = _FakeClock()
+    busy = _FakeBusy(clock)
+
+    def syncing_step():  # waits until the GPU is done with whatever was queued (a .item() in the chain)
+        clock.t += 0.001 + (busy.holds[-1] * 1e-3 if busy.holds else 0.0)
+
+    m = hc.measure(syncing_step, busy, layers=24, reps=3, warmup=1, clock=clock)
+    assert not m["valid"] and m["us_per_layer"] is None
+    assert m["invalid_reps"] == hc.MAX_LENGTHEN + 1 and "before the host finished issuing" in m["reason"]
+    assert busy.holds == [50.0 * hc.LENGTHEN ** i for i in range(hc.MAX_LENGTHEN + 1)]
+    with pytest.raises(ValueError, match="reps >= 1"):
+        hc.measure(syncing_step, busy, layers=24, reps=0)
+
+
+def test_host_chain_rows_and_ratio_on_cpu(monkeypatch):
+    """run_host_chain with CPU systems and a fake busy: rows for flashsink, fa4, sdpa; sdpa's chain has no
+    window; the ratio is us/layer over sdpa's; the table and the JSON-ready result."""
+    _fake_fa4(monkeypatch, [])
+
+    class Fa4CPU(bench.Fa4):
+        def check_available(self, device):
+            pass
+
+    class SdpaCPU(bench.Sdpa):
+        def check_available(self, device):
+            pass
+
+    seen = {}
+
+    class FlashsinkLog(bench.FlashSink):
+        def forward(self, t, prob):
+            seen.setdefault("flashsink", []).append(prob.window)
+            return super().forward(t, prob)
+
+    class SdpaLog(SdpaCPU):
+        def forward(self, t, prob):
+            seen.setdefault("sdpa", []).append(prob.window)
+            return super().forward(t, prob)
+
+    registry = {"flashsink": FlashsinkLog, "fa4": Fa4CPU, "sdpa": SdpaLog}
+    clock = _FakeClock()
+    busy = _FakeBusy(clock)
+    cost = {"v": 0.0}
+    real = hc.chain_step
+
+    def chain_step(system, prob, inp):  # each system's issue costs a known fake time
+        step, reset = real(system, prob, inp)
+        per = {"flashsink": 0.0012, "fa4": 0.0024, "sdpa": 0.0016}[system.name]
+
+        def timed():
+            step()
+            clock.t += per
+
+        return timed, reset
+
+    monkeypatch.setattr(hc, "chain_step", chain_step)
+    shape = dict(batch=1, heads=4, kv_heads=2, seq=16, head_dim=16, window=4)
+    res = hc.run_host_chain(list(hc.SYSTEMS), device="cpu", dtype="bf16", reps=3, warmup=1, say=lambda m: None,
+                            busy=busy, registry=registry, clock=clock, shape=shape, layers=4)
+    rows = {r["system"]: r for r in res["rows"]}
+    assert all(r["valid"] and r["status"] == "ok" for r in rows.values()), [r["status"] for r in rows.values()]
+    assert rows["flashsink"]["us_per_layer"] == pytest.approx(300.0) and rows["sdpa"]["us_per_layer"] == \
+        pytest.approx(400.0)
+    assert rows["flashsink"]["ratio_to_sdpa"] == pytest.approx(0.75) and rows["fa4"]["ratio_to_sdpa"] == \
+        pytest.approx(1.5) and rows["sdpa"]["ratio_to_sdpa"] == pytest.approx(1.0)
+    assert set(seen["flashsink"]) == {4, None} and set(seen["sdpa"]) == {None}  # sdpa: causal, no window
+    assert rows["sdpa"]["note"] == "no sink" and rows["fa4"]["note"] == ""
+    text = hc.format_host_chain(res)
+    assert "us/layer" in text and "0.75" in text and "flashsink <= 1.00" in text
+    json.dumps(res)
+    assert hc.chain_problem().label().startswith("host-chain stack of 24 layers (12 W=128 + 12 full) B=1 N=4096 H=64")
+    with pytest.raises(ValueError, match="choose from"):
+        hc.run_host_chain(["flex"], device="cpu", say=print, busy=busy)
+
+
+@pytest.mark.boundary
+@pytest.mark.parametrize("argv, needle", [
+    (["--host-chain", "--preset", "golden"], "drop --preset"),
+    (["--host-chain", "--shape", "1,4,2,16,16", "--mode", "fwd"], "drop --shape, --mode"),
+    (["--host-chain", "--systems", "flex"], "--systems with --host-chain: choose from flashsink, fa4, sdpa"),
+    (["--host-chain", "--chain-reps", "0"], "--chain-reps must be >= 1"),
+    (["--chain-reps", "5"], "--chain-reps goes with --host-chain"),
+    (["--chain-reps", "20"], "--chain-reps goes with --host-chain"),
+    (["--host-chain", "--json", "/nonexistent/x.json"], "--json /nonexistent/x.json"),
+    (["--host-chain"], "--host-chain needs a CUDA GPU"),
+])
+def test_host_chain_usage_errors_exit_2_before_running(monkeypatch, argv, needle, capsys):
+    def never(*a, **kw):
+        raise AssertionError("the run started")
+
+    monkeypatch.setattr(bench.command, "run_bench", never)
+    monkeypatch.setattr(hc, "run_host_chain", never)
+    assert _bench_cli(*argv) == 2
+    err = capsys.readouterr().err
+    assert needle in err and len(err.strip().splitlines()) == 1
+
+
+def test_help_documents_the_stack_and_host_chain():
+    from flashsink.cli import build_parser
+
+    text = " ".join(build_parser()._subparsers._group_actions[0].choices["bench"].format_help().split())
+    assert "--host-chain" in text and "--chain-reps" in text and "gptoss-stack-4k" in text
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    assert "--host-chain" in readme and "gptoss-stack-16k" in readme
+
+
+@pytest.mark.parametrize("valid", [True, False])
+def test_host_chain_cli_writes_json_and_table(monkeypatch, tmp_path, capsys, valid):
+    """The command's path past its checks (CUDA faked, the measurement injected): the table on stdout, the
+    JSON with the bench's header and the rows, exit 1 when a row is INVALID."""
+    from flashsink.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU")
+    got = {}
+
+    def fake_run(systems, **kw):
+        got.update(kw, systems=systems)
+        rows = [{"system": s, "problem": "host-chain p", "layers": 24, "valid": valid or s != "fa4",
+                 "us_per_layer": u, "us_chain": u * 24, "reps": kw["reps"], "invalid_reps": 0, "sleep_ms": 50.0,
+                 "unheld_ms": 1.0, "status": "ok" if (valid or s != "fa4") else "INVALID: the GPU finished",
+                 "note": ""} for s, u in zip(systems, (30.0, 45.0, 40.0))]
+        hc.add_ratios(rows)
+        return {"mode": "host-chain", "rows": rows, "timing": "fake"}
+
+    monkeypatch.setattr(hc, "run_host_chain", fake_run)
+    out = tmp_path / "hc.json"
+    rc = main(["bench", "--host-chain", "--chain-reps", "7", "--json", str(out)])
+    assert rc == (0 if valid else 1)
+    assert got["systems"] == list(hc.SYSTEMS) and got["reps"] == 7 and got["dtype"] == "bf16"
+    data = json.loads(out.read_text())
+    assert data["header"]["device"] == "Fake GPU" and data["mode"] == "host-chain"
+    rows = {r["system"]: r for r in data["rows"]}
+    assert rows["flashsink"]["ratio_to_sdpa"] == pytest.approx(0.75)
+    assert (rows["fa4"]["ratio_to_sdpa"] is None) == (not valid)
+    cap = capsys.readouterr()
+    assert "us/layer" in cap.out and "0.75" in cap.out and "calibrating" in cap.err

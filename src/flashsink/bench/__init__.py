@@ -39,7 +39,9 @@ Layout: :mod:`.problems` (presets, :class:`Problem`, pairs, FLOPs, bytes), :mod:
 :class:`System` interface), :mod:`.flashsink_systems` (flashsink's rows), :mod:`.peers` (the peers and the
 :data:`SYSTEMS` registry), :mod:`.gates` (the reference and the gate), :mod:`.timing`, :mod:`.run` (the
 loop over problems and systems), :mod:`.kernel_profile` (``--profile``), :mod:`.report` (table, summary),
-:mod:`.plotting` (``--plot``), :mod:`.command` (the CLI), :mod:`.hf` (the ``hf-train`` preset).
+:mod:`.plotting` (``--plot``), :mod:`.command` (the CLI), :mod:`.hf` (the ``hf-train`` preset), :mod:`.stack` (the
+``gptoss-stack-*`` presets: a chain of layers, each output the next query), :mod:`.host_chain` (``--host-chain``:
+the host time per layer of that chain with the GPU held busy).
 """
 
 from .command import CPU_DEFAULT_SHAPE, NO_CUDA_MESSAGE, add_parser, cmd_bench
@@ -50,7 +52,7 @@ from .kernel_profile import kernel_role, profile_flashsink
 from .peers import SYSTEMS, Eager, Fa4, Fla, Flex, Sdpa
 from .plotting import plot, plot_title
 from .problems import (DECODE_PRESETS, FLOP_FACTOR, FORWARD_ONLY, HF_PRESETS, MODES, PAGE_SIZE, PRESETS,
-                       TINY_PAGE_SIZE, TINY_PRESETS, VARLEN_PRESETS, VARLEN_SEED, Problem, flops, lengths_summary,
+                       STACK_PRESETS, TINY_PAGE_SIZE, TINY_PRESETS, VARLEN_PRESETS, VARLEN_SEED, Problem, flops, lengths_summary,
                        make_problem_inputs, min_bytes, parse_shape, preset_problems, problem_pairs, score_elems,
                        varlen_lengths, visible_pairs)
 from .report import format_table, summary

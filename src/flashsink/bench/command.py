@@ -11,6 +11,7 @@ import torch
 
 from .. import testing
 from .flashsink_systems import FlashSink
+from .host_chain import REPS as HOST_CHAIN_REPS
 from .peers import SYSTEMS
 from .plotting import plot
 from .problems import MODES, PRESETS, Problem, parse_shape, preset_problems
@@ -74,6 +75,13 @@ def _check_output_path(option: str, path) -> None:
 
 
 def cmd_bench(args) -> int:
+    if getattr(args, "host_chain", False):
+        from .host_chain import cmd_host_chain
+
+        return cmd_host_chain(args, check_output_path=_check_output_path)
+    if getattr(args, "chain_reps", None) is not None:
+        print("error: --chain-reps goes with --host-chain", file=sys.stderr)
+        return 2
     if args.device == "cpu":
         device = "cpu"
     elif not torch.cuda.is_available():
@@ -207,7 +215,9 @@ def add_parser(sub) -> None:
         "speedup over the best peer with sinks. Exit 1 if flashsink fails its gate; 2 without CUDA "
         "(unless --device cpu, a tiny smoke run).",
     )
-    p.add_argument("--preset", help=f"comma-separated of {', '.join(PRESETS)} or 'all' (default all)")
+    p.add_argument("--preset", help=f"comma-separated of {', '.join(PRESETS)} or 'all' (default all); "
+                   "gptoss-stack-4k / -16k: the gpt-oss attention stack, 24 layers (12 W=128 + 12 full) chained, each "
+                   "output the next query, one backward, on 8 x 4096 / 2 x 16384 packed tokens")
     p.add_argument("--shape", help="custom problem B,H,HKV,N,D[,W] (N may be NQ:NK)")
     p.add_argument("--dtype", choices=("fp16", "bf16", "fp32"),
                    help="input dtype of every problem (default: on cuda bf16 for --shape and each preset's own; "
@@ -230,3 +240,10 @@ def add_parser(sub) -> None:
     p.add_argument("--no-gate2", action="store_true", help="gate 1 only (skips the low-precision reference)")
     p.add_argument("--no-precompile", action="store_true", help="compile flashsink kernels in-process")
     p.add_argument("--seed", type=seed, default=0, help="input seed in [0, 2**64) (default 0)")
+    p.add_argument("--host-chain", action="store_true",
+                   help="instead of the presets: the host time per layer of a 24-layer attention chain (B=1 N=4096 "
+                   "H=64/8 D=64 bf16, W=128 / full alternating, each output the next query, one backward) for "
+                   "flashsink, fa4 and sdpa (no sink), the GPU held busy (torch.cuda._sleep) so launches only queue; "
+                   "us/layer and the ratio to sdpa. CUDA only; takes --systems, --json, --dtype, --seed, --chain-reps")
+    p.add_argument("--chain-reps", type=int, default=None,
+                   help=f"--host-chain: valid held repeats, median taken (default {HOST_CHAIN_REPS})")

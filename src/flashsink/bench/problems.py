@@ -3,6 +3,7 @@ the fewest bytes), plus its random inputs."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 import statistics
@@ -34,6 +35,9 @@ class Problem:
     hf_train: bool = False
     # decode-paged: the page size of the paged KV cache (flashsink.attention_kvcache with a block table)
     page_size: int | None = None
+    # stack (bench.stack): the window of each layer of a chain (None: full causal); each layer's output is
+    # the next layer's query, one backward from the last (STACK_PRESETS)
+    layer_windows: tuple[int | None, ...] | None = None
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -47,6 +51,8 @@ class Problem:
     def kind(self) -> str:
         if self.hf_train:
             return "hf-train"
+        if self.layer_windows is not None:
+            return "stack"
         return "varlen" if self.seqlens is not None else "decode" if self.forward_only else "dense"
 
     @property
@@ -70,6 +76,17 @@ class Problem:
         if self.hf_train:
             return (f"{self.preset} GptOssForCausalLM train step T={self.seq_q} H={self.heads} Hkv={self.kv_heads} "
                     f"D={self.head_dim} layers sliding{w} / full {self.dtype}")
+        if self.layer_windows is not None:  # a stack: the layers' windows, then the batch
+            ws = self.layer_windows
+            kinds = " + ".join(f"{ws.count(x)} " + ("full" if x is None else f"W={x}") for x in dict.fromkeys(ws))
+            if self.seqlens is None:
+                docs = f"B={self.batch} N={self.seq_q}"
+            elif len(set(self.seqlens)) == 1:
+                docs = f"T={self.tokens_q} ({len(self.seqlens)} docs of {self.seqlens[0]})"
+            else:
+                docs = f"T={self.tokens_q} ({len(self.seqlens)} docs, len {lengths_summary(self.seqlens)})"
+            return (f"{self.preset} stack of {len(ws)} layers ({kinds}) {docs} H={self.heads} Hkv={self.kv_heads} "
+                    f"D={self.head_dim} {self.dtype}")
         if self.seqlens is not None:
             return (f"{self.preset} T={self.tokens_q} ({len(self.seqlens)} seqs, len {lengths_summary(self.seqlens)}) "
                     f"H={self.heads} Hkv={self.kv_heads} D={self.head_dim}{w}{c} {self.dtype}")
@@ -101,6 +118,11 @@ PRESETS: dict[str, tuple] = {
     # decode against a paged KV cache (pages of PAGE_SIZE, a random block table) next to the contiguous
     # cache and the peers' contiguous decode
     "decode-paged": ("bf16", 8, 64, 8, 64, None, (4096, 16384, 65536)),
+    # The gpt-oss attention stack (bench.stack): 24 layers alternating W (first, as gpt-oss) and full
+    # causal, each layer's output the next one's query, fwd+bwd, on a packed batch of B documents of N
+    # tokens (32k tokens a step)
+    "gptoss-stack-4k": ("bf16", 8, 64, 8, 64, 128, (4096,)),
+    "gptoss-stack-16k": ("bf16", 2, 64, 8, 64, 128, (16384,)),
 }
 # --device cpu with --preset: the same kinds of problems, shrunk to a smoke run of a few seconds.
 TINY_PRESETS: dict[str, tuple] = {
@@ -112,6 +134,8 @@ TINY_PRESETS: dict[str, tuple] = {
     "decode": ("bf16", 2, 4, 2, 16, None, (64, 200)),
     "hf-train": ("bf16", 1, 4, 2, 16, 16, (96,)),
     "decode-paged": ("bf16", 2, 4, 2, 16, None, (64, 200)),
+    "gptoss-stack-4k": ("bf16", 3, 4, 2, 16, 8, (16,)),
+    "gptoss-stack-16k": ("bf16", 2, 4, 2, 16, 8, (24,)),
 }
 MODES = ("fwd", "bwd", "fwd+bwd")
 VARLEN_PRESETS = ("varlen",)
@@ -119,6 +143,9 @@ DECODE_PRESETS = ("decode", "decode-paged")
 PAGE_SIZE = {"decode-paged": 256}  # tiny presets: TINY_PAGE_SIZE
 TINY_PAGE_SIZE = 16
 HF_PRESETS = ("hf-train",)
+STACK_PRESETS = ("gptoss-stack-4k", "gptoss-stack-16k")
+STACK_LAYERS = 24  # gpt-oss: 12 sliding + 12 full
+TINY_STACK_LAYERS = 4  # --device cpu: the same alternation, 2 + 2 (the CPU paths are slow)
 VARLEN_SEED = 5  # fixed: every run packs the same lengths
 FORWARD_ONLY = "n/a: decode is forward only (inference)"
 
@@ -151,6 +178,10 @@ def preset_problems(name: str, *, tiny: bool = False, dtype: str | None = None) 
         page = (TINY_PAGE_SIZE if tiny else PAGE_SIZE[name]) if name in PAGE_SIZE else None
         return [Problem(name, b, h, hk, 1, n, d, win, dt, forward_only=True, page_size=page)
                 for win in windows for n in seqs]
+    if name in STACK_PRESETS:  # b documents of n tokens each, packed
+        lens = (seqs[0],) * b
+        layers = tuple(w if i % 2 == 0 else None for i in range(TINY_STACK_LAYERS if tiny else STACK_LAYERS))
+        return [Problem(name, b, h, hk, seqs[0], seqs[0], d, w, dt, seqlens=lens, layer_windows=layers)]
     if name in HF_PRESETS:
         return [Problem(name, b, h, hk, n, n, d, w, dt, hf_train=True) for n in seqs]
     return [Problem(name, b, h, hk, n, n, d, win, dt) for win in windows for n in seqs]
@@ -199,7 +230,16 @@ def score_elems(prob: Problem) -> int:
     return prob.batch * prob.heads * prob.seq_q * prob.seq_kv
 
 
+def _layers(prob: Problem) -> list[Problem]:
+    """A stack's layers as single-layer problems (its own window each); else [prob]."""
+    if prob.layer_windows is None:
+        return [prob]
+    return [dataclasses.replace(prob, window=w, layer_windows=None) for w in prob.layer_windows]
+
+
 def flops(prob: Problem, mode: str) -> int:
+    if prob.layer_windows is not None:  # a stack: the sum of its layers'
+        return sum(flops(p, mode) for p in _layers(prob))
     return FLOP_FACTOR[mode] * prob.heads * problem_pairs(prob) * prob.head_dim
 
 
@@ -207,7 +247,10 @@ def min_bytes(prob: Problem, mode: str) -> int:
     """Fewest bytes the mode must move through device memory: every input read once, every
     output written once. fwd: read q, k, v; write o. bwd: read q, k, v, do; write dq, dk, dv
     (the small lse / Delta rows, the sinks and cu_seqlens are left out). fwd+bwd: both, o written
-    once. Decode (one query row per sequence) is almost all K/V-cache reads."""
+    once. Decode (one query row per sequence) is almost all K/V-cache reads. A stack: the sum of its
+    layers'."""
+    if prob.layer_windows is not None:
+        return sum(min_bytes(p, mode) for p in _layers(prob))
     es = prob.torch_dtype.itemsize
     q = prob.heads * prob.tokens_q * prob.head_dim * es
     kv = prob.kv_heads * prob.tokens_kv * prob.head_dim * es

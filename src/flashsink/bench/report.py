@@ -5,6 +5,7 @@ from __future__ import annotations
 from .gates import GATES
 from .peers import SYSTEMS
 from .problems import FORWARD_ONLY
+from .stack import stack_summary
 
 
 def _f(x, fmt):
@@ -85,6 +86,10 @@ def format_table(result: dict) -> str:
            "hf/flex_attention ms / this ms; gate judges the logits on a short sequence (fp64 model as expected, "
            "eager in the bench dtype as lowp)."] if any(r.get("kind") == "hf-train" for r in rows) else []),
     ]
+    if any(r.get("kind") == "stack" for r in rows):
+        lines.append("stack: N = total tokens; one step = the layers in order, each layer's output the next one's "
+                     "query, each with its own K, V, sinks, then one backward from the last output; FLOPs and bytes "
+                     "summed over the layers; gate: the weakest of its distinct layers' gates (each gated alone).")
     legend = [f"{n} = {getattr(SYSTEMS[n], 'note', '') or n}"
               for n in dict.fromkeys(r["system"] for r in result["rows"]) if n in SYSTEMS]
     if legend:
@@ -96,6 +101,7 @@ def format_table(result: dict) -> str:
             lines.append(f"{k['kernel'][:60]:<60} {k['role']:<28} {k['calls_per_iter']:5.1f} "
                          f"{k['us_per_iter']:9.1f} {k['share']:5.1f}%")
     lines += ["", summary(result)]
+    lines += stack_summary(result)
     return "\n".join(lines)
 
 

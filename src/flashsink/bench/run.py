@@ -101,6 +101,17 @@ def run_bench(problems: list[Problem], *, systems: list[str], modes: list[str], 
             if on_problem is not None:
                 on_problem(result)
             continue
+        if prob.layer_windows is not None:  # the attention stack: a chain of layers, its own runner
+            from . import stack as bench_stack
+
+            rows, gates = bench_stack.run_problem(
+                prob, systems, sys_objs, modes=modes, device=device, timer=timer, ceil=ceil, opts=opts, seed=seed,
+                gate2=gate2, say=_say, peers={n for n in systems if SYSTEMS[n].peer})
+            result["rows"].extend(rows)
+            result["gates"].extend(gates)
+            if on_problem is not None:
+                on_problem(result)
+            continue
         # decode is forward only: no backward in its gate, and its other modes are n/a
         grads = any(m != "fwd" for m in modes) and not prob.forward_only
         if prob.seqlens is not None:
