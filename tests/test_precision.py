@@ -460,3 +460,25 @@ def test_compare_all_picks_the_gate():
         testing.compare_all(low, **inp, window=9, precision="fast", gate2=False)
     with pytest.raises(ValueError, match="precision must be one of"):
         testing.compare_all(low, **inp, window=9, precision="exact")
+
+
+def test_testing_facade_exports_every_public_name():
+    """``flashsink.testing`` is the public face of ``_precision`` and ``_cases``: every public
+    name defined there (the gates' constants included: examples import GATE2_FACTOR) is importable
+    from it and listed in its ``__all__``."""
+    import inspect
+
+    from flashsink import _cases, _precision, testing
+
+    for mod in (_precision, _cases):
+        public = [
+            n for n, v in vars(mod).items()
+            if not n.startswith("_") and not inspect.ismodule(v)
+            and (getattr(v, "__module__", mod.__name__) == mod.__name__ or n.isupper())
+        ]
+        assert public, mod.__name__
+        for n in public:
+            if n in ("annotations",):
+                continue
+            assert getattr(testing, n, None) is getattr(mod, n), f"flashsink.testing lacks {mod.__name__}.{n}"
+            assert n in testing.__all__, f"flashsink.testing.__all__ lacks {n}"

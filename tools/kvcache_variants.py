@@ -4,7 +4,7 @@
 
 The problem is the bench's decode-paged preset (B=8, H=64, H_kv=8, D=64, bf16, one query per row, a
 random block table with pages shared by no two rows). The kernel (``fwd_kvcache.build_fwd_kvcache``)
-is timed alone with ``triton.testing.do_bench`` (median) at multiples of ``ops/kvcache.n_splits_for``'s
+is timed alone with ``triton.testing.do_bench`` (median) at multiples of ``ops/launch/decode.n_splits_for``'s
 split count, then the whole call (``flashsink.attention_kvcache``) for reference, with the bytes each
 moves. Its correctness (odd lengths, rows past their capacity, bad pages, page sizes, windows) is
 tests/test_kvcache_gpu.py's, in the GPU suite.
@@ -47,7 +47,7 @@ def main() -> int:
     ap.add_argument("--lengths", default="4096,16384,65536")
     ap.add_argument("--page-size", type=int, default=256)
     ap.add_argument("--splits-x", default="1,2,4",
-                    help="key splits per row as multiples of ops/kvcache.n_splits_for's (about PROGRAMS_PER_SM programs "
+                    help="key splits per row as multiples of ops/launch/decode.n_splits_for's (about PROGRAMS_PER_SM programs "
                          "per SM; a latency-bound gather may want more programs in flight)")
     ap.add_argument("--splits", default=None,
                     help="key splits per row as counts (e.g. 5,9,17), instead of --splits-x's multiples: the split "
