@@ -8,12 +8,12 @@ phase arithmetic and block ranges (``block_range.kv_blocks_for_rows``), one gene
 under a round-robin scheduler. A protocol that deadlocks stops making progress; a consumer that
 reads a ring slot holding another tile than the one it wants is a stale read. Both fail the test.
 
-They check the protocols, not the CUDA: the models mirror the kernels' loops by hand (the forward
-default, ``wg_ranges=True`` and ``chain=True``, the backward) and must follow them when
-the kernels' synchronization changes. What they caught: ``wg_ranges`` with its last P V after the
-loop (as the default forward does) deadlocks a 192-row tile's first warpgroup with 64-key tiles and
-2 ring slots (the tiles it skips after its own wait for the slot it still holds); the kernel issues
-that P V inside the loop.
+They check the protocols, not the CUDA: the models mirror the kernels' loops by hand (the forward,
+the backward) and must follow them when the kernels' synchronization changes. The forward's model is
+also run with one fault injected (a wait or an arrival left out) to show that it catches a broken protocol.
+What they caught before: the forward's former ``wg_ranges`` option with its last P V after the loop
+deadlocked a 192-row tile's first warpgroup with 64-key tiles and 2 ring slots (docs/perf-log.md v16;
+the option is gone, perf-log v31).
 """
 
 import itertools
@@ -82,10 +82,14 @@ def _tiles(seq, bm, bn, window, ctas, cta):
     return [(i * bm, *_blocks(i * bm, bm, bn, seq, window)) for i in [m_tiles - 1 - j for j in range(m_tiles)][cta::ctas]]
 
 
-def _run(tiles, n_cons, stages, q_slots, pingpong, wgr, bn, seq, window, last_pv_in_loop=True, chain=False):
-    """``"ok"`` or ``"deadlock"``, and the stale reads seen. ``chain``: ``build_fwd_ws(chain=True)``'s
-    consumers (a tile's last P V issued with the next tile's first S, in its turn; one more step flushes
-    the last); the producer is the same."""
+FAULTS = (None, "no_k_release", "no_k_wait")
+
+
+def _run(tiles, n_cons, stages, q_slots, pingpong, fault=None):
+    """``"ok"`` or ``"deadlock"``, and the stale reads seen, of ``build_fwd_ws``'s producer and
+    consumers over one program's ``tiles``. ``fault`` (tests of the model): ``"no_k_release"``, the
+    consumers never release a K slot; ``"no_k_wait"``, they read K without waiting for it to land."""
+    assert fault in FAULTS, fault
     consumers = THREADS * n_cons
     q_full, q_empty = [_MBarrier(THREADS) for _ in range(q_slots)], [_MBarrier(consumers) for _ in range(q_slots)]
     k_full, v_full = [_MBarrier(THREADS) for _ in range(stages)], [_MBarrier(THREADS) for _ in range(stages)]
@@ -134,162 +138,70 @@ def _run(tiles, n_cons, stages, q_slots, pingpong, wgr, bn, seq, window, last_pv
         if held[s] != c:
             stale.append(f"warpgroup {w} reads {what} slot {s} holding tile {held[s]}, wants {c}")
 
-    def chained(w):
-        kv_done = q_done = 0
-        pend = None  # the KV tile whose P V is pending
-        if pingpong and w == 0:
-            arrive_turn(0)
-        for _, lo, hi in tiles + [(None, 0, 0)]:  # the last step flushes
-            n = hi - lo
-            if n > 0:
-                while not q_full[q_done % q_slots].done(q_phase(q_done)):
-                    yield
-                c, s = kv_done, kv_done % stages
-                while not k_full[s].done((c // stages) & 1):
-                    yield
-                if pend is not None:
-                    while not v_full[pend % stages].done((pend // stages) & 1):
-                        yield
-                if pingpong:
-                    yield from take_turn(w)
-                read(held_k, s, c, "K", w)
-                if pend is not None:  # (with nothing pending the kernel's product reads a slot it drops)
-                    read(held_v, pend % stages, pend, "V", w)
-                if pingpong:
-                    arrive_turn((w + 1) % n_cons)
-                k_empty[s].arrive()
-            elif pend is not None:  # no S to pair it with: the pending P V alone, no turn
-                while not v_full[pend % stages].done((pend // stages) & 1):
-                    yield
-                read(held_v, pend % stages, pend, "V", w)
-            if pend is not None:
-                v_empty[pend % stages].arrive()
-                pend = None
-            for it in range(1, n):
-                c = kv_done + it
-                s, sp = c % stages, (c - 1) % stages
-                while not k_full[s].done((c // stages) & 1):
-                    yield
-                while not v_full[sp].done(((c - 1) // stages) & 1):
-                    yield
-                if pingpong:
-                    yield from take_turn(w)
-                read(held_k, s, c, "K", w)
-                read(held_v, sp, c - 1, "V", w)
-                if pingpong:
-                    arrive_turn((w + 1) % n_cons)
-                k_empty[s].arrive()
-                v_empty[sp].arrive()
-            if n > 0:
-                q_empty[q_done % q_slots].arrive()
-                q_done += 1
-                pend = kv_done + n - 1
-            kv_done += n
-
     def consumer(w):
-        if chain:
-            yield from chained(w)
-            return
         kv_done = q_done = 0
         if pingpong and w == 0:
             arrive_turn(0)
-        for row0, lo, hi in tiles:
+        for _, lo, hi in tiles:
             n = hi - lo
-            own_lo, own_hi = _blocks(row0 + 64 * w, 64, bn, seq, window) if wgr else (lo, hi)
             if n > 0:
                 while not q_full[q_done % q_slots].done(q_phase(q_done)):
                     yield
             for it in range(n):
-                kb, c = lo + it, kv_done + it
+                c = kv_done + it
                 s, sp = c % stages, (c - 1) % stages
-                live = own_lo <= kb < own_hi
-                with_pv = live and kb > own_lo
-                while not k_full[s].done((c // stages) & 1):
+                while fault != "no_k_wait" and not k_full[s].done((c // stages) & 1):
                     yield
-                if with_pv:
+                if it > 0:  # the previous tile's P V
                     while not v_full[sp].done(((c - 1) // stages) & 1):
                         yield
                 if pingpong:
                     yield from take_turn(w)
-                if live:
-                    read(held_k, s, c, "K", w)
-                    if with_pv:
-                        read(held_v, sp, c - 1, "V", w)
+                read(held_k, s, c, "K", w)
+                if it > 0:
+                    read(held_v, sp, c - 1, "V", w)
                 if pingpong:
                     arrive_turn((w + 1) % n_cons)
-                if live:
+                if fault != "no_k_release":
                     k_empty[s].arrive()
-                    if with_pv:
-                        v_empty[sp].arrive()
-                    if wgr and last_pv_in_loop and kb == own_hi - 1:
-                        while not v_full[s].done((c // stages) & 1):
-                            yield
-                        read(held_v, s, c, "V", w)
-                        v_empty[s].arrive()
-                else:  # wg_ranges: a tile this warpgroup's rows do not see, released once landed
-                    k_empty[s].arrive()
-                    while not v_full[s].done((c // stages) & 1):
-                        yield
-                    v_empty[s].arrive()
+                if it > 0:
+                    v_empty[sp].arrive()
             if n > 0:
                 q_empty[q_done % q_slots].arrive()
                 q_done += 1
-                last = kv_done + (own_hi - 1 - lo if wgr else n - 1)
-                if not wgr or (not last_pv_in_loop and own_hi > own_lo):  # the last P V after the loop
-                    while not v_full[last % stages].done((last // stages) & 1):
-                        yield
-                    read(held_v, last % stages, last, "V", w)
-                    v_empty[last % stages].arrive()
+                last = kv_done + n - 1  # the last P V, after the loop
+                while not v_full[last % stages].done((last // stages) & 1):
+                    yield
+                read(held_v, last % stages, last, "V", w)
+                v_empty[last % stages].arrive()
             kv_done += n
 
     barriers = q_full + q_empty + k_full + v_full + k_empty + v_empty
     return _schedule([producer()] + [consumer(w) for w in range(n_cons)], barriers, turns), stale
 
 
-@pytest.mark.parametrize("wgr", [False, True])
 @pytest.mark.parametrize("n_cons", [2, 3])
-def test_protocol_completes_without_stale_reads(wgr, n_cons):
-    """Default and wg_ranges, 2 and 3 consumer warpgroups, 64- and 128-key tiles, 2-4 ring slots, one
-    or two Q slots, ping-pong on and off, windows 64 / 128 / 200 / none, sequences whose tiles end
-    mid-tile, two programs of a persistent grid of three."""
+def test_protocol_completes_without_stale_reads(n_cons):
+    """2 and 3 consumer warpgroups, 64- and 128-key tiles, 2-4 ring slots, one or two Q slots,
+    ping-pong on and off, windows 64 / 128 / 200 / none, sequences whose tiles end mid-tile, two
+    programs of a persistent grid of three."""
     for bn, stages, q_slots, pingpong, window, seq, cta in itertools.product(
             (64, 128), (2, 3, 4), (1, 2), (True, False), (64, 128, 200, 1 << 30), (700, 1500), (0, 1)):
         tiles = _tiles(seq, 64 * n_cons, bn, window, 3, cta)
-        result, stale = _run(tiles, n_cons, stages, q_slots, pingpong, wgr, bn, seq, window)
+        result, stale = _run(tiles, n_cons, stages, q_slots, pingpong)
         assert (result, stale) == ("ok", []), dict(bn=bn, stages=stages, q_slots=q_slots, pingpong=pingpong,
                                                    window=window, seq=seq, cta=cta)
 
 
-@pytest.mark.parametrize("n_cons", [2, 3])
-def test_chain_protocol_completes_without_stale_reads(n_cons):
-    """``chain=True`` (the pending P V goes with the next tile's first S, or alone where a tile has no keys
-    and at the end), over the default's grid plus one ring slot and a 100-token sequence (programs of
-    one tile): no deadlock, and every pending P V reads the V it wants. Causal tiles always see a key, so
-    tiles without keys (a packed batch's idle program slots) are a hand-made list."""
-    for bn, stages, q_slots, pingpong, window, seq, cta in itertools.product(
-            (64, 128), (1, 2, 3, 4), (1, 2), (True, False), (64, 128, 200, 1 << 30), (100, 700, 1500), (0, 1)):
-        tiles = _tiles(seq, 64 * n_cons, bn, window, 3, cta)
-        result, stale = _run(tiles, n_cons, stages, q_slots, pingpong, False, bn, seq, window, chain=True)
-        assert (result, stale) == ("ok", []), dict(bn=bn, stages=stages, q_slots=q_slots, pingpong=pingpong,
-                                                   window=window, seq=seq, cta=cta)
-    # tiles without keys between tiles with keys (a varlen program slot past its sequence's end)
-    tiles = [(0, 0, 3), (0, 0, 0), (0, 2, 4), (0, 0, 0), (0, 0, 0), (0, 1, 2)]
-    for stages, q_slots in itertools.product((1, 2, 3), (1, 2)):
-        assert _run(tiles, n_cons, stages, q_slots, True, False, 64, 300, None, chain=True) == ("ok", [])
-
-
-def test_the_model_sees_the_deadlock_the_kernel_avoids():
-    """wg_ranges with the last P V after the loop: a 192-row tile's first warpgroup skips two 64-key
-    tiles at its end, and with 2 ring slots the second waits for the slot it still holds. 3 slots
-    (or the P V in the loop, the kernel's way) complete."""
-    tiles = _tiles(1024, 192, 64, 128, 3, 0)
-
-    def run(stages, in_loop):
-        return _run(tiles, 3, stages, 2, True, True, 64, 1024, 128, last_pv_in_loop=in_loop)[0]
-
-    assert run(2, False) == "deadlock"
-    assert run(3, False) == "ok"
-    assert run(2, True) == "ok"
+def test_the_forward_model_catches_a_broken_protocol():
+    """The same model with one fault: K slots never released deadlocks the producer once the ring
+    wraps (ping-pong on and off); K read without its wait (ping-pong off: no turn to wait through
+    first) reads a slot the producer has not filled yet."""
+    tiles = _tiles(1024, 192, 64, 1 << 30, 1, 0)
+    for pingpong in (True, False):
+        assert _run(tiles, 3, 2, 2, pingpong, fault="no_k_release")[0] == "deadlock", pingpong
+    result, stale = _run(tiles, 3, 2, 2, False, fault="no_k_wait")
+    assert stale, result
 
 
 # -- the main backward (ops/kernels/bwd_ws.py) -----------------------------------------------------------

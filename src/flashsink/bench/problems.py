@@ -259,6 +259,23 @@ def min_bytes(prob: Problem, mode: str) -> int:
     return {"fwd": fwd, "bwd": bwd, "fwd+bwd": bwd + q}[mode]
 
 
+def new_row(prob: Problem, system: str, mode: str, note: str, ceil: dict) -> dict:
+    """One row of the bench's results (``run_bench``, the stack's rows add their own keys): the problem,
+    the system, empty outcome fields, the mode's FLOPs and bytes, and the floor from the measured
+    ceilings ``ceil`` (:func:`.timing.measure_ceilings`): the slower of FLOPs at the matmul rate and
+    bytes at the copy rate, in ms, with which of the two bounds it ("bound")."""
+    row = {
+        "preset": prob.preset, "problem": prob.label(), "N": prob.n, "mode": mode, "system": system,
+        "kind": prob.kind, "window": prob.window,
+        "note": note, "status": "", "gate": None, "gate_fails": "", "ms": None, "host_us": None, "tflops": None,
+        "gbs": None, "floor_ms": None, "pct_floor": None, "peak_mib": None, "speedup": None,
+        "flops": flops(prob, mode), "bytes": min_bytes(prob, mode),
+    }
+    row["floor_ms"] = max(row["flops"] / (ceil["matmul_tflops"] * 1e12), row["bytes"] / (ceil["copy_gbs"] * 1e9)) * 1e3
+    row["bound"] = "flops" if row["flops"] / ceil["matmul_tflops"] / 1e3 >= row["bytes"] / ceil["copy_gbs"] else "bytes"
+    return row
+
+
 def make_problem_inputs(prob: Problem, device, seed: int) -> dict:
     """Fresh random inputs of the problem (:func:`flashsink.testing.make_inputs`): [B, H, S, D]
     tensors, or for varlen packed [total, H, D] ones with ``cu_seqlens`` (int32, on ``device``) and

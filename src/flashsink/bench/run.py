@@ -16,10 +16,9 @@ import torch
 from .gates import GATES, gate, reference
 from .kernel_profile import profile_flashsink
 from .peers import SYSTEMS
-from .problems import (FORWARD_ONLY, VARLEN_SEED, Problem, flops, lengths_summary, make_problem_inputs,
-                       min_bytes)
+from .problems import FORWARD_ONLY, VARLEN_SEED, Problem, lengths_summary, make_problem_inputs, new_row
 from .system import Unavailable, _callables
-from .timing import HOST_MODES, Timer, _peak_mib, _sync, host_us, measure_ceilings
+from .timing import Timer, measure_ceilings, time_row
 
 
 def _commit() -> str:
@@ -161,16 +160,7 @@ def run_bench(problems: list[Problem], *, systems: list[str], modes: list[str], 
                 })
             calls = None
             for mode in modes:
-                row = {
-                    "preset": prob.preset, "problem": prob.label(), "N": prob.n, "mode": mode, "system": name,
-                    "kind": prob.kind, "window": prob.window,
-                    "note": note, "status": "", "gate": None, "gate_fails": "", "ms": None, "host_us": None, "tflops": None,
-                    "gbs": None, "floor_ms": None, "pct_floor": None, "peak_mib": None, "speedup": None,
-                    "flops": flops(prob, mode), "bytes": min_bytes(prob, mode),
-                }
-                fl_ms = max(row["flops"] / (ceil["matmul_tflops"] * 1e12), row["bytes"] / (ceil["copy_gbs"] * 1e9)) * 1e3
-                row["floor_ms"] = fl_ms
-                row["bound"] = "flops" if row["flops"] / ceil["matmul_tflops"] / 1e3 >= row["bytes"] / ceil["copy_gbs"] else "bytes"
+                row = new_row(prob, name, mode, note, ceil)
                 if prob.forward_only and mode != "fwd":
                     row["status"] = FORWARD_ONLY
                 elif status:
@@ -194,23 +184,7 @@ def run_bench(problems: list[Problem], *, systems: list[str], modes: list[str], 
                     if calls is None:
                         calls, state = _callables(system, prob, inp)
                     _say(f"{tag} {name} {mode}: timing ...")
-                    try:
-                        calls[mode]()  # first call of this mode: any compile (flex no-grad graph) stays out
-                        _sync(device)
-                        row["peak_mib"] = _peak_mib(calls[mode], device)
-                        ms = timer(calls[mode])
-                        if mode in HOST_MODES:
-                            host = calls.get("host:" + mode, calls[mode])
-                            host()  # its own first call (the train step's .backward)
-                            row["host_us"] = host_us(host, device)
-                    except Exception as exc:  # noqa: BLE001
-                        row["status"] = f"error while timing: {type(exc).__name__}: {str(exc)[:200]}"
-                    else:
-                        row["status"] = verdict
-                        row["ms"] = ms
-                        row["tflops"] = row["flops"] / (ms * 1e-3) / 1e12
-                        row["gbs"] = row["bytes"] / (ms * 1e-3) / 1e9
-                        row["pct_floor"] = 100.0 * fl_ms / ms
+                    time_row(row, calls, mode, device, timer, verdict)
                 prob_rows.append(row)
             calls = state = None
             system.release()

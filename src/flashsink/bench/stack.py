@@ -17,14 +17,14 @@ layers'. FLOPs and bytes are the sums over the layers (:func:`.problems.flops`).
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import torch
 
 from .gates import GATES, gate, reference
-from .problems import Problem, flops, make_problem_inputs, min_bytes
+from . import problems
+from .problems import Problem, make_problem_inputs
 from .system import System, Unavailable
-from .timing import HOST_MODES, _peak_mib, _sync, host_us
+from .timing import time_row
 
 
 def layer_problems(prob: Problem) -> list[Problem]:
@@ -130,16 +130,10 @@ def _weakest(labels: list[str]) -> str:
 
 
 def new_row(prob: Problem, name: str, mode: str, note: str, ceil: dict) -> dict:
-    """A row of the stack, the bench's row keys (:func:`.run.run_bench`), with its FLOPs, bytes and floor."""
-    row = {
-        "preset": prob.preset, "problem": prob.label(), "N": prob.n, "mode": mode, "system": name,
-        "kind": prob.kind, "window": prob.window, "layers": len(prob.layer_windows),
-        "note": note, "status": "", "gate": None, "gate_fails": "", "ms": None, "host_us": None, "tflops": None,
-        "gbs": None, "floor_ms": None, "pct_floor": None, "peak_mib": None, "speedup": None, "vs_fa4": None,
-        "flops": flops(prob, mode), "bytes": min_bytes(prob, mode),
-    }
-    row["floor_ms"] = max(row["flops"] / (ceil["matmul_tflops"] * 1e12), row["bytes"] / (ceil["copy_gbs"] * 1e9)) * 1e3
-    row["bound"] = "flops" if row["flops"] / ceil["matmul_tflops"] / 1e3 >= row["bytes"] / ceil["copy_gbs"] else "bytes"
+    """A row of the stack: the bench's row (:func:`.problems.new_row`, FLOPs and bytes summed over the
+    layers), with the layer count and the ratio to FA4's stack."""
+    row = problems.new_row(prob, name, mode, note, ceil)
+    row.update(layers=len(prob.layer_windows), vs_fa4=None)
     return row
 
 
@@ -227,25 +221,8 @@ def run_problem(prob: Problem, systems: list[str], sys_objs: dict, *, modes: lis
                 stack_sys = StackSystem(system, prob)
                 calls = stack_sys.callables(inp, prob)
             say(f"{tag} {name} {mode}: the {len(layers)}-layer stack, timing ...")
-            try:
-                t0 = time.perf_counter()
-                calls[mode]()
-                _sync(device)
-                say(f"{tag} {name} {mode}: first call {time.perf_counter() - t0:.1f} s")
-                row["peak_mib"] = _peak_mib(calls[mode], device)
-                ms = timer(calls[mode])
-                if mode in HOST_MODES:
-                    host = calls.get("host:" + mode, calls[mode])
-                    host()
-                    row["host_us"] = host_us(host, device)
-            except Exception as exc:  # noqa: BLE001
-                row["status"] = f"error while timing: {type(exc).__name__}: {str(exc)[:200]}"
-            else:
-                row["status"] = verdict
-                row["ms"] = ms
-                row["tflops"] = row["flops"] / (ms * 1e-3) / 1e12
-                row["gbs"] = row["bytes"] / (ms * 1e-3) / 1e9
-                row["pct_floor"] = 100.0 * row["floor_ms"] / ms
+            time_row(row, calls, mode, device, timer, verdict,
+                     first_call=lambda sec: say(f"{tag} {name} {mode}: first call {sec:.1f} s"))
         calls = stack_sys = None
         system.release()
         if device == "cuda":

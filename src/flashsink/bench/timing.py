@@ -137,3 +137,31 @@ def host_us(fn, device: str, calls: int = HOST_CALLS) -> float:
     t1 = time.perf_counter()
     _sync(device)
     return (t1 - t0) / calls * 1e6
+
+
+def time_row(row: dict, calls: dict, mode: str, device: str, timer, verdict: str, *, first_call=None) -> None:
+    """Time ``calls[mode]`` into ``row``: one first call (any compile stays out of the timing; its
+    seconds go to ``first_call`` when given), the peak memory, the median ms (``timer``) and, in
+    :data:`HOST_MODES`, the host time per call of ``calls["host:" + mode]`` (the train step's
+    ``.backward``) or of the call itself. On success the row's status is ``verdict`` and its rates and
+    share of the floor follow; an exception while timing becomes the status instead."""
+    try:
+        t0 = time.perf_counter()
+        calls[mode]()
+        _sync(device)
+        if first_call is not None:
+            first_call(time.perf_counter() - t0)
+        row["peak_mib"] = _peak_mib(calls[mode], device)
+        ms = timer(calls[mode])
+        if mode in HOST_MODES:
+            host = calls.get("host:" + mode, calls[mode])
+            host()  # its own first call
+            row["host_us"] = host_us(host, device)
+    except Exception as exc:  # noqa: BLE001
+        row["status"] = f"error while timing: {type(exc).__name__}: {str(exc)[:200]}"
+    else:
+        row["status"] = verdict
+        row["ms"] = ms
+        row["tflops"] = row["flops"] / (ms * 1e-3) / 1e12
+        row["gbs"] = row["bytes"] / (ms * 1e-3) / 1e9
+        row["pct_floor"] = 100.0 * row["floor_ms"] / ms

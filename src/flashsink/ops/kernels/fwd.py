@@ -81,7 +81,7 @@ def build_fwd_pipelined(cfg: KernelConfig, tiles: Tiles | None = None, mask: str
     heads, seq_q, seq_kv = shapes.heads, shapes.seq_q, shapes.seq_kv
 
     @T.macro
-    def body(Q, K, V, Sinks, CuQ, CuK, window, scale_log2, O, LSE, m_tiles, n_seqs):
+    def body(Q, K, V, Sinks, CuQ, CuK, window, scale_log2, O, LSE, m_tiles, n_seqs, O32=None):  # no O32: fwd_entry's None
         with T.Kernel(m_tiles, heads, n_seqs, threads=t.threads) as (bx, head, b):
             q_s = T.alloc_shared([bm, dim], dtype)
             k_s = T.alloc_shared([bn, dim], dtype)

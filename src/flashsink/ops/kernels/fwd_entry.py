@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import tilelang.language as T
 
 from ..build.config import KernelConfig
-from ..tir.layout import kernel, qkv_shapes, stat_shape, varlen_params
+from ..tir.layout import kernel, optional, qkv_shapes, stat_shape, varlen_params
 from ..tir.schedule import grid
 
 
@@ -25,31 +25,11 @@ def fwd_entry(cfg: KernelConfig, s: SimpleNamespace, body, block_m: int, o32: bo
     """The kernel ``flashsink_fwd`` (``flashsink_fwd_varlen`` for thd) over the tensors of ``s``
     (:func:`fwd_shapes`): ``body`` runs over the row tiles of ``block_m`` rows and the sequences (the
     two arguments after ``LSE``, ``schedule.grid``'s). ``o32`` (``fwd_ws.build_fwd_ws``'s option): one
-    more output, ``O32``, the output in fp32 (o's shape), passed to ``body`` last."""
+    more output, ``O32``, the output in fp32 (o's shape), passed to ``body`` last (None without it)."""
     layout, dtype, accum = cfg.layout, cfg.dtype, "float32"
     q_shape, k_shape, v_shape, o_shape, lse_shape = s.q_shape, s.k_shape, s.v_shape, s.o_shape, s.lse_shape
     heads, seq_q, batch = s.heads, s.seq_q, s.batch
     cu, longest, n_cu = varlen_params(layout)
-
-    if o32:
-        @kernel("flashsink_fwd", layout)
-        def flashsink_fwd_o32(
-            Q: T.Tensor(q_shape, dtype),
-            K: T.Tensor(k_shape, dtype),
-            V: T.Tensor(v_shape, dtype),
-            Sinks: T.Tensor([heads], accum),
-            CuQ: cu,
-            CuK: cu,
-            max_seqlen_q: longest,
-            window: T.int32,
-            scale_log2: T.float32,
-            O: T.Tensor(o_shape, dtype),
-            LSE: T.Tensor(lse_shape, accum),
-            O32: T.Tensor(o_shape, accum),
-        ):
-            body(Q, K, V, Sinks, CuQ, CuK, window, scale_log2, O, LSE, *grid(layout, seq_q, n_cu, batch, block_m), O32)
-
-        return flashsink_fwd_o32
 
     @kernel("flashsink_fwd", layout)
     def flashsink_fwd(
@@ -64,7 +44,8 @@ def fwd_entry(cfg: KernelConfig, s: SimpleNamespace, body, block_m: int, o32: bo
         scale_log2: T.float32,
         O: T.Tensor(o_shape, dtype),
         LSE: T.Tensor(lse_shape, accum),
+        O32: optional(o32, T.Tensor(o_shape, accum)),
     ):
-        body(Q, K, V, Sinks, CuQ, CuK, window, scale_log2, O, LSE, *grid(layout, seq_q, n_cu, batch, block_m))
+        body(Q, K, V, Sinks, CuQ, CuK, window, scale_log2, O, LSE, *grid(layout, seq_q, n_cu, batch, block_m), O32)
 
     return flashsink_fwd
