@@ -68,11 +68,14 @@ gpu_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/d
 if [ -n "$gpu_mib" ] && (( gpu_mib < 102400 )); then big="($big or golden or gptoss or mqa)"; fi
 par_k=$kexpr
 if [ -n "${XDIST:-}" ]; then par_k=${kexpr:+($kexpr) and }"not $big"; fi
-FLASHSINK_TEST_LOG="$out/precision.log" timeout "$(left)" python -m pytest ${PYTEST_FILES:-tests} -m gpu -q -rfE -p no:cacheprovider \
+# Out of time, pytest gets SIGINT first (its summary of what failed so far still prints; 2026-12-07 at
+# 4f2cbcc a plain kill lost the names of 9 failures), and -v with workers names each result as it lands.
+verb=-q; [ -n "${XDIST:-}" ] && verb=-v
+FLASHSINK_TEST_LOG="$out/precision.log" timeout -s INT -k 20 "$(left)" python -m pytest ${PYTEST_FILES:-tests} -m gpu $verb -rfE -p no:cacheprovider \
   ${XDIST:+-n "$XDIST"} --durations=25 ${par_k:+-k "$par_k"} --junitxml="$dest/junit.xml" > "$dest/pytest.log" 2>&1
 pt=$?
 if [ -n "${XDIST:-}" ]; then
-  FLASHSINK_TEST_LOG="$out/precision.log" timeout "$(left)" python -m pytest ${PYTEST_FILES:-tests} -m gpu -q -rfE -p no:cacheprovider \
+  FLASHSINK_TEST_LOG="$out/precision.log" timeout -s INT -k 20 "$(left)" python -m pytest ${PYTEST_FILES:-tests} -m gpu -q -rfE -p no:cacheprovider \
     -k "$big${kexpr:+ and ($kexpr)}" >> "$dest/pytest.log" 2>&1
   rc=$?; [ $rc -ne 0 ] && [ $rc -ne 5 ] && pt=$rc  # 5: no test selected (not in PYTEST_FILES)
 fi
