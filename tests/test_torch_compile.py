@@ -820,3 +820,31 @@ def test_kvcache_fullgraph_dynamic_gpu(counter, cache):
         dims, window = (12, 4, 64, torch.float16), 64
         calls = [((4000, 100), None, 16, True), ((300, 2000, 77), None, 9, True)]
     _kv_compiled_vs_eager(counter, calls, window, True, dims, "cuda", lowp=False)
+
+
+# ------------------------------------------------------------------------------------------------
+# torch.ops.flashsink.<op> checks a user's arguments before the schema parses them (custom_ops._CheckedOp);
+# a trace's calls are skipped there. torch 2.11's Dynamo (the GPU host's) runs the op on its fake values
+# with torch.compiler.is_compiling() False, where a scale computed from a dynamic head dim is a SymFloat:
+# the device suite at 4f2cbcc failed its compiled tests so ("scale must be a real number ..., got
+# SymFloat"). These rerun compiled CPU tests of each op with is_compiling() answering False as there.
+
+
+@pytest.mark.parametrize("which", ["fwd+bwd", "varlen", "kvcache"])
+def test_traced_op_calls_skip_the_user_checks(counter, monkeypatch, which):
+    from flashsink.ops.launch import custom_ops
+
+    monkeypatch.setattr(custom_ops, "_is_compiling", lambda: False)
+    if which == "fwd+bwd":
+        test_kernel_path_on_cpu_eager_and_compiled(counter, OP_CASES[1])
+    elif which == "varlen":
+        test_varlen_kernel_path_on_cpu_eager_and_compiled(counter)
+    else:
+        test_kvcache_fullgraph_dynamic_cpu(counter, KV_COMPILE_CASES[1])
+
+
+def test_a_users_op_call_is_still_checked_first():
+    """Outside a trace the packet's check runs before the schema: an int causal is refused by name."""
+    q = torch.randn(1, 2, 8, 16)
+    with pytest.raises(TypeError, match="causal"):
+        torch.ops.flashsink.fwd(q, q, q, None, None, 1, 0.25, "bhsd", False, "fast")
