@@ -478,7 +478,5 @@ def test_testing_facade_exports_every_public_name():
         ]
         assert public, mod.__name__
         for n in public:
-            if n in ("annotations",):
-                continue
             assert getattr(testing, n, None) is getattr(mod, n), f"flashsink.testing lacks {mod.__name__}.{n}"
             assert n in testing.__all__, f"flashsink.testing.__all__ lacks {n}"
