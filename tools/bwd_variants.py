@@ -69,6 +69,17 @@ def _variants(d: int, only: str = "") -> list:
                  ("ws 128x128/s2", (128, 128, 256, 2), (None, None, 1, True)),
                  ("ws 128x128/s2/split8", (128, 128, 256, 2), (None, None, 8, True))]
     out = [(label, tiles, opts + ("fast", None, False, False)) for label, tiles, opts in fast]
+    # head-major grids (``build_bwd_ws(head_major=True)``): one program per (KV tile, query head) with
+    # split 8, a head's KV tiles launched together (FlashAttention-4's grid: its Q/dO/dQ rows stay in L2)
+    hm = [("ws 64x128/s2/split8/hm", t, (None, None, 8, True, "fast", None, False, False, True)),
+          ("ws 64x128/s3/split8/hm", t3, (None, None, 8, True, "fast", None, False, False, True)),
+          ("ws 64x128/s2/split4/hm", t, (None, None, 4, True, "fast", None, False, False, True))]
+    if d <= 64:
+        t128 = (128, 128, 256, 2)
+        hm += [("ws 128x128/s2/dqfirst/split8/hm", t128, (None, None, 8, True, "fast", None, False, True, True)),
+               ("ws 128x128/s2/dqfirst/split4/hm", t128, (None, None, 4, True, "fast", None, False, True, True)),
+               ("ws 128x128/s2/split8/hm", t128, (None, None, 8, True, "fast", None, False, False, True))]
+    out += hm
     # FlashAttention-3's order of the last two products: dQ's, then dK's, dQ handed off while dK's runs
     out += [("ws 64x128/s2/dqfirst", t, (None, None, 1, True, "fast", None, False, True))]
     if d <= 64:
@@ -152,10 +163,10 @@ def _func(job):
         t = Tiles(*opts["tiles"]) if "tiles" in opts else config.pre_tiles(cfg)
         return bwd.build_preprocess_strict(cfg, t, opts["branch"], opts["lpt"])
     if kind == "bwd-variant":
-        dq_bulk, overlap, split, ws, prec, branch, swap, dq_first = opts
+        dq_bulk, overlap, split, ws, prec, branch, swap, dq_first, *head_major = opts
         cfg, t = _cfg(dtype, d, prec), Tiles(*tiles)
         if ws:
-            return bwd_ws.build_bwd_ws(cfg, t, split, dq_first)
+            return bwd_ws.build_bwd_ws(cfg, t, split, dq_first, head_major=bool(head_major and head_major[0]))
         return bwd.build_bwd_pipelined(cfg, t, split, config.bwd_branch(cfg) if branch is None else branch, swap,
                                        config.bwd_dq_bulk(cfg) if dq_bulk is None else dq_bulk,
                                        config.bwd_overlap(cfg) if overlap is None else overlap)
@@ -337,6 +348,42 @@ def compile_all(jobs, processes: int, build=_func, label=str):
     return kernels, errors
 
 
+def _fa4_rows(row, prob, window, flops_fb):
+    """FlashAttention-4's forward and fwd+bwd on the same inputs (its [B, S, H, D] layout, learnable sink,
+    eager autograd calls as a user makes them), so a variant is compared with the peer in the same run;
+    its backward is the difference. Skipped, with the reason, where ``flash_attn.cute`` does not import."""
+    import torch
+    from triton.testing import do_bench
+
+    try:
+        from flash_attn.cute.interface import flash_attn_func
+    except Exception as exc:  # noqa: BLE001 - any import failure means no FA4 row
+        row["kernels"]["FA4"] = f"not importable ({type(exc).__name__}: {exc})"[:200]
+        return
+    q, k, v, do = (x.transpose(1, 2).contiguous().requires_grad_() for x in (prob.q, prob.k, prob.v, prob.do))
+    do = do.detach()
+    sinks = prob.sinks.clone().requires_grad_()
+    kw = dict(softmax_scale=prob.scale, causal=True, learnable_sink=sinks,
+              window_size=(None, None) if window is None else (window - 1, 0))
+
+    def fwd():
+        out = flash_attn_func(q, k, v, **kw)
+        return out[0] if isinstance(out, (tuple, list)) else out
+
+    def fwd_bwd():
+        fwd().backward(do)
+
+    fwd_bwd()  # compiles
+    torch.cuda.synchronize()
+    with torch.no_grad():
+        f_ms = do_bench(fwd, return_mode="median")
+    fb_ms = do_bench(fwd_bwd, return_mode="median", grad_to_none=[q, k, v, sinks])
+    row["kernels"]["FA4 fwd"] = f_ms
+    row["kernels"]["FA4 fwd+bwd"] = fb_ms
+    row["kernels"]["FA4 bwd (fwd+bwd - fwd)"] = fb_ms - f_ms
+    row["kernels"]["FA4 fwd+bwd TFLOP/s"] = flops_fb / (fb_ms * 1e-3) / 1e12
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--problems", default=",".join(PROBLEMS))
@@ -357,7 +404,8 @@ def main() -> int:
         for kind in ("fwd", "preprocess", "bwd", "postprocess"):
             for prec in ("fast", "strict") if kind in ("preprocess", "bwd") else ("fast",):
                 jobs.append((kind, dtype, d, prec, None, None))
-        for _, tiles, opts in () if args.profile_run else _variants(d, args.variants):
+        # --profile-run builds the variants only where --variants names them
+        for _, tiles, opts in _variants(d, args.variants) if not args.profile_run or args.variants else ():
             jobs.append(("bwd-variant", dtype, d, "fast", tiles, opts))
         for _, opts in () if args.profile_run else _pre_variants(args.variants):
             jobs.append(("pre-variant", dtype, d, "strict", None, opts))
@@ -387,9 +435,18 @@ def main() -> int:
         backward = prob.backward
 
         if args.profile_run:
+            # the library's backward, then each named variant's, once: ncu sees the main kernels
+            # (flashsink_bwd_kernel) in this order
             torch.cuda.synchronize()
             backward("fast", kern("bwd", "fast"))
+            order = ["default*"]
+            for label, tiles, opts in _variants(d, args.variants) if args.variants else ():
+                main = kern("bwd-variant", "fast", tiles, opts)
+                if main is not None:
+                    backward(opts[4], main, opts[2])
+                    order.append(label)
             torch.cuda.synchronize()
+            print(f"{name}: flashsink_bwd_kernel launches, in order: {', '.join(order)}", file=sys.stderr)
             continue
         ref = backward("strict", kern("bwd", "strict"))
         fwd_ms = do_bench(prob.fwd, return_mode="median")
@@ -462,6 +519,7 @@ def main() -> int:
             row["kernels"][f"  bwd total {label}"] = total
             row["kernels"][f"  fwd+bwd TFLOP/s {label}"] = flops_fb / ((fwd_ms + total) * 1e-3) / 1e12
             row["kernels"][f"  relL2 vs strict dq/dk/dv/dsink {label}"] = " ".join(f"{e:.1e}" for e in errs)
+        _fa4_rows(row, prob, window, flops_fb)
         results.append(row)
         print(f"\n== {name}: {dtype_name} N={n} D={d} W={window} H={H}/{HK} (fwd+bwd {flops_fb / 1e12:.2f} TFLOP)")
         for key, val in row["kernels"].items():

@@ -53,12 +53,18 @@ def _stage_packed_stats(LSE, Delta, lse_r, delta_r, s, head, row, p, bm: int):
             delta_r[s, i - bm] = Delta[head, row + i - bm]
 
 
-def build_bwd_ws(cfg: KernelConfig, t, split: int, dq_first: bool):
+def build_bwd_ws(cfg: KernelConfig, t, split: int, dq_first: bool, head_major: bool = False):
     """The warp-specialized main backward for tiles ``t`` (``t.threads`` consumer threads, 256;
     ``t.stages`` ring slots) and ``split`` programs per KV tile (``bwd.build_bwd_pipelined``), its KV
     tiles issued longest first (``schedule.by_work``), the per-element mask only on the row blocks not
     wholly visible (``block_range.full_row_blocks_for_keys``). ``dq_first``: each tile's dQ product
-    issued before its dK product, dQ handed to the producer while dK's runs (FlashAttention-3's order)."""
+    issued before its dK product, dQ handed to the producer while dK's runs (FlashAttention-3's order).
+
+    ``head_major``: the programs launched head by head (every KV tile of one program's heads, longest
+    first, before the next heads'), FlashAttention-4's grid: the ~132 programs running at once then
+    read the Q, dO and dQ rows of a few heads, which stay in L2, instead of every head's (the
+    tile-major order, where each running program is at another head and row: docs/bwd-design.md §2).
+    Meant with ``split == groups`` (one program per query head; dK/dV added over the group in fp32)."""
     if not cfg.hopper or t.threads != CONSUMER_THREADS or t.stages < 1:
         raise NotImplementedError(f"the warp-specialized main backward supports Hopper (sm_90a) "
                                   f"and {CONSUMER_THREADS} consumer threads; got {cfg.short()}, {t}")
@@ -128,7 +134,7 @@ def build_bwd_ws(cfg: KernelConfig, t, split: int, dq_first: bool):
             # lowering those took 37 s of the kernel's compile against 6 s bound (this machine's CPU)
             bx = T.alloc_var("int32")
             hs = T.alloc_var("int32")
-            bx, hs = by_work(p, n_tiles, heads_kv * split, longest_last=False)
+            bx, hs = by_work(p, n_tiles, heads_kv * split, longest_last=False, lpt=not head_major)
             kv_head = hs // split
             head0 = kv_head * groups + (hs % split) * per_prog
             k_s = T.alloc_shared([bn, dim], dtype)
