@@ -102,7 +102,7 @@ class Cudnn(System):
         if prob.dtype not in _IO_TYPES:
             raise Unavailable(f"n/a: cuDNN's fused attention takes fp16 / bf16 inputs, not {prob.dtype}")
         if prob.window is not None and not prob.causal:
-            raise Unavailable("n/a: a window without the causal mask is no flashsink problem")
+            raise Unavailable("n/a: the peer maps a window only with the causal mask (the bench's problems)")
         # Build the graphs now, outside any timing: one cuDNN does not serve is n/a with its reason.
         for kind in ("fwd", "bwd") if opts.get("grads") else ("fwd",):
             try:
