@@ -18,7 +18,7 @@ For every problem (a preset, or ``--shape``) and every system:
 3. **Numbers.** TFLOP/s over the visible (q, k) pairs (exact count, bottom-right aligned), achieved
    GB/s over the fewest bytes the mode must move, the floor ``max(FLOPs / matmul ceiling,
    bytes / copy ceiling)`` with both ceilings measured at the start of the same run, % of floor,
-   peak memory over the inputs, the speedup over the best peer that has sinks (fa4, flex, fla) and
+   peak memory over the inputs, the speedup over the best peer that has sinks (fa4, cudnn, flex, fla) and
    passes a gate, and the host time: the enqueue time of 20 calls without a sync, per call, after
    warm-up (fwd and fwd+bwd; fwd+bwd as a training step calls it, ``o = f(...); o.backward(do)``).
 
@@ -37,7 +37,7 @@ formulas, the gate) and inject systems (:data:`SYSTEMS`).
 
 Layout: :mod:`.problems` (presets, :class:`Problem`, pairs, FLOPs, bytes), :mod:`.system` (the
 :class:`System` interface), :mod:`.flashsink_systems` (flashsink's rows), :mod:`.peers` (the peers and the
-:data:`SYSTEMS` registry), :mod:`.gates` (the reference and the gate), :mod:`.timing`, :mod:`.run` (the
+:data:`SYSTEMS` registry; cuDNN's in :mod:`.cudnn_peer`), :mod:`.gates` (the reference and the gate), :mod:`.timing`, :mod:`.run` (the
 loop over problems and systems), :mod:`.kernel_profile` (``--profile``), :mod:`.report` (table, summary),
 :mod:`.plotting` (``--plot``), :mod:`.command` (the CLI), :mod:`.hf` (the ``hf-train`` preset), :mod:`.stack` (the
 ``gptoss-stack-*`` presets: a chain of layers, each output the next query), :mod:`.host_chain` (``--host-chain``:
@@ -49,7 +49,7 @@ from .flashsink_systems import (FlashSink, FlashSinkGraph, FlashSinkKVCache, Fla
                                 FlashSinkStrictGraph)
 from .gates import GATES, GateResult, gate, reference
 from .kernel_profile import kernel_role, profile_flashsink
-from .peers import SYSTEMS, Eager, Fa4, Fla, Flex, Sdpa
+from .peers import SYSTEMS, Cudnn, Eager, Fa4, Fla, Flex, Sdpa
 from .plotting import plot, plot_title
 from .problems import (DECODE_PRESETS, FLOP_FACTOR, FORWARD_ONLY, HF_PRESETS, MODES, PAGE_SIZE, PRESETS,
                        STACK_PRESETS, TINY_PAGE_SIZE, TINY_PRESETS, VARLEN_PRESETS, VARLEN_SEED, Problem, flops, lengths_summary,

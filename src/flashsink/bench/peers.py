@@ -1,4 +1,5 @@
-"""The peers flashsink is timed against (the fp32 reference, SDPA, FlexAttention, FLA, FA4), and
+"""The peers flashsink is timed against (the fp32 reference, SDPA, FlexAttention, FLA, FA4; cuDNN in
+:mod:`.cudnn_peer`), and
 :data:`SYSTEMS`, the registry of every row in table order."""
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ import inspect
 
 import torch
 
+from .cudnn_peer import Cudnn
 from .flashsink_systems import (FlashSink, FlashSinkDet, FlashSinkGraph, FlashSinkKVCache, FlashSinkPaged,
                                 FlashSinkStrict, FlashSinkStrictGraph)
 from .problems import score_elems
@@ -383,4 +385,4 @@ SYSTEMS: dict[str, type] = {"flashsink": FlashSink, "flashsink-graph": FlashSink
                             "flashsink-strict": FlashSinkStrict, "flashsink-strict-graph": FlashSinkStrictGraph,
                             "flashsink-det": FlashSinkDet,
                             "flashsink-kvcache": FlashSinkKVCache, "flashsink-paged": FlashSinkPaged,
-                            "fa4": Fa4, "flex": Flex, "fla": Fla, "sdpa": Sdpa, "eager": Eager}
+                            "fa4": Fa4, "cudnn": Cudnn, "flex": Flex, "fla": Fla, "sdpa": Sdpa, "eager": Eager}

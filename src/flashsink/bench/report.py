@@ -20,7 +20,8 @@ def format_table(result: dict) -> str:
     h, c = result["header"], result["ceilings"]
     lines = [
         f"device: {h['device']} | torch {h['torch']} | triton {h['triton']} | tilelang {h['tilelang']} | "
-        f"fla {h['fla']} | commit {h['commit']} | {h['date']}",
+        f"fla {h['fla']} | commit {h['commit']} | {h['date']}"
+        + "".join(f" | {name}: {v}" for name, v in h.get("peers", {}).items()),
         f"ceilings (measured in this run): matmul {c['matmul_tflops']:.4g} TFLOP/s ({c['matmul']}); "
         f"copy {c['copy_gbs']:.4g} GB/s ({c['copy']})",
         f"timing: {result['timing']}",
@@ -70,7 +71,7 @@ def format_table(result: dict) -> str:
         "TFLOP/s over visible (q,k) pairs: fwd 4*pairs*D, bwd 10*pairs*D, fwd+bwd 14*pairs*D. GB/s over the "
         "fewest bytes (q,k,v[,do] read once; o[,dq,dk,dv] written once). floor = max(FLOPs/matmul ceiling, "
         "bytes/copy ceiling); %floor = floor/ms. peak MiB: max allocated over the inputs during one call. "
-        "vs peer: best peer with sinks (fa4, flex, fla) passing a gate, ms / this ms (>1 = faster). gate: the "
+        "vs peer: best peer with sinks (fa4, cudnn, flex, fla) passing a gate, ms / this ms (>1 = faster). gate: the "
         "strongest precision gate passed in this mode (strict: the precision standard; fast: rel L2 <= 1.5x "
         "torch's in the input dtype; none), every system is timed whatever it passes; flashsink must pass its "
         "own precision's gate, else FAIL. host us: enqueue time per call, 20 calls without a sync after "

@@ -87,6 +87,8 @@ def run_bench(problems: list[Problem], *, systems: list[str], modes: list[str], 
             sys_objs[name] = (obj, "")
         except Unavailable as exc:
             sys_objs[name] = (obj, f"unavailable: {exc}")
+        if not sys_objs[name][1] and getattr(obj, "version", ""):  # a peer's library versions (cudnn)
+            result["header"].setdefault("peers", {})[name] = obj.version
 
     for prob in problems:
         tag = f"[{prob.label()}]"
