@@ -280,12 +280,23 @@ def bwd_split(cfg: KernelConfig) -> int:
     """Programs per (KV tile, KV head) of the ``bwd_split`` kernel, each streaming ``groups / split``
     query heads: the largest divisor of the group up to :data:`MAX_BWD_SPLIT`; 1 (no split kernel)
     for groups of one head, strict or deterministic configurations, head_dim != head_dim_v, off
-    Hopper, and where :func:`bwd_ws` (perf-log v6, v10)."""
+    Hopper, and where :func:`bwd_ws` runs unsplit (perf-log v6, v10); where it runs head-major
+    (:func:`bwd_head_major`), its split kernel is that one."""
     if cfg.deterministic or cfg.precision != "fast" or cfg.head_dim != cfg.head_dim_v or not cfg.hopper:
         return 1
-    if bwd_ws(cfg):
+    if bwd_ws(cfg) and not bwd_head_major(cfg):
         return 1
     return max(d for d in range(1, MAX_BWD_SPLIT + 1) if cfg.groups % d == 0)
+
+
+def bwd_head_major(cfg: KernelConfig) -> bool:
+    """Whether the hand warp-specialized main backward's split kernel (:func:`bwd_split`) is launched head
+    by head (``bwd_ws.build_bwd_ws(head_major=True)``, FlashAttention-4's grid): fast, head dims above 64
+    up to 128, padded layouts. On an H100 at causal D128 N4096 H64/8 it moves 0.49 GB of DRAM against the
+    tile-major unsplit kernel's 3.6 GB, main kernel 1.85 -> 1.55 ms; at D64 N8192 the 128-row dQ-first
+    kernel stays faster unsplit (3.46 ms against 3.50-3.96: its traffic was never its limit), perf-log v33."""
+    return (bwd_ws(cfg) and cfg.precision == "fast" and not cfg.deterministic and cfg.head_dim == cfg.head_dim_v
+            and 64 < cfg.head_dim <= 128 and cfg.layout != "thd")
 
 
 #: the split main backward runs when the rows one KV tile can see reach this many (perf-log v6)
