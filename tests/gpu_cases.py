@@ -60,6 +60,9 @@ def named_cases() -> list:
         # long enough for the split main backward (BWD_SPLIT_MIN_ROWS), at lengths off the tiles
         Case(2, 12, 4, 1500, 64, None, BF16, name="gqa3-1500-causal"),
         Case(1, 8, 2, 1100, 128, 1050, F16, name="gqa4-1100-w1050"),
+        # gpt-oss's GQA at D128, full causal past BWD_SPLIT_MIN_ROWS: the head-major split backward
+        # (config.bwd_head_major), one program per query head
+        Case(1, 64, 8, 2048, 128, None, BF16, name="gqa8-2k-d128-causal"),
     ]
 
 
