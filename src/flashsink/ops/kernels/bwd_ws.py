@@ -35,35 +35,22 @@ from ..tir.split import split as two_terms
 #: fits the 64K registers of one SM
 PRODUCER_REGS, CONSUMER_REGS = 24, 240
 CONSUMER_THREADS = 256
-#: the producer warpgroup's working warps: warp 8 loads the ring, warp 9 adds each dQ tile into the
-#: accumulator (FlashAttention-3's dQ warp), so a load never waits for a dQ add; warps 10-11 idle
-#: (their instructions, spinning on the ring's barriers, were issue slots taken from the consumers)
-LOAD_WARP, DQ_WARP = CONSUMER_THREADS, CONSUMER_THREADS + 32
 #: the named barrier the consumers meet at (0 is __syncthreads; TileLang's own partial syncs use 3)
 CONSUMER_BARRIER = 1
 
 
 @T.macro
 def _stage_packed_stats(LSE, Delta, lse_r, delta_r, s, head, row, p, bm: int):
-    """The load warp's thread ``p`` (of 32) copies its share of a packed batch's lse and Delta rows
+    """The producer's thread ``p`` (of 128) copies its share of a packed batch's lse and Delta rows
     ``row .. row + bm`` (base included) into ring slot ``s``, before the slot's arrival releases them:
     a packed row need not start 16-byte aligned, which the bulk copy requires (layout.py). Rows past the
     sequence (the next one's, or the statistics' padding) are staged too and never selected."""
-    for r in T.serial(-(-2 * bm // 32)):
-        i = r * 32 + p
+    for r in T.serial(-(-2 * bm // 128)):
+        i = r * 128 + p
         if i < bm:
             lse_r[s, i] = LSE[head, row + i]
         elif i < 2 * bm:
             delta_r[s, i - bm] = Delta[head, row + i - bm]
-
-
-def _tile_at(it, per_prog: int, head0, lo_blk, n_rows):
-    """(query head, row block) of a program's ``it``-th tile: its ``per_prog`` heads outer, its row
-    blocks from ``lo_blk`` inner. One head a program (head-major grids) needs no division by the
-    runtime ``n_rows``: each costs some twenty instructions a tile in every warp that asks."""
-    if per_prog == 1:
-        return head0, lo_blk + it
-    return head0 + it // n_rows, lo_blk + it % n_rows
 
 
 def build_bwd_ws(cfg: KernelConfig, t, split: int, dq_first: bool, head_major: bool = False):
@@ -165,7 +152,7 @@ def build_bwd_ws(cfg: KernelConfig, t, split: int, dq_first: bool, head_major: b
             ds_l = None if fast else T.alloc_fragment([bn, bm], dtype)
             dk = T.alloc_fragment([bn, dim], accum)
             dv = T.alloc_fragment([bn, dim_v], accum)
-            full = T.alloc_barrier(arrive_count=[32] * stages)  # slot loaded (the load warp + TMA bytes)
+            full = T.alloc_barrier(arrive_count=[128] * stages)  # slot loaded (producer + TMA bytes)
             empty = T.alloc_barrier(arrive_count=[CONSUMER_THREADS] * stages)  # slot read by both consumers
             if with_dq:
                 # dS^T of two consecutive tiles: a consumer writes tile it+1's while the other may
@@ -175,7 +162,7 @@ def build_bwd_ws(cfg: KernelConfig, t, split: int, dq_first: bool, head_major: b
                 dq = T.alloc_fragment([bm, dim], accum)
                 dq_s = T.alloc_shared([bm, dim], accum)
                 dq_full = T.alloc_barrier(arrive_count=CONSUMER_THREADS)  # dq_s written
-                dq_empty = T.alloc_barrier(arrive_count=32)  # dq_s added into dQAcc (the dQ warp)
+                dq_empty = T.alloc_barrier(arrive_count=128)  # dq_s added into dQAcc
 
             if packed:  # KV tiles along the keys' cu_seqlens (padded: as launched, TIR as before)
                 b, bx = locate(layout, CuK, bx, b, bn)
@@ -198,37 +185,41 @@ def build_bwd_ws(cfg: KernelConfig, t, split: int, dq_first: bool, head_major: b
 
             if tx >= CONSUMER_THREADS:
                 T.set_max_nreg(PRODUCER_REGS, 0)
-                if tx < LOAD_WARP + 32:
-                    # the ring's loads
-                    for it in T.serial(n_it):
-                        s = it % stages
-                        head, blk = _tile_at(it, per_prog, head0, lo_blk, n_rows)
-                        row0 = blk * bm
-                        T.mbarrier_wait_parity(empty[s], ((it // stages) & 1) ^ 1)
-                        T.tma_copy(tile(Q, layout, b, head, q_base + row0, bm), q_r[s, :, :], barrier=full[s])
-                        T.tma_copy(tile(dO, layout, b, head, q_base + row0, bm), do_r[s, :, :], barrier=full[s])
-                        if not packed:
-                            T.tma_copy(stat_tile(LSE, layout, b, head, row0, bm), lse_r[s, :], barrier=full[s])
-                            T.tma_copy(stat_tile(Delta, layout, b, head, row0, bm), delta_r[s, :], barrier=full[s])
-                        else:
-                            _stage_packed_stats(LSE, Delta, lse_r, delta_r, s, head, q_base + row0, tx - LOAD_WARP, bm)
-                        T.barrier_arrive(full[s])
-                elif with_dq and tx < DQ_WARP + 32:
-                    # each tile's dQ added into the accumulator while the consumers work on the next one
-                    for it in T.serial(n_it):
-                        head, blk = _tile_at(it, per_prog, head0, lo_blk, n_rows)
-                        T.mbarrier_wait_parity(dq_full, it & 1)
-                        T.atomic_add(acc_tile(dQAcc, layout, b, head, q_base + blk * bm, bm), dq_s,
-                                     annotations={"use_tma": 1})
-                        T.barrier_arrive(dq_empty)
+                # the ring's loads, and each tile's dQ added while the consumers work on the next one
+                for it in T.serial(n_it):
+                    s = it % stages
+                    head = head0 + it // n_rows
+                    row0 = (lo_blk + it % n_rows) * bm
+                    T.mbarrier_wait_parity(empty[s], ((it // stages) & 1) ^ 1)
+                    T.tma_copy(tile(Q, layout, b, head, q_base + row0, bm), q_r[s, :, :], barrier=full[s])
+                    T.tma_copy(tile(dO, layout, b, head, q_base + row0, bm), do_r[s, :, :], barrier=full[s])
+                    if not packed:
+                        T.tma_copy(stat_tile(LSE, layout, b, head, row0, bm), lse_r[s, :], barrier=full[s])
+                        T.tma_copy(stat_tile(Delta, layout, b, head, row0, bm), delta_r[s, :], barrier=full[s])
+                    else:
+                        _stage_packed_stats(LSE, Delta, lse_r, delta_r, s, head, q_base + row0, tx - CONSUMER_THREADS, bm)
+                    T.barrier_arrive(full[s])
+                    if with_dq:
+                        if it > 0:  # the previous tile's dQ, while the consumers work on this one
+                            prev = it - 1
+                            T.mbarrier_wait_parity(dq_full, prev & 1)
+                            T.atomic_add(acc_tile(dQAcc, layout, b, head0 + prev // n_rows, q_base + (lo_blk + prev % n_rows) * bm, bm),
+                                         dq_s, annotations={"use_tma": 1})
+                            T.barrier_arrive(dq_empty)
+                if with_dq:
+                    if n_it > 0:
+                        last = n_it - 1
+                        T.mbarrier_wait_parity(dq_full, last & 1)
+                        T.atomic_add(acc_tile(dQAcc, layout, b, head0 + last // n_rows, q_base + (lo_blk + last % n_rows) * bm, bm),
+                                     dq_s, annotations={"use_tma": 1})
             else:
                 T.set_max_nreg(CONSUMER_REGS, 1)
                 T.clear(dk)
                 T.clear(dv)
                 for it in T.serial(n_it):
                     s = it % stages
-                    _, blk = _tile_at(it, per_prog, head0, lo_blk, n_rows)
-                    row0 = blk * bm
+                    head = head0 + it // n_rows
+                    row0 = (lo_blk + it % n_rows) * bm
                     T.mbarrier_wait_parity(full[s], (it // stages) & 1)
                     # S^T and dP^T back to back; P while dP^T runs
                     T.wgmma_gemm(k_s, q_r[s, :, :], pT, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
@@ -236,14 +227,14 @@ def build_bwd_ws(cfg: KernelConfig, t, split: int, dq_first: bool, head_major: b
                                  policy=T.GemmWarpPolicy.FullRow)
                     T.wait_wgmma(1)
                     # the per-element mask only where this row block is not wholly visible
-                    branch_tile(probs_t, in_blocks(blk, (full_lo, full_hi)),
+                    branch_tile(probs_t, in_blocks(lo_blk + it % n_rows, (full_lo, full_hi)),
                                 pT, lse_r, s, row0, key0, sq, sk, window, scale_log2)
                     T.wait_wgmma(0)
                     # dV += P^T dO, running while dS^T is computed
                     rounded(pT, p_h, p_l)
                     product(p_h, p_l, do_r[s, :, :], dv)
                     # dS^T, selected (not multiplied): a masked slot adds an exact 0 (bwd.py)
-                    branch_tile(dscores_t, in_blocks(blk, (full_lo, full_hi)),
+                    branch_tile(dscores_t, in_blocks(lo_blk + it % n_rows, (full_lo, full_hi)),
                                 pT, dpT, delta_r, s, row0, key0, sq, sk, window, scale)
                     rounded(pT, ds_h, ds_l)
                     if with_dq:
