@@ -5,7 +5,8 @@
 # and each variant's main kernel, on causal bf16 H64/8 D128 N4096 and D64 N8192:
 #   source .gpu/setup.sh && VARIANTS=/hm bash tools/gpu_bwd_traffic.sh
 # VARIANTS: tools/bwd_variants.py's --variants (default "/hm": the head-major grids); PROBLEMS its
-# --problems; NCU=0 skips the profiles. FA4 is used once both parts of .fa4 are unpacked on this machine
+# --problems; NCU=0 skips the profiles; NCU_SOURCE=1 adds SASS-level source counters of the library's and
+# FA4's main backward at D128 (details-*.txt here, the per-line CSVs in the archive). FA4 is used once both parts of .fa4 are unpacked on this machine
 # (.fa4/setup.sh). Outputs in $OUT (or ./gpu-out): bwd_variants.txt, ncu-table.md, summary.txt, and
 # traffic-logs.tgz (stderr, the JSON, ncu's CSVs).
 set -uo pipefail
@@ -49,6 +50,19 @@ if [ "${NCU:-1}" != 0 ] && command -v ncu >/dev/null; then
     tables+=("variants $name=$work/ncu-variants-$name.csv")
   done
   python tools/ncu_table.py "${tables[@]}" > "$dest/ncu-table.md" 2>&1
+  # NCU_SOURCE=1: where the main kernels' instructions and stalls go, SASS line by line (the library's
+  # default and FA4's at causal D128), for the instruction target: one CSV each, the hottest lines first
+  if [ "${NCU_SOURCE:-0}" = 1 ]; then
+    for sys in flashsink fa4; do
+      NCU_SHAPE=1,64,8,4096,128 timeout "$(left)" ncu --clock-control none --profile-from-start off \
+        -k "regex:^flashsink_bwd_kernel$|FlashAttentionBackwardSm90" --section SourceCounters \
+        --section WarpStateStats --section InstructionStats -o "$work/source-$sys" \
+        python tools/ncu_bwd_pair.py $sys >> "$work/ncu.err" 2>&1 || nr=$?
+      ncu --import "$work/source-$sys.ncu-rep" --page source --csv --print-source sass \
+        > "$work/source-$sys.csv" 2>> "$work/ncu.err"
+      ncu --import "$work/source-$sys.ncu-rep" --page details > "$dest/details-$sys.txt" 2>> "$work/ncu.err"
+    done
+  fi
   grep "launches, in order" "$work/ncu.err" >> "$dest/ncu-table.md"
 fi
 {
