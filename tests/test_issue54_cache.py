@@ -1,4 +1,5 @@
-"""Issue 54, items 1-6: the kernel cache survives any file it finds (CPU only; synthetic entries).
+"""Issue 54, items 1-6 and 15: the kernel cache survives any file it finds, and a compile touches nothing
+of the user's process (CPU only; synthetic entries, and the one compile here is a fake).
 
 1. a manifest or tmp marker that is valid JSON of the wrong shape (nested 100,000 deep, a NUL in a file
    name, a pid no process has) is a bad entry or a foreign directory, never a traceback, for ``load``,
@@ -9,7 +10,9 @@
 5. ``cache info`` and ``cache clear`` print what they found escaped (terminal escapes, bidi overrides,
    undecodable file names), whatever the terminal's encoding;
 6. ``ensure_cache_dir`` refuses a path with a NUL byte with ``CacheDirError``, a path of the wrong type
-   with ``TypeError`` naming it.
+   with ``TypeError`` naming it;
+15. a compile changes neither the temporary directory nor ``TMPDIR`` of the calling process: another
+    thread's temporary files made meanwhile land where they always do and stay there.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import logging
 import os
 import sys
 import tempfile
+import threading
 import time
 
 import pytest
@@ -239,3 +243,129 @@ def test_item6_unholdable_path_is_a_cache_dir_error(tmp_path, path):
 def test_item6_path_of_the_wrong_type_is_a_type_error(path):
     with pytest.raises(TypeError, match="path"):
         diskcache.ensure_cache_dir(path)
+
+
+# ----------------------------------------------------------------------------------------------
+# 15. a compile changes nothing of the calling process
+
+class _Func:
+    """A stand-in PrimFunc: what compile_kernel reads of one (its TIR text, its attributes)."""
+
+    attrs = None
+
+    def script(self, show_meta=False):
+        return "# a fake kernel"
+
+
+class _Kernel:
+    def get_kernel_source(self):
+        return "__global__ void k() {}"
+
+
+def _fake_jit(func, cfg, args):
+    """The compiler, faked: its scratch file (which must land in the cache's tmp/) and its seconds."""
+    fd, path = tempfile.mkstemp(suffix=".cu")
+    os.close(fd)
+    scratch_paths.append(path)
+    time.sleep(1.5)
+    return _Kernel()
+
+
+def _fake_write(kernel, d):
+    for n, blob in FILES.items():
+        (d / n).write_bytes(blob)
+
+
+scratch_paths: list = []
+
+
+def _child_with_fake_compiler(job):
+    """What the compile process runs, with the compiler faked (this module is imported there afresh)."""
+    from flashsink.ops.build import compile as C
+    from flashsink.ops.build import lowering
+
+    lowering.jit = _fake_jit
+    C._write_kernel = _fake_write
+    if os.environ.get("FS_TEST_STORE_FAILS"):
+        def full(*a, **k):
+            raise OSError(28, "No space left on device")
+        C.diskcache.store = full
+    handed = C._child_build(job)
+    root = job[4]
+    assert scratch_paths and all(p.startswith(str(root / "tmp")) for p in scratch_paths), scratch_paths
+    assert not any(os.path.exists(p) for p in scratch_paths)
+    return handed
+
+
+def _fake_compiler(monkeypatch, tmp_path):
+    """compile_kernel with the compiler faked, wherever it runs; returns what _load_kernel was given."""
+    from flashsink.ops.build import compile as C
+    from flashsink.ops.build import keys, lowering
+
+    monkeypatch.setenv("FLASHSINK_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(keys, "build_prim_func", lambda kind, cfg: _Func())
+    monkeypatch.setattr(C, "_child_build", _child_with_fake_compiler, raising=False)  # run by the compile process
+    monkeypatch.setattr(lowering, "jit", _fake_jit)  # were the compile to run in this process
+    monkeypatch.setattr(C, "_write_kernel", _fake_write)
+    loaded = []
+    monkeypatch.setattr(C, "_load_kernel", lambda files, *a, **k: loaded.append(files) or "kernel")
+    return loaded
+
+
+def _cfg():
+    from flashsink.ops.build.config import KernelConfig
+
+    return KernelConfig(arch="sm_80", dtype="bfloat16", head_dim=64, head_dim_v=64, groups=1, causal=True,
+                        has_sinks=True, layout="bhsd", deterministic=False, precision="strict")
+
+
+@pytest.mark.l0
+def test_item15_compile_leaves_other_threads_temp_files_alone(tmp_path, monkeypatch):
+    from flashsink.ops.build import compile as C
+
+    loaded = _fake_compiler(monkeypatch, tmp_path)
+    cfg = _cfg()
+
+    user_tmp = tmp_path / "user-tmp"
+    user_tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(user_tmp))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # tempfile reads TMPDIR again
+    seen, made, stop = set(), [], threading.Event()
+
+    def user_thread():  # another thread of the user's program, making temporary files meanwhile
+        while not stop.is_set():
+            seen.add((tempfile.gettempdir(), os.environ.get("TMPDIR")))
+            with tempfile.NamedTemporaryFile(delete=False) as f:
+                made.append(f.name)
+            time.sleep(0.01)
+
+    t = threading.Thread(target=user_thread)
+    t.start()
+    try:
+        kernel = C.compile_kernel("fwd", cfg)
+    finally:
+        stop.set()
+        t.join()
+    assert kernel == "kernel" and loaded and loaded[-1]["executable.so"] == FILES["executable.so"]
+    assert len(made) > 10, "the thread made too few files to tell"
+    gone = [p for p in made if not os.path.exists(p)]
+    assert not gone, f"{len(gone)} of {len(made)} temporary files another thread made during a compile were deleted"
+    assert seen == {(str(user_tmp), str(user_tmp))}, f"the process's temporary directory changed: {seen}"
+    assert all(os.path.dirname(p) == str(user_tmp) for p in made)
+    assert list((tmp_path / "cache" / "tmp").iterdir()) == []
+
+
+@pytest.mark.l0
+def test_item15_a_kernel_the_cache_cannot_hold_still_comes_back(tmp_path, monkeypatch, caplog):
+    """The compile process compiled the kernel but could not store it (a full disk): it hands the files
+    back, compile_kernel loads them and says so; the compile's scratch files are gone all the same."""
+    from flashsink.ops.build import compile as C
+
+    loaded = _fake_compiler(monkeypatch, tmp_path)
+    monkeypatch.setenv("FS_TEST_STORE_FAILS", "1")
+    caplog.set_level(logging.WARNING, logger="flashsink")
+    assert C.compile_kernel("fwd", _cfg()) == "kernel"
+    assert loaded and loaded[-1]["executable.so"] == FILES["executable.so"]
+    assert "could not save it to the disk cache" in caplog.text and "No space left on device" in caplog.text
+    root = tmp_path / "cache"
+    assert list((root / "kernels").iterdir()) == [] and list((root / "tmp").iterdir()) == []
