@@ -204,6 +204,8 @@ def _child_main() -> None:
     os.dup2(2, 1)
     enter_compile_process()
     try:
+        import tilelang  # noqa: F401  (registers TileLang's operators, which the job's PrimFunc names)
+
         fn, job = pickle.load(sys.stdin.buffer)
         result = ("ok", fn(job))
     except BaseException as exc:  # noqa: BLE001  (handed to the caller, which raises it)
