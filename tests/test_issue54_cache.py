@@ -369,3 +369,43 @@ def test_item15_a_kernel_the_cache_cannot_hold_still_comes_back(tmp_path, monkey
     assert "could not save it to the disk cache" in caplog.text and "No space left on device" in caplog.text
     root = tmp_path / "cache"
     assert list((root / "kernels").iterdir()) == [] and list((root / "tmp").iterdir()) == []
+
+
+# ----------------------------------------------------------------------------------------------
+# 14. the test suite leaves nothing in the user's home
+
+_PROBE = '''
+import os
+
+
+def test_caches_are_made_where_the_suite_puts_them():
+    from tilelang.env import env
+
+    from flashsink.ops.build import diskcache
+
+    diskcache.ensure_cache_dir()  # flashsink's cache, where this environment puts it
+    os.makedirs(env.TILELANG_CACHE_DIR, exist_ok=True)  # TileLang's, where a compile writes its files
+'''
+
+
+@pytest.mark.l0
+def test_item14_the_suite_leaves_nothing_in_home(tmp_path):
+    """tests/conftest.py in charge of a test that makes flashsink's and TileLang's caches where this
+    environment puts them, run with HOME an empty directory and neither cache named: HOME stays empty."""
+    import pathlib
+    import shutil
+    import subprocess
+
+    home, probe = tmp_path / "home", tmp_path / "probe"
+    home.mkdir()
+    probe.mkdir()
+    shutil.copy(pathlib.Path(__file__).with_name("conftest.py"), probe / "conftest.py")
+    (probe / "test_probe.py").write_text(_PROBE)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("FLASHSINK_CACHE_DIR", "TILELANG_CACHE_DIR", "XDG_CACHE_HOME")}
+    env.update(HOME=str(home), PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(probe)],
+                         cwd=probe, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    left = sorted(str(p.relative_to(home)) for p in home.rglob("*"))
+    assert not left, f"the tests left {len(left)} path(s) in HOME: {left[:8]}"
