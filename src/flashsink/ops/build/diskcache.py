@@ -502,7 +502,8 @@ def store(root: Path, name: str, key: dict, write_files, *, kind: str, summary: 
 def private_tmp(root: Path):
     """A build directory in ``tmp/`` that is the process's temporary directory (``tempfile`` and
     ``TMPDIR``, which nvcc uses) while the block runs; removed afterwards, success or failure, so a
-    failed or killed compile leaves no files behind. Callers serialise compiles (compile.py's lock)."""
+    failed or killed compile leaves no files behind. Process-wide, so only for flashsink's own compile
+    processes (``compile.enter_compile_process``), never the user's: compile.py's docstring."""
     old_tempdir, old_env = tempfile.tempdir, os.environ.get("TMPDIR")
     with scratch(root, "build") as build:
         tempfile.tempdir = str(build)
