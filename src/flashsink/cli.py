@@ -206,8 +206,26 @@ def _cache_root(args):
     return diskcache.cache_dir(), how
 
 
+def _shown(text, stream=None) -> str:
+    """``text`` (found on disk: a manifest's fields, file names) safe to print to ``stream``: control and
+    format characters (terminal escapes, bidi overrides) and undecodable bytes escaped, characters the
+    stream's encoding cannot write replaced."""
+    import unicodedata
+
+    text = "".join(ch if unicodedata.category(ch)[0] != "C" else ascii(ch)[1:-1] for ch in str(text))
+    encoding = getattr(stream or sys.stdout, "encoding", None) or "utf-8"
+    try:
+        return text.encode(encoding, "replace").decode(encoding)
+    except LookupError:  # a stream that names no codec Python knows
+        return text.encode("ascii", "backslashreplace").decode("ascii")
+
+
+def _say(text: str, stream=None) -> None:
+    print(_shown(text, stream), file=stream or sys.stdout)
+
+
 def _unsafe(command: str, exc) -> int:
-    print(f"flashsink cache {command}: UNSAFE, flashsink refuses to use it: {exc}", file=sys.stderr)
+    _say(f"flashsink cache {command}: UNSAFE, flashsink refuses to use it: {exc}", sys.stderr)
     return 2
 
 
@@ -216,7 +234,7 @@ def cmd_cache_info(args) -> int:
     from .ops.build import cachedir, diskcache
 
     root, how = _cache_root(args)
-    print(f"flashsink kernel cache: {root} ({how})")
+    _say(f"flashsink kernel cache: {root} ({how})")
     try:  # checked (ops.cachedir: the path from /, the subdirectories), never created; None: missing
         resolved = cachedir.trusted_root(root, create=False)
     except CacheDirError as exc:
@@ -231,16 +249,19 @@ def cmd_cache_info(args) -> int:
     print(f"{len(found)} entries, {_size(total)}" + (f", {len(bad)} failing verification" if bad else ""))
     if found:
         print(f"{'kind':<11} {'configuration':<58} {'size':>10}  {'tilelang':<9} {'created':<25} status")
-        for e in found:
-            cfg = e.summary.split(" ", 1)[1] if e.summary.startswith(e.kind + " ") else e.summary
-            print(f"{e.kind:<11} {cfg:<58} {_size(e.size):>10}  {str(e.versions.get('tilelang', '?')):<9} "
-                  f"{e.created:<25} {e.status}")
+        for e in found:  # every field as the manifest has it: shown escaped, never sent raw to the terminal
+            kind, summary, created = _shown(e.kind), _shown(e.summary), _shown(e.created)
+            cfg = summary.split(" ", 1)[1] if summary.startswith(kind + " ") else summary
+            _say(f"{kind:<11} {cfg:<58} {_size(e.size):>10}  {_shown(e.versions.get('tilelang', '?')):<9} "
+                 f"{created:<25} {e.status}")
             if args.verbose:
-                print(f"{'':<11} {e.name}  nvcc: {e.versions.get('nvcc', '?')}")
+                _say(f"{'':<11} {e.name}  nvcc: {e.versions.get('nvcc', '?')}")
     return 0
 
 
 def cmd_cache_clear(args) -> int:
+    import os
+
     from .errors import CacheDirError
     from .ops.build import cachedir, diskcache
 
@@ -249,26 +270,26 @@ def cmd_cache_clear(args) -> int:
         resolved = cachedir.trusted_root(root, create=False)
     except CacheDirError as exc:
         return _unsafe("clear", exc)
-    if resolved is None or not (resolved / "kernels").exists():
-        print(f"flashsink kernel cache {root}: nothing to clear")
+    if resolved is None or not any((resolved / sub).is_dir() for sub in diskcache.SUBDIRS):
+        _say(f"flashsink kernel cache {root}: nothing to clear")
         return 0
-    n = sum(1 for _ in (resolved / "kernels").iterdir())
+    n = len(os.listdir(resolved / "kernels")) if (resolved / "kernels").is_dir() else 0
     if not args.yes:
         if not sys.stdin.isatty():
-            print(f"flashsink cache clear: would remove {n} entries from {root}; pass --yes to do it "
-                  "without a prompt", file=sys.stderr)
+            _say(f"flashsink cache clear: would remove {n} entries from {root}; pass --yes to do it "
+                 "without a prompt", sys.stderr)
             return 2
-        answer = input(f"remove {n} compiled kernels from {root}? [y/N] ")
+        answer = input(_shown(f"remove {n} compiled kernels from {root}? [y/N] "))
         if answer.strip().lower() not in ("y", "yes"):
             print("nothing removed")
             return 1
     done = diskcache.clear(resolved)
-    print(f"removed {done.entries} entries ({_size(done.bytes)}) from {root}")
+    _say(f"removed {done.entries} entries ({_size(done.bytes)}) from {root}")
     if done.kept:
         print(f"left alone {len(done.kept)} item(s) that flashsink did not write (no valid flashsink marker "
               "names them); remove them yourself if you do not need them:")
         for path, why in done.kept:
-            print(f"  {path}: {why}")
+            _say(f"  {path}: {why}")
     return 0
 
 

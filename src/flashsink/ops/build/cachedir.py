@@ -134,7 +134,14 @@ def walk(given, *, create: bool = True) -> Walk | None:
     """Resolve ``given`` from ``/`` checking every component (module docstring); create what is missing
     (``create``) or return None if the cache directory does not exist. Raises :class:`CacheDirError`."""
     me = os.geteuid()
-    todo = [p for p in os.path.abspath(os.fspath(given)).split("/") if p]
+    text = os.path.abspath(os.fspath(given))
+    try:
+        if b"\0" in os.fsencode(text):
+            raise ValueError
+    except ValueError:  # a NUL byte, or characters this file system's encoding cannot hold
+        raise _refuse(repr(text), "is not a path the file system can hold (a NUL byte or an unencodable "
+                                  "character in it)") from None
+    todo = [p for p in text.split("/") if p]
     resolved, links, idents = "/", 0, []
     st = os.lstat("/")
     check_parent("/", st)
@@ -187,6 +194,9 @@ def trusted_root(given, *, create: bool = True) -> Path | None:
     """The resolved cache directory for ``given``, created (``create``) and checked: at the first call a
     full walk, later a comparison with it (a full walk again on any difference). None without
     ``create`` if it does not exist. Raises :class:`CacheDirError` if it is not safe."""
+    if not isinstance(given, (str, os.PathLike)) or not isinstance(os.fspath(given), str):
+        raise TypeError(f"path: the cache directory must be a str or os.PathLike path, got "
+                        f"{type(given).__name__} {given!r:.80}")
     key = os.path.abspath(os.fspath(given))
     done = _walks.get(key)
     if done is not None and done.unchanged():
@@ -211,7 +221,7 @@ def open_entry(path: Path) -> int:
     """An fd of the entry directory ``path`` (no link followed), checked private; the caller closes it.
     Raises :class:`CacheDirError` for an entry that is not a private directory of ours, OSError if it
     cannot be opened (FileNotFoundError: gone)."""
-    fd = os.open(path, _DIR_FLAGS)
+    fd = open_dir(path)
     try:
         check_private(path, os.fstat(fd), "entry is")
     except BaseException:
@@ -220,10 +230,15 @@ def open_entry(path: Path) -> int:
     return fd
 
 
+def open_dir(path) -> int:
+    """An fd of the directory ``path`` itself, never of a link's target (O_NOFOLLOW); OSError otherwise."""
+    return os.open(path, _DIR_FLAGS)
+
+
 def read_regular(name: str, dir_fd: int | None = None, limit: int | None = None) -> bytes:
     """The bytes of the regular file ``name`` (relative to ``dir_fd``), opened without following a
     link or waiting on a FIFO. Raises ValueError saying why it was not read; ``limit``: at most that
-    many bytes (a bigger file is a ValueError)."""
+    many bytes are ever read (a bigger file, or one that grows past it while read, is a ValueError)."""
     try:
         fd = os.open(name, READ_FLAGS, dir_fd=dir_fd)
     except OSError as exc:
@@ -237,12 +252,17 @@ def read_regular(name: str, dir_fd: int | None = None, limit: int | None = None)
         if limit is not None and st.st_size > limit:
             raise ValueError(f"{os.path.basename(name)} is larger than {limit} bytes")
         os.set_blocking(fd, True)
-        chunks = []
-        while True:
-            chunk = os.read(fd, 1 << 20)
+        bound = st.st_size if limit is None else limit
+        chunks, left = [], bound + 1  # one byte more: a file that grew while read is seen
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 20))
             if not chunk:
-                return b"".join(chunks)
+                break
             chunks.append(chunk)
+            left -= len(chunk)
+        if left <= 0:
+            raise ValueError(f"{os.path.basename(name)} is larger than {bound} bytes")
+        return b"".join(chunks)
     except OSError as exc:
         raise ValueError(f"{os.path.basename(name)} cannot be read: {exc.strerror or exc}") from None
     finally:

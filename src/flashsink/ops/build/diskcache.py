@@ -84,7 +84,7 @@ def cache_dir() -> Path:
 def ensure_cache_dir(path: Path | None = None) -> Path:
     """Create (mode 0700) and check the cache directory and its subdirectories (``cachedir.trusted_root``:
     every call compares with the last walk and walks again on any change); returns the resolved directory."""
-    return cachedir.trusted_root(Path(path) if path is not None else cache_dir())
+    return cachedir.trusted_root(path if path is not None else cache_dir())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -164,13 +164,34 @@ def _types_of(record: dict, schema: dict) -> str | None:
     return None
 
 
+#: how deep a manifest's or marker's JSON may nest (ours: 4); deeper is not one of ours, and refusing it
+#: here keeps every later step (the checksum's json.dumps, the key's digest) clear of RecursionError
+_MAX_DEPTH = 32
+
+
+def _too_deep(value) -> bool:
+    todo = [(value, 1)]
+    while todo:
+        value, depth = todo.pop()
+        if isinstance(value, (dict, list)):
+            if depth > _MAX_DEPTH:
+                return True
+            todo += [(v, depth + 1) for v in (value.values() if isinstance(value, dict) else value)]
+    return False
+
+
 def _unseal(blob: bytes, schema: dict) -> dict:
     """The record in ``blob`` if it is JSON of the current format whose fields have the schema's types
-    and whose checksum matches; raises ValueError saying what is wrong."""
+    and whose checksum matches; raises ValueError saying what is wrong (never anything else: the
+    bytes are whatever was found on disk)."""
     try:
         record = json.loads(blob)
     except (UnicodeDecodeError, ValueError) as exc:
         raise ValueError(f"not JSON ({exc})") from None
+    except RecursionError:
+        raise ValueError("not a record of ours (JSON nested too deep)") from None
+    if _too_deep(record):
+        raise ValueError(f"not a record of ours (JSON nested deeper than {_MAX_DEPTH})")
     if not isinstance(record, dict):
         raise ValueError(f"not a JSON object but {type(record).__name__}")
     if record.get("format") != FORMAT:
@@ -188,14 +209,26 @@ _MANIFEST_SCHEMA = {"format": int, "name": str, "kind": str, "summary": str, "ke
                     "created": str}
 
 
+def _plain_name(name: str) -> bool:
+    """Whether ``name`` can be a file of an entry: one path component the file system can hold."""
+    if not name or "/" in name or "\0" in name or name in (".", "..", ENTRY_MANIFEST, TMP_MARKER):
+        return False
+    try:
+        return len(os.fsencode(name)) <= 255
+    except UnicodeEncodeError:  # a lone surrogate the file system's encoding cannot write
+        return False
+
+
 def _check_files(files: dict) -> None:
     if not files:
         raise ValueError("manifest lists no files")
     for name, meta in files.items():
-        if not name or "/" in name or name in (".", "..", ENTRY_MANIFEST, TMP_MARKER):
-            raise ValueError(f"manifest lists a bad file name {name!r}")
-        if not isinstance(meta, dict) or _types_of(meta, {"size": int, "sha256": str}) or not _is_hex64(meta["sha256"]):
-            raise ValueError(f"manifest's record of {name!r} is not {{'size': int, 'sha256': hex digest}}: {meta!r}")
+        if not _plain_name(name):
+            raise ValueError(f"manifest lists a bad file name {name[:80]!r}")
+        if (not isinstance(meta, dict) or _types_of(meta, {"size": int, "sha256": str}) or meta["size"] < 0
+                or not _is_hex64(meta["sha256"])):
+            raise ValueError(f"manifest's record of {name!r} is not {{'size': int >= 0, 'sha256': hex digest}}: "
+                             f"{meta!r:.200}")
 
 
 def parse_manifest(blob: bytes, name: str) -> dict:
@@ -228,7 +261,7 @@ def _verify_fd(fd: int, name: str, key: dict | None) -> tuple[dict, dict]:
         raise ValueError(f"files differ from the manifest (missing {missing}, unexpected {extra})")
     data = {}
     for file, meta in files.items():
-        blob = read_regular(file, fd)
+        blob = read_regular(file, fd, meta["size"])  # never more than the manifest says it holds
         if _sha256(blob) != meta["sha256"]:
             raise ValueError(f"sha256 of {file} differs from the recorded one")
         data[file] = blob
@@ -310,10 +343,11 @@ def discard(root: Path, path: Path) -> None:
         if left:
             log.warning("flashsink: cache entry %s held files flashsink did not write (%s); left them in %s",
                         path, ", ".join(left), trash)
-    elif stat.S_ISDIR(os.lstat(trash).st_mode) and not os.listdir(trash):
-        os.rmdir(trash)
     else:
-        log.warning("flashsink: cache entry %s had no valid manifest; moved it, undeleted, to %s", path, trash)
+        try:
+            os.rmdir(trash)  # an empty directory (never a link or a file: rmdir refuses those)
+        except OSError:
+            log.warning("flashsink: cache entry %s had no valid manifest; moved it, undeleted, to %s", path, trash)
 
 
 def load(root: Path, name: str, key: dict) -> tuple[dict, dict] | None:
@@ -353,7 +387,9 @@ _TMP_SCHEMA = {"format": int, "name": str, "pid": int, "host": str}
 def _tmp_marker(path: Path) -> dict | None:
     """The valid marker of the tmp/ directory ``path`` (a real directory of ours), or None."""
     marker = _sealed(path, TMP_MARKER, lambda blob: _unseal(blob, _TMP_SCHEMA))
-    return marker if marker is not None and marker["name"] == path.name else None
+    if marker is None or marker["name"] != path.name or not 0 < marker["pid"] < 1 << 31:
+        return None  # a pid os.kill cannot take (0, -1 and huge ones) is not one a process of ours had
+    return marker
 
 
 def _alive(marker: dict) -> bool:
@@ -388,10 +424,18 @@ def _rmtree(path: Path) -> None:
         shutil.rmtree(path)  # the fd-based rmtree: links inside are removed, never followed
 
 
+def _listed(path: Path) -> list:
+    """The items of the cache subdirectory ``path``, sorted; none if it is missing (a partial cache)."""
+    try:
+        return sorted(path.iterdir())
+    except FileNotFoundError:
+        return []
+
+
 def _clean_stale_tmp(root: Path) -> None:
     """Remove what killed processes left in tmp/: flashsink's directories whose process is gone and that
     were not touched for a while. Nothing without a marker is touched."""
-    for p in (root / "tmp").iterdir():
+    for p in _listed(root / "tmp"):
         if sweepable(p, STALE_TMP_SECONDS):
             _rmtree(p)
 
@@ -458,7 +502,8 @@ def store(root: Path, name: str, key: dict, write_files, *, kind: str, summary: 
 def private_tmp(root: Path):
     """A build directory in ``tmp/`` that is the process's temporary directory (``tempfile`` and
     ``TMPDIR``, which nvcc uses) while the block runs; removed afterwards, success or failure, so a
-    failed or killed compile leaves no files behind. Callers serialise compiles (compile.py's lock)."""
+    failed or killed compile leaves no files behind. Process-wide, so only for flashsink's own compile
+    processes (``compile.enter_compile_process``), never the user's: compile.py's docstring."""
     old_tempdir, old_env = tempfile.tempdir, os.environ.get("TMPDIR")
     with scratch(root, "build") as build:
         tempfile.tempdir = str(build)
@@ -487,26 +532,32 @@ class EntryInfo:
     versions: dict = field(default_factory=dict)
 
 
-def _dir_size(path: Path) -> int:
-    """Bytes of the regular files under ``path`` (lstat only: no link followed, nothing opened)."""
+def _entry_size(path: Path) -> int:
+    """Bytes of the regular files in the entry directory ``path`` (an entry is flat); 0 if ``path`` is not
+    a directory itself: a link is never followed, nothing below the entry is walked."""
+    try:
+        fd = cachedir.open_dir(path)
+    except OSError:
+        return 0
     total = 0
-    for top, dirs, files in os.walk(path, followlinks=False):
-        for f in files:
+    try:
+        for name in os.listdir(fd):
             with contextlib.suppress(OSError):
-                st = os.lstat(os.path.join(top, f))
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
                 if stat.S_ISREG(st.st_mode):
                     total += st.st_size
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
     return total
 
 
 def entries(root: Path) -> list:
     """Every entry under ``root/kernels``, each verified against its own manifest."""
     out = []
-    kernels = root / "kernels"
-    if not kernels.is_dir():
-        return out
-    for entry in sorted(kernels.iterdir()):
-        info = EntryInfo(name=entry.name, size=_dir_size(entry))
+    for entry in _listed(root / "kernels"):
+        info = EntryInfo(name=entry.name, size=_entry_size(entry))
         try:
             manifest, _ = verify_entry(entry)
         except ValueError as why:
@@ -555,24 +606,24 @@ def clear(root: Path) -> Cleared:
     ``root`` must have passed ``cachedir.trusted_root``. Only the cache's subdirectories are looked at."""
     cachedir.recheck(root)
     done = Cleared()
-    for entry in sorted((root / "kernels").iterdir()):
+    for entry in _listed(root / "kernels"):
         files = _marked_files(entry, entry.name)
         if files is None:
             done.kept.append((entry, "no valid flashsink manifest (or not a directory of yours)"))
             continue
-        size = _dir_size(entry)
+        size = _entry_size(entry)
         left = _remove_marked(entry, files)
         if left:
             done.kept.append((entry, f"holds files flashsink did not write: {', '.join(left)}"))
         else:
             done.entries += 1
             done.bytes += size
-    for p in sorted((root / "tmp").iterdir()):
+    for p in _listed(root / "tmp"):
         if sweepable(p):
             _rmtree(p)
         elif _tmp_marker(p) is None:
             done.kept.append((p, "no flashsink marker"))
         # else: a compile or save in progress uses it, and removes it itself
-    for p in sorted((root / "locks").iterdir()):
+    for p in _listed(root / "locks"):
         _clear_lock(p, done.kept)
     return done

@@ -15,8 +15,7 @@ from . import compile as compile_mod
 
 
 def _init_worker():
-    # the parent prints one progress line per kernel; workers only say what goes wrong
-    os.environ.setdefault("FLASHSINK_LOG", "warning")
+    compile_mod.enter_compile_process()  # compiles run here; the parent prints the progress
 
 
 def compile_one(job):

@@ -1,8 +1,9 @@
 """The in-memory kernel registry: :func:`get_kernel`, one dict lookup per launch once built.
 
 The first miss of a configuration builds every kernel of its route (``kinds.first_use_kinds``):
-loaded from the disk cache where they are there, the others compiled at once, the longest in this
-process and the rest in worker processes (``parallel.py``), each through ``compile.compile_kernel``.
+loaded from the disk cache where they are there, the others compiled at once, the longest through
+``compile.compile_kernel`` here (which compiles it in a child process of its own) and the rest in
+worker processes (``parallel.py``).
 """
 
 from __future__ import annotations
@@ -52,12 +53,11 @@ def _build_config(kind: str, cfg: KernelConfig) -> None:
     others compiled at once into the disk cache, then loaded. A kernel other than ``kind`` that fails
     to build is left out here; its own first launch raises the error.
 
-    Of several missing kernels, the longest to build (``kinds.Kind.build_s``: the forward) is compiled
-    in this process, which has its imports done, while worker processes (TileLang's lowering holds
-    the GIL in its Python parts) build the others, longest first: a spawned worker spends ~3.5 s on
-    its interpreter and imports before its first kernel, and that is then off the first use's
-    critical path (docs/perf-log.md, "First use: where the compile time goes"). With fewer workers than
-    kernels, this process then builds those no worker has started."""
+    Of several missing kernels, the longest to build (``kinds.Kind.build_s``: the forward) is started
+    first, by ``compile_kernel`` from this process (its compile runs in a child of its own, so that no
+    temporary directory of this process changes), while worker processes (TileLang's lowering holds
+    the GIL in its Python parts) build the others, longest first. With fewer workers than kernels,
+    this process then builds those no worker has started."""
     wanted = [k for k in kinds.first_use_kinds(kind, cfg) if (k, cfg) not in _cache]
     missing = []
     for k in wanted:
