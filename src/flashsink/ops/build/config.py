@@ -168,6 +168,15 @@ def bwd_dq_first(cfg: KernelConfig) -> bool:
             and cfg.layout != "thd")
 
 
+def bwd_ds_first(cfg: KernelConfig) -> bool:
+    """Whether the hand warp-specialized main backward computes dS^T into dP^T's registers before P^T is
+    rounded and issues dV after both roundings (``bwd_ws.build_bwd_ws(ds_first=True)``, FlashAttention-3's
+    order for D64's registers): :func:`bwd_dq_first`'s 128-row tiles, which ptxas compiled with every
+    wgmma serialized in the old order (C7512, perf-log v20; tests/test_ptxas.py). D128's 64-row kernel
+    fits with dS^T computed under dV's product and keeps that order."""
+    return bwd_dq_first(cfg)
+
+
 def bwd_branch(cfg: KernelConfig) -> bool:
     """Whether TileLang's main backward (where not :func:`bwd_ws`) skips the per-element mask on wholly
     visible row blocks: Hopper's strict kernel (perf-log v11). The hand kernel always does (v10)."""
