@@ -18,9 +18,9 @@ def _cfg(dtype="bfloat16", d=128, layout="bhsd", deterministic=False, precision=
     return KernelConfig(arch, dtype, d, d, 8, True, True, layout, deterministic, precision)
 
 
-def _ws(cfg, tiles=None, split=1, dq_first=False):
+def _ws(cfg, tiles=None, split=1, dq_first=False, ds_first=False):
     """The hand kernel (``bwd_ws.build_bwd_ws``), tiles ``config.bwd_tiles`` by default."""
-    return bwd_ws.build_bwd_ws(cfg, tiles or config.bwd_tiles(cfg), split, dq_first)
+    return bwd_ws.build_bwd_ws(cfg, tiles or config.bwd_tiles(cfg), split, dq_first, ds_first)
 
 
 def _pipelined(cfg, split=1):
@@ -109,7 +109,8 @@ def test_dq_first_order_and_tiles_where_config_says(d):
     assert bwd_tiles(cfg) == (Tiles(128, 128, 256, 2) if d == 64 else Tiles(64, 128, 256, 2))
     default = bwd.build_bwd(cfg)
     first, last = _ws(cfg, dq_first=True), _ws(cfg, dq_first=False)
-    assert default.script() == (first if d == 64 else last).script() and first.script() != last.script()
+    assert default.script() == (first if d == 64 else last).script()
+    assert first.script() != last.script()
     assert _params(first) == _params(last) and _dtypes(first) == _dtypes(last)
     # one wait more: dQ's product alone (dK's still running), then both
     assert first.script().count("T.wait_wgmma(1)") == last.script().count("T.wait_wgmma(1)") + 1
@@ -121,6 +122,37 @@ def test_dq_first_order_and_tiles_where_config_says(d):
                   KernelConfig("sm_90a", "bfloat16", d, d, 8, False, True, "bhsd", False, "fast")):
         assert bwd_tiles(other) == Tiles(64, 128, 256, 2) and not bwd_dq_first(other)
     assert bwd_dq_first(_cfg("float16", d, "bshd", deterministic=True)) == (d == 64)
+
+
+@pytest.mark.parametrize("precision", ["fast", "strict"])
+def test_ds_first_reorders_the_same_statements(precision):
+    """``build_bwd_ws(ds_first=True)`` (for D64's dq-first 128-row kernel, whose wgmma ptxas serializes in
+    the old order, tests/test_ptxas.py; no default uses it until it is timed on a GPU, perf-log v33): dS^T
+    written into dP^T's registers instead of P^T's, P^T and dS^T rounded, then dV's product issued. The same
+    statements otherwise (the same products, roundings and selects: the math is the old order's)."""
+    assert bwd.build_bwd(_cfg(d=64)).script() == _ws(_cfg(d=64), dq_first=True).script()
+    cfg = _cfg(d=64, precision=precision)
+    old = _ws(cfg, dq_first=True).script().splitlines()
+    new = _ws(cfg, dq_first=True, ds_first=True).script().splitlines()
+    assert new != old
+    def as_old(line):
+        """``line`` of the new order with dS^T back in P^T's registers: its two loops (a wholly visible tile,
+        a masked one) write, and its rounding (strict: hi and lo) reads, dP^T there."""
+        if line.strip().startswith("dpT[i, j] = "):
+            return line.replace("dpT[i, j] = ", "pT[i, j] = ", 1)
+        if line.strip().startswith("ds_l[i, j] = ") or "T.region(ds_h[0, 0], 2" in line:
+            return line.replace("dpT[", "pT[")
+        return line
+
+    assert sum(line.strip().startswith("dpT[i, j] = ") for line in new) == 2
+    assert sorted(map(as_old, new)) == sorted(old)
+
+    def dv_after_ds(lines):
+        dv = next(i for i, line in enumerate(lines) if "T.wgmma_gemm(T.region(p_h[0, 0]" in line)
+        ds = next(i for i, line in enumerate(lines) if "ds_h[0, 0], 2" in line)  # dS^T's rounding
+        return dv > ds
+
+    assert dv_after_ds(new) and not dv_after_ds(old)
 
 
 def test_strict_preprocess_branches_and_goes_longest_first_on_hopper():

@@ -40,9 +40,9 @@ PROBE_TIMEOUT_S, PROBE_START_S = 60, 240
 
 
 def _variants(d: int, only: str = "") -> list:
-    """(label, Tiles fields, (dq_bulk, overlap, split, ws, precision, branch, swap, dq_first)) of the main
-    backward for head dim ``d``. ``ws``: ``bwd_ws.build_bwd_ws(cfg, tiles, split, dq_first)`` (``t.stages`` is
-    its ring's depth); otherwise ``bwd.build_bwd_pipelined(cfg, tiles, split, branch, swap, dq_bulk, overlap)``,
+    """(label, Tiles fields, (dq_bulk, overlap, split, ws, precision, branch, swap, dq_first, ds_first)) of the
+    main backward for head dim ``d``. ``ws``: ``bwd_ws.build_bwd_ws(cfg, tiles, split, dq_first, ds_first)``
+    (``t.stages`` is its ring's depth); otherwise ``bwd.build_bwd_pipelined(cfg, tiles, split, branch, swap, dq_bulk, overlap)``,
     TileLang's kernel (None: the config's choice for ``dq_bulk``, ``overlap`` and ``branch``)."""
     t = (64, 128, 256, 2)
     t3 = (64, 128, 256, 3)
@@ -68,36 +68,47 @@ def _variants(d: int, only: str = "") -> list:
                  ("128x128/s2/split8/bulk+overlap", (128, 128, 256, 2), (True, True, 8, False)),
                  ("ws 128x128/s2", (128, 128, 256, 2), (None, None, 1, True)),
                  ("ws 128x128/s2/split8", (128, 128, 256, 2), (None, None, 8, True))]
-    out = [(label, tiles, opts + ("fast", None, False, False)) for label, tiles, opts in fast]
-    # head-major grids (``build_bwd_ws(head_major=True)``): one program per (KV tile, query head) with
-    # split 8, a head's KV tiles launched together (FlashAttention-4's grid: its Q/dO/dQ rows stay in L2)
-    hm = [("ws 64x128/s2/split8/hm", t, (None, None, 8, True, "fast", None, False, False, True)),
-          ("ws 64x128/s3/split8/hm", t3, (None, None, 8, True, "fast", None, False, False, True)),
-          ("ws 64x128/s2/split4/hm", t, (None, None, 4, True, "fast", None, False, False, True))]
+    out = [(label, tiles, opts + ("fast", None, False, False, False)) for label, tiles, opts in fast]
+    # head-major grids (``build_bwd_ws(head_major=True)``, the 10th option): one program per (KV tile, query
+    # head) with split 8, a head's KV tiles launched together (FlashAttention-4's grid: its Q/dO/dQ rows stay in L2)
+    hm = [("ws 64x128/s2/split8/hm", t, (None, None, 8, True, "fast", None, False, False, False, True)),
+          ("ws 64x128/s3/split8/hm", t3, (None, None, 8, True, "fast", None, False, False, False, True)),
+          ("ws 64x128/s2/split4/hm", t, (None, None, 4, True, "fast", None, False, False, False, True))]
     if d <= 64:
         t128 = (128, 128, 256, 2)
-        hm += [("ws 128x128/s2/dqfirst/split8/hm", t128, (None, None, 8, True, "fast", None, False, True, True)),
-               ("ws 128x128/s2/dqfirst/split4/hm", t128, (None, None, 4, True, "fast", None, False, True, True)),
-               ("ws 128x128/s2/split8/hm", t128, (None, None, 8, True, "fast", None, False, False, True))]
+        hm += [("ws 128x128/s2/dqfirst/split8/hm", t128, (None, None, 8, True, "fast", None, False, True, False, True)),
+               ("ws 128x128/s2/dqfirst/split4/hm", t128, (None, None, 4, True, "fast", None, False, True, False, True)),
+               ("ws 128x128/s2/split8/hm", t128, (None, None, 8, True, "fast", None, False, False, False, True)),
+               # D64 head-major once its wgmma are no longer serialized (ds_first)
+               ("ws 128x128/s2/dqfirst/dsfirst/split8/hm", t128,
+                (None, None, 8, True, "fast", None, False, True, True, True))]
     out += hm
     # FlashAttention-3's order of the last two products: dQ's, then dK's, dQ handed off while dK's runs
-    out += [("ws 64x128/s2/dqfirst", t, (None, None, 1, True, "fast", None, False, True))]
+    out += [("ws 64x128/s2/dqfirst", t, (None, None, 1, True, "fast", None, False, True, False))]
     if d <= 64:
-        out += [("ws 128x128/s2/dqfirst", (128, 128, 256, 2), (None, None, 1, True, "fast", None, False, True))]
-    out += [("strict 64x128/s2", t, (None, None, 1, False, "strict", None, False, False)),
-            ("strict 64x128/s2/branch", t, (None, None, 1, False, "strict", True, False, False)),
+        out += [("ws 128x128/s2/dqfirst", (128, 128, 256, 2), (None, None, 1, True, "fast", None, False, True, False))]
+    # FlashAttention-3's order for D64's registers: dS^T into dP^T's registers before P^T is rounded, dV
+    # issued after both roundings (``build_bwd_ws(ds_first=True)``, under measurement; the row above is the old order, which ptxas
+    # serializes at D64's 128-row tiles: C7512, perf-log v20)
+    out += [("ws 64x128/s2/dsfirst", t, (None, None, 1, True, "fast", None, False, False, True)),
+            ("ws 64x128/s2/dqfirst/dsfirst", t, (None, None, 1, True, "fast", None, False, True, True))]
+    if d <= 64:
+        out += [("ws 128x128/s2/dqfirst/dsfirst", (128, 128, 256, 2),
+                 (None, None, 1, True, "fast", None, False, True, True))]
+    out += [("strict 64x128/s2", t, (None, None, 1, False, "strict", None, False, False, False)),
+            ("strict 64x128/s2/branch", t, (None, None, 1, False, "strict", True, False, False, False)),
             # longest first from the grid's dims (KV heads along x): no index arithmetic
-            ("strict 64x128/s2/swap", t, (None, None, 1, False, "strict", False, True, False)),
-            ("strict 64x128/s2/swap+branch", t, (None, None, 1, False, "strict", True, True, False)),
+            ("strict 64x128/s2/swap", t, (None, None, 1, False, "strict", False, True, False, False)),
+            ("strict 64x128/s2/swap+branch", t, (None, None, 1, False, "strict", True, True, False, False)),
             # the default's swap+branch with other stages and tiles
-            ("strict 64x128/s1/swap+branch", (64, 128, 256, 1), (None, None, 1, False, "strict", True, True, False)),
-            ("strict 64x128/s3/swap+branch", t3, (None, None, 1, False, "strict", True, True, False)),
-            ("strict 32x128/s2/swap+branch", (32, 128, 256, 2), (None, None, 1, False, "strict", True, True, False)),
+            ("strict 64x128/s1/swap+branch", (64, 128, 256, 1), (None, None, 1, False, "strict", True, True, False, False)),
+            ("strict 64x128/s3/swap+branch", t3, (None, None, 1, False, "strict", True, True, False, False)),
+            ("strict 32x128/s2/swap+branch", (32, 128, 256, 2), (None, None, 1, False, "strict", True, True, False, False)),
             # the hand warp-specialized kernel with strict's two-term products (8 wgmma per tile; a third
             # ring slot only at D64: at D128 the two-term dS^T's shared tiles leave no room for it)
-            ("ws strict 64x128/s2", t, (None, None, 1, True, "strict", None, False, False))]
+            ("ws strict 64x128/s2", t, (None, None, 1, True, "strict", None, False, False, False))]
     if d <= 64:
-        out += [("ws strict 64x128/s3", t3, (None, None, 1, True, "strict", None, False, False))]
+        out += [("ws strict 64x128/s3", t3, (None, None, 1, True, "strict", None, False, False, False))]
     return _chosen(out, only)
 
 
@@ -163,10 +174,11 @@ def _func(job):
         t = Tiles(*opts["tiles"]) if "tiles" in opts else config.pre_tiles(cfg)
         return bwd.build_preprocess_strict(cfg, t, opts["branch"], opts["lpt"])
     if kind == "bwd-variant":
-        dq_bulk, overlap, split, ws, prec, branch, swap, dq_first, *head_major = opts
+        dq_bulk, overlap, split, ws, prec, branch, swap, dq_first, ds_first, *head_major = opts
         cfg, t = _cfg(dtype, d, prec), Tiles(*tiles)
         if ws:
-            return bwd_ws.build_bwd_ws(cfg, t, split, dq_first, head_major=bool(head_major and head_major[0]))
+            return bwd_ws.build_bwd_ws(cfg, t, split, dq_first, ds_first,
+                                       head_major=bool(head_major and head_major[0]))
         return bwd.build_bwd_pipelined(cfg, t, split, config.bwd_branch(cfg) if branch is None else branch, swap,
                                        config.bwd_dq_bulk(cfg) if dq_bulk is None else dq_bulk,
                                        config.bwd_overlap(cfg) if overlap is None else overlap)
@@ -496,7 +508,7 @@ def main() -> int:
         row["kernels"]["zero fill"] = do_bench(lambda: acc.zero_(), return_mode="median")
         row["kernels"]["main (strict)"] = do_bench(lambda: kern("bwd", "strict")(q, k, v, do, lse, delta, win, scale, acc, dk, dv), return_mode="median")
         dkv = torch.zeros(2, 1, HK, rows, d, dtype=torch.float32, device="cuda")
-        for label, tiles, opts in [("default*", None, (None, None, 1, False, "fast", None, False, False))] + _variants(d, args.variants):
+        for label, tiles, opts in [("default*", None, (None, None, 1, False, "fast", None, False, False, False))] + _variants(d, args.variants):
             main = kern("bwd", "fast") if tiles is None else kern("bwd-variant", "fast", tiles, opts)
             if main is None:
                 row["kernels"][f"main {label}"] = "compile failed"

@@ -53,12 +53,18 @@ def _stage_packed_stats(LSE, Delta, lse_r, delta_r, s, head, row, p, bm: int):
             delta_r[s, i - bm] = Delta[head, row + i - bm]
 
 
-def build_bwd_ws(cfg: KernelConfig, t, split: int, dq_first: bool, head_major: bool = False):
+def build_bwd_ws(cfg: KernelConfig, t, split: int, dq_first: bool, ds_first: bool = False,
+                 head_major: bool = False):
     """The warp-specialized main backward for tiles ``t`` (``t.threads`` consumer threads, 256;
     ``t.stages`` ring slots) and ``split`` programs per KV tile (``bwd.build_bwd_pipelined``), its KV
     tiles issued longest first (``schedule.by_work``), the per-element mask only on the row blocks not
     wholly visible (``block_range.full_row_blocks_for_keys``). ``dq_first``: each tile's dQ product
     issued before its dK product, dQ handed to the producer while dK's runs (FlashAttention-3's order).
+    ``ds_first``: dS^T computed into dP^T's registers before P^T is rounded, dV issued once both are
+    rounded (FlashAttention-3's order for D64's registers): fp32 P^T dies before dS^T's registers are
+    needed, where otherwise P^T, dP^T, P^T rounded (dV's operand, in flight) and dS^T rounded are live
+    at once, and ptxas serializes every wgmma (C7512 at D64's 128-row tiles, perf-log v20). The same
+    products and roundings; dV no longer runs under dS^T's computation.
 
     ``head_major``: the programs launched head by head (every KV tile of one program's heads, longest
     first, before the next heads'), FlashAttention-4's grid: the ~132 programs running at once then
@@ -88,10 +94,11 @@ def build_bwd_ws(cfg: KernelConfig, t, split: int, dq_first: bool, head_major: b
                 row0 + j, key0 + i, sq, sk, window, cfg.causal, masked)
 
     @T.macro
-    def dscores_t(pT, dpT, delta_r, s, row0, key0, sq, sk, window, scale, masked: bool):
-        """dS^T of one tile from P^T, dP^T and the rows' Delta (ring slot ``s``), in place of P^T."""
+    def dscores_t(pT, dpT, ds, delta_r, s, row0, key0, sq, sk, window, scale, masked: bool):
+        """dS^T of one tile from P^T, dP^T and the rows' Delta (ring slot ``s``), into ``ds`` (P^T's
+        registers or dP^T's)."""
         for i, j in T.Parallel(bn, bm):
-            pT[i, j] = select_visible(
+            ds[i, j] = select_visible(
                 pT[i, j] * (dpT[i, j] - delta_r[s, j]) * scale,
                 row0 + j, key0 + i, sq, sk, window, cfg.causal, masked)
 
@@ -230,13 +237,19 @@ def build_bwd_ws(cfg: KernelConfig, t, split: int, dq_first: bool, head_major: b
                     branch_tile(probs_t, in_blocks(lo_blk + it % n_rows, (full_lo, full_hi)),
                                 pT, lse_r, s, row0, key0, sq, sk, window, scale_log2)
                     T.wait_wgmma(0)
-                    # dV += P^T dO, running while dS^T is computed
-                    rounded(pT, p_h, p_l)
-                    product(p_h, p_l, do_r[s, :, :], dv)
                     # dS^T, selected (not multiplied): a masked slot adds an exact 0 (bwd.py)
-                    branch_tile(dscores_t, in_blocks(lo_blk + it % n_rows, (full_lo, full_hi)),
-                                pT, dpT, delta_r, s, row0, key0, sq, sk, window, scale)
-                    rounded(pT, ds_h, ds_l)
+                    if ds_first:  # into dP^T, so P^T's fp32 registers die at its rounding; then dV
+                        branch_tile(dscores_t, in_blocks(lo_blk + it % n_rows, (full_lo, full_hi)),
+                                    pT, dpT, dpT, delta_r, s, row0, key0, sq, sk, window, scale)
+                        rounded(pT, p_h, p_l)
+                        rounded(dpT, ds_h, ds_l)
+                        product(p_h, p_l, do_r[s, :, :], dv)
+                    else:  # dV += P^T dO, running while dS^T is computed into P^T
+                        rounded(pT, p_h, p_l)
+                        product(p_h, p_l, do_r[s, :, :], dv)
+                        branch_tile(dscores_t, in_blocks(lo_blk + it % n_rows, (full_lo, full_hi)),
+                                    pT, dpT, pT, delta_r, s, row0, key0, sq, sk, window, scale)
+                        rounded(pT, ds_h, ds_l)
                     if with_dq:
                         # dS^T to shared memory for dQ = dS K, which needs both consumers' keys
                         T.copy(ds_h, ds_s[it % 2, :, :])
