@@ -549,7 +549,8 @@ def _fake_kvcache(monkeypatch, calls):
     from flashsink import reference
 
     def attention_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_table=None, sinks=None, window=None,
-                          scale=None, return_lse=False):
+                          scale=None, layout="bhsd", return_lse=False):
+        assert layout == "bshd", layout  # the bench's caches are [.., S, H_kv, D]
         calls.append(block_table is not None)
         outs = []
         for b, n in enumerate(cache_seqlens.tolist()):

@@ -125,7 +125,7 @@ def test_item11_other_ops_validate_before_the_schema():
     with pytest.raises(TypeError, match="^cu_seqlens_q must be a torch.Tensor of int32 or int64, got list"):
         torch.ops.flashsink.varlen_fwd(t, t, t, None, [0, 4, 10], cu, 6, 6, None, True, 0.25, False)
     with pytest.raises(TypeError, match="^q must be a torch.Tensor, got str"):
-        torch.ops.flashsink.kvcache_fwd("q", t, t, cu, None, None, None, 0.25)
+        torch.ops.flashsink.kvcache_fwd("q", t, t, cu, None, None, None, 0.25, "bshd")
     # and a good call still runs
     o2, _ = torch.ops.flashsink.fwd(q, k, v, None, None, True, 0.25, "bhsd", False, "strict")
     assert torch.equal(o2, o)

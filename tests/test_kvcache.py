@@ -61,8 +61,8 @@ def test_paged_reference_is_the_dense_reference(page_size, seq_q, window, sinks_
     lengths = [100, 33, 3, 0, 64]
     q, kc, vc, seqlens, table, seqs = paged_problem(lengths, page_size, seq_q=seq_q)
     sinks = torch.randn(H, dtype=torch.float64) if sinks_on else None
-    o, lse = reference.attention_kvcache(q, kc, vc, seqlens, block_table=table, sinks=sinks, window=window,
-                                         return_lse=True)
+    o, lse = reference.attention_kvcache(q, kc, vc, seqlens, layout="bshd", block_table=table, sinks=sinks,
+                                         window=window, return_lse=True)
     want_o, want_lse = dense(q, seqs, sinks, window)
     assert torch.equal(o, want_o) and torch.equal(lse, want_lse)
     assert o.shape == (5, seq_q, H, D) and lse.shape == (5, H, seq_q)
@@ -80,9 +80,9 @@ def test_contiguous_cache_is_the_paged_one():
     for b, (kb, vb) in enumerate(seqs):
         k[b, : lengths[b]], v[b, : lengths[b]] = kb[0], vb[0]
     sinks = torch.randn(H, dtype=torch.float64)
-    o, lse = reference.attention_kvcache(q, k, v, seqlens, sinks=sinks, window=9, return_lse=True)
-    want_o, want_lse = reference.attention_kvcache(q, kc, vc, seqlens, block_table=table, sinks=sinks, window=9,
-                                                   return_lse=True)
+    o, lse = reference.attention_kvcache(q, k, v, seqlens, layout="bshd", sinks=sinks, window=9, return_lse=True)
+    want_o, want_lse = reference.attention_kvcache(q, kc, vc, seqlens, layout="bshd", block_table=table, sinks=sinks,
+                                                   window=9, return_lse=True)
     assert torch.equal(o, want_o) and torch.equal(lse, want_lse)
 
 
@@ -90,8 +90,8 @@ def test_contiguous_cache_is_the_paged_one():
 def test_public_function_off_cuda_is_the_reference():
     q, kc, vc, seqlens, table, _ = paged_problem([50, 17], 16, seq_q=3, dtype=torch.bfloat16)
     sinks = torch.randn(H)
-    o = flashsink.attention_kvcache(q, kc, vc, seqlens, block_table=table, sinks=sinks, window=20)
-    want = reference.attention_kvcache(q, kc, vc, seqlens, block_table=table, sinks=sinks, window=20)
+    o = flashsink.attention_kvcache(q, kc, vc, seqlens, layout="bshd", block_table=table, sinks=sinks, window=20)
+    want = reference.attention_kvcache(q, kc, vc, seqlens, layout="bshd", block_table=table, sinks=sinks, window=20)
     assert o.dtype == torch.bfloat16 and torch.equal(o, want)
 
 
@@ -102,18 +102,19 @@ def test_forward_only():
     q, kc, vc, seqlens, table, _ = paged_problem([10], 4, dtype=torch.float32)
     sinks = torch.zeros(H, requires_grad=True)
     with pytest.raises(NotImplementedError, match="forward only.*sinks requires grad"):
-        flashsink.attention_kvcache(q, kc, vc, seqlens, block_table=table, sinks=sinks)
+        flashsink.attention_kvcache(q, kc, vc, seqlens, layout="bshd", block_table=table, sinks=sinks)
     with pytest.raises(NotImplementedError, match="q requires grad"):
-        reference.attention_kvcache(q.requires_grad_(), kc, vc, seqlens, block_table=table)
+        reference.attention_kvcache(q.requires_grad_(), kc, vc, seqlens, layout="bshd", block_table=table)
     with torch.no_grad():
-        flashsink.attention_kvcache(q, kc, vc, seqlens, block_table=table, sinks=sinks)
+        flashsink.attention_kvcache(q, kc, vc, seqlens, layout="bshd", block_table=table, sinks=sinks)
     with torch.inference_mode():
-        flashsink.attention_kvcache(q, kc, vc, seqlens, block_table=table, sinks=sinks)
+        flashsink.attention_kvcache(q, kc, vc, seqlens, layout="bshd", block_table=table, sinks=sinks)
 
 
 def _args():
     q, kc, vc, seqlens, table, _ = paged_problem([10, 30], 16, dtype=torch.float32)
-    return dict(q=q, k_cache=kc, v_cache=vc, cache_seqlens=seqlens, block_table=table, sinks=torch.zeros(H))
+    return dict(q=q, k_cache=kc, v_cache=vc, cache_seqlens=seqlens, block_table=table, sinks=torch.zeros(H),
+                layout="bshd")
 
 
 _BAD = [
@@ -165,17 +166,17 @@ def test_values_checked_on_the_host_off_cuda(fn):
     fn(q, kc, vc, lens, block_table=table, **{k: v for k, v in a.items() if k != "cache_seqlens"})
     for bad in (cap + 1, -1):
         with pytest.raises(ValueError, match=rf"cache_seqlens\[1\] = {bad} must be in \[0, {cap}\]"):
-            fn(q, kc, vc, torch.tensor([10, bad], dtype=torch.int32), block_table=table)
+            fn(q, kc, vc, torch.tensor([10, bad], dtype=torch.int32), block_table=table, layout="bshd")
     for bad in (kc.shape[0], -1):
         t = table.clone()
         t[1, 1] = bad
         with pytest.raises(ValueError, match=rf"block_table\[1, 1\] = {bad} must be a page index in \[0, {kc.shape[0]}\)"):
-            fn(q, kc, vc, lens, block_table=t)
+            fn(q, kc, vc, lens, block_table=t, layout="bshd")
     s_max = 12  # contiguous: lengths up to S_max
     k = torch.randn(2, s_max, HK, D)
-    fn(q, k, k, torch.tensor([12, 0], dtype=torch.int32))
+    fn(q, k, k, torch.tensor([12, 0], dtype=torch.int32), layout="bshd")
     with pytest.raises(ValueError, match=r"cache_seqlens\[0\] = 13 must be in \[0, 12\] \(S_max"):
-        fn(q, k, k, torch.tensor([13, 0], dtype=torch.int32))
+        fn(q, k, k, torch.tensor([13, 0], dtype=torch.int32), layout="bshd")
 
 
 def test_split_count_aims_at_programs_per_sm_with_four_key_tiles_each():

@@ -50,18 +50,19 @@ def make_cache(c: KVCase, seed: int = 0, spare: int = 5, device: str = "cuda"):
     q = torch.randn(B, c.seq_q, c.heads, D, generator=g).to(c.dtype)
     sinks = (torch.rand(c.heads, generator=g) * 4 - 2) if c.sinks else None
     return dict(q=q.to(device), k_cache=k.to(device), v_cache=v.to(device), cache_seqlens=lengths.to(device),
-                block_table=None if table is None else table.to(device), sinks=None if sinks is None else sinks.to(device))
+                block_table=None if table is None else table.to(device), sinks=None if sinks is None else sinks.to(device),
+                layout="bshd")
 
 
 def run_both(c, inp):
     got = flashsink.attention_kvcache(
         inp["q"], inp["k_cache"], inp["v_cache"], inp["cache_seqlens"], block_table=inp["block_table"],
-        sinks=inp["sinks"], window=c.window, return_lse=True,
+        sinks=inp["sinks"], window=c.window, layout="bshd", return_lse=True,
     )
     d = {k: (v.double() if k in ("q", "k_cache", "v_cache") else v) for k, v in inp.items()}
     want = reference.attention_kvcache(
         d["q"], d["k_cache"], d["v_cache"], d["cache_seqlens"], block_table=d["block_table"],
-        sinks=None if d["sinks"] is None else d["sinks"].double(), window=c.window, return_lse=True,
+        sinks=None if d["sinks"] is None else d["sinks"].double(), window=c.window, layout="bshd", return_lse=True,
     )
     return got, want
 

@@ -196,7 +196,7 @@ def test_kvcache_launches(monkeypatch, launches, paged, sinks):
     table = torch.randint(0, 20, (B, 7), dtype=torch.int32) if paged else None
     lens = torch.tensor([5, 100, 1], dtype=torch.int32)
     s = torch.randn(H, dtype=torch.bfloat16) if sinks else None
-    spec = validate_kvcache(q, kc, kc, lens, table, s, window=50, scale=None, return_lse=True)
+    spec = validate_kvcache(q, kc, kc, lens, table, s, window=50, scale=None, return_lse=True, layout="bshd")
     o, lse = kvcache.kernel_attention_kvcache(spec, q, kc, kc, lens, table, s, return_lse=True)
     fw, merge = launches
     assert fw.kind == "fwd_kvcache" and merge.kind == "merge_splits" and fw.cfg == merge.cfg

@@ -705,8 +705,8 @@ def _kv_reference(inp, window, compute_dtype):
     cast = (lambda t: t.double()) if compute_dtype == torch.float64 else (lambda t: t)
     return flashsink.reference.attention_kvcache(
         *(cast(inp[n]) for n in ("q", "k_cache", "v_cache")), inp["cache_seqlens"], block_table=inp["block_table"],
-        sinks=None if inp["sinks"] is None else cast(inp["sinks"]), window=window, return_lse=True,
-        compute_dtype=compute_dtype)
+        sinks=None if inp["sinks"] is None else cast(inp["sinks"]), window=window, layout=inp["layout"],
+        return_lse=True, compute_dtype=compute_dtype)
 
 
 def _kv_compiled_vs_eager(counter, calls, window, return_lse, dims, device, lowp):
@@ -714,9 +714,9 @@ def _kv_compiled_vs_eager(counter, calls, window, return_lse, dims, device, lowp
     eager call, bitwise (the same implementation behind the op), and o (and lse) against the float64
     reference under the precision standard (gate 2 with the reference in the input dtype when ``lowp``)."""
 
-    def fn(q, k_cache, v_cache, cache_seqlens, block_table, sinks):
+    def fn(q, k_cache, v_cache, cache_seqlens, block_table, sinks, layout):
         return flashsink.attention_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=block_table, sinks=sinks,
-                                           window=window, return_lse=return_lse)
+                                           window=window, layout=layout, return_lse=return_lse)
 
     compiled = torch.compile(fn, backend=counter, fullgraph=True, dynamic=True)
     dtype = dims[-1]
@@ -750,6 +750,7 @@ def test_kvcache_fullgraph_dynamic_cpu(counter, case):
     _kv_compiled_vs_eager(counter, calls, window, return_lse, (8, 2, 16, torch.bfloat16), "cpu", lowp=True)
 
 
+_KV_TENSORS = ("q", "k_cache", "v_cache", "cache_seqlens", "block_table", "sinks")  # the op's tensor arguments
 # page size or None, seq_q, window, sinks
 KV_OPCHECK_CASES = [(12, 1, None, True), (12, 4, 20, False), (None, 1, 7, False), (None, 4, None, True)]
 
@@ -759,12 +760,12 @@ KV_OPCHECK_CASES = [(12, 1, None, True), (12, 4, 20, False), (None, 1, 7, False)
 def test_opcheck_kvcache_cpu(dtype, page_size, seq_q, window, sinks):
     inp = _kv_cache((50, 17, 3), page_size, seq_q, window, sinks, 8, 2, 16, dtype, "cpu", seed=9)
     inp["v_cache"] = torch.randn(*inp["k_cache"].shape[:3], 24, generator=torch.Generator().manual_seed(2)).to(dtype)
-    args = (*inp.values(), window, 0.3)
+    args = (*(inp[n] for n in _KV_TENSORS), window, 0.3, inp["layout"])
     torch.library.opcheck(torch.ops.flashsink.kvcache_fwd.default, args)
     o, lse = torch.ops.flashsink.kvcache_fwd(*args)
     want_o, want_lse = flashsink.reference.attention_kvcache(*args[:4], block_table=inp["block_table"],
                                                              sinks=inp["sinks"], window=window, scale=0.3,
-                                                             return_lse=True)
+                                                             layout="bshd", return_lse=True)
     assert torch.equal(o, want_o) and torch.equal(lse, want_lse)
 
 
@@ -777,16 +778,20 @@ def test_kvcache_fake_shapes_and_checks():
     kc = torch.empty(20, 16, 2, 64, dtype=torch.bfloat16, device="meta")
     vc = torch.empty(20, 16, 2, 32, dtype=torch.bfloat16, device="meta")
     lens, table = (torch.empty(s, dtype=torch.int32, device="meta") for s in ((3,), (3, 4)))
-    o, lse = flashsink.attention_kvcache(q, kc, vc, lens, block_table=table, return_lse=True)
+    o, lse = flashsink.attention_kvcache(q, kc, vc, lens, block_table=table, layout="bshd", return_lse=True)
     assert o.shape == (3, 5, 8, 32) and o.dtype == torch.bfloat16 and o.is_contiguous() and o.is_meta
     assert lse.shape == (3, 8, 5) and lse.dtype == torch.float32 and lse.is_contiguous()
+    o, lse = flashsink.attention_kvcache(*(t.transpose(1, 2) for t in (q, kc, vc)), lens, block_table=table,
+                                         return_lse=True)  # "bhsd", the default: o [B, H, S_q, D_v]
+    assert o.shape == (3, 8, 5, 32) and o.is_contiguous() and lse.shape == (3, 8, 5)
     with pytest.raises(ValueError, match=r"block_table must be \[B, max_pages\]"):
-        torch.ops.flashsink.kvcache_fwd(q, kc, vc, lens, table[:2], None, None, 0.125)
+        torch.ops.flashsink.kvcache_fwd(q, kc, vc, lens, table[:2], None, None, 0.125, "bshd")
 
     inp = _kv_cache((50, 17, 3), 12, 4, None, True, 8, 2, 16, torch.float32, "cpu", seed=11)
 
-    def fn(q, k_cache, v_cache, cache_seqlens, block_table, sinks):
-        return flashsink.attention_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=block_table, sinks=sinks)
+    def fn(q, k_cache, v_cache, cache_seqlens, block_table, sinks, layout):
+        return flashsink.attention_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=block_table, sinks=sinks,
+                                           layout=layout)
 
     compiled = torch.compile(fn, backend="aot_eager", fullgraph=True, dynamic=True)
     with torch.no_grad():
@@ -803,7 +808,7 @@ def test_kvcache_fake_shapes_and_checks():
     cause = repr(info.value.__cause__)  # torch 2.13 keeps the door's text; 2.11 (the GPU host's) only its type
     assert "sinks requires grad" in cause or "NotImplementedError" in cause, cause
     with pytest.raises(NotImplementedError, match="forward only.*sinks requires grad"):
-        torch.ops.flashsink.kvcache_fwd(*grad.values(), None, 0.25)
+        torch.ops.flashsink.kvcache_fwd(*(grad[n] for n in _KV_TENSORS), None, 0.25, "bshd")
 
 
 @pytest.mark.gpu

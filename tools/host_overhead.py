@@ -78,11 +78,12 @@ def _kvcache_calls(device: str, b, h, hk, n, d, page_size, dtype):
     if device == "cuda":
         def fwd():
             with torch.inference_mode():
-                flashsink.attention_kvcache(q, kc, kc, lens, block_table=table, sinks=sinks)
+                flashsink.attention_kvcache(q, kc, kc, lens, block_table=table, sinks=sinks, layout="bshd")
     else:  # api.attention_kvcache's CUDA branch
         def fwd():
             with torch.inference_mode():
-                spec = api.validate_kvcache(q, kc, kc, lens, table, sinks, window=None, scale=None, return_lse=False)
+                spec = api.validate_kvcache(q, kc, kc, lens, table, sinks, window=None, scale=None, return_lse=False,
+                                            layout="bshd")
                 api.kernel_attention_kvcache(spec, q, kc, kc, lens, table, sinks, return_lse=False)
     return {"fwd": fwd}
 

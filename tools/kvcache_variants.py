@@ -78,7 +78,8 @@ def main() -> int:
     print(f"{'cache':>8} {'splits':<14} {'ms':>8} {'GB/s':>7} {'x first':>7}")
     for n in [int(x) for x in args.lengths.split(",")]:
         q, k, v, table, lengths = _problem(n, args.page_size, seed=n)
-        spec = validate_kvcache(q, k, v, lengths, table, None, window=None, scale=None, return_lse=False)
+        spec = validate_kvcache(q, k, v, lengths, table, None, window=None, scale=None, return_lse=False,
+                                layout="bshd")
         base_splits = n_splits_for(spec, split_tiles(cfg), sms)
         nbytes = 2 * B * n * HK * D * 2  # K and V read once
         rows = []
@@ -93,7 +94,8 @@ def main() -> int:
         for name, ms, sp in rows:
             print(f"{n:>8} {name:<14} {ms:8.4f} {nbytes / ms / 1e6:7.0f} {rows[0][1] / ms:7.2f}  ({sp} splits)")
         sinks = torch.zeros(H, device="cuda")  # (with sinks: the kernel bundle's configuration)
-        whole = do_bench(lambda: flashsink.attention_kvcache(q, k, v, lengths, block_table=table, sinks=sinks),
+        whole = do_bench(lambda: flashsink.attention_kvcache(q, k, v, lengths, block_table=table, sinks=sinks,
+                                                             layout="bshd"),
                          warmup=25, rep=200)
         print(f"{n:>8} {'api call':<14} {whole:8.4f} {nbytes / whole / 1e6:7.0f}          (attention_kvcache)")
     return 0

@@ -110,8 +110,15 @@ def check_precision(precision) -> str:
 
 
 def check_strided(name: str, t) -> None:
-    """TypeError unless the tensor ``t`` is dense (layout torch.strided): a sparse or nested tensor would
-    otherwise fail deep inside torch with its own message."""
+    """TypeError unless the tensor ``t`` is dense (layout torch.strided, not nested): a sparse or nested
+    tensor would otherwise fail deep inside torch with its own message. A nested tensor of the strided
+    layout reports ``layout == torch.strided`` but has no sizes, so it is told apart by ``is_nested``."""
+    if t.is_nested:
+        raise TypeError(
+            f"{name} must be a dense tensor, got a nested tensor (layout {t.layout}); pack its sequences "
+            f"into one [total_tokens, heads, head_dim] tensor and call flashsink.attention_varlen with their "
+            f"cu_seqlens (or pad them: torch.nested.to_padded_tensor)"
+        )
     if t.layout != torch.strided:
         raise TypeError(
             f"{name} must be a dense tensor (layout torch.strided), got layout {t.layout}; convert it with .to_dense()"
@@ -238,7 +245,7 @@ def _spec_key(q, k, v, sinks, window, causal, scale, layout):
                 v.device, q.layout, k.layout, v.layout,
                 None if sinks is None else (type(sinks), sinks.shape, sinks.dtype, sinks.device, sinks.layout),
                 type(window), window, type(causal), causal, type(scale), scale, layout)
-    except AttributeError:  # not tensors: the checks say what is wrong
+    except (AttributeError, RuntimeError):  # not tensors, or nested ones (no sizes): the checks say what is wrong
         return None
 
 

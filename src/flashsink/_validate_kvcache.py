@@ -17,15 +17,15 @@ from dataclasses import dataclass
 
 import torch
 
-from ._validate import (_check_heads, _check_options, _check_same_dtype_device, _check_sinks, _check_tensor, _shape,
-                        _spec_window, check_strided)
+from ._validate import (LAYOUTS, _check_heads, _check_options, _check_same_dtype_device, _check_sinks, _check_tensor,
+                        _shape, _spec_window, check_strided)
 
 
 @dataclass(frozen=True)
 class KVCacheSpec:
     """Static description of one ``attention_kvcache`` problem.
 
-    A contiguous cache ``[B, S_max, H_kv, D]`` is described as a paged one with ``B`` pages of
+    A contiguous cache ``[B, S_max, H_kv, D]`` (layout "bshd") is described as a paged one with ``B`` pages of
     ``S_max`` rows and one page per sequence (``paged=False``, ``max_pages=1``): batch row b's
     page is page b.
     """
@@ -44,6 +44,7 @@ class KVCacheSpec:
     num_pages: int
     page_size: int
     max_pages: int
+    layout: str  # of q, o and the caches (``_validate.LAYOUTS``); the kernels read "bshd"
 
     @property
     def groups(self) -> int:
@@ -79,12 +80,21 @@ def refuse_grad(q, k_cache, v_cache, sinks) -> None:
             )
 
 
-def validate_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, sinks, *, window, scale,
-                     return_lse) -> KVCacheSpec:
+def _cache_layouts(layout: str, paged: bool) -> tuple[str, str]:
+    """The shapes of q and of the caches in ``layout``, for the messages."""
+    if layout == "bhsd":
+        return "[B, H, S_q, D]", "[num_pages, H_kv, page_size, D]" if paged else "[B, H_kv, S_max, D]"
+    return "[B, S_q, H, D]", "[num_pages, page_size, H_kv, D]" if paged else "[B, S_max, H_kv, D]"
+
+
+def validate_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, sinks, *, window, scale, return_lse,
+                     layout) -> KVCacheSpec:
     """Check the arguments of ``attention_kvcache`` from metadata alone; return the :class:`KVCacheSpec`.
 
-    q ``[B, S_q, H, D]``; with ``block_table`` (int32 ``[B, max_pages]``) the caches are
-    ``[num_pages, page_size, H_kv, D]`` / ``[.., D_v]``, else ``[B, S_max, H_kv, D]``;
+    ``layout`` orders the sequence and head axes of q, o and the caches, as ``attention``'s does of q, k
+    and v. "bshd": q ``[B, S_q, H, D]``; with ``block_table`` (int32 ``[B, max_pages]``) the caches are
+    ``[num_pages, page_size, H_kv, D]`` / ``[.., D_v]``, else ``[B, S_max, H_kv, D]``. "bhsd": q
+    ``[B, H, S_q, D]``, caches ``[num_pages, H_kv, page_size, D]`` or ``[B, H_kv, S_max, D]``.
     ``cache_seqlens`` int32 ``[B]``.
     """
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
@@ -94,28 +104,36 @@ def validate_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, sinks, *, 
     _check_options(window, True, scale)
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__} ({return_lse!r})")
-    if q.dim() != 4:
-        raise ValueError(f"q must be 4-D [B, S_q, H, D], got {q.dim()}-D shape {_shape(q)}")
+    if not isinstance(layout, str) or layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS} (as flashsink.attention's), got {layout!r}")
     paged = block_table is not None
-    what = "[num_pages, page_size, H_kv, D]" if paged else "[B, S_max, H_kv, D]"
+    q_what, what = _cache_layouts(layout, paged)
+    if q.dim() != 4:
+        raise ValueError(f"q must be 4-D {q_what} for layout={layout!r}, got {q.dim()}-D shape {_shape(q)}")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if t.dim() != 4:
             raise ValueError(
-                f"{name} must be 4-D {what} ({'paged: block_table given' if paged else 'no block_table'}), "
-                f"got {t.dim()}-D shape {_shape(t)}"
+                f"{name} must be 4-D {what} for layout={layout!r} "
+                f"({'paged: block_table given' if paged else 'no block_table'}), got {t.dim()}-D shape {_shape(t)}"
             )
     try:
         _check_same_dtype_device(q, k_cache, v_cache)
     except ValueError as exc:
         raise ValueError(str(exc).replace("q, k and v", "q, k_cache and v_cache")) from None
-    b, sq, h, d = q.shape
-    n0, rows, hk, dk = k_cache.shape
-    if tuple(v_cache.shape[:3]) != (n0, rows, hk):
-        raise ValueError(f"v_cache must match k_cache in its first three dims {what}: "
+    if layout == "bhsd":
+        b, h, sq, d = q.shape
+        n0, hk, rows, dk = k_cache.shape
+        v_lead = (v_cache.shape[0], v_cache.shape[2], v_cache.shape[1])
+    else:
+        b, sq, h, d = q.shape
+        n0, rows, hk, dk = k_cache.shape
+        v_lead = tuple(v_cache.shape[:3])
+    if v_lead != (n0, rows, hk):
+        raise ValueError(f"v_cache must match k_cache in its first three dims {what} (layout={layout!r}): "
                          f"k_cache {_shape(k_cache)}, v_cache {_shape(v_cache)}")
     if dk != d:
         raise ValueError(f"k_cache head_dim ({dk}) must equal q head_dim ({d}); q {_shape(q)}, k_cache {_shape(k_cache)}")
-    _check_heads(h, hk, d, v_cache.shape[3], lambda: f"q {_shape(q)}, k_cache {_shape(k_cache)}")
+    _check_heads(h, hk, d, v_cache.shape[3], lambda: f"layout={layout!r}, q {_shape(q)}, k_cache {_shape(k_cache)}")
     _check_sinks(sinks, h, q.device)
     _check_int_tensor("cache_seqlens", cache_seqlens, 1, "[B] (keys in the cache per batch row)", q.device)
     if cache_seqlens.shape[0] != b:
@@ -125,12 +143,12 @@ def validate_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, sinks, *, 
         if block_table.shape[0] != b or block_table.shape[1] < 1:
             raise ValueError(f"block_table must be [B, max_pages] = [{b}, >= 1], got shape {_shape(block_table)}")
         if rows < 1:
-            raise ValueError(f"page_size (k_cache.shape[1]) must be >= 1, got k_cache {_shape(k_cache)}")
+            raise ValueError(f"page_size must be >= 1, got k_cache {_shape(k_cache)} {what} (layout={layout!r})")
         num_pages, page_size, max_pages = n0, rows, block_table.shape[1]
     else:
         if n0 != b:
             raise ValueError(f"k_cache batch ({n0}) must equal q batch ({b}) for a contiguous cache "
-                             f"[B, S_max, H_kv, D] (pass block_table for a paged one); k_cache {_shape(k_cache)}")
+                             f"{what} (pass block_table for a paged one); k_cache {_shape(k_cache)}")
         num_pages, page_size, max_pages = b, rows, 1
     if torch.is_grad_enabled():
         refuse_grad(q, k_cache, v_cache, sinks)
@@ -139,15 +157,28 @@ def validate_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, sinks, *, 
         window=_spec_window(window),  # clamped: the op's int64 window, the masks' integer arithmetic
         scale=1.0 / math.sqrt(d) if scale is None else float(scale),
         dtype=q.dtype, has_sinks=sinks is not None, paged=paged,
-        num_pages=num_pages, page_size=page_size, max_pages=max_pages,
+        num_pages=num_pages, page_size=page_size, max_pages=max_pages, layout=layout,
     )
 
 
-def check_kvcache_op(q, k_cache, v_cache, cache_seqlens, block_table, sinks, window, scale) -> KVCacheSpec:
+def check_kvcache_op(q, k_cache, v_cache, cache_seqlens, block_table, sinks, window, scale, layout) -> KVCacheSpec:
     """``flashsink::kvcache_fwd``: the checks of :func:`validate_kvcache` (the op's schema requires a
-    float ``scale``; it always returns lse). Off CUDA the op's implementation checks the values too."""
+    float ``scale`` and the ``layout``; it always returns lse). Off CUDA the op's implementation checks the
+    values too."""
     return validate_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, sinks, window=window, scale=scale,
-                            return_lse=True)
+                            return_lse=True, layout=layout)
+
+
+def to_bshd(spec: KVCacheSpec, q, k_cache, v_cache):
+    """q and the caches as "bshd" views (no copy): the order the reference and the kernels read."""
+    if spec.layout == "bshd":
+        return q, k_cache, v_cache
+    return q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2)
+
+
+def from_bshd(spec: KVCacheSpec, o):
+    """o ``[B, S_q, H, D_v]`` in the call's layout."""
+    return o if spec.layout == "bshd" else o.transpose(1, 2)
 
 
 def check_cache_values(spec: KVCacheSpec, cache_seqlens, block_table) -> tuple[list[int], list[list[int]] | None]:

@@ -121,6 +121,7 @@ def attention_kvcache(
     sinks=None,
     window=None,
     scale=None,
+    layout="bhsd",
     return_lse=False,
 ):
     """Attention of new tokens against a (paged) KV cache: decode and chunked prefill for serving.
@@ -130,18 +131,23 @@ def attention_kvcache(
     ``torch.inference_mode()``).
 
     Args:
-        q: ``[B, S_q, H, D]`` the new tokens' queries (S_q = 1: decode; more: a prefill chunk).
-        k_cache, v_cache: paged ``[num_pages, page_size, H_kv, D]`` (``D_v`` for v) with
-            ``block_table``, or contiguous ``[B, S_max, H_kv, D]`` without. The new tokens' keys and
-            values are already written to the cache.
+        q: ``[B, H, S_q, D]`` (layout "bhsd") or ``[B, S_q, H, D]`` (layout "bshd"): the new tokens'
+            queries (S_q = 1: decode; more: a prefill chunk).
+        k_cache, v_cache: paged ``[num_pages, H_kv, page_size, D]`` ("bhsd") or ``[num_pages, page_size,
+            H_kv, D]`` ("bshd", vLLM's) (``D_v`` for v) with ``block_table``, or contiguous ``[B, H_kv,
+            S_max, D]`` / ``[B, S_max, H_kv, D]`` without. The new tokens' keys and values are already
+            written to the cache.
         cache_seqlens: int32 ``[B]``: batch row b sees the first ``cache_seqlens[b]`` cached keys,
             its S_q queries being the last S_q of them (causal, bottom-right aligned).
         block_table: int32 ``[B, max_pages]``: key j of row b is row ``j % page_size`` of page
             ``block_table[b, j // page_size]``; entries past a row's last used page are ignored.
         sinks: ``[H]`` sink logits or None. window: keys ``[i-W+1, i]``. scale: default 1/sqrt(D).
+        layout: ``"bhsd"`` (default, as :func:`attention`) or ``"bshd"``: the order of q, o and the caches.
+            The CUDA kernels read "bshd" caches only (NotImplementedError for "bhsd" there: its cache would
+            be copied whole on every call).
         return_lse: also return the natural-log LSE (sink included), float32 ``[B, H, S_q]``.
 
-    Returns o ``[B, S_q, H, D_v]`` in q's dtype (and lse). Off CUDA this is
+    Returns o in q's layout (``D_v`` last) and dtype (and lse). Off CUDA this is
     :func:`flashsink.reference.attention_kvcache`, which checks the values of ``cache_seqlens`` and
     ``block_table`` on the host (ValueError); on CUDA the kernels check them on the device (no host
     sync) and write NaN to the rows of a batch row whose length, or a used page index, is out of range.
@@ -151,7 +157,7 @@ def attention_kvcache(
     inside the op); eager calls take the launches directly.
     """
     spec = validate_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, sinks, window=window, scale=scale,
-                            return_lse=return_lse)
+                            return_lse=return_lse, layout=layout)
     if q.is_cuda and not torch.compiler.is_compiling():  # eagerly: the launches, no op dispatch
         return kernel_attention_kvcache(spec, q, k_cache, v_cache, cache_seqlens, block_table, sinks,
                                         return_lse=return_lse)
@@ -159,7 +165,7 @@ def attention_kvcache(
         # The op flashsink::kvcache_fwd: the kernels on CUDA; elsewhere the reference, which reads the
         # lengths and pages inside the op, where a traced graph does not see them; on meta tensors the fake.
         o, lse = torch.ops.flashsink.kvcache_fwd(q, k_cache, v_cache, cache_seqlens, block_table, sinks, spec.window,
-                                                 spec.scale)
+                                                 spec.scale, spec.layout)
         return (o, lse) if return_lse else o
     lengths, pages = check_cache_values(spec, cache_seqlens, block_table)
     return reference._attention_kvcache(q, k_cache, v_cache, lengths, pages, sinks, spec, return_lse=return_lse)

@@ -38,16 +38,23 @@ def _window(text: str):
         raise argparse.ArgumentTypeError(f"window must be an int or 'none', got {text!r}") from None
 
 
+def _default(name: str) -> str:
+    if GOLDEN[name] == CPU_SCALED[name]:
+        return f"default {GOLDEN[name]}"
+    return f"default {GOLDEN[name]}, {CPU_SCALED[name]} on CPU"
+
+
 def _add_problem_args(p: argparse.ArgumentParser) -> None:
-    """Shape options shared by commands that run one problem (check; later bench)."""
-    p.add_argument("--batch", type=positive_int, help=f"batch size (golden {GOLDEN['batch']})")
-    p.add_argument("--heads", type=positive_int, help=f"query heads (golden {GOLDEN['heads']})")
-    p.add_argument("--kv-heads", type=positive_int, help=f"key/value heads (golden {GOLDEN['kv_heads']})")
-    p.add_argument("--seq", type=positive_int, help=f"sequence length of q and k/v (golden {GOLDEN['seq']})")
+    """Shape options shared by commands that run one problem (check; later bench). Each defaults to None
+    (not given): it then takes the device's base problem's value (_resolve_problem)."""
+    p.add_argument("--batch", type=positive_int, help=f"batch size ({_default('batch')})")
+    p.add_argument("--heads", type=positive_int, help=f"query heads ({_default('heads')})")
+    p.add_argument("--kv-heads", type=positive_int, help=f"key/value heads ({_default('kv_heads')})")
+    p.add_argument("--seq", type=positive_int, help=f"sequence length of q and k/v ({_default('seq')})")
     p.add_argument("--seq-q", type=positive_int, help="query length (overrides --seq)")
     p.add_argument("--seq-kv", type=positive_int, help="key/value length (overrides --seq)")
-    p.add_argument("--head-dim", type=positive_int, help=f"head dim (golden {GOLDEN['head_dim']})")
-    p.add_argument("--dtype", choices=_DTYPES, help=f"input dtype (golden {GOLDEN['dtype']})")
+    p.add_argument("--head-dim", type=positive_int, help=f"head dim ({_default('head_dim')})")
+    p.add_argument("--dtype", choices=_DTYPES, help=f"input dtype ({_default('dtype')})")
     p.add_argument("--window", type=_window, default=_FROM_BASE, help=f"sliding window W or 'none' (golden {GOLDEN['window']})")
     p.add_argument("--no-causal", action="store_true", help="full attention (needs --window none)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: cuda if available")
@@ -55,21 +62,23 @@ def _add_problem_args(p: argparse.ArgumentParser) -> None:
 
 
 def _resolve_problem(args, device: str) -> tuple[dict, str | None]:
-    """Golden problem with the user's overrides; scaled down on CPU unless a shape was given."""
+    """The device's base problem (the golden one; on CPU the scaled-down one), each option given replacing
+    its own value only: an option given its default value changes nothing."""
     given = {
         "batch": args.batch, "heads": args.heads, "kv_heads": args.kv_heads, "seq": args.seq,
         "head_dim": args.head_dim, "dtype": args.dtype,
     }
     base, note = GOLDEN, None
-    shape_given = any(v is not None for k, v in given.items() if k != "dtype") or args.seq_q or args.seq_kv
-    if device == "cpu" and not shape_given:
+    if device == "cpu":
         base = CPU_SCALED
-        note = (
-            "note: running on CPU, where flashsink.attention is the PyTorch reference and the fp64 "
-            "reference of the golden problem (B=1 H=64 H_kv=8 N=4096 D=128) would need tens of GB; "
-            "scaled down to B={batch} H={heads} H_kv={kv_heads} N={seq} D={head_dim} W={window}. "
-            "Run on a CUDA machine to check the kernels.".format(**CPU_SCALED)
-        )
+        kept = [k for k in ("heads", "kv_heads", "seq") if given[k] is None and CPU_SCALED[k] != GOLDEN[k]]
+        if kept and not (args.seq_q and args.seq_kv and kept == ["seq"]):
+            note = (
+                "note: running on CPU, where flashsink.attention is the PyTorch reference and the fp64 "
+                "reference of the golden problem (B=1 H=64 H_kv=8 N=4096 D=128) would need tens of GB; "
+                "scaled down to H={heads} H_kv={kv_heads} N={seq} (the options given replace these). "
+                "Run on a CUDA machine to check the kernels.".format(**CPU_SCALED)
+            )
     prob = {k: (v if v is not None else base[k]) for k, v in given.items()}
     prob["window"] = base["window"] if args.window is _FROM_BASE else args.window
     if args.no_causal and args.window is _FROM_BASE:
@@ -78,6 +87,67 @@ def _resolve_problem(args, device: str) -> tuple[dict, str | None]:
     prob["seq_kv"] = args.seq_kv if args.seq_kv is not None else prob["seq"]
     prob["causal"] = not args.no_causal
     return prob, note
+
+
+# Bytes per element of the dense [B, H, S_q, S_kv] scores that `check` holds at its peak on the CPU, measured
+# with ru_maxrss (H=16 H_kv=2 D=128 fp16, N=1024 and 2048): flashsink.attention's float32 forward and backward
+# 26-29 over all the scores; the reference pair (float64 and the input dtype, testing.reference_pair) 51-56 over
+# the KV heads it holds at once (_cases._CHUNK_SCORE_ELEMS). The two run one after the other.
+_ATTN_BYTES, _REF_BYTES = 30, 56
+
+
+def cpu_memory_needed(prob: dict) -> int:
+    """About the peak memory in bytes of `check` on the CPU for ``prob``."""
+    from ._cases import _CHUNK_SCORE_ELEMS
+
+    per_kv_head = prob["batch"] * (prob["heads"] // prob["kv_heads"]) * prob["seq_q"] * prob["seq_kv"]
+    held = per_kv_head * max(1, min(prob["kv_heads"], _CHUNK_SCORE_ELEMS // max(1, per_kv_head)))
+    return max(_ATTN_BYTES * per_kv_head * prob["kv_heads"], _REF_BYTES * held)
+
+
+def available_memory() -> int | None:
+    """Bytes this process can still take: MemAvailable, less under a cgroup (v2) limit; None where unknown."""
+    from pathlib import Path
+
+    avail = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            room = int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text())
+            avail = room if avail is None else min(avail, room)
+    except (OSError, ValueError):
+        pass
+    return avail
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def _fitting_flags(prob: dict, avail: int) -> str:
+    """The sequence option(s) that make ``prob`` fit in ``avail`` bytes (the others kept), else fewer heads."""
+    def scaled(n):  # seq_kv = n, seq_q scaled with it
+        return dict(prob, seq_q=max(1, prob["seq_q"] * n // prob["seq_kv"]), seq_kv=n)
+
+    lo, hi = 0, prob["seq_kv"]  # the largest seq_kv that fits
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if cpu_memory_needed(scaled(mid)) <= avail:
+            lo = mid
+        else:
+            hi = mid - 1
+    if lo < 1:
+        return "fewer --heads / --batch"
+    p = scaled(lo - lo % 64 if lo >= 64 else lo)
+    if prob["seq_q"] == prob["seq_kv"]:
+        return f"--seq {p['seq_kv']}"
+    return f"--seq-q {p['seq_q']} --seq-kv {p['seq_kv']}"
 
 
 def _sync(device: str) -> None:
@@ -113,6 +183,23 @@ def cmd_check(args) -> int:
         say(note)
 
     dtype = testing._resolve_dtype(prob["dtype"])
+    kw = dict(window=prob["window"], causal=prob["causal"])
+    shapes = ((prob["heads"], prob["seq_q"]), (prob["kv_heads"], prob["seq_kv"]), (prob["kv_heads"], prob["seq_kv"]))
+    try:  # the shapes, on meta tensors: nothing allocated before the memory check below
+        q, k, v = (torch.empty(prob["batch"], h, s, prob["head_dim"], dtype=dtype, device="meta") for h, s in shapes)
+        validate_attention(q, k, v, torch.empty(prob["heads"], device="meta"), scale=None, layout="bhsd", **kw)
+    except (TypeError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if device == "cpu":
+        need, avail = cpu_memory_needed(prob), available_memory()
+        if avail is not None and need > avail:
+            print(f"error: this check needs about {_gib(need)} of memory on the CPU (flashsink.attention's path "
+                  f"there and the float64 reference hold the dense scores of B={prob['batch']} H={prob['heads']} "
+                  f"H_kv={prob['kv_heads']} N_q={prob['seq_q']} N_kv={prob['seq_kv']}), but {_gib(avail)} is "
+                  f"available; {_fitting_flags(prob, avail)} makes it fit (or run it on a CUDA machine)",
+                  file=sys.stderr)
+            return 1
     name = testing.case_id(
         batch=prob["batch"], heads=prob["heads"], kv_heads=prob["kv_heads"], seq_q=prob["seq_q"],
         seq_kv=prob["seq_kv"], head_dim=prob["head_dim"], window=prob["window"], dtype=dtype,
@@ -126,12 +213,6 @@ def cmd_check(args) -> int:
         prob["batch"], prob["heads"], prob["kv_heads"], prob["seq_q"], prob["seq_kv"],
         prob["head_dim"], dtype, device, seed=args.seed,
     )
-    kw = dict(window=prob["window"], causal=prob["causal"])
-    try:
-        validate_attention(inp["q"], inp["k"], inp["v"], inp["sinks"], scale=None, layout="bhsd", **kw)
-    except (TypeError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
 
     def run(precision):
         leaves = [inp[n].detach().clone().requires_grad_(True) for n in ("q", "k", "v", "sinks")]
@@ -317,9 +398,12 @@ def _add_cache_parser(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from ._version import __version__
+
     parser = argparse.ArgumentParser(
         prog="flashsink", description="flashsink: fused TileLang attention with learnable attention sinks"
     )
+    parser.add_argument("--version", action="version", version=f"flashsink {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="command")
     sub.required = True
     p = add_command(

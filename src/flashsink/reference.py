@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from ._validate import AttnSpec, check_flag, make_spec, validate_attention, validate_varlen
-from ._validate_kvcache import KVCacheSpec, check_cache_values, validate_kvcache
+from ._validate_kvcache import KVCacheSpec, check_cache_values, from_bshd, to_bshd, validate_kvcache
 from .visibility import last_key, position, window_edge
 
 __all__ = ["attention", "attention_kvcache", "attention_varlen", "gather_kvcache", "visible_mask"]
@@ -229,8 +229,10 @@ def gather_kvcache(cache: torch.Tensor, length: int, pages: list[int] | None = N
 def _attention_kvcache(q, k_cache, v_cache, lengths, pages, sinks, spec: KVCacheSpec, *, return_lse,
                        compute_dtype=None):
     """KV-cache reference on a validated problem: gather each sequence's keys, then the dense
-    reference (causal, bottom-right aligned: the S_q queries are the last S_q of the sequence)."""
+    reference (causal, bottom-right aligned: the S_q queries are the last S_q of the sequence).
+    Works in "bshd" (views of q and the caches in the call's layout); o comes back in that layout."""
     cdt = _compute_dtype(q.dtype, compute_dtype)
+    q, k_cache, v_cache = to_bshd(spec, q, k_cache, v_cache)
     outs, lses = [], []
     for b, n in enumerate(lengths):
         k = gather_kvcache(k_cache, n, None if pages is None else pages[b], b).unsqueeze(0)
@@ -246,6 +248,7 @@ def _attention_kvcache(q, k_cache, v_cache, lengths, pages, sinks, spec: KVCache
     else:  # an empty batch
         o = q.new_zeros(0, spec.seq_q, spec.heads, spec.head_dim_v)
         lse = torch.zeros(0, spec.heads, spec.seq_q, dtype=_lse_dtype(cdt), device=q.device)
+    o = from_bshd(spec, o).contiguous()
     return (o, lse) if return_lse else o
 
 
@@ -259,19 +262,21 @@ def attention_kvcache(
     sinks=None,
     window=None,
     scale=None,
+    layout="bhsd",
     return_lse=False,
     compute_dtype=None,
 ):
     """Attention against a (paged) KV cache in plain PyTorch: ``flashsink.attention_kvcache``'s
     reference (forward only, like it). Batch row b's ``S_q`` queries are the last ``S_q`` tokens
     of a sequence whose first ``cache_seqlens[b]`` keys are in the cache (causal, bottom-right
-    aligned). Paged caches are ``[num_pages, page_size, H_kv, D]`` with ``block_table`` int32
-    ``[B, max_pages]``; contiguous ones ``[B, S_max, H_kv, D]``. The values of ``cache_seqlens``
-    and of the used block-table entries are checked here (ValueError). Returns o ``[B, S_q, H,
-    D_v]`` in q's dtype and, with ``return_lse``, lse ``[B, H, S_q]`` (float32, or float64 when
-    computing in float64)."""
+    aligned). ``layout`` as :func:`attention`'s, for q, o and the caches. "bhsd": q ``[B, H, S_q, D]``,
+    paged caches ``[num_pages, H_kv, page_size, D]`` with ``block_table`` int32 ``[B, max_pages]``,
+    contiguous ones ``[B, H_kv, S_max, D]``; "bshd": q ``[B, S_q, H, D]``, caches ``[num_pages,
+    page_size, H_kv, D]`` / ``[B, S_max, H_kv, D]``. The values of ``cache_seqlens`` and of the used
+    block-table entries are checked here (ValueError). Returns o in q's layout and dtype (``D_v``
+    last) and, with ``return_lse``, lse ``[B, H, S_q]`` (float32, or float64 when computing in float64)."""
     spec = validate_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, sinks, window=window, scale=scale,
-                            return_lse=return_lse)
+                            return_lse=return_lse, layout=layout)
     lengths, pages = check_cache_values(spec, cache_seqlens, block_table)
     return _attention_kvcache(q, k_cache, v_cache, lengths, pages, sinks, spec, return_lse=return_lse,
                               compute_dtype=compute_dtype)

@@ -74,6 +74,21 @@ def _check_output_path(option: str, path) -> None:
         raise ValueError(f"{option} {path}: not writable")
 
 
+PLOT_INSTALL = "pip install 'flashsink[plot]'"
+
+
+def _check_plot_deps(path) -> None:
+    """ValueError naming the install command when ``--plot`` is given and matplotlib is not importable:
+    before the run, not after it."""
+    if not path:
+        return
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as exc:
+        raise ValueError(f"--plot {path} needs matplotlib, which is not importable ({exc}); install it with "
+                         f"{PLOT_INSTALL} (or pip install matplotlib), or drop --plot") from None
+
+
 def cmd_bench(args) -> int:
     if getattr(args, "host_chain", False):
         from .host_chain import cmd_host_chain
@@ -93,6 +108,7 @@ def cmd_bench(args) -> int:
     try:
         for name in ("json", "plot"):  # before the run, not after it
             _check_output_path(f"--{name}", getattr(args, name))
+        _check_plot_deps(args.plot)
         if args.seq is not None and args.shape is not None:
             raise ValueError("--seq selects lengths of the presets' sweeps; --shape gives its own length")
         keep = None if args.seq is None else _parse_seq(args.seq)  # "" too: checked whatever runs
@@ -231,7 +247,7 @@ def add_parser(sub) -> None:
                    help="cpu: tiny smoke run (flashsink CPU path and reference only; with --preset, the "
                    "presets shrunk to a few heads and tokens)")
     p.add_argument("--json", metavar="PATH", help="write all rows, gates and header as JSON")
-    p.add_argument("--plot", metavar="PATH", help="write a PNG (needs matplotlib)")
+    p.add_argument("--plot", metavar="PATH", help=f"write a PNG (needs matplotlib: {PLOT_INSTALL})")
     p.add_argument("--profile", action="store_true", help="per-kernel time table of flashsink's fwd+bwd")
     p.add_argument("--warmup-ms", type=nonneg_float, default=25.0, help="do_bench warm-up (default 25 ms)")
     p.add_argument("--rep-ms", type=positive_float, default=100.0, help="do_bench repetition time (default 100 ms)")

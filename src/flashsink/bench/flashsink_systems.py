@@ -192,7 +192,7 @@ class FlashSinkKVCache(System):
         import flashsink
 
         return flashsink.attention_kvcache(t["q"], t["k"], t["v"], t["cache_seqlens"], block_table=t["block_table"],
-                                           sinks=t["sinks"], window=prob.window, scale=prob.scale)
+                                           sinks=t["sinks"], window=prob.window, scale=prob.scale, layout="bshd")
 
     def to_bhsd(self, name, x, prob):
         return x.transpose(1, 2) if name == "o" else x

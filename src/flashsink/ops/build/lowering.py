@@ -1,8 +1,9 @@
 """One TileLang compile (lowering, nvcc, host library) and the checks of its CUDA source.
 
-:func:`jit` calls ``JITKernel`` directly, not through TileLang's own disk cache (``compile.py`` says
-why); :func:`check_source` rejects a kernel that would hang at its first launch; :func:`serialized_wgmma`
-reads what ptxas says of a kernel's warpgroup products (tests/test_ptxas.py, without a GPU).
+:func:`jit` calls ``JITKernel`` directly, not through TileLang's own disk caches (``compile.py`` says
+why; its binary cache of cubins is switched off for the compile); :func:`check_source` rejects a kernel that
+would hang at its first launch; :func:`serialized_wgmma` reads what ptxas says of a kernel's warpgroup products
+(tests/test_ptxas.py, without a GPU).
 """
 
 from __future__ import annotations
@@ -16,13 +17,26 @@ from .keys import EXECUTION_BACKEND, CompileArgs
 
 
 def jit(func, cfg, args: CompileArgs):
-    """One TileLang compile (lowering + nvcc + host library), not through TileLang's cache."""
+    """One TileLang compile (lowering + nvcc + host library), not through TileLang's caches.
+
+    ``JITKernel`` itself skips TileLang's kernel cache, but its nvcc step goes through TileLang's binary
+    cache (``TILELANG_CACHE_DIR``, default ``~/.tilelang/cache``): it would write each cubin there and load
+    a cubin it finds there, a file nobody checked, into a kernel flashsink then stores as verified. So that
+    cache is off for the compile (TileLang's global switch, restored after; the callers hold
+    ``compile._compile_lock``); the whole kernel goes to flashsink's own cache."""
+    import tilelang
     from tilelang.jit import JITKernel
 
-    return JITKernel(
-        func, out_idx=args.out_idx, execution_backend=EXECUTION_BACKEND, target=cfg.target(),
-        pass_configs=args.pass_configs, compile_flags=args.compile_flags,
-    )
+    was_on = tilelang.is_cache_enabled()
+    tilelang.disable_cache()
+    try:
+        return JITKernel(
+            func, out_idx=args.out_idx, execution_backend=EXECUTION_BACKEND, target=cfg.target(),
+            pass_configs=args.pass_configs, compile_flags=args.compile_flags,
+        )
+    finally:
+        if was_on:
+            tilelang.enable_cache()
 
 
 _ELECT = re.compile(r"tl_shuffle_elect<(\d+)>")

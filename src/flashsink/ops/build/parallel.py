@@ -39,7 +39,10 @@ def executor(jobs: int):
 
 def compile_parallel(todo, *, jobs=None):
     """Compile (kind, config) pairs in worker processes into the disk cache; yields
-    ``(kind, cfg, seconds, how, error)`` per pair as each finishes, in ``todo``'s order."""
+    ``(kind, cfg, seconds, how, error)`` per pair as soon as it finishes (in the order they finish, not
+    ``todo``'s: a fast kernel is reported while a slow one submitted before it still builds)."""
     jobs = jobs or max(1, min(len(todo), os.cpu_count() or 1))
     with executor(jobs) as pool:
-        yield from pool.map(compile_one, todo)
+        futures = [pool.submit(compile_one, job) for job in todo]
+        for future in cf.as_completed(futures):
+            yield future.result()

@@ -50,9 +50,12 @@ def precompile(configs, *, kinds=None, jobs=None, out=sys.stderr, pairs=()) -> l
     start = time.perf_counter()
     tally = {"compiled": 0, "cached": 0, "rebuilt": 0}
     if todo:
+        # one line per kernel as it finishes: how many are done, the kernel's own build time and the time since
+        # the start
         for n, (kind, cfg, secs, how, err) in enumerate(compile_parallel(todo, jobs=jobs), 1):
             status = f"ok ({how})" if err is None else "FAILED"
-            print(f"[{n}/{len(todo)}] {kind:<11} {cfg.short():<60} {secs:6.1f} s {status}", file=out, flush=True)
+            print(f"[{n}/{len(todo)}] {kind:<11} {cfg.short():<60} {secs:6.1f} s {status:<15} "
+                  f"(elapsed {time.perf_counter() - start:.0f} s)", file=out, flush=True)
             if err is None:
                 tally[how] += 1
             else:

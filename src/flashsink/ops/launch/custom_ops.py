@@ -15,7 +15,7 @@ forward op has an autograd formula that calls the backward op.
     flashsink::varlen_bwd(do, q, k, v, sinks?, lse, dlse?, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                           max_seqlen_k, window?, causal, scale, deterministic, precision="fast", o?=None)
         -> (dq, dk, dv, dsink)
-    flashsink::kvcache_fwd(q, k_cache, v_cache, cache_seqlens, block_table?, sinks?, window?, scale) -> (o, lse)
+    flashsink::kvcache_fwd(q, k_cache, v_cache, cache_seqlens, block_table?, sinks?, window?, scale, layout) -> (o, lse)
 
 Arguments are tensors and primitives only; the kernels' static configuration and the problem's
 ``AttnSpec`` are rebuilt from them inside. Conventions:
@@ -31,8 +31,9 @@ Arguments are tensors and primitives only; the kernels' static configuration and
   ``[total_q, H, D_v]``, lse ``[H, dense.varlen_rows(total_q)]`` (padded one row tile past the last token).
 * dlse: the gradient of that padded lse or None; dsink: ``[H]`` in the sinks' dtype (float32 zeros
   when ``sinks`` is None, and the autograd formula then returns no gradient).
-* kvcache: ``flashsink.attention_kvcache``'s arguments (q ``[B, S_q, H, D]``, a paged or contiguous
-  cache, int32 ``cache_seqlens`` / ``block_table``); o ``[B, S_q, H, D_v]``, lse ``[B, H, S_q]`` (not
+* kvcache: ``flashsink.attention_kvcache``'s arguments (q ``[B, H, S_q, D]`` ("bhsd") or ``[B, S_q, H, D]``
+  ("bshd"), a paged or contiguous cache in the same layout, int32 ``cache_seqlens`` / ``block_table``);
+  o in q's layout, contiguous, lse ``[B, H, S_q]`` (not
   padded; float32, float64 for float64 inputs off CUDA). No gradient: an input that requires grad is refused when the op runs (NotImplementedError).
 * precision: "fast" or "strict" (``config.PRECISIONS``). The fast backward reads the forward's o
   (the op's output, head dims as the kernels saw them), so the autograd formula saves it and the
@@ -438,9 +439,10 @@ def _kvcache_fwd_reference(
     sinks: Optional[Tensor],
     window: Optional[int],
     scale: float,
+    layout: str,
 ) -> Tuple[Tensor, Tensor]:
     """Reference implementation (every device but CUDA), the values of the lengths and pages checked on the host."""
-    spec = check_kvcache_op(q, k_cache, v_cache, cache_seqlens, block_table, sinks, window, scale)
+    spec = check_kvcache_op(q, k_cache, v_cache, cache_seqlens, block_table, sinks, window, scale, layout)
     lengths, pages = check_cache_values(spec, cache_seqlens, block_table)  # inside the op: never in a graph
     o, lse = reference._attention_kvcache(q, k_cache, v_cache, lengths, pages, sinks, spec, return_lse=True)
     return o.contiguous(), lse.contiguous()
@@ -450,15 +452,16 @@ kvcache_fwd = torch.library.custom_op("flashsink::kvcache_fwd", _kvcache_fwd_ref
 
 
 @kvcache_fwd.register_kernel("cuda")
-def _kvcache_fwd_cuda(q, k_cache, v_cache, cache_seqlens, block_table, sinks, window, scale):
-    spec = check_kvcache_op(q, k_cache, v_cache, cache_seqlens, block_table, sinks, window, scale)
+def _kvcache_fwd_cuda(q, k_cache, v_cache, cache_seqlens, block_table, sinks, window, scale, layout):
+    spec = check_kvcache_op(q, k_cache, v_cache, cache_seqlens, block_table, sinks, window, scale, layout)
     return kernel_attention_kvcache(spec, q, k_cache, v_cache, cache_seqlens, block_table, sinks, return_lse=True)
 
 
 @kvcache_fwd.register_fake
-def _kvcache_fwd_fake(q, k_cache, v_cache, cache_seqlens, block_table, sinks, window, scale):
-    spec = check_kvcache_op(q, k_cache, v_cache, cache_seqlens, block_table, sinks, window, scale)
-    o = q.new_empty((spec.batch, spec.seq_q, spec.heads, spec.head_dim_v))
+def _kvcache_fwd_fake(q, k_cache, v_cache, cache_seqlens, block_table, sinks, window, scale, layout):
+    spec = check_kvcache_op(q, k_cache, v_cache, cache_seqlens, block_table, sinks, window, scale, layout)
+    o = q.new_empty((spec.batch, spec.seq_q, spec.heads, spec.head_dim_v) if spec.layout == "bshd"
+                    else (spec.batch, spec.heads, spec.seq_q, spec.head_dim_v))
     return o, q.new_empty((spec.batch, spec.heads, spec.seq_q), dtype=_lse_dtype(q.dtype))
 
 

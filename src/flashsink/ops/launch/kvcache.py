@@ -26,6 +26,12 @@ _NO_SINKS: dict = {}  # (heads, device) -> an fp32 [H] the merge kernel does not
 
 
 def check_supported(spec, k_cache, v_cache) -> None:
+    if spec.layout != "bshd":
+        raise NotImplementedError(
+            f"attention_kvcache kernels read the cache in layout 'bshd' on CUDA ([num_pages, page_size, H_kv, D] "
+            f"or [B, S_max, H_kv, D], q [B, S_q, H, D]); got layout={spec.layout!r}. Keep the cache in that order "
+            "and pass layout='bshd' (a 'bhsd' cache would be copied whole on every call)"
+        )
     if spec.dtype not in SUPPORTED_DTYPES:
         raise NotImplementedError(
             f"attention_kvcache kernels support float16 and bfloat16 on CUDA; got {spec.dtype}. "
