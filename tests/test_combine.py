@@ -329,7 +329,7 @@ def test_nonfinite_sinks_as_the_reference(seed, layout):
 
 @pytest.mark.boundary
 def test_nan_propagation(seed):
-    """NaN in a partial's lse: a ValueError naming it (issue 47, item 12; tests/test_issue47_inputs.py).
+    """NaN in a partial's lse: a ValueError naming it (issue 47, item 12; tests/test_input_checks_sparse_ops_combine.py).
     NaN in a partial's o where its lse is finite: that element is NaN. NaN in a partial's o where its
     lse is -inf: ignored. Nothing else moves."""
     outs, lses = random_partials(seed, 3, "bhsd")
