@@ -282,8 +282,9 @@ scratch_paths: list = []
 def _child_with_fake_compiler(job):
     """What the compile process runs, with the compiler faked (this module is imported there afresh)."""
     from flashsink.ops.build import compile as C
-    from flashsink.ops.build import lowering
+    from flashsink.ops.build import keys, lowering
 
+    keys.build_prim_func = lambda kind, cfg: _Func()  # the child builds the kernel's function itself
     lowering.jit = _fake_jit
     C._write_kernel = _fake_write
     if os.environ.get("FS_TEST_STORE_FAILS"):

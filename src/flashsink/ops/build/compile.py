@@ -142,7 +142,9 @@ def compile_kernel(kind: str, cfg: KernelConfig, *, load_only: bool = False):
             if unsaved is None:
                 kernel = _reload(kernel, root, name, key, func, cfg, args)
         else:
-            handed = _run_compile_child(job)
+            # the child rebuilds the PrimFunc from (kind, cfg): a pickled one loses its layout annotations
+            # (TileLang then cannot evaluate them: "the forward map must be injective")
+            handed = _run_compile_child((kind, cfg, None, args, root, name, key))
             unsaved = handed and handed[0]
             kernel = _load_compiled(job, handed and handed[1])
         counts["rebuilt" if entry_existed else "compiled"] += 1
@@ -180,9 +182,19 @@ def _compile_and_store(job) -> tuple:
 
 
 def _child_build(job) -> tuple | None:
-    """What the compile child runs: :func:`_compile_and_store`. Returns None once the entry is stored,
-    else (why, {file name: bytes}): the kernel's files, for the caller to load."""
-    diskcache.ensure_cache_dir(job[4])
+    """What the compile child runs: :func:`_compile_and_store`, its PrimFunc built here from (kind, cfg) and
+    checked against the caller's key (the same code: the same kernel). Returns None once the entry is
+    stored, else (why, {file name: bytes}): the kernel's files, for the caller to load."""
+    kind, cfg, _, args, root, name, key = job
+    diskcache.ensure_cache_dir(root)
+    try:
+        func = keys.build_prim_func(kind, cfg)
+    except Exception as exc:  # noqa: BLE001  (the kernel's TileLang code failed here)
+        raise CompileError(kind, cfg, cfg.target(), retry.error_text(exc)) from exc
+    if keys.cache_key(kind, cfg, func, args) != key:
+        raise CompileError(kind, cfg, cfg.target(), "the compile process built another kernel than the caller "
+                           "keyed (its flashsink or TileLang differs from the caller's)")
+    job = (kind, cfg, func, args, root, name, key)
     kernel, unsaved = _compile_and_store(job)
     if unsaved is None:
         return None
