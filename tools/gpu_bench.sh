@@ -14,11 +14,7 @@ export TILELANG_CACHE_DIR=${TILELANG_CACHE_DIR:-$PWD/.tlcache}
 export FLASHSINK_CACHE_DIR=${FLASHSINK_CACHE_DIR:-$PWD/.fscache}
 source tools/unpack_kernel_bundle.sh
 export PYTHONUNBUFFERED=1
-# FA4, once an earlier call on this machine unpacked both parts (.fa4/setup.sh): on the path even
-# when this call did not carry .fa4/setup.sh (2026-12-04: a call that did not lost FA4's column)
-if [ -f /tmp/fa4site/.done ] && [[ ":${PYTHONPATH:-}:" != *":/tmp/fa4site:"* ]]; then
-  export PYTHONPATH="/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}"
-fi
+source tools/fa4_on_path.sh
 python -c "import flash_attn.cute" 2>/dev/null && echo "fa4: on the path" || echo "fa4: not available (the fa4 rows will say why)"
 start=$SECONDS
 for p in ${PRESETS:-golden gptoss-swa causal-d128 gptoss-full varlen decode decode-paged hf-train}; do

@@ -17,9 +17,7 @@ export TILELANG_CACHE_DIR=${TILELANG_CACHE_DIR:-$PWD/.tlcache}
 export FLASHSINK_CACHE_DIR=${FLASHSINK_CACHE_DIR:-$PWD/.fscache}
 source tools/unpack_kernel_bundle.sh
 export PYTHONUNBUFFERED=1
-if [ -f /tmp/fa4site/.done ] && [[ ":${PYTHONPATH:-}:" != *":/tmp/fa4site:"* ]]; then
-  export PYTHONPATH="/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}"
-fi
+source tools/fa4_on_path.sh
 stop_at=${STOP_AT:-560}
 left() { local l=$((stop_at - SECONDS)); echo $(( l > 5 ? l : 5 )); }
 variants=${VARIANTS:-/hm}

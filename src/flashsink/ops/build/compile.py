@@ -216,7 +216,7 @@ def _child_main() -> None:
     os.dup2(2, 1)
     enter_compile_process()
     try:
-        import tilelang  # noqa: F401  (registers TileLang's operators, which the job's PrimFunc names)
+        import tilelang  # noqa: F401  (before the job's pickled TileLang objects, its pass configs)
 
         fn, job = pickle.load(sys.stdin.buffer)
         result = ("ok", fn(job))

@@ -22,8 +22,8 @@ def jit(func, cfg, args: CompileArgs):
     ``JITKernel`` itself skips TileLang's kernel cache, but its nvcc step goes through TileLang's binary
     cache (``TILELANG_CACHE_DIR``, default ``~/.tilelang/cache``): it would write each cubin there and load
     a cubin it finds there, a file nobody checked, into a kernel flashsink then stores as verified. So that
-    cache is off for the compile (TileLang's global switch, restored after; the callers hold
-    ``compile._compile_lock``); the whole kernel goes to flashsink's own cache."""
+    cache is off for the compile (TileLang's global switch, restored after; it only ever runs in flashsink's
+    own compile processes, ``compile.enter_compile_process``); the whole kernel goes to flashsink's cache."""
     import tilelang
     from tilelang.jit import JITKernel
 
