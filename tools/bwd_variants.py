@@ -83,6 +83,25 @@ def _variants(d: int, only: str = "") -> list:
                ("ws 128x128/s2/dqfirst/dsfirst/split8/hm", t128,
                 (None, None, 8, True, "fast", None, False, True, True, True))]
     out += hm
+    # dK's product left running into the next tile (``build_bwd_ws(dk_in_flight=True)``, the 11th option;
+    # FlashAttention-3's order: dQ's product first, waited for and handed over while dK's runs on)
+    kf = [("ws 64x128/s2/dqfirst/dkflight", t, (None, None, 1, True, "fast", None, False, True, False, False, True)),
+          ("ws 64x128/s2/dqfirst/dsfirst/dkflight", t, (None, None, 1, True, "fast", None, False, True, True, False, True)),
+          ("ws 64x128/s2/dqfirst/dkflight/split8/hm", t,
+           (None, None, 8, True, "fast", None, False, True, False, True, True)),
+          ("ws 64x128/s3/dqfirst/dkflight/split8/hm", t3,
+           (None, None, 8, True, "fast", None, False, True, False, True, True)),
+          ("ws 64x128/s2/dqfirst/dsfirst/dkflight/split8/hm", t,
+           (None, None, 8, True, "fast", None, False, True, True, True, True))]
+    if d <= 64:
+        t128 = (128, 128, 256, 2)
+        kf += [("ws 128x128/s2/dqfirst/dsfirst/dkflight/split8/hm", t128,
+                (None, None, 8, True, "fast", None, False, True, True, True, True)),
+               ("ws 128x128/s2/dqfirst/dsfirst/dkflight", t128,
+                (None, None, 1, True, "fast", None, False, True, True, False, True)),
+               ("ws 128x128/s2/dqfirst/dkflight", t128,
+                (None, None, 1, True, "fast", None, False, True, False, False, True))]
+    out += kf
     # FlashAttention-3's order of the last two products: dQ's, then dK's, dQ handed off while dK's runs
     out += [("ws 64x128/s2/dqfirst", t, (None, None, 1, True, "fast", None, False, True, False))]
     if d <= 64:
@@ -174,11 +193,11 @@ def _func(job):
         t = Tiles(*opts["tiles"]) if "tiles" in opts else config.pre_tiles(cfg)
         return bwd.build_preprocess_strict(cfg, t, opts["branch"], opts["lpt"])
     if kind == "bwd-variant":
-        dq_bulk, overlap, split, ws, prec, branch, swap, dq_first, ds_first, *head_major = opts
+        dq_bulk, overlap, split, ws, prec, branch, swap, dq_first, ds_first, *rest = opts
         cfg, t = _cfg(dtype, d, prec), Tiles(*tiles)
         if ws:
-            return bwd_ws.build_bwd_ws(cfg, t, split, dq_first, ds_first,
-                                       head_major=bool(head_major and head_major[0]))
+            return bwd_ws.build_bwd_ws(cfg, t, split, dq_first, ds_first, head_major=bool(rest and rest[0]),
+                                       dk_in_flight=len(rest) > 1 and bool(rest[1]))
         return bwd.build_bwd_pipelined(cfg, t, split, config.bwd_branch(cfg) if branch is None else branch, swap,
                                        config.bwd_dq_bulk(cfg) if dq_bulk is None else dq_bulk,
                                        config.bwd_overlap(cfg) if overlap is None else overlap)

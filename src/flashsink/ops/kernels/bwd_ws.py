@@ -54,7 +54,7 @@ def _stage_packed_stats(LSE, Delta, lse_r, delta_r, s, head, row, p, bm: int):
 
 
 def build_bwd_ws(cfg: KernelConfig, t, split: int, dq_first: bool, ds_first: bool = False,
-                 head_major: bool = False):
+                 head_major: bool = False, dk_in_flight: bool = False):
     """The warp-specialized main backward for tiles ``t`` (``t.threads`` consumer threads, 256;
     ``t.stages`` ring slots) and ``split`` programs per KV tile (``bwd.build_bwd_pipelined``), its KV
     tiles issued longest first (``schedule.by_work``), the per-element mask only on the row blocks not
@@ -70,7 +70,13 @@ def build_bwd_ws(cfg: KernelConfig, t, split: int, dq_first: bool, ds_first: boo
     first, before the next heads'), FlashAttention-4's grid: the ~132 programs running at once then
     read the Q, dO and dQ rows of a few heads, which stay in L2, instead of every head's (the
     tile-major order, where each running program is at another head and row: docs/bwd-design.md §2).
-    Meant with ``split == groups`` (one program per query head; dK/dV added over the group in fp32)."""
+    Meant with ``split == groups`` (one program per query head; dK/dV added over the group in fp32).
+
+    ``dk_in_flight`` (with ``dq_first``): a tile's dK product is left running into the next tile, waited for
+    with that tile's S^T (FlashAttention-3's order), so the tensor cores are not idle while dQ is handed
+    over and the next tile's products are issued; the ring slot it reads is released one tile later."""
+    if dk_in_flight and not dq_first:
+        raise NotImplementedError("dk_in_flight needs dq_first (dQ's product must be waited for before dK's)")
     if not cfg.hopper or t.threads != CONSUMER_THREADS or t.stages < 1:
         raise NotImplementedError(f"the warp-specialized main backward supports Hopper (sm_90a) "
                                   f"and {CONSUMER_THREADS} consumer threads; got {cfg.short()}, {t}")
@@ -82,6 +88,7 @@ def build_bwd_ws(cfg: KernelConfig, t, split: int, dq_first: bool, ds_first: boo
     dtype, accum = cfg.dtype, "float32"
     packed = layout == "thd"  # lse/Delta staged by plain loads (layout.py: unaligned rows)
     shapes = main_bwd_shapes(cfg, split)
+    defer = dk_in_flight and shapes.with_dq
     heads_kv, seq_q, seq_kv, with_dq = shapes.heads_kv, shapes.seq_q, shapes.seq_kv, shapes.with_dq
 
     @T.macro
@@ -232,7 +239,9 @@ def build_bwd_ws(cfg: KernelConfig, t, split: int, dq_first: bool, ds_first: boo
                     T.wgmma_gemm(k_s, q_r[s, :, :], pT, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
                     T.wgmma_gemm(v_s, do_r[s, :, :], dpT, transpose_B=True, clear_accum=True,
                                  policy=T.GemmWarpPolicy.FullRow)
-                    T.wait_wgmma(1)
+                    T.wait_wgmma(1)  # S^T (and the previous tile's dK, when in flight)
+                    if defer and it > 0:
+                        T.barrier_arrive(empty[(it - 1) % stages])  # its last reader, dK, is done
                     # the per-element mask only where this row block is not wholly visible
                     branch_tile(probs_t, in_blocks(lo_blk + it % n_rows, (full_lo, full_hi)),
                                 pT, lse_r, s, row0, key0, sq, sk, window, scale_log2)
@@ -269,10 +278,13 @@ def build_bwd_ws(cfg: KernelConfig, t, split: int, dq_first: bool, ds_first: boo
                         hand_dq(dq, dq_s, dq_full, dq_empty, it)
                     elif with_dq:
                         dq_product(ds_s, ds_lo_s, k_s, dq, it)
-                    T.wait_wgmma(0)
-                    T.barrier_arrive(empty[s])  # Q, dO, lse, Delta of this slot read
+                    if not defer:
+                        T.wait_wgmma(0)
+                        T.barrier_arrive(empty[s])  # Q, dO, lse, Delta of this slot read
                     if with_dq and not early:
                         hand_dq(dq, dq_s, dq_full, dq_empty, it)
+                if defer:
+                    T.wait_wgmma(0)  # the last tile's dK
 
                 if split > 1:
                     # fp32 adds straight from registers (an fp32 staging tile would not fit in
