@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Train a tiny gpt-oss (Hugging Face ``GptOssForCausalLM``, random init, no download) on random tokens,
-once with ``attn_implementation="flashsink"`` and once with ``"eager"`` from the same initial weights,
-and check that the two loss curves agree.
+once with ``attn_implementation="sink_attention"`` (flashsink's) and once with ``"eager"`` from the same
+initial weights, and check that the two loss curves agree.
 
     python examples/train_gptoss_tiny.py                 # CPU, float32, 200 steps (a few minutes at most)
     python examples/train_gptoss_tiny.py --steps 20
@@ -124,7 +124,7 @@ def main(argv=None) -> int:
     try:
         from transformers import GptOssForCausalLM
 
-        import flashsink.integrations.transformers  # noqa: F401  registers "flashsink"
+        from flashsink.integrations.transformers import NAME as SINK_ATTENTION  # registers "sink_attention"
         from flashsink.testing import FAST_MAX_FACTOR, GATE2_FACTOR
     except ImportError as err:
         print(f"this example needs Hugging Face transformers: pip install 'flashsink[hf]' ({err})", file=sys.stderr)
@@ -146,7 +146,7 @@ def main(argv=None) -> int:
     data = torch.randint(3, 128, (args.sequences, args.seq), generator=g)
 
     losses, peaks, secs = {}, {}, {}
-    runs = [("flashsink", "flashsink", dtype), ("eager", "eager", dtype)]
+    runs = [("flashsink", SINK_ATTENTION, dtype), ("eager", "eager", dtype)]
     if lowp:
         runs.append(("eager fp32", "eager", torch.float32))  # the reference curve, same rounded start
     for label, impl, run_dtype in runs:

@@ -1,8 +1,9 @@
 """Issue 47, items 10-13: input and CLI defects found with the cache review (CPU only).
 
 10. a sparse tensor is refused by name (TypeError: layout torch.strided required);
-11. ``torch.ops.flashsink.*`` check their arguments as the public functions do, same error types and
-    text, before the schema turns ``causal=1`` into True or answers a wrong type with a RuntimeError;
+11. ``torch.ops.flashsink.*`` check their arguments' values as the public functions do, same error
+    types and text, inside the ops' implementations; a wrong type is torch's schema error naming the
+    argument (issue 52: the ops are plain torch ops, no check before the schema);
 12. ``flashsink.combine``: ``-inf`` in a partial's lse is an empty partial (valid); ``+inf`` / NaN is a
     ValueError naming the tensor;
 13. ``flashsink bench``: usage errors exit 2 with one line, before any work.
@@ -80,15 +81,28 @@ def _fwd_args(**change):
 
 OP_CASES = {  # the op's bad argument -> the public call that must fail the same way
     "precision-bogus": (dict(precision="bogus"), dict(precision="bogus")),
-    "causal-int": (dict(causal=1), dict(causal=1)),
-    "causal-str": (dict(causal="yes"), dict(causal="yes")),
-    "deterministic-none": (dict(deterministic=None), dict(deterministic=None)),
-    "scale-str": (dict(scale="x"), dict(scale="x")),
-    "layout-int": (dict(layout=3), dict(layout=3)),
-    "window-float": (dict(window=2.5), dict(window=2.5)),
-    "window-bool": (dict(window=True), dict(window=True)),
-    "q-str": (dict(q="q"), dict(q="q")),
-    "sinks-list": (dict(sinks=[0.0, 0.0]), dict(sinks=[0.0, 0.0])),
+    "window-zero": (dict(window=0), dict(window=0)),
+    "layout-bogus": (dict(layout="sbhd"), dict(layout="sbhd")),
+    "scale-nan": (dict(scale=float("nan")), dict(scale=float("nan"))),
+    "q-int64": (dict(q=torch.zeros(1, 2, 8, 16, dtype=torch.int64)), dict(q=torch.zeros(1, 2, 8, 16, dtype=torch.int64))),
+}
+
+# Types the op's schema refuses before any implementation runs: torch's RuntimeError names the argument.
+SCHEMA_CASES = {
+    "causal-str": dict(causal="yes"),
+    "scale-str": dict(scale="x"),
+    "layout-int": dict(layout=3),
+    "window-float": dict(window=2.5),
+    "q-str": dict(q="q"),
+    "sinks-list": dict(sinks=[0.0, 0.0]),
+}
+
+# What the schema converts (Python's bool is an int; None is a false bool): the op runs as with the
+# converted value. flashsink.attention refuses these by name; the op cannot see them.
+CONVERTED_CASES = {
+    "causal-int": (dict(causal=1), dict(causal=True)),
+    "deterministic-none": (dict(deterministic=None), dict(deterministic=False)),
+    "window-bool": (dict(window=True), dict(window=1)),
 }
 
 
@@ -108,11 +122,40 @@ def test_item11_fwd_op_validates_as_attention(case):
 
 
 @pytest.mark.boundary
-def test_item11_other_ops_validate_before_the_schema():
+@pytest.mark.parametrize("case", list(SCHEMA_CASES))
+def test_item11_fwd_op_wrong_types_are_the_schemas_errors(case):
+    change = SCHEMA_CASES[case]
+    (name,) = change
+    with pytest.raises(RuntimeError, match=f"argument '{name}'"):
+        torch.ops.flashsink.fwd(*_fwd_args(**change).values())
+    with pytest.raises((TypeError, ValueError), match=f"^{name}"):  # the public function names it its own way
+        a = _fwd_args(**change)
+        flashsink.attention(a["q"], a["k"], a["v"], a["sinks"], window=a["window"], causal=a["causal"],
+                            scale=a["scale"], layout=a["layout"])
+
+
+@pytest.mark.boundary
+@pytest.mark.parametrize("case", list(CONVERTED_CASES))
+def test_item11_fwd_op_runs_what_the_schema_converts(case):
+    given, converted = CONVERTED_CASES[case]
+    o, lse = torch.ops.flashsink.fwd(*_fwd_args(**given).values())
+    o2, lse2 = torch.ops.flashsink.fwd(*_fwd_args(**converted).values())
+    assert torch.equal(o, o2) and torch.equal(lse, lse2)
+
+
+@pytest.mark.boundary
+def test_item11_ops_are_plain_torch_ops():
+    """Issue 52: torch.ops.flashsink.* are the packets torch made, not a subclass of flashsink's."""
+    for name in ("fwd", "bwd", "varlen_fwd", "varlen_bwd", "kvcache_fwd"):
+        assert type(getattr(torch.ops.flashsink, name)) is type(torch.ops.aten.add), name
+
+
+@pytest.mark.boundary
+def test_item11_other_ops_validate_in_their_implementations():
     q, k, v = _qkv(2)
     o, lse = torch.ops.flashsink.fwd(q, k, v, None, None, True, 0.25, "bhsd", False)
-    with pytest.raises(TypeError, match=r"^causal must be a bool, got int \(1\)$"):
-        torch.ops.flashsink.bwd(torch.randn_like(o), q, k, v, None, lse, None, None, 1, 0.25, "bhsd", False)
+    with pytest.raises(ValueError, match=r"^window must be >= 1"):
+        torch.ops.flashsink.bwd(torch.randn_like(o), q, k, v, None, lse, None, 0, True, 0.25, "bhsd", False)
     with pytest.raises(ValueError, match=r"^precision must be one of \('fast', 'strict'\), got 'bogus'$"):
         torch.ops.flashsink.bwd(torch.randn_like(o), q, k, v, None, lse, None, None, True, 0.25, "bhsd", False,
                                 "bogus", o)
@@ -120,11 +163,11 @@ def test_item11_other_ops_validate_before_the_schema():
         torch.ops.flashsink.fwd.default(q, k, v, None, None, True, 0.25, "bhsd", False, "bogus")
     t = torch.randn(10, 2, 16)
     cu = torch.tensor([0, 4, 10], dtype=torch.int32)
-    with pytest.raises(TypeError, match=r"^deterministic must be a bool, got int \(0\)$"):
-        torch.ops.flashsink.varlen_fwd(t, t, t, None, cu, cu, 6, 6, None, True, 0.25, 0)
-    with pytest.raises(TypeError, match="^cu_seqlens_q must be a torch.Tensor of int32 or int64, got list"):
+    with pytest.raises(TypeError, match=r"^cu_seqlens_q must have dtype int32 or int64, got torch.float32"):
+        torch.ops.flashsink.varlen_fwd(t, t, t, None, cu.float(), cu, 6, 6, None, True, 0.25, False)
+    with pytest.raises(RuntimeError, match="argument 'cu_seqlens_q'"):  # a list: the schema's error
         torch.ops.flashsink.varlen_fwd(t, t, t, None, [0, 4, 10], cu, 6, 6, None, True, 0.25, False)
-    with pytest.raises(TypeError, match="^q must be a torch.Tensor, got str"):
+    with pytest.raises(RuntimeError, match="argument 'q'"):
         torch.ops.flashsink.kvcache_fwd("q", t, t, cu, None, None, None, 0.25, "bshd")
     # and a good call still runs
     o2, _ = torch.ops.flashsink.fwd(q, k, v, None, None, True, 0.25, "bhsd", False, "strict")

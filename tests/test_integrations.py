@@ -1,8 +1,8 @@
 """Hugging Face transformers integration and the ``flashsink.nn`` module: the CPU path, and bf16 on CUDA.
 
 The client is transformers' own ``GptOssForCausalLM`` (nobody here wrote it), tiny and built locally
-from a ``GptOssConfig`` with random weights (no download). ``attn_implementation="flashsink"`` is
-judged against the model's own ``"eager"`` attention with the same weights:
+from a ``GptOssConfig`` with random weights (no download). ``attn_implementation="sink_attention"``
+(``fs_hf.NAME``) is judged against the model's own ``"eager"`` attention with the same weights:
 
 * logits and the gradient of every parameter (sinks included) under the precision standard at fp32:
   expected = the eager model in float64, ``lowp`` = the eager model in float32 (gate 2 on), actual =
@@ -37,7 +37,7 @@ from flashsink.testing import PRECISIONS, PrecisionReport, assert_precision, che
 transformers = pytest.importorskip("transformers", reason="Hugging Face transformers is not installed (pip install 'flashsink[hf]')")
 from transformers import GptOssConfig, GptOssForCausalLM  # noqa: E402
 
-import flashsink.integrations.transformers as fs_hf  # noqa: E402  (registers "flashsink")
+import flashsink.integrations.transformers as fs_hf  # noqa: E402  (registers "sink_attention")
 
 pytestmark = pytest.mark.l1
 
@@ -92,17 +92,35 @@ def test_register_is_idempotent():
 
     fs_hf.register()
     fs_hf.register()
-    assert AttentionInterface._global_mapping["flashsink"] is fs_hf.flashsink_attention_forward
-    assert "flashsink" in AttentionMaskInterface._global_mapping
+    assert AttentionInterface()[fs_hf.NAME] is fs_hf.flashsink_attention_forward
+    assert AttentionMaskInterface()[fs_hf.NAME] is fs_hf.sink_attention_mask
 
 
-def test_model_builds_with_flashsink():
+def test_registration_patches_nothing_of_transformers():
+    """Issue 52: the name has no "flash" in it, so transformers' own check answers False for it unpatched;
+    the old name "flashsink" is not registered (transformers would take it for a FlashAttention kernel)."""
+    from transformers import AttentionInterface, modeling_utils
+    from transformers.utils import generic
+
+    assert "flash" not in fs_hf.NAME
+    assert modeling_utils.is_flash_attention_requested is generic.is_flash_attention_requested
+    assert not generic.is_flash_attention_requested(requested_attention_implementation=fs_hf.NAME)
+    assert "flashsink" not in AttentionInterface().valid_keys()
+    from flashsink.bench.hf import ATTN_NAMES  # the bench names it without importing transformers
+
+    assert ATTN_NAMES["flashsink"] == fs_hf.NAME
+
+
+def test_model_builds_with_sink_attention():
     torch.manual_seed(0)
-    model = GptOssForCausalLM(tiny_config(attn_implementation="flashsink"))
-    assert model.config._attn_implementation == "flashsink"
-    assert all(layer.self_attn.config._attn_implementation == "flashsink" for layer in model.model.layers)
+    model = GptOssForCausalLM(tiny_config(attn_implementation=fs_hf.NAME))
+    assert model.config._attn_implementation == fs_hf.NAME
+    assert all(layer.self_attn.config._attn_implementation == fs_hf.NAME for layer in model.model.layers)
     with torch.no_grad():
         assert torch.isfinite(model(_ids()).logits).all()
+    eager = GptOssForCausalLM(tiny_config())
+    eager.set_attn_implementation(fs_hf.NAME)  # a built model switched, through transformers' own checks
+    assert eager.config._attn_implementation == fs_hf.NAME
 
 
 # ------------------------------------------------------------------------------------------------
@@ -120,7 +138,7 @@ def test_logits_and_all_gradients_match_eager(base_model):
     ids = _ids()
     exp_logits, exp_grads = _run(with_attn(base_model, "eager", torch.float64), ids)
     low_logits, low_grads = _run(with_attn(base_model, "eager"), ids)
-    act_logits, act_grads = _run(with_attn(base_model, "flashsink"), ids)
+    act_logits, act_grads = _run(with_attn(base_model, fs_hf.NAME), ids)
 
     assert_precision("logits", act_logits.double(), exp_logits, torch.float32, lowp=low_logits.double())
     names = [n for n, _ in base_model.named_parameters()]
@@ -147,7 +165,7 @@ def test_padded_batch_matches_eager(base_model, side, calls):
         else:
             mask[row, -n:] = 0
     ids = ids.masked_fill(mask == 0, 0)
-    eager, fs = with_attn(base_model, "eager"), with_attn(base_model, "flashsink")
+    eager, fs = with_attn(base_model, "eager"), with_attn(base_model, fs_hf.NAME)
     with torch.no_grad():
         e = eager(ids, attention_mask=mask).logits
         a = fs(ids, attention_mask=mask).logits
@@ -164,7 +182,7 @@ def test_padding_holes_under_a_window_raise(base_model):
     ids = _ids()
     mask = torch.ones_like(ids)
     mask[0, 10:13] = 0  # a hole between real tokens
-    fs = with_attn(base_model, "flashsink")
+    fs = with_attn(base_model, fs_hf.NAME)
     with pytest.raises(NotImplementedError, match="contiguous"):
         fs(ids, attention_mask=mask)
 
@@ -204,11 +222,25 @@ def test_generate_with_cache_matches_eager(base_model, calls):
     ids = _ids(batch=1, seq=20)  # 20 + 8 tokens crosses the window of 16
     e = _generate(with_attn(base_model, "eager"), ids)
     calls.clear()
-    a = _generate(with_attn(base_model, "flashsink"), ids)
+    a = _generate(with_attn(base_model, fs_hf.NAME), ids)
     assert e.shape[1] == ids.shape[1] + 8
     assert torch.equal(a, e)
     # The decode steps ran through flashsink with one query against a longer cache (bottom-right).
     assert any(kind == "attention" and sq == 1 and skv > 1 for kind, sq, skv in calls)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_generate_static_cache_without_padding_matches_eager(base_model, calls, batch):
+    """generate() drops an all-ones mask for an attention it does not take for FlashAttention; with a
+    static cache, sink_attention_mask gives back the written length (else the queries would meet the
+    cache's unwritten slots)."""
+    ids = _ids(batch=batch, seq=20, seed=4)
+    for mask in (None, torch.ones_like(ids)):
+        e = _generate(with_attn(base_model, "eager"), ids, mask, cache_implementation="static")
+        calls.clear()
+        a = _generate(with_attn(base_model, fs_hf.NAME), ids, mask, cache_implementation="static")
+        assert torch.equal(a, e)
+        assert calls and all(kind == "attention" for kind, _, _ in calls)  # no padding: never varlen
 
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
@@ -220,7 +252,7 @@ def test_generate_left_padded_batch_matches_eager(base_model, calls, cache):
     kw = {"cache_implementation": "static"} if cache == "static" else {}
     e = _generate(with_attn(base_model, "eager"), ids, mask, **kw)
     calls.clear()
-    a = _generate(with_attn(base_model, "flashsink"), ids, mask, **kw)
+    a = _generate(with_attn(base_model, fs_hf.NAME), ids, mask, **kw)
     assert torch.equal(a, e)
     assert any(kind == "varlen" for kind, _, _ in calls)  # the padding went through unpad / varlen / pad
 
@@ -234,7 +266,7 @@ def test_packed_sequences_match_separate_runs(base_model):
     seqs = [_ids(batch=1, seq=n, seed=10 + i) for i, n in enumerate(lens)]
     packed = torch.cat(seqs, dim=1)
     pos = torch.cat([torch.arange(n) for n in lens]).unsqueeze(0)
-    fs = with_attn(base_model, "flashsink")
+    fs = with_attn(base_model, fs_hf.NAME)
     with torch.no_grad():
         a = fs(packed, position_ids=pos).logits
         parts = [fs(s).logits for s in seqs]
@@ -247,7 +279,7 @@ def test_packed_sequences_match_separate_runs(base_model):
 
 def test_arbitrary_float_4d_mask_raises(base_model):
     ids = _ids()
-    fs = with_attn(base_model, "flashsink")
+    fs = with_attn(base_model, fs_hf.NAME)
     g = torch.Generator().manual_seed(0)
     mask = torch.randn(2, 1, SEQ, SEQ, generator=g)
     with pytest.raises(NotImplementedError, match="arbitrary 4-D"):
@@ -256,13 +288,13 @@ def test_arbitrary_float_4d_mask_raises(base_model):
 
 def test_plain_causal_4d_mask_is_accepted(base_model):
     ids = _ids()
-    fs = with_attn(base_model, "flashsink")
+    fs = with_attn(base_model, fs_hf.NAME)
     causal = torch.ones(SEQ, SEQ, dtype=torch.bool).tril()
     # A 4-D mask is used as is for every layer: the plain causal one is right for the full layer only, so
     # it must be refused on the sliding layer, and accepted on a model whose layers are all full.
     with pytest.raises(NotImplementedError, match="arbitrary 4-D"):
         fs(ids, attention_mask=causal.expand(2, 1, SEQ, SEQ))
-    full = with_attn(tiny_model(layer_types=["full_attention", "full_attention"]), "flashsink")
+    full = with_attn(tiny_model(layer_types=["full_attention", "full_attention"]), fs_hf.NAME)
     eager = with_attn(tiny_model(layer_types=["full_attention", "full_attention"]), "eager")
     with torch.no_grad():
         a = full(ids, attention_mask=causal.expand(2, 1, SEQ, SEQ)).logits
@@ -272,7 +304,7 @@ def test_plain_causal_4d_mask_is_accepted(base_model):
 
 def test_dropout_in_training_raises():
     model = tiny_model(attention_dropout=0.1)
-    model.config._attn_implementation = "flashsink"
+    model.config._attn_implementation = fs_hf.NAME
     model.train()
     with pytest.raises(NotImplementedError, match="dropout"):
         model(_ids())
@@ -285,7 +317,7 @@ def test_precision_keyword_and_config():
     """precision= of the model call, or config.flashsink_precision, reaches the attention function (which
     validates it: off CUDA it changes nothing, so the error is what proves the plumbing)."""
     model = tiny_model()
-    model.config._attn_implementation = "flashsink"
+    model.config._attn_implementation = fs_hf.NAME
     model.eval()
     with torch.no_grad():
         ref = model(_ids()).logits
@@ -400,7 +432,7 @@ def test_bf16_logits_and_all_gradients(bf16_model, device, calls, precision):
                            kw.get("precision"), grads))
         return out
 
-    model = _on(bf16_model, "flashsink", device)
+    model = _on(bf16_model, fs_hf.NAME, device)
     model.config.flashsink_precision = precision
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(flashsink, "attention", capture)
@@ -454,7 +486,7 @@ def test_bf16_generate_with_cache_matches_eager(bf16_model, device, calls):
     ids = _ids(batch=1, seq=20, seed=GEN_SEED).to(device)  # 20 + 8 tokens crosses the window of 16
     e = _generate(_on(bf16_model, "eager", device), ids)
     calls.clear()
-    a = _generate(_on(bf16_model, "flashsink", device), ids)
+    a = _generate(_on(bf16_model, fs_hf.NAME, device), ids)
     assert e.shape[1] == ids.shape[1] + 8
     if not torch.equal(a, e):
         with torch.no_grad():

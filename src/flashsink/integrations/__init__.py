@@ -1,2 +1,2 @@
-"""Framework integrations. ``import flashsink.integrations.transformers`` registers the ``"flashsink"``
+"""Framework integrations. ``import flashsink.integrations.transformers`` registers the ``"sink_attention"``
 attention implementation with Hugging Face transformers (it needs ``pip install 'flashsink[hf]'``)."""

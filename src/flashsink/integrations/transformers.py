@@ -1,12 +1,20 @@
-"""Hugging Face transformers integration: ``attn_implementation="flashsink"``.
+"""Hugging Face transformers integration: ``attn_implementation="sink_attention"``.
 
 Importing this module registers it (``register()`` is idempotent)::
 
-    import flashsink.integrations.transformers  # registers "flashsink"
-    model = GptOssForCausalLM.from_pretrained(path, attn_implementation="flashsink")
+    import flashsink.integrations.transformers  # registers "sink_attention"
+    model = GptOssForCausalLM.from_pretrained(path, attn_implementation="sink_attention")
 
-Tested with transformers 5.23 (the range pinned in ``pyproject.toml``, extra ``hf``), against
-``GptOssForCausalLM``'s own eager attention.
+Tested with transformers 5.23.0 and 5.25.0 (the range pinned in ``pyproject.toml``, extra ``hf``),
+against ``GptOssForCausalLM``'s own eager attention. It registers through transformers' public
+``AttentionInterface`` / ``AttentionMaskInterface`` only.
+
+The name. It was "flashsink" until issue 52, and that name cannot work without patching transformers:
+transformers 5.x takes any ``attn_implementation`` containing "flash" for a FlashAttention kernel
+(``is_flash_attention_requested``: ``"flash" in name``) when it builds a model or switches one, so gpt-oss
+(which lists ``_compatible_flash_implementations``) swaps "flashsink" for a hub kernel before any code of
+ours runs, and other models refuse it. So the old name is not registered, not even as a deprecated
+alias: one that worked only through ``config._attn_implementation`` would be half a name.
 
 What the attention function honours (the contract of ``GptOssAttention.forward``):
 
@@ -16,12 +24,13 @@ What the attention function honours (the contract of ``GptOssAttention.forward``
   module's ``sinks`` attribute; ``scaling``; ``sliding_window`` (keys ``[i-W+1, i]``, the same as
   transformers' ``sliding_window_overlay``); ``module.is_causal`` (default True).
 * S_q < S_kv (generate() with a cache): bottom-right causal alignment, which is what the cache gives.
-* Masks. ``"flashsink"`` is also registered in ``AttentionMaskInterface`` with transformers' own
-  FlashAttention mask builder, so the model hands us ``None`` (no padding) or the 2-D boolean padding
-  mask ``[B, S_kv]`` (True = real token), never a materialised 4-D mask. A 2-D mask is honoured exactly
-  by unpadding to varlen (``flashsink.attention_varlen``) and padding back; padded query rows come back
-  as zeros (eager gives them arbitrary values; the model ignores them). A mask shorter than S_kv
-  (a static cache) slices k/v to its length, as transformers' FlashAttention path does.
+* Masks. ``"sink_attention"`` is also registered in ``AttentionMaskInterface`` with
+  :func:`sink_attention_mask` (transformers' FlashAttention mask builder, plus the static-cache case
+  below), so the model hands us ``None`` (no padding) or the 2-D boolean padding mask ``[B, S_kv]``
+  (True = real token), never a materialised 4-D mask. A 2-D mask is honoured exactly by unpadding to
+  varlen (``flashsink.attention_varlen``) and padding back; padded query rows come back as zeros (eager
+  gives them arbitrary values; the model ignores them). A mask shorter than S_kv (a static cache)
+  slices k/v to its length, as transformers' FlashAttention path does.
   With a sliding window, the real tokens of each row must be one contiguous run (left or right
   padding): otherwise the window, which transformers counts in absolute positions, would span the holes
   differently once unpadded, so such masks raise ``NotImplementedError``.
@@ -29,9 +38,6 @@ What the attention function honours (the contract of ``GptOssAttention.forward``
   bool or additive float; anything else raises ``NotImplementedError`` rather than being ignored.
 * Packed sequences (batch 1, no mask, ``position_ids`` that restart), or ``cu_seq_lens_q/k`` keywords,
   run as varlen, as transformers' FlashAttention path does.
-* transformers 5.x takes any name containing "flash" for a FlashAttention kernel when it builds a model
-  (GptOss would silently swap "flashsink" for a hub kernel); ``register()`` makes that check in
-  ``transformers.modeling_utils`` answer False for "flashsink" (see ``_not_flash_attention``).
 * ``precision`` ("fast", the default, or "strict"; see ``flashsink.attention``): per call as a keyword of
   the model's forward (``model(input_ids, precision="strict")``; transformers passes it down to the
   attention function), or for the whole model as ``model.config.flashsink_precision = "strict"``. The call's
@@ -45,60 +51,41 @@ import torch
 
 import flashsink
 
-__all__ = ["NAME", "flashsink_attention_forward", "register"]
+__all__ = ["NAME", "flashsink_attention_forward", "register", "sink_attention_mask"]
 
-NAME = "flashsink"
+NAME = "sink_attention"  # no "flash" in it: see the module's docstring
 
 
-def _mask_function():
+def sink_attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,
+                        attention_mask: torch.Tensor | None = None, **kwargs):
+    """The ``AttentionMaskInterface`` function: ``None`` or the 2-D padding mask, as transformers'
+    ``flash_attention_mask`` gives FlashAttention.
+
+    One case more: ``generate()`` drops an all-ones mask unless it thinks FlashAttention runs with a
+    static cache, and a static cache's k/v are ``kv_length`` slots of which only the first
+    ``q_offset + q_length`` are written. Without a mask the attention would align the queries with the
+    last slots, so this gives back the all-ones mask of the written length, which slices k/v (the
+    length is read on the host: a static cache keeps it in a tensor).
+    """
     from transformers.masking_utils import flash_attention_mask
 
-    return flash_attention_mask
-
-
-def _not_flash_attention(modeling_utils) -> None:
-    """Stop transformers from taking ``"flashsink"`` for a FlashAttention kernel.
-
-    transformers 5.x decides "is FlashAttention requested" by ``"flash" in attn_implementation``
-    (``utils.generic.is_flash_attention_requested``). For "flashsink" that is wrong, and at model
-    construction it does harm: a model that lists ``_compatible_flash_implementations`` (GptOss does)
-    silently swaps the request for a hub kernel (``kernels-community/vllm-flash-attn3``), and the others
-    try to load a FlashAttention kernel named "flashsink" and fail. We wrap the function *as seen by
-    ``transformers.modeling_utils``* (the construction / ``set_attn_implementation`` checks) so that it
-    answers False for "flashsink"; every other name and every other module is left as it was.
-    """
-    orig = getattr(modeling_utils, "is_flash_attention_requested", None)
-    if orig is None or getattr(orig, "_flashsink_wrapped", False):
-        return
-
-    def is_flash_attention_requested(config=None, requested_attention_implementation=None, version=None):
-        if config is None or requested_attention_implementation is None:
-            impl = requested_attention_implementation if config is None else getattr(config, "_attn_implementation", None)
-            if impl == NAME:
-                return False
-        return orig(config=config, requested_attention_implementation=requested_attention_implementation, version=version)
-
-    is_flash_attention_requested._flashsink_wrapped = True
-    is_flash_attention_requested.__wrapped__ = orig
-    modeling_utils.is_flash_attention_requested = is_flash_attention_requested
+    if attention_mask is None:
+        written = q_offset + q_length
+        written = int(written) if isinstance(written, torch.Tensor) else written
+        if written < kv_length:
+            attention_mask = torch.ones(batch_size, written, dtype=torch.bool, device=kwargs.get("device"))
+    return flash_attention_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                                kv_offset=kv_offset, attention_mask=attention_mask, **kwargs)
 
 
 def register() -> None:
-    """Register ``"flashsink"`` with ``transformers.AttentionInterface`` and ``AttentionMaskInterface``.
-
-    Idempotent: calling it again changes nothing.
-    """
+    """Register ``"sink_attention"`` with ``transformers.AttentionInterface`` and ``AttentionMaskInterface``
+    (their public ``register``). Idempotent: calling it again changes nothing."""
     from transformers import AttentionInterface
-    from transformers import modeling_utils
     from transformers.masking_utils import AttentionMaskInterface
 
-    _not_flash_attention(modeling_utils)
-
-    if AttentionInterface._global_mapping.get(NAME) is not flashsink_attention_forward:
-        AttentionInterface.register(NAME, flashsink_attention_forward)
-    mask_fn = _mask_function()
-    if AttentionMaskInterface._global_mapping.get(NAME) is not mask_fn:
-        AttentionMaskInterface.register(NAME, mask_fn)
+    AttentionInterface.register(NAME, flashsink_attention_forward)
+    AttentionMaskInterface.register(NAME, sink_attention_mask)
 
 
 def _unsupported(msg: str):

@@ -18,7 +18,16 @@ forward op has an autograd formula that calls the backward op.
     flashsink::kvcache_fwd(q, k_cache, v_cache, cache_seqlens, block_table?, sinks?, window?, scale, layout) -> (o, lse)
 
 Arguments are tensors and primitives only; the kernels' static configuration and the problem's
-``AttnSpec`` are rebuilt from them inside. Conventions:
+``AttnSpec`` are rebuilt from them inside.
+
+Checks: torch matches a call against the op's schema first, so a wrong type is torch's RuntimeError
+naming the argument, and what the schema can convert it converts (``causal=1`` arrives as True,
+``window=True`` as 1: Python's bool is an int). Every implementation, the fake ones included, then checks the
+arguments with the public functions' code (``_validate``), so a bad value is the same ValueError /
+TypeError as ``flashsink.attention``'s; the fakes check shapes and types only (a traced call has no
+values). The ops are plain ``torch.library`` ops: nothing of torch's is subclassed or replaced.
+
+Conventions:
 
 * q, k, v in ``layout`` ("bhsd" or "bshd"), head dims the kernels have tiles for (32, 64, 128,
   256 on CUDA: ``kernel_attention`` zero-pads others before the op and slices o after it).
@@ -188,7 +197,9 @@ def _kernel_backward(do, q, k, v, o, lse, dlse, sinks, cfg, spec: AttnSpec, win,
 
 @bwd.register_fake
 def _bwd_fake(do, q, k, v, sinks, lse, dlse, window, causal, scale, layout, deterministic, precision="fast", o=None):
-    heads = q.shape[1] if layout == "bhsd" else q.shape[2]
+    spec = _validate.check_bwd_op(do, q, k, v, sinks, lse, dlse, window, causal, scale, layout)
+    _validate.check_op_options(deterministic, precision, o)
+    heads = spec.heads
     dsink_dtype = torch.float32 if sinks is None else sinks.dtype
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), q.new_empty((heads,), dtype=dsink_dtype)
 
@@ -332,6 +343,9 @@ def _varlen_fwd_cuda(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
 @varlen_fwd.register_fake
 def _varlen_fwd_fake(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window, causal, scale,
                      deterministic, precision="fast"):
+    _validate.check_varlen_op(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window, causal,
+                              scale, values=False)  # a fake has no values
+    _validate.check_op_options(deterministic, precision)
     total, heads = q.shape[0], q.shape[1]
     o = q.new_empty((total, heads, v.shape[2]))
     lse = q.new_empty((heads, dense.varlen_rows(total)), dtype=_lse_dtype(q.dtype))
@@ -400,6 +414,9 @@ def _varlen_bwd_cuda(do, q, k, v, sinks, lse, dlse, cu_seqlens_q, cu_seqlens_k, 
 @varlen_bwd.register_fake
 def _varlen_bwd_fake(do, q, k, v, sinks, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window,
                      causal, scale, deterministic, precision="fast", o=None):
+    _validate.check_varlen_bwd_op(do, q, k, v, sinks, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                  max_seqlen_k, window, causal, scale, values=False)
+    _validate.check_op_options(deterministic, precision, o)
     dsink_dtype = torch.float32 if sinks is None else sinks.dtype
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), q.new_empty((q.shape[1],), dtype=dsink_dtype)
 
@@ -473,72 +490,3 @@ def _kvcache_refuse_grad(ctx, inputs, output):
 
 
 kvcache_fwd.register_autograd(None, setup_context=_kvcache_refuse_grad)
-
-
-# ------------------------------------------------------------------------------------------------
-# torch.ops.flashsink.<op>(...) checks its arguments as the public functions do, with their error types
-# and text, *before* the schema parses them: the schema turns an int ``causal=1`` into True before any
-# implementation sees it, and answers a wrong type with a bare RuntimeError. The same checks run again
-# in the implementations (for calls through the overload, ``torch.ops.flashsink.fwd.default``, which
-# this does not see); the varlen offsets' values are read there only, once.
-
-def _pre_fwd(q, k, v, sinks, window, causal, scale, layout, deterministic, precision="fast"):
-    _validate.check_op(q, k, v, sinks, window, causal, scale, layout)
-    _validate.check_op_options(deterministic, precision)
-
-
-def _pre_bwd(do, q, k, v, sinks, lse, dlse, window, causal, scale, layout, deterministic, precision="fast", o=None):
-    _validate.check_bwd_op(do, q, k, v, sinks, lse, dlse, window, causal, scale, layout)
-    _validate.check_op_options(deterministic, precision, o)
-
-
-def _pre_varlen_fwd(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window, causal, scale,
-                    deterministic, precision="fast"):
-    _validate.check_varlen_op(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window, causal,
-                              scale, values=False)
-    _validate.check_op_options(deterministic, precision)
-
-
-def _pre_varlen_bwd(do, q, k, v, sinks, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window,
-                    causal, scale, deterministic, precision="fast", o=None):
-    _validate.check_varlen_bwd_op(do, q, k, v, sinks, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                  max_seqlen_k, window, causal, scale, values=False)
-    _validate.check_op_options(deterministic, precision, o)
-
-
-class _CheckedOp(torch._ops.OpOverloadPacket):
-    """``torch.ops.flashsink.<name>``: the op's packet, whose call checks the arguments first."""
-
-    def __init__(self, packet, check):
-        super().__init__(packet._qualified_op_name, packet.__name__, packet._op, packet._overload_names)
-        self.__module__ = packet.__module__  # its overloads are found by it (torch._ops), not by this module
-        self._check = check
-
-    def __call__(self, /, *args, **kwargs):
-        if not _traced(args, kwargs):  # traced calls are flashsink's own; the fakes check them
-            self._check(*args, **kwargs)
-        return self._op(*args, **kwargs)
-
-
-_is_compiling = torch.compiler.is_compiling  # (a name of this module: the tests answer False through it)
-_SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
-
-
-def _traced(args, kwargs) -> bool:
-    """Whether this call is a trace's, not a user's: under Dynamo, or with symbolic sizes or fake
-    tensors (a trace propagating its fake values: torch 2.11's Dynamo runs the op on them with
-    ``is_compiling()`` False, and a ``scale`` computed from a dynamic head dim is a SymFloat there,
-    which the checks, written for the user's values, refuse; on 2026-12-07's device suite the compiled
-    tests failed so). The op's fake implementation checks those calls once the dispatcher has
-    converted the symbolic scalars."""
-    if _is_compiling():
-        return True
-    for a in (*args, *kwargs.values()):
-        if isinstance(a, _SYMBOLIC) or (isinstance(a, torch.Tensor) and torch._subclasses.fake_tensor.is_fake(a)):
-            return True
-    return False
-
-
-for _name, _check in (("fwd", _pre_fwd), ("bwd", _pre_bwd), ("varlen_fwd", _pre_varlen_fwd),
-                      ("varlen_bwd", _pre_varlen_bwd), ("kvcache_fwd", check_kvcache_op)):
-    setattr(torch.ops.flashsink, _name, _CheckedOp(getattr(torch.ops.flashsink, _name), _check))
