@@ -227,10 +227,10 @@ def gather_kvcache(cache: torch.Tensor, length: int, pages: list[int] | None = N
 
 
 def dequantize_kvcache(cache: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``float(cache) * scale`` rounded once to ``dtype``, contiguous: ``cache [..., H_kv, D]`` in
-    float8_e4m3fn, ``scale`` float32 ``[]`` / ``[1]`` (per tensor) or ``[H_kv]`` (per KV head). Every
-    e4m3 value is exact in fp16, bf16 and wider, so the cast is exact and the product, computed in
-    float32 (or ``dtype`` if wider), is rounded once."""
+    """``float(cache) * scale`` in ``dtype``, contiguous: ``cache [..., H_kv, D]`` in float8_e4m3fn, ``scale``
+    float32 ``[]`` / ``[1]`` (per tensor) or ``[H_kv]`` (per KV head). Every e4m3 value is exact in fp16,
+    bf16 and wider, so the cast is exact; the product is computed in float32 (``dtype`` if wider) and
+    written in ``dtype``, with no intermediate copy in float32."""
     wide = cache.to(dtype)
     return torch.mul(wide, scale.reshape(-1, 1), out=torch.empty(wide.shape, dtype=dtype, device=wide.device))
 
