@@ -209,6 +209,30 @@ def test_the_cuda_routes_dequantization_on_the_cpu(dtype):
     assert got[:, :, 3:].isnan().all()
 
 
+@pytest.mark.parametrize("scales", ["tensor", "head"])
+def test_opcheck_and_compiled_cpu(scales):
+    """The op with the scales (opcheck: fake, AOT dispatch, autograd registration), and ``attention_kvcache`` compiled
+    (fullgraph, dynamic) over two calls with new lengths, batch and pages: one graph, the eager result to the bit."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    first = Fp8Case((50, 17, 3), 12, scales, 4, window=20)
+    args, _ = make_problem(first, seed=1)
+    op_args = (*(args[n] for n in ("q", "k_cache", "v_cache", "cache_seqlens", "block_table", "sinks")), 20, 0.3,
+               "bshd", args["k_scale"], args["v_scale"])
+    # test_schema compares the inputs before and after with a product, which torch has not for fp8 tensors
+    torch.library.opcheck(torch.ops.flashsink.kvcache_fwd.default, op_args,
+                          test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
+
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(flashsink.attention_kvcache, backend=counter, fullgraph=True, dynamic=True)
+    for i, c in enumerate((first, Fp8Case((70, 9, 2, 40, 100), 7, scales, 6, window=20))):
+        args, _ = make_problem(c, seed=i)
+        with torch.inference_mode():
+            got, want = compiled(**args, return_lse=True), flashsink.attention_kvcache(**args, return_lse=True)
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+    assert counter.frame_count == 1
+
+
 # -------------------------------------------------------------------------------------------------
 # refusals, each by its message: the public function, the reference and the op
 
