@@ -34,8 +34,8 @@ Arguments are tensors and primitives only; the kernels' static configuration and
   when ``sinks`` is None, and the autograd formula then returns no gradient).
 * kvcache: ``flashsink.attention_kvcache``'s arguments (q ``[B, H, S_q, D]`` ("bhsd") or ``[B, S_q, H, D]``
   ("bshd"), a paged or contiguous cache in the same layout, int32 ``cache_seqlens`` / ``block_table``;
-  with a float8_e4m3fn cache the float32 ``k_scale`` / ``v_scale``, last); o in q's layout, contiguous, lse ``[B, H, S_q]`` (not
-  padded; float32, float64 for float64 inputs off CUDA). No gradient: an input that requires grad is refused when the op runs (NotImplementedError).
+  with a float8_e4m3fn cache the float32 ``k_scale`` / ``v_scale``, last); o in q's layout, contiguous,
+  lse ``[B, H, S_q]`` (not padded; float32, float64 for float64 inputs off CUDA). No gradient: an input that requires grad is refused when the op runs (NotImplementedError).
 * precision: "fast" or "strict" (``config.PRECISIONS``). The fast backward reads the forward's o
   (the op's output, head dims as the kernels saw them), so the autograd formula saves it and the
   backward ops take it as ``o`` (last, optional: strict and the reference do not read it).
