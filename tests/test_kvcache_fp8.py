@@ -7,6 +7,7 @@ and bad scales as NaN. Results of ``torch.empty`` are NaN (conftest), so an unwr
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import dataclass
 
 import pytest
@@ -357,3 +358,93 @@ def test_cuda_bad_scales_give_nan_in_their_heads():
         want, _ = fp64_formula(c, args, bshd)
         low, _ = lowp(c, args)
         assert_fast("o", o[:, :, ~heads].cpu(), want[:, :, ~heads], c.dtype, lowp=low[:, :, ~heads])
+
+
+# -------------------------------------------------------------------------------------------------
+# the fp8 kernel's draft (fwd_kvcache.build_fwd_kvcache(cfg, kv_fp8=True)): built and compiled here, run
+# against the formula on a GPU; not routed until it is timed there (issue 53's next step)
+
+
+def _draft_cfg(arch, c: Fp8Case):
+    from flashsink.ops.build.config import SUPPORTED_DTYPES, KernelConfig
+
+    return KernelConfig(arch=arch, dtype=SUPPORTED_DTYPES[c.dtype], head_dim=c.head_dim, head_dim_v=c.head_dim,
+                        groups=c.heads // c.kv_heads, causal=True, has_sinks=c.sinks, layout="bshd",
+                        deterministic=False, precision="strict")
+
+
+def _compile_draft(arch, c: Fp8Case):
+    import tilelang
+
+    from flashsink.ops.build.keys import pass_configs
+    from flashsink.ops.kernels.fwd_kvcache import build_fwd_kvcache
+
+    return tilelang.compile(build_fwd_kvcache(_draft_cfg(arch, c), kv_fp8=True), target={"kind": "cuda", "arch": arch},
+                            execution_backend="tvm_ffi", pass_configs=pass_configs())
+
+
+@pytest.mark.l1
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+def test_fp8_kernel_draft_compiles_for_sm90a():
+    """The draft reads K and V as e4m3 (16-byte loads of 16 keys' elements), widens them to bf16 in registers,
+    folds the KV head's K scale into the logits' scale once and multiplies o by its V scale once; wgmma does
+    the products. The default kernel keeps its signature (its TIR is unchanged: tools/tir_hashes.py)."""
+    import re
+
+    from flashsink.ops.kernels.fwd_kvcache import build_fwd_kvcache
+
+    c = Fp8Case((1,), 16, "head", heads=64, kv_heads=8, head_dim=64)
+    names = lambda f: [str(p).removesuffix("_handle") for p in f.params]  # noqa: E731
+    assert names(build_fwd_kvcache(_draft_cfg("sm_90a", c), kv_fp8=True)) == [
+        "Q", "K", "V", "BlockTable", "SeqLens", "KScale", "VScale", "window", "scale_log2", "OPart", "LSEPart"]
+    assert "KScale" not in names(build_fwd_kvcache(_draft_cfg("sm_90a", c)))
+    src = _compile_draft("sm_90a", c).get_kernel_source()
+    assert "const fp8_e4_t* __restrict__ K" in src and "const fp8_e4_t* __restrict__ V" in src
+    assert "wgmma" in src and "__tl_cvt_e4m3x2_to_bfloat162" in src
+    assert len(re.findall(r"\*\(fp8_e4_16_t\*\)\((K|V) \+", src)) >= 2  # vector loads from the cache
+    assert src.count("scale_log2 * KScale[") == 1  # K's scale: once a program, not per element
+
+
+@pytest.mark.gpu
+@pytest.mark.l1
+@pytest.mark.parametrize("c", [_GPU_CASES[0], _GPU_CASES[4], _GPU_CASES[5]], ids=str)
+def test_fp8_kernel_draft_on_the_gpu(c):
+    """The draft with the merge kernel, launched as ``kvcache.kernel_attention_kvcache`` launches the default,
+    against the formula under the fast gate; a bad scale makes its KV head's rows NaN."""
+    from flashsink.ops.build.config import LOG2E, NO_WINDOW, arch_of, split_tiles
+    from flashsink.ops.build.registry import get_kernel
+    from flashsink.ops.launch.dense import _sm_count
+    from flashsink.ops.launch.kvcache import n_splits_for
+    from flashsink._validate_kvcache import validate_kvcache
+
+    args, bshd = make_problem(c, device="cuda")
+    spec = validate_kvcache(**{k: v for k, v in args.items() if k != "window"}, window=c.window, scale=None,
+                            return_lse=True)
+    cfg = _draft_cfg(arch_of(torch.device("cuda")), c)
+    fwd, merge = _compile_draft(cfg.arch, c), get_kernel("merge_splits", cfg)
+    B, Sq, H, Dv = spec.batch, spec.seq_q, spec.heads, spec.head_dim_v
+    S = n_splits_for(spec, split_tiles(cfg), _sm_count(torch.cuda.current_device()))
+    table = args["block_table"]
+    if table is None:
+        table = torch.arange(B, dtype=torch.int32, device="cuda").view(B, 1)
+    sinks = args["sinks"] if args["sinks"] is not None else torch.zeros(H, device="cuda")
+    window = NO_WINDOW if c.window is None else c.window
+
+    def run(k_scale, v_scale):
+        o_part = torch.empty(B, H, Sq, S, Dv, device="cuda")
+        lse_part = torch.empty(B, H, Sq, S, device="cuda")
+        o = torch.empty(B, Sq, H, Dv, dtype=c.dtype, device="cuda")
+        lse = torch.empty(B, H, Sq, device="cuda")
+        per_head = lambda s: s.reshape(-1).expand(spec.kv_heads).contiguous()  # noqa: E731
+        fwd(args["q"], args["k_cache"], args["v_cache"], table, args["cache_seqlens"], per_head(k_scale),
+            per_head(v_scale), window, spec.scale * LOG2E, o_part, lse_part)
+        merge(o_part, lse_part, sinks, o, lse)
+        return o, lse
+
+    o, lse = run(args["k_scale"], args["v_scale"])
+    check_against_formula(c, args, bshd, o, lse)
+    bad = args["v_scale"].reshape(-1).expand(spec.kv_heads).clone()
+    bad[spec.kv_heads - 1] = 0.0
+    o, lse = run(args["k_scale"], bad)
+    last = torch.arange(H, device="cuda") // spec.groups == spec.kv_heads - 1
+    assert o[:, :, last].isnan().all() and lse[:, last].isnan().all() and not o[:, :, ~last].isnan().any()
