@@ -123,6 +123,8 @@ def attention_kvcache(
     scale=None,
     layout="bhsd",
     return_lse=False,
+    k_scale=None,
+    v_scale=None,
 ):
     """Attention of new tokens against a (paged) KV cache: decode and chunked prefill for serving.
 
@@ -146,6 +148,13 @@ def attention_kvcache(
             The CUDA kernels read "bshd" caches only (NotImplementedError for "bhsd" there: its cache would
             be copied whole on every call).
         return_lse: also return the natural-log LSE (sink included), float32 ``[B, H, S_q]``.
+        k_scale, v_scale: for an fp8 cache only (``float8_e4m3fn`` k_cache and v_cache, q bf16 or fp16),
+            and then required: float32 tensors on q's device, shape ``[1]`` (or ``[]``: one scale per
+            tensor) or ``[H_kv]`` (one per KV head), as vLLM passes them; the cache holds
+            ``float(k_cache) * k_scale``. Off CUDA their values must be finite and > 0 (ValueError); on
+            CUDA a bad scale makes the heads it scales NaN (checked on the device, no host sync). On CUDA
+            the fp8 cache is dequantized to q's dtype whole on every call until an fp8 kernel lands
+            (correct, not yet faster).
 
     Returns o in q's layout (``D_v`` last) and dtype (and lse). Off CUDA this is
     :func:`flashsink.reference.attention_kvcache`, which checks the values of ``cache_seqlens`` and
@@ -157,15 +166,16 @@ def attention_kvcache(
     inside the op); eager calls take the launches directly.
     """
     spec = validate_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, sinks, window=window, scale=scale,
-                            return_lse=return_lse, layout=layout)
+                            return_lse=return_lse, layout=layout, k_scale=k_scale, v_scale=v_scale)
     if q.is_cuda and not torch.compiler.is_compiling():  # eagerly: the launches, no op dispatch
         return kernel_attention_kvcache(spec, q, k_cache, v_cache, cache_seqlens, block_table, sinks,
-                                        return_lse=return_lse)
+                                        return_lse=return_lse, k_scale=k_scale, v_scale=v_scale)
     if torch.compiler.is_compiling() or q.device.type == "meta":
         # The op flashsink::kvcache_fwd: the kernels on CUDA; elsewhere the reference, which reads the
         # lengths and pages inside the op, where a traced graph does not see them; on meta tensors the fake.
         o, lse = torch.ops.flashsink.kvcache_fwd(q, k_cache, v_cache, cache_seqlens, block_table, sinks, spec.window,
-                                                 spec.scale, spec.layout)
+                                                 spec.scale, spec.layout, k_scale, v_scale)
         return (o, lse) if return_lse else o
-    lengths, pages = check_cache_values(spec, cache_seqlens, block_table)
-    return reference._attention_kvcache(q, k_cache, v_cache, lengths, pages, sinks, spec, return_lse=return_lse)
+    lengths, pages = check_cache_values(spec, cache_seqlens, block_table, k_scale, v_scale)
+    return reference._attention_kvcache(q, k_cache, v_cache, lengths, pages, sinks, spec, return_lse=return_lse,
+                                        k_scale=k_scale, v_scale=v_scale)

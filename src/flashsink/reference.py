@@ -31,7 +31,7 @@ from ._validate import AttnSpec, check_flag, make_spec, validate_attention, vali
 from ._validate_kvcache import KVCacheSpec, check_cache_values, from_bshd, to_bshd, validate_kvcache
 from .visibility import last_key, position, window_edge
 
-__all__ = ["attention", "attention_kvcache", "attention_varlen", "gather_kvcache", "visible_mask"]
+__all__ = ["attention", "attention_kvcache", "attention_varlen", "dequantize_kvcache", "gather_kvcache", "visible_mask"]
 
 
 def visible_mask(seq_q: int, seq_kv: int, *, window: int | None, causal: bool, device=None) -> torch.Tensor:
@@ -226,17 +226,29 @@ def gather_kvcache(cache: torch.Tensor, length: int, pages: list[int] | None = N
     return cache[index].flatten(0, 1)[:length]
 
 
+def dequantize_kvcache(cache: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``float(cache) * scale`` in ``dtype``, contiguous: ``cache [..., H_kv, D]`` in float8_e4m3fn, ``scale``
+    float32 ``[]`` / ``[1]`` (per tensor) or ``[H_kv]`` (per KV head). Every e4m3 value is exact in fp16,
+    bf16 and wider, so the cast is exact; the product is computed in float32 (``dtype`` if wider) and
+    written in ``dtype``, with no intermediate copy in float32."""
+    wide = cache.to(dtype)
+    return torch.mul(wide, scale.reshape(-1, 1), out=torch.empty(wide.shape, dtype=dtype, device=wide.device))
+
+
 def _attention_kvcache(q, k_cache, v_cache, lengths, pages, sinks, spec: KVCacheSpec, *, return_lse,
-                       compute_dtype=None):
-    """KV-cache reference on a validated problem: gather each sequence's keys, then the dense
-    reference (causal, bottom-right aligned: the S_q queries are the last S_q of the sequence).
-    Works in "bshd" (views of q and the caches in the call's layout); o comes back in that layout."""
+                       compute_dtype=None, k_scale=None, v_scale=None):
+    """KV-cache reference on a validated problem: gather each sequence's keys (dequantized in the
+    compute dtype for an fp8 cache), then the dense reference (causal, bottom-right aligned: the S_q
+    queries are the last S_q of the sequence). Works in "bshd" (views of q and the caches in the call's
+    layout); o comes back in that layout."""
     cdt = _compute_dtype(q.dtype, compute_dtype)
     q, k_cache, v_cache = to_bshd(spec, q, k_cache, v_cache)
     outs, lses = [], []
     for b, n in enumerate(lengths):
         k = gather_kvcache(k_cache, n, None if pages is None else pages[b], b).unsqueeze(0)
         v = gather_kvcache(v_cache, n, None if pages is None else pages[b], b).unsqueeze(0)
+        if spec.fp8:  # the rows a sequence uses only, not the whole cache
+            k, v = dequantize_kvcache(k, k_scale, cdt), dequantize_kvcache(v, v_scale, cdt)
         sub = make_spec(1, spec.heads, spec.kv_heads, spec.seq_q, n, spec.head_dim, spec.head_dim_v,
                         window=spec.window, causal=True, scale=spec.scale, layout="bshd", dtype=spec.dtype,
                         has_sinks=spec.has_sinks)
@@ -265,6 +277,8 @@ def attention_kvcache(
     layout="bhsd",
     return_lse=False,
     compute_dtype=None,
+    k_scale=None,
+    v_scale=None,
 ):
     """Attention against a (paged) KV cache in plain PyTorch: ``flashsink.attention_kvcache``'s
     reference (forward only, like it). Batch row b's ``S_q`` queries are the last ``S_q`` tokens
@@ -273,10 +287,13 @@ def attention_kvcache(
     paged caches ``[num_pages, H_kv, page_size, D]`` with ``block_table`` int32 ``[B, max_pages]``,
     contiguous ones ``[B, H_kv, S_max, D]``; "bshd": q ``[B, S_q, H, D]``, caches ``[num_pages,
     page_size, H_kv, D]`` / ``[B, S_max, H_kv, D]``. The values of ``cache_seqlens`` and of the used
-    block-table entries are checked here (ValueError). Returns o in q's layout and dtype (``D_v``
-    last) and, with ``return_lse``, lse ``[B, H, S_q]`` (float32, or float64 when computing in float64)."""
+    block-table entries are checked here (ValueError). An fp8 cache (``float8_e4m3fn``, q bf16 or fp16)
+    holds ``float(cache) * scale`` with float32 ``k_scale`` / ``v_scale`` of shape ``[]`` / ``[1]`` or
+    ``[H_kv]``: each sequence's rows are dequantized in the compute dtype, then as above. Returns o in
+    q's layout and dtype (``D_v`` last) and, with ``return_lse``, lse ``[B, H, S_q]`` (float32, or float64
+    when computing in float64)."""
     spec = validate_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, sinks, window=window, scale=scale,
-                            return_lse=return_lse, layout=layout)
-    lengths, pages = check_cache_values(spec, cache_seqlens, block_table)
+                            return_lse=return_lse, layout=layout, k_scale=k_scale, v_scale=v_scale)
+    lengths, pages = check_cache_values(spec, cache_seqlens, block_table, k_scale, v_scale)
     return _attention_kvcache(q, k_cache, v_cache, lengths, pages, sinks, spec, return_lse=return_lse,
-                              compute_dtype=compute_dtype)
+                              compute_dtype=compute_dtype, k_scale=k_scale, v_scale=v_scale)

@@ -23,6 +23,12 @@ The split-KV kernel of ``fwd_split.py`` with the keys read through a block table
 
 Partials (fp32 o and natural-log LSE without the sink, one per split) are merged by
 ``merge_splits.py``.
+
+``kv_fp8=True`` (a draft, issue 53's next step: built and compiled in tests/test_kvcache_fp8.py, not routed
+until it is timed on a GPU): K and V in float8_e4m3fn, gathered as above and widened to q's dtype on their way
+into registers (exact), with float32 ``KScale`` / ``VScale`` ``[H_kv]``. A program has one KV head, so its
+scales are two numbers: K's is folded into the logits' scale and V's into o, never multiplied per element. A
+scale that is not finite and > 0 makes the program's partials NaN, as a bad length does.
 """
 
 import tilelang.language as T
@@ -33,19 +39,40 @@ from ..build.config import KernelConfig, split_tiles
 from ..tir.mask import branch_tile, in_blocks, scale_logits, visible
 
 NAN = float("nan")
+FP8 = "float8_e4m3fn"  # torch.float8_e4m3fn
 #: the table's page of a key row past its batch row's length (loaded as zeros) and of a row whose
 #: block-table entry is outside the cache (its keys NaN)
 PAST_END, BAD_PAGE = -1, -2
 
 
-def build_fwd_kvcache(cfg: KernelConfig):
+def build_fwd_kvcache(cfg: KernelConfig, kv_fp8: bool = False):
     """The kernel: each key tile's rows resolved to pages once, in a shared table (``resolve``), its K/V
     rows gathered through it into registers one tile ahead (``fetch``), and stored to shared memory at
-    the next step's start, so the gather's loads are in flight while the tile computes."""
+    the next step's start, so the gather's loads are in flight while the tile computes. ``kv_fp8``: the
+    fp8 cache's draft (module docstring); the default kernel is the same TIR with or without it."""
     t = split_tiles(cfg)
     bm, bn = t.block_m, t.block_n
     dim, dim_v, groups = cfg.head_dim, cfg.head_dim_v, cfg.groups
     dtype, accum = cfg.dtype, "float32"
+    kv_dtype = FP8 if kv_fp8 else dtype
+    # the fp8 draft's changes, as plain functions of its scales: with kv_fp8 off each returns its argument,
+    # so the default kernel's expressions are untouched
+
+    def widen(x):
+        return T.cast(x, dtype) if kv_fp8 else x
+
+    def logit_scale(scale_log2, KScale, kv_head):
+        return scale_log2 * KScale[kv_head] if kv_fp8 else scale_log2
+
+    def out_value(x, VScale, kv_head):
+        return x * VScale[kv_head] if kv_fp8 else x
+
+    def bad_row(bad_len, KScale, VScale, kv_head):
+        if not kv_fp8:
+            return bad_len
+        k, v = KScale[kv_head], VScale[kv_head]  # NaN fails both comparisons
+        return bad_len | T.Not((k > 0) & (k < T.infinity(accum)) & (v > 0) & (v < T.infinity(accum)))
+
     batch, heads, seq_q, num_pages, page_size, max_pages, n_splits = T.dynamic(
         "batch, heads, seq_q, num_pages, page_size, max_pages, n_splits"
     )
@@ -109,24 +136,14 @@ def build_fwd_kvcache(cfg: KernelConfig):
         resolve(BlockTable, pg_s, off_s, b, key0, seq_kv, page_size, max_pages, num_pages)
         for r, d in T.Parallel(bn, dim):
             k_to[r, d] = T.if_then_else(
-                pg_s[r] >= 0, K[pg_s[r], off_s[r], kv_head, d],
+                pg_s[r] >= 0, widen(K[pg_s[r], off_s[r], kv_head, d]),
                 T.if_then_else(pg_s[r] == PAST_END, T.cast(0, dtype), T.cast(NAN, dtype)),
             )
         for r, d in T.Parallel(bn, dim_v):
-            v_to[r, d] = T.if_then_else(pg_s[r] >= 0, V[pg_s[r], off_s[r], kv_head, d], T.cast(0, dtype))
+            v_to[r, d] = T.if_then_else(pg_s[r] >= 0, widen(V[pg_s[r], off_s[r], kv_head, d]), T.cast(0, dtype))
 
-    @T.prim_func
-    def flashsink_fwd_kvcache(
-        Q: T.Tensor([batch, seq_q, heads, dim], dtype),
-        K: T.Tensor([num_pages, page_size, heads_kv, dim], dtype),
-        V: T.Tensor([num_pages, page_size, heads_kv, dim_v], dtype),
-        BlockTable: T.Tensor([batch, max_pages], "int32"),
-        SeqLens: T.Tensor([batch], "int32"),
-        window: T.int32,
-        scale_log2: T.float32,
-        OPart: T.Tensor([batch, heads, seq_q, n_splits, dim_v], accum),
-        LSEPart: T.Tensor([batch, heads, seq_q, n_splits], accum),
-    ):
+    @T.macro
+    def body(Q, K, V, BlockTable, SeqLens, KScale, VScale, window, scale_log2, OPart, LSEPart):
         with T.Kernel(n_splits * m_tiles, heads_kv, batch, threads=t.threads) as (bx, kv_head, b):
             q_s = T.alloc_shared([bm, dim], dtype)
             k_s = T.alloc_shared([bn, dim], dtype)
@@ -180,20 +197,54 @@ def build_fwd_kvcache(cfg: KernelConfig):
                 if kb + 1 < my_hi:
                     fetch(BlockTable, K, V, pg_s, off_s, b, kv_head, (kb + 1) * bn, seq_kv, page_size,
                           max_pages, num_pages, k_r, v_r)
-                scores(q_s, k_s, acc_s, p0, kb * bn, seq_kv, window, scale_log2, kb, full)
+                scores(q_s, k_s, acc_s, p0, kb * bn, seq_kv, window, logit_scale(scale_log2, KScale, kv_head), kb,
+                       full)
                 accumulate(acc_s, p, v_s, acc_o, m, m_prev, alpha, row_sum, l)
 
             softmax.finalize(acc_o, m, l, lse, bm, dim_v)
             for r, d in T.Parallel(bm, dim_v):
                 if p0 + r < n_rows:
                     OPart[b, kv_head * groups + (p0 + r) % groups, (p0 + r) // groups, split, d] = T.if_then_else(
-                        bad_len, NAN, acc_o[r, d]
+                        bad_row(bad_len, KScale, VScale, kv_head), NAN, out_value(acc_o[r, d], VScale, kv_head)
                     )
             for r in T.Parallel(bm):
                 if p0 + r < n_rows:
                     LSEPart[b, kv_head * groups + (p0 + r) % groups, (p0 + r) // groups, split] = T.if_then_else(
-                        bad_len, NAN, lse[r]
+                        bad_row(bad_len, KScale, VScale, kv_head), NAN, lse[r]
                     )
+
+    if kv_fp8:
+        @T.prim_func
+        def flashsink_fwd_kvcache_fp8(
+            Q: T.Tensor([batch, seq_q, heads, dim], dtype),
+            K: T.Tensor([num_pages, page_size, heads_kv, dim], kv_dtype),
+            V: T.Tensor([num_pages, page_size, heads_kv, dim_v], kv_dtype),
+            BlockTable: T.Tensor([batch, max_pages], "int32"),
+            SeqLens: T.Tensor([batch], "int32"),
+            KScale: T.Tensor([heads_kv], accum),  # per KV head (a per-tensor scale expanded on the host)
+            VScale: T.Tensor([heads_kv], accum),
+            window: T.int32,
+            scale_log2: T.float32,
+            OPart: T.Tensor([batch, heads, seq_q, n_splits, dim_v], accum),
+            LSEPart: T.Tensor([batch, heads, seq_q, n_splits], accum),
+        ):
+            body(Q, K, V, BlockTable, SeqLens, KScale, VScale, window, scale_log2, OPart, LSEPart)
+
+        return flashsink_fwd_kvcache_fp8
+
+    @T.prim_func
+    def flashsink_fwd_kvcache(
+        Q: T.Tensor([batch, seq_q, heads, dim], dtype),
+        K: T.Tensor([num_pages, page_size, heads_kv, dim], dtype),
+        V: T.Tensor([num_pages, page_size, heads_kv, dim_v], dtype),
+        BlockTable: T.Tensor([batch, max_pages], "int32"),
+        SeqLens: T.Tensor([batch], "int32"),
+        window: T.int32,
+        scale_log2: T.float32,
+        OPart: T.Tensor([batch, heads, seq_q, n_splits, dim_v], accum),
+        LSEPart: T.Tensor([batch, heads, seq_q, n_splits], accum),
+    ):
+        body(Q, K, V, BlockTable, SeqLens, None, None, window, scale_log2, OPart, LSEPart)
 
     return flashsink_fwd_kvcache
 

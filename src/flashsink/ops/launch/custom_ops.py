@@ -15,7 +15,8 @@ forward op has an autograd formula that calls the backward op.
     flashsink::varlen_bwd(do, q, k, v, sinks?, lse, dlse?, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                           max_seqlen_k, window?, causal, scale, deterministic, precision="fast", o?=None)
         -> (dq, dk, dv, dsink)
-    flashsink::kvcache_fwd(q, k_cache, v_cache, cache_seqlens, block_table?, sinks?, window?, scale, layout) -> (o, lse)
+    flashsink::kvcache_fwd(q, k_cache, v_cache, cache_seqlens, block_table?, sinks?, window?, scale, layout,
+                           k_scale?=None, v_scale?=None) -> (o, lse)
 
 Arguments are tensors and primitives only; the kernels' static configuration and the problem's
 ``AttnSpec`` are rebuilt from them inside.
@@ -41,9 +42,9 @@ Conventions:
 * dlse: the gradient of that padded lse or None; dsink: ``[H]`` in the sinks' dtype (float32 zeros
   when ``sinks`` is None, and the autograd formula then returns no gradient).
 * kvcache: ``flashsink.attention_kvcache``'s arguments (q ``[B, H, S_q, D]`` ("bhsd") or ``[B, S_q, H, D]``
-  ("bshd"), a paged or contiguous cache in the same layout, int32 ``cache_seqlens`` / ``block_table``);
-  o in q's layout, contiguous, lse ``[B, H, S_q]`` (not
-  padded; float32, float64 for float64 inputs off CUDA). No gradient: an input that requires grad is refused when the op runs (NotImplementedError).
+  ("bshd"), a paged or contiguous cache in the same layout, int32 ``cache_seqlens`` / ``block_table``;
+  with a float8_e4m3fn cache the float32 ``k_scale`` / ``v_scale``, last); o in q's layout, contiguous,
+  lse ``[B, H, S_q]`` (not padded; float32, float64 for float64 inputs off CUDA). No gradient: an input that requires grad is refused when the op runs (NotImplementedError).
 * precision: "fast" or "strict" (``config.PRECISIONS``). The fast backward reads the forward's o
   (the op's output, head dims as the kernels saw them), so the autograd formula saves it and the
   backward ops take it as ``o`` (last, optional: strict and the reference do not read it).
@@ -457,11 +458,17 @@ def _kvcache_fwd_reference(
     window: Optional[int],
     scale: float,
     layout: str,
+    k_scale: Optional[Tensor] = None,
+    v_scale: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
-    """Reference implementation (every device but CUDA), the values of the lengths and pages checked on the host."""
-    spec = check_kvcache_op(q, k_cache, v_cache, cache_seqlens, block_table, sinks, window, scale, layout)
-    lengths, pages = check_cache_values(spec, cache_seqlens, block_table)  # inside the op: never in a graph
-    o, lse = reference._attention_kvcache(q, k_cache, v_cache, lengths, pages, sinks, spec, return_lse=True)
+    """Reference implementation (every device but CUDA), the values of the lengths, pages and scales checked on
+    the host."""
+    spec = check_kvcache_op(q, k_cache, v_cache, cache_seqlens, block_table, sinks, window, scale, layout, k_scale,
+                            v_scale)
+    # inside the op: never in a graph
+    lengths, pages = check_cache_values(spec, cache_seqlens, block_table, k_scale, v_scale)
+    o, lse = reference._attention_kvcache(q, k_cache, v_cache, lengths, pages, sinks, spec, return_lse=True,
+                                          k_scale=k_scale, v_scale=v_scale)
     return o.contiguous(), lse.contiguous()
 
 
@@ -469,14 +476,19 @@ kvcache_fwd = torch.library.custom_op("flashsink::kvcache_fwd", _kvcache_fwd_ref
 
 
 @kvcache_fwd.register_kernel("cuda")
-def _kvcache_fwd_cuda(q, k_cache, v_cache, cache_seqlens, block_table, sinks, window, scale, layout):
-    spec = check_kvcache_op(q, k_cache, v_cache, cache_seqlens, block_table, sinks, window, scale, layout)
-    return kernel_attention_kvcache(spec, q, k_cache, v_cache, cache_seqlens, block_table, sinks, return_lse=True)
+def _kvcache_fwd_cuda(q, k_cache, v_cache, cache_seqlens, block_table, sinks, window, scale, layout, k_scale=None,
+                      v_scale=None):
+    spec = check_kvcache_op(q, k_cache, v_cache, cache_seqlens, block_table, sinks, window, scale, layout, k_scale,
+                            v_scale)
+    return kernel_attention_kvcache(spec, q, k_cache, v_cache, cache_seqlens, block_table, sinks, return_lse=True,
+                                    k_scale=k_scale, v_scale=v_scale)
 
 
 @kvcache_fwd.register_fake
-def _kvcache_fwd_fake(q, k_cache, v_cache, cache_seqlens, block_table, sinks, window, scale, layout):
-    spec = check_kvcache_op(q, k_cache, v_cache, cache_seqlens, block_table, sinks, window, scale, layout)
+def _kvcache_fwd_fake(q, k_cache, v_cache, cache_seqlens, block_table, sinks, window, scale, layout, k_scale=None,
+                      v_scale=None):
+    spec = check_kvcache_op(q, k_cache, v_cache, cache_seqlens, block_table, sinks, window, scale, layout, k_scale,
+                            v_scale)
     o = q.new_empty((spec.batch, spec.seq_q, spec.heads, spec.head_dim_v) if spec.layout == "bshd"
                     else (spec.batch, spec.heads, spec.seq_q, spec.head_dim_v))
     return o, q.new_empty((spec.batch, spec.heads, spec.seq_q), dtype=_lse_dtype(q.dtype))
@@ -485,8 +497,8 @@ def _kvcache_fwd_fake(q, k_cache, v_cache, cache_seqlens, block_table, sinks, wi
 def _kvcache_refuse_grad(ctx, inputs, output):
     """Forward only: called when grad mode is on and an input requires grad (the implementations run
     below autograd, with grad mode off, so their own check cannot see it)."""
-    q, k_cache, v_cache, _, _, sinks, *_ = inputs
-    refuse_grad(q, k_cache, v_cache, sinks)
+    q, k_cache, v_cache, _, _, sinks, _, _, _, k_scale, v_scale = inputs
+    refuse_grad(q, k_cache, v_cache, sinks, k_scale, v_scale)
 
 
 kvcache_fwd.register_autograd(None, setup_context=_kvcache_refuse_grad)

@@ -11,12 +11,18 @@ Checked where: types, shapes, dtypes, devices and contiguity on the host, from m
 values of ``cache_seqlens`` (``0 <= n <= max_pages * page_size``) and of the used block-table
 entries (``0 <= page < num_pages``) in the kernel, which never reads out of bounds and writes NaN
 instead (``fwd_kvcache.py`` says where). Nothing here imports tilelang.
+
+An fp8 cache (float8_e4m3fn with float32 ``k_scale`` / ``v_scale``) has no kernel of its own yet (issue 53's
+next step: a split-KV forward that reads fp8 K/V and scales them in registers, timed on a GPU before it is
+routed): it is dequantized to q's dtype on the device, whole, and runs the fp16/bf16 kernels; correct, and
+a read of the cache and a write of a copy twice its size on every call.
 """
 
 import math
 
 import torch
 
+from ...reference import dequantize_kvcache
 from ..build.registry import get_kernel
 from ..build.config import KVCACHE_HEAD_DIMS, LOG2E, NO_WINDOW, SUPPORTED_DTYPES, KernelConfig, arch_of, split_tiles
 
@@ -99,7 +105,14 @@ def n_splits_for(spec, tiles, sm_count: int) -> int:
     return max(1, min(math.ceil(PROGRAMS_PER_SM * sm_count / programs), blocks // 4))
 
 
-def kernel_attention_kvcache(spec, q, k_cache, v_cache, cache_seqlens, block_table, sinks, *, return_lse):
+def _nan_unless_positive(scale):
+    """``scale`` with NaN where it is not finite and > 0: checked on the device (no host sync), so a bad
+    scale gives NaN in the heads it scales, as a bad length does in its batch row, never a wrong number."""
+    return torch.where(torch.isfinite(scale) & (scale > 0), scale, float("nan"))
+
+
+def kernel_attention_kvcache(spec, q, k_cache, v_cache, cache_seqlens, block_table, sinks, *, return_lse,
+                             k_scale=None, v_scale=None):
     """Run validated inputs through the kernels (forward only)."""
     from .dense import _sm_count
 
@@ -110,6 +123,9 @@ def kernel_attention_kvcache(spec, q, k_cache, v_cache, cache_seqlens, block_tab
     lse = torch.empty((B, H, Sq), dtype=torch.float32, device=dev)
     if B == 0 or Sq == 0:
         return (o, lse) if return_lse else o
+    if spec.fp8:  # no fp8 kernel yet (module docstring): the fp16/bf16 kernels on a dequantized copy
+        k_cache = dequantize_kvcache(k_cache, _nan_unless_positive(k_scale), q.dtype)
+        v_cache = dequantize_kvcache(v_cache, _nan_unless_positive(v_scale), q.dtype)
     cfg, fwd, merge, tiles = _plan(spec, dev)
     if block_table is None:
         block_table = _identity(B, dev)
