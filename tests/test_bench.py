@@ -281,7 +281,7 @@ def test_varlen_and_decode_presets():
     assert (a.dtype, a.heads, a.kv_heads, a.head_dim, a.batch) == ("bf16", 64, 8, 64, 64)
     assert a.seq_q == a.seq_kv == max(a.seqlens) and a.n == 32768
     assert bench.preset_problems("varlen")[0].seqlens == a.seqlens  # a fixed seed: every run packs the same batch
-    assert bench.lengths_summary(a.seqlens) == "10/384/2590"  # pinned: the README quotes it, runs stay comparable
+    assert bench.lengths_summary(a.seqlens) == "10/384/2590"  # pinned: docs/bench.md quotes it, runs stay comparable
     assert bench.lengths_summary(a.seqlens) in a.label()
     dec = bench.preset_problems("decode")
     assert [p.seq_kv for p in dec] == [4096, 16384, 65536]

@@ -12,8 +12,8 @@ kernels and in the reference):
 - an Inf key whose scores are NaN: every row that sees it (of that key's heads) is NaN, earlier
   rows are unaffected; a key whose scores are -Inf is simply invisible: nothing changes;
 - NaN in one value row: the rows that see that key (of that key's heads) are NaN in that column;
-  by the formula a masked key contributes nothing, and so the reference (README, "Non-finite
-  inputs"). The kernels may also put it in rows whose query tile visits that key's tile (0 * NaN in
+  by the formula a masked key contributes nothing, and so the reference (docs/precision.md,
+  "Non-finite inputs"). The kernels may also put it in rows whose query tile visits that key's tile (0 * NaN in
   P @ V): here every row shares one tile, so the GPU test accepts NaN there;
 - a NaN sink: that head is NaN; a -Inf sink: attention without a sink for that head;
 - a +Inf sink (reference only: the formula's softmax gives NaN there, the reference gives the
@@ -171,7 +171,7 @@ def test_kernel_backward_survives_nan_inputs(precision):
 @pytest.mark.gpu
 @pytest.mark.l1
 def test_kernels_nan_in_a_masked_value_stays_in_the_tiles_that_visit_it():
-    """README, "Non-finite inputs": N=1024 causal, NaN in v of a key of the last key tile (128 wide
+    """docs/precision.md, "Non-finite inputs": N=1024 causal, NaN in v of a key of the last key tile (128 wide
     on Hopper, 64 on sm_80: key 1000 is in the last tile of either). Rows whose query tile
     (``config.fwd_tiles``: 192 rows at D64 on Hopper, 128 on sm_80) never visits that key tile (causal
     tiles visit key tiles up to their own last row) are finite and match the reference; the rest either

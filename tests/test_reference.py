@@ -363,7 +363,7 @@ def test_varlen_api_cpu_matches_reference():
 
 
 # ---------------------------------------------------------------------------------------------
-# Non-finite inputs (README, "Non-finite inputs"): a masked key contributes nothing, by the formula.
+# Non-finite inputs (docs/precision.md, "Non-finite inputs"): a masked key contributes nothing, by the formula.
 
 
 def test_nan_in_a_value_no_row_sees_stays_out():
