@@ -1,4 +1,4 @@
-"""Every fenced ``python`` block of the README runs as written (issue 54, item 12), each in a fresh interpreter
+"""Every fenced ``python`` block of the README and of docs/api.md runs as written, each in a fresh interpreter
 as a newcomer would paste it, on whatever device this machine has: on a CPU-only machine the blocks pick
 the CPU (and gloo for the distributed ones, which run under torchrun as their first line says).
 
@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+DOCS = (README, ROOT / "docs" / "api.md")  # the pages whose examples are programs
 SKIP = re.compile(r"^<!-- readme-test: skip \((.+)\) -->$")
 TORCHRUN = re.compile(r"^# torchrun --standalone --nproc-per-node (\d+) (\S+\.py)$")
 
@@ -45,18 +47,18 @@ def python_blocks(text: str) -> list[tuple[int, str, str | None]]:
     return blocks
 
 
-BLOCKS = python_blocks(README.read_text())
+BLOCKS = [(doc, n, code, why) for doc in DOCS for n, code, why in python_blocks(doc.read_text())]
 
 
 def test_the_skipped_blocks_are_the_listed_ones():
-    skipped = {code.splitlines()[0]: why for _, code, why in BLOCKS if why is not None}
+    skipped = {code.splitlines()[0]: why for _, _, code, why in BLOCKS if why is not None}
     assert skipped == SKIPPED
-    assert len(BLOCKS) - len(skipped) >= 7  # the rest run, below
+    assert sum(doc == README and why is None for doc, _, _, why in BLOCKS) >= 7  # the rest run, below
 
 
-@pytest.mark.parametrize("line, code", [(n, c) for n, c, why in BLOCKS if why is None],
-                         ids=[f"README-L{n}" for n, _, why in BLOCKS if why is None])
-def test_readme_block_runs(line, code, tmp_path):
+@pytest.mark.parametrize("doc, line, code", [(d, n, c) for d, n, c, why in BLOCKS if why is None],
+                         ids=[f"{d.stem}-L{n}" for d, n, _, why in BLOCKS if why is None])
+def test_readme_block_runs(doc, line, code, tmp_path):
     first = code.splitlines()[0]
     launch = TORCHRUN.match(first)
     script = tmp_path / (launch.group(2) if launch else f"readme_l{line}.py")
@@ -68,5 +70,5 @@ def test_readme_block_runs(line, code, tmp_path):
         cmd = [sys.executable, str(script)]
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     run = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=540)
-    assert run.returncode == 0, f"README line {line}:\n{code}\n--- stdout\n{run.stdout[-3000:]}\n--- stderr\n" \
-                                f"{run.stderr[-5000:]}"
+    assert run.returncode == 0, f"{doc.relative_to(ROOT)} line {line}:\n{code}\n--- stdout\n{run.stdout[-3000:]}\n" \
+                                f"--- stderr\n{run.stderr[-5000:]}"
