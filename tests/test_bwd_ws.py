@@ -155,6 +155,30 @@ def test_ds_first_reorders_the_same_statements(precision):
     assert dv_after_ds(new) and not dv_after_ds(old)
 
 
+def test_dk_in_flight_leaves_dk_running_into_the_next_tile():
+    """``build_bwd_ws(dk_in_flight=True)`` (FlashAttention-3's order, timed by tools/bwd_variants.py's /dkflight
+    rows; no default uses it, perf-log v34): the tile no longer ends by waiting for every product and releasing
+    its ring slot; the slot of tile it-1 is released once tile it's S^T is waited for (which retires tile it-1's
+    dK, issued before it), and the last dK is waited for after the loop, before dK is added out."""
+    cfg = _cfg(d=128)
+    t = config.bwd_tiles(cfg)
+    old = bwd_ws.build_bwd_ws(cfg, t, 8, True, True, head_major=True).script().splitlines()
+    new = bwd_ws.build_bwd_ws(cfg, t, 8, True, True, head_major=True, dk_in_flight=True).script().splitlines()
+    strip = [line.strip() for line in new]
+    assert "T.ptx_arrive_barrier(empty_1[s])" in [line.strip() for line in old]
+    assert "T.ptx_arrive_barrier(empty_1[s])" not in strip
+    released = strip.index("T.ptx_arrive_barrier(empty_1[(it - 1) % 2])")
+    assert strip[released - 2:released] == ["T.wait_wgmma(1)", "if it > 0:"]
+    # one wait for every product left: after the loop (indented less than the loop's body), before dK's adds
+    waits = [i for i, line in enumerate(strip) if line == "T.wait_wgmma(0)"]
+    last = waits[-1]
+    assert len(new[last]) - len(strip[last]) < len(new[released]) - len(strip[released])
+    assert strip[last + 1].startswith("T.atomicadd(T.region(dk[")
+    assert len(waits) == sum(line == "T.wait_wgmma(0)" for line in (s.strip() for s in old))
+    with pytest.raises(NotImplementedError, match="dk_in_flight needs dq_first"):
+        bwd_ws.build_bwd_ws(cfg, t, 8, False, True, head_major=True, dk_in_flight=True)
+
+
 def test_strict_preprocess_branches_and_goes_longest_first_on_hopper():
     """``config.pre_branch`` / ``pre_lpt``: Hopper's strict preprocess skips the mask on wholly visible KV
     tiles and issues its query tiles longest first (padded layouts); sm_80 and the fast preprocess do not."""

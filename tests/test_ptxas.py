@@ -123,3 +123,20 @@ def test_ds_first_compiles_without_serialized_wgmma():
     out = lowering.ptxas_output(lowering.device_source(func, cfg, args), cfg.arch, args)
     assert not lowering.ptxas_usage(out).startswith("?"), out  # ptxas ran and reported its registers
     assert not lowering.serialized_wgmma(out), lowering.serialized_wgmma(out)
+
+
+@pytest.mark.l1
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+def test_dk_in_flight_compiles_without_serialized_wgmma():
+    """FlashAttention-3's order at D128 head-major (``dq_first``, ``ds_first``, ``dk_in_flight``: dK's product
+    running into the next tile, perf-log v34) compiles without a serialized wgmma; without ``ds_first`` ptxas
+    serializes it (C7512: P^T's registers are still live)."""
+    from flashsink.ops.build.config import bwd_tiles
+    from flashsink.ops.kernels.bwd_ws import build_bwd_ws
+
+    cfg = KernelConfig("sm_90a", "bfloat16", 128, 128, 8, True, True, "bhsd", False, "fast")
+    func = build_bwd_ws(cfg, bwd_tiles(cfg), 8, True, ds_first=True, head_major=True, dk_in_flight=True)
+    args = keys.compile_args(func)
+    out = lowering.ptxas_output(lowering.device_source(func, cfg, args), cfg.arch, args)
+    assert not lowering.ptxas_usage(out).startswith("?"), out
+    assert not lowering.serialized_wgmma(out), lowering.serialized_wgmma(out)
