@@ -34,7 +34,7 @@ scale that is not finite and > 0 makes the program's partials NaN, as a bad leng
 import tilelang.language as T
 
 from ..tir import softmax
-from ..tir.block_range import full_kv_blocks_for_rows, kv_blocks_for_rows
+from ..tir.block_range import full_kv_blocks_for_rows, kv_blocks_for_rows, split_blocks
 from ..build.config import KernelConfig, split_tiles
 from ..tir.layout import QueryMajor
 from ..tir.mask import branch_tile, in_blocks, packed_logits
@@ -168,9 +168,7 @@ def build_fwd_kvcache(cfg: KernelConfig, kv_fp8: bool = False):
             lo, hi = kv_blocks_for_rows(first_row, last_row - first_row + 1, bn, seq_q, seq_kv, window, True)
             # the blocks below the rows' length that every row of the tile sees whole: no per-element mask
             full = full_kv_blocks_for_rows(lo, hi, first_row, last_row - first_row + 1, bn, seq_q, seq_kv, window, True)
-            per = T.ceildiv(hi - lo, n_splits)
-            my_lo = T.min(hi, lo + split * per)
-            my_hi = T.min(hi, my_lo + per)
+            my_lo, my_hi = split_blocks(lo, hi, (split, n_splits))
 
             # the first tile's rows into registers; each step then stores them to shared memory and
             # issues the next tile's loads before its products and softmax, which hide their latency

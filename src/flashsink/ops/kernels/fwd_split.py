@@ -10,7 +10,7 @@ one branch a tile: ``mask.branch_tile``, as in the backward).
 import tilelang.language as T
 
 from ..tir import softmax
-from ..tir.block_range import full_kv_blocks_for_rows, kv_blocks_for_rows
+from ..tir.block_range import full_kv_blocks_for_rows, kv_blocks_for_rows, split_blocks
 from ..build.config import KernelConfig, split_tiles
 from ..tir.layout import HeadMajor, index, qkv_shapes, tile
 from ..tir.mask import branch_tile, in_blocks, packed_logits
@@ -65,9 +65,7 @@ def build_fwd_split(cfg: KernelConfig):
             # there, only the scale. Rows past the group's (q zero) then keep finite logits instead of -inf;
             # they are never stored, and a softmax row never mixes with another.
             full = full_kv_blocks_for_rows(lo, hi, 0, seq_q, bn, seq_q, seq_kv, window, cfg.causal)
-            per = T.ceildiv(hi - lo, n_splits)
-            my_lo = T.min(hi, lo + split * per)
-            my_hi = T.min(hi, my_lo + per)
+            my_lo, my_hi = split_blocks(lo, hi, (split, n_splits))
 
             for kb in T.Pipelined(my_lo, my_hi, num_stages=t.stages):
                 key0 = kb * bn
