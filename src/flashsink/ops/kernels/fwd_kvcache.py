@@ -34,9 +34,10 @@ scale that is not finite and > 0 makes the program's partials NaN, as a bad leng
 import tilelang.language as T
 
 from ..tir import softmax
-from ..tir.block_range import full_kv_blocks_for_rows, kv_blocks_for_rows
+from ..tir.block_range import full_kv_blocks_for_rows, kv_blocks_for_rows, split_blocks
 from ..build.config import KernelConfig, split_tiles
-from ..tir.mask import branch_tile, in_blocks, scale_logits, visible
+from ..tir.layout import QueryMajor
+from ..tir.mask import branch_tile, in_blocks, packed_logits
 
 NAN = float("nan")
 FP8 = "float8_e4m3fn"  # torch.float8_e4m3fn
@@ -81,29 +82,14 @@ def build_fwd_kvcache(cfg: KernelConfig, kv_fp8: bool = False):
     m_tiles = T.ceildiv(n_rows, bm)
 
     @T.macro
-    def logits(acc_s, p0, key0, seq_kv, window, scale_log2, masked: bool):
-        """The tile's logits scaled into base 2 and (``masked``: ``mask.branch_tile``'s choice) -inf where a packed
-        row (query-major: row ``p0 + i`` is query ``(p0 + i) // groups``) does not see the key, and in the rows past
-        the packed ones."""
-        if masked:
-            for i, j in T.Parallel(bm, bn):
-                acc_s[i, j] = T.if_then_else(
-                    (p0 + i < n_rows) & visible((p0 + i) // groups, key0 + j, seq_q, seq_kv, window, True),
-                    acc_s[i, j] * scale_log2,
-                    -T.infinity(accum),
-                )
-        else:
-            scale_logits(acc_s, scale_log2, False)
-
-    @T.macro
     def scores(q_s, k_s, acc_s, p0, key0, seq_kv, window, scale_log2, kb, full):
-        """The tile's logits, masked and scaled into base 2: key block ``kb`` in ``full`` (the blocks every
-        query row of the tile sees whole) only scaled; rows past the packed ones (q zero) then keep finite
-        logits, never stored, never mixed into another row's softmax."""
+        """The tile's logits, masked and scaled into base 2 (``mask.packed_logits``): key block ``kb`` in ``full``
+        (the blocks every query row of the tile sees whole) only scaled; rows past the packed ones (q zero)
+        then keep finite logits, never stored, never mixed into another row's softmax."""
         T.clear(acc_s)
         T.gemm(q_s, k_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-        branch_tile(logits, in_blocks(kb, full), acc_s, p0, key0, seq_kv, window,
-                    scale_log2)
+        branch_tile(packed_logits, in_blocks(kb, full), acc_s, QueryMajor(p0, n_rows, groups), key0, seq_q, seq_kv,
+                    window, scale_log2, True)
 
     @T.macro
     def accumulate(acc_s, p, v_s, acc_o, m, m_prev, alpha, row_sum, l):
@@ -182,9 +168,7 @@ def build_fwd_kvcache(cfg: KernelConfig, kv_fp8: bool = False):
             lo, hi = kv_blocks_for_rows(first_row, last_row - first_row + 1, bn, seq_q, seq_kv, window, True)
             # the blocks below the rows' length that every row of the tile sees whole: no per-element mask
             full = full_kv_blocks_for_rows(lo, hi, first_row, last_row - first_row + 1, bn, seq_q, seq_kv, window, True)
-            per = T.ceildiv(hi - lo, n_splits)
-            my_lo = T.min(hi, lo + split * per)
-            my_hi = T.min(hi, my_lo + per)
+            my_lo, my_hi = split_blocks(lo, hi, (split, n_splits))
 
             # the first tile's rows into registers; each step then stores them to shared memory and
             # issues the next tile's loads before its products and softmax, which hide their latency

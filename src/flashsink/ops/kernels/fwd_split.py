@@ -10,10 +10,10 @@ one branch a tile: ``mask.branch_tile``, as in the backward).
 import tilelang.language as T
 
 from ..tir import softmax
-from ..tir.block_range import full_kv_blocks_for_rows, kv_blocks_for_rows
+from ..tir.block_range import full_kv_blocks_for_rows, kv_blocks_for_rows, split_blocks
 from ..build.config import KernelConfig, split_tiles
-from ..tir.layout import index, qkv_shapes, tile
-from ..tir.mask import branch_tile, in_blocks, scale_logits, visible
+from ..tir.layout import HeadMajor, index, qkv_shapes, tile
+from ..tir.mask import branch_tile, in_blocks, packed_logits
 
 
 def build_fwd_split(cfg: KernelConfig):
@@ -51,6 +51,7 @@ def build_fwd_split(cfg: KernelConfig):
             lse = T.alloc_fragment([bm], accum)
 
             n_rows = groups * seq_q  # packed row p is query row p % seq_q of head p // seq_q
+            rows = HeadMajor(n_rows, seq_q)
             # (no Python names for per-element expressions inside T.Parallel: a name becomes a
             # Let binding, which the sm_80 code generator refuses to see bound twice)
             for r, d in T.Parallel(bm, dim):
@@ -64,17 +65,15 @@ def build_fwd_split(cfg: KernelConfig):
             # there, only the scale. Rows past the group's (q zero) then keep finite logits instead of -inf;
             # they are never stored, and a softmax row never mixes with another.
             full = full_kv_blocks_for_rows(lo, hi, 0, seq_q, bn, seq_q, seq_kv, window, cfg.causal)
-            per = T.ceildiv(hi - lo, n_splits)
-            my_lo = T.min(hi, lo + split * per)
-            my_hi = T.min(hi, my_lo + per)
+            my_lo, my_hi = split_blocks(lo, hi, (split, n_splits))
 
             for kb in T.Pipelined(my_lo, my_hi, num_stages=t.stages):
                 key0 = kb * bn
                 T.copy(tile(K, layout, b, kv_head, key0, bn), k_s)
                 T.clear(acc_s)
                 T.gemm(q_s, k_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-                branch_tile(_logits, in_blocks(kb, full), acc_s, n_rows, key0, seq_q,
-                            seq_kv, window, scale_log2, bm, bn, cfg.causal)
+                branch_tile(packed_logits, in_blocks(kb, full), acc_s, rows, key0, seq_q, seq_kv, window, scale_log2,
+                            cfg.causal)
                 T.copy(tile(V, layout, b, kv_head, key0, bn), v_s)
                 softmax.update(acc_s, acc_o, m, m_prev, alpha, row_sum, l, bm, bn, dim_v)
                 T.copy(acc_s, p)
@@ -90,17 +89,3 @@ def build_fwd_split(cfg: KernelConfig):
 
     return flashsink_fwd_split
 
-
-@T.macro
-def _logits(acc_s, n_rows, key0, seq_q, seq_kv, window, scale_log2, bm: int, bn: int, causal: bool, masked: bool):
-    """A key tile's logits scaled into base 2 and (``masked``: ``mask.branch_tile``'s choice) -inf where a packed row
-    (head-major: row ``i`` is query ``i % seq_q``) does not see the key, and in the rows past the group's."""
-    if masked:
-        for i, j in T.Parallel(bm, bn):
-            acc_s[i, j] = T.if_then_else(
-                (i < n_rows) & visible(i % seq_q, key0 + j, seq_q, seq_kv, window, causal),
-                acc_s[i, j] * scale_log2,
-                -T.infinity("float32"),
-            )
-    else:
-        scale_logits(acc_s, scale_log2, False)

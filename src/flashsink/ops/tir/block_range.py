@@ -48,6 +48,18 @@ def full_kv_blocks_for_rows(lo, hi, row0, block_m, block_n, seq_q, seq_kv, windo
     return flo, flo + T.max(T.min(fhi_raw, hi) - flo, 0) * rows_in
 
 
+@T.macro
+def split_blocks(lo, hi, of):
+    """The share ``[my_lo, my_hi)`` of the KV blocks ``[lo, hi)`` that split ``s`` of ``n`` (``of = (s, n)``)
+    visits in the split-KV kernels: ``ceil((hi - lo) / n)`` consecutive blocks a split, the last splits' fewer
+    or none. A macro, so that the share per split is bound once; ``of`` a pair, so that the macro does not
+    give the caller's split (fwd_split's grid index) a name of its own (nor unpacks it)."""
+    per = T.ceildiv(hi - lo, of[1])
+    my_lo = T.min(hi, lo + of[0] * per)
+    my_hi = T.min(hi, my_lo + per)
+    return my_lo, my_hi
+
+
 def row_blocks_for_keys(key0, block_n, block_m, seq_q, seq_kv, window, causal: bool):
     """Query-row blocks ``[lo, hi)`` that can see keys ``[key0, key0 + block_n)``."""
     m_blocks = T.ceildiv(seq_q, block_m)

@@ -180,6 +180,35 @@ def tile_head(h, i, pack=None):
     return h if pack is None else h + i // pack
 
 
+class HeadMajor:
+    """The rows of a split-KV tile that holds a whole GQA group (``fwd_split``): tile row ``i`` is query
+    ``i % seq_q`` of the group's head ``i // seq_q``, ``n_rows`` (``groups * seq_q``) of them. A plain object
+    (a macro passes it on as it is, where a TIR value would be bound to the macro's parameter name)."""
+
+    def __init__(self, n_rows, seq_q):
+        self.n_rows, self.seq_q = n_rows, seq_q
+
+    def inside(self, i):
+        return i < self.n_rows
+
+    def query(self, i):
+        return i % self.seq_q
+
+
+class QueryMajor:
+    """The rows of a split-KV tile from packed row ``p0`` of a GQA group's ``n_rows`` (``fwd_kvcache``): packed
+    row ``p`` is query ``p // groups`` of the group's head ``p % groups`` (a tile of consecutive queries)."""
+
+    def __init__(self, p0, n_rows, groups):
+        self.p0, self.n_rows, self.groups = p0, n_rows, groups
+
+    def inside(self, i):
+        return self.p0 + i < self.n_rows
+
+    def query(self, i):
+        return (self.p0 + i) // self.groups
+
+
 @T.macro
 def store_rows(x, layout: str, b, h, base, s0, seq, src, rows: int, cols: int, pack=None):
     """Write the ``[rows, cols]`` tile ``src`` to rows ``base + s0 ..`` of head ``h``, dropping

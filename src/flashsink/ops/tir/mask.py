@@ -37,6 +37,23 @@ def mask_logits(acc_s, row0, key0, sq, sk, window, scale_log2, fold_scale: bool,
         )
 
 
+@T.macro
+def packed_logits(acc_s, rows, key0, seq_q, seq_kv, window, scale_log2, causal: bool, masked: bool):
+    """The split-KV kernels' tile of logits, a GQA group's query rows packed (``rows``: ``layout.HeadMajor`` or
+    ``QueryMajor``), scaled into base 2 and (``masked``: :func:`branch_tile`'s choice) -inf where a row does not
+    see the key, and in the rows past the packed ones (their q is zero; never stored). ``seq_q``, ``seq_kv``:
+    named as the callers' (a macro gives a variable it is passed its parameter's name)."""
+    if masked:
+        for i, j in T.Parallel(acc_s.shape[0], acc_s.shape[1]):
+            acc_s[i, j] = T.if_then_else(
+                rows.inside(i) & visible(rows.query(i), key0 + j, seq_q, seq_kv, window, causal),
+                acc_s[i, j] * scale_log2,
+                -T.infinity("float32"),
+            )
+    else:
+        scale_logits(acc_s, scale_log2, False)
+
+
 def key_limits(row, key0, seq_q, seq_kv, window, causal: bool, select):
     """``(hi, lo)`` of query ``row`` relative to key ``key0``: key ``key0 + j`` is visible (:func:`visible`)
     exactly where ``lo < j <= hi``. ``select(cond, a, b)``: ``T.if_then_else`` in a kernel (Python's
