@@ -1,7 +1,7 @@
 """The hand warp-specialized main backward (``ops/kernels/bwd_ws.py``, ``build_bwd_ws``) builds
-to TIR for Hopper in the configurations tools/bwd_variants.py times, with the launch protocol of
+to TIR for Hopper in the configurations lab/bwd_variants.py times, with the launch protocol of
 TileLang's kernel (``bwd.build_bwd_pipelined``); it refuses what it does not support. Lowering only: no nvcc, no GPU (the GPU
-check of its gradients is tools/bwd_variants.py's relative L2 against the strict path)."""
+check of its gradients is lab/bwd_variants.py's relative L2 against the strict path)."""
 
 import pytest
 
@@ -156,7 +156,7 @@ def test_ds_first_reorders_the_same_statements(precision):
 
 
 def test_dk_in_flight_leaves_dk_running_into_the_next_tile():
-    """``build_bwd_ws(dk_in_flight=True)`` (FlashAttention-3's order, timed by tools/bwd_variants.py's /dkflight
+    """``build_bwd_ws(dk_in_flight=True)`` (FlashAttention-3's order, timed by lab/bwd_variants.py's /dkflight
     rows; no default uses it, perf-log v34): the tile no longer ends by waiting for every product and releasing
     its ring slot; the slot of tile it-1 is released once tile it's S^T is waited for (which retires tile it-1's
     dK, issued before it), and the last dK is waited for after the loop, before dK is added out."""
@@ -197,7 +197,7 @@ def test_strict_preprocess_branches_and_goes_longest_first_on_hopper():
     assert build_prim_func("preprocess", old).script() == _pre_strict(old, False, False).script()
     thd = _cfg(layout="thd", precision="strict")
     assert build_prim_func("preprocess", thd).script() == _pre_strict(thd, True, False).script()
-    # other tiles (tools/bwd_variants.py's "strict pre/... 64x128/s2"): the same launch, another kernel
+    # other tiles (lab/bwd_variants.py's "strict pre/... 64x128/s2"): the same launch, another kernel
     other = _pre_strict(strict, True, True, Tiles(64, 128, 256, 2))
     assert _params(other) == _params(build_prim_func("preprocess", strict)) and other.script() != lib
     assert _pre_strict(strict, True, True, pre_tiles(strict)).script() == lib
@@ -208,7 +208,7 @@ def test_strict_preprocess_branches_and_goes_longest_first_on_hopper():
 @pytest.mark.parametrize("d", [64, 128])
 def test_ws_strict_option_has_two_term_products(d):
     """``build_bwd_ws`` with precision="strict" (strict's default at D64, ``config.bwd_ws``; a row of
-    tools/bwd_variants.py at D128): the launch of TileLang's strict kernel, its P^T and dS^T
+    lab/bwd_variants.py at D128): the launch of TileLang's strict kernel, its P^T and dS^T
     split into hi + lo (split.py), so three products more per tile than the fast kernel (dV, dK, dQ
     each twice)."""
     from flashsink.ops.build.keys import build_prim_func
@@ -226,7 +226,7 @@ def test_ws_strict_option_has_two_term_products(d):
 
 
 def test_strict_preprocess_from_an_fp32_o_option():
-    """``build_preprocess_o32`` (strict; the kind ``preprocess_o32``, tools/bwd_variants.py's
+    """``build_preprocess_o32`` (strict; the kind ``preprocess_o32``, lab/bwd_variants.py's
     "strict pre/o32"): the fast preprocess's memory-bound pass with O in fp32 (the forward's ``o32`` output);
     the fast kernel's launch otherwise; it refuses the fast configuration."""
     from flashsink.ops.build.keys import build_prim_func

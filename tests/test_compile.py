@@ -137,7 +137,7 @@ def test_swapped_grid_main_backward_compiles():
 @pytest.mark.parametrize("arch, opts", [("sm_90a", {"branch": False, "lpt": False}), ("sm_80", {"branch": True}),
                                         ("sm_90a", {"branch": True, "lpt": False})])
 def test_strict_preprocess_options_compile(arch, opts):
-    """``build_preprocess_strict(branch=, lpt=)`` (tools/bwd_variants.py's "strict pre/..."): P without the
+    """``build_preprocess_strict(branch=, lpt=)`` (lab/bwd_variants.py's "strict pre/..."): P without the
     per-element mask on wholly visible KV tiles; the query tiles with the most keys first from the grid's
     layout. The library's kernel takes ``config.pre_branch`` / ``pre_lpt`` (both on Hopper, neither on
     sm_80); the other choices build and compile too, and lpt needs a padded layout."""

@@ -1,5 +1,5 @@
 """The pipelined forward's options (``fwd.build_fwd_pipelined``: tiles, ``mask``), timed on
-the GPU by tools/fwd_variants.py: each builds for sm_90a and sm_80, a few lower through TileLang
+the GPU by lab/fwd_variants.py: each builds for sm_90a and sm_80, a few lower through TileLang
 and two compile with nvcc; the defaults are exactly the library's kernel. Their numerics are
 checked on the GPU by the tool, against the default kernel."""
 

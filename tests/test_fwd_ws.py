@@ -1,7 +1,7 @@
 """The hand warp-specialized forward (``ops/kernels/fwd_ws.py``, ``build_fwd_ws``) builds to TIR for
-Hopper in the configurations tools/fwd_variants.py times, with the launch protocol of the pipelined
+Hopper in the configurations lab/fwd_variants.py times, with the launch protocol of the pipelined
 forward; it refuses what it does not support. Lowering only, plus one nvcc compile (the GPU check of
-its o and lse is tools/fwd_variants.py's, against the pipelined kernel, and the GPU suite's wherever
+its o and lse is lab/fwd_variants.py's, against the pipelined kernel, and the GPU suite's wherever
 ``config.fwd_ws`` makes it the library's forward)."""
 
 import shutil
@@ -301,7 +301,7 @@ def test_the_forward_kind_follows_window_and_scale(window, scale, want):
 
 @pytest.mark.parametrize("d,tiles", [(128, Tiles(128, 128, 256, 2)), (64, Tiles(128, 128, 256, 2))])
 def test_o32_option_adds_an_fp32_output_and_a_second_pv_term(d, tiles):
-    """``build_fwd_ws(o32=True)`` (strict's training forward, the kind ``fwd_o32``; tools/fwd_variants.py's
+    """``build_fwd_ws(o32=True)`` (strict's training forward, the kind ``fwd_o32``; lab/fwd_variants.py's
     "ws/fold/o32"): the default launch plus one output, ``O32`` (o's shape, fp32), stored
     from the normalized accumulator; P @ V issued as two products (hi and lo: one more wgmma in the
     loop and one in the tail) and waited for accordingly; the fast configuration refuses it."""
@@ -424,7 +424,7 @@ def test_warpgroup_epilogue_stores_16_bytes_a_thread():
 
 
 def test_pack_gqa_option_packs_a_group_into_one_tile():
-    """``build_fwd_ws(pack_gqa=True)`` (tools/fwd_variants.py's ".../pack", to be measured): a tile is
+    """``build_fwd_ws(pack_gqa=True)`` (lab/fwd_variants.py's ".../pack", to be measured): a tile is
     the GQA group's heads, ``block_m / groups`` positions each, head after head. Q arrives as one box
     per head into its rows of the one buffer; each row's position (mask, o, lse) is ``p0 + i % P`` and
     its head (sink, o, lse) ``h0 + i // P``; the tiles run over KV heads; the launch is the same. Off, it
@@ -506,7 +506,7 @@ def test_pack_gqa_compiles_for_hopper():
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (compiles for sm_90a without a GPU)")
 def test_pack_gqa_compiles_at_head_dim_128():
-    """At head dim 128 (tools/fwd_variants.py's ".../pack 128x128", golden's tiles) a head's 16 rows
+    """At head dim 128 (lab/fwd_variants.py's ".../pack 128x128", golden's tiles) a head's 16 rows
     are two TMA boxes, one per 64-column half of the swizzled Q buffer (a [16, 128] box is no bijection
     for TileLang 0.1.15's lowering): 8 heads x 2 boxes of 2048 bytes, each half's rows at
     ``hc * 8192 + g * 1024`` elements; nvcc builds it, and no lane is elected under a narrow branch."""

@@ -83,7 +83,7 @@ class Kind:
     #: "decode" (few query rows against a long cache: the split-KV forward, attention_kvcache); a first
     #: use builds the kernels of its own route only (:func:`first_use_kinds`)
     route: str = "dense"
-    #: about how many seconds one build takes, serially (tools/compile_time.py on the 2-core CPU machine,
+    #: about how many seconds one build takes, serially (lab/compile_time.py on the 2-core CPU machine,
     #: docs/perf-log.md "First use: where the compile time goes"; measured for fwd, preprocess, bwd
     #: and postprocess, the others set by the kernel they resemble; fwd_kvcache builds slowest of all): a
     #: first use builds the longest in its own process and the others in workers longest first, so only

@@ -21,7 +21,7 @@ from . import dense
 
 def _eager(q) -> bool:
     """The autograd.Function route: CUDA tensors outside a torch.compile trace. (Other devices take
-    the ops, whose implementation there is the reference; tools/host_overhead.py and the CPU tests
+    the ops, whose implementation there is the reference; lab/host_overhead.py and the CPU tests
     of the launches turn this on for CPU tensors.)"""
     return q.is_cuda and not torch.compiler.is_compiling()
 

@@ -184,7 +184,7 @@ def _backward(do, q, k, v, o, lse, dlse, sinks32, cfg, spec, window, cu_seqlens=
     # The sink gradient: atomically accumulated in dsink, or (deterministic) one partial per
     # program in dsink_part, summed below in a fixed order. The other buffer is not touched.
     # Each torch call here costs 5-15 us of host time on the H200's host (a slice or a view as much
-    # as an allocation: tools/host_parts.py), so every buffer is one call: no slices of one fill,
+    # as an allocation: lab/host_parts.py), so every buffer is one call: no slices of one fill,
     # and the buffers no kernel writes (a zero dlse, the unused dsink_part) one view of a buffer
     # kept from call to call (_shared). dsink is its own tensor: it becomes the sinks' gradient.
     if dlse is not None:
@@ -254,7 +254,7 @@ def _backward(do, q, k, v, o, lse, dlse, sinks32, cfg, spec, window, cu_seqlens=
 _SHARED: dict = {}
 _OUTGROWN: list = []
 #: the views handed out, by (kind, device, shape): a view costs as much host time as an allocation
-#: (tools/host_parts.py), so each shape is viewed once. A view of an outgrown buffer stays valid (the
+#: (lab/host_parts.py), so each shape is viewed once. A view of an outgrown buffer stays valid (the
 #: buffer is kept, and its contents are what they were: zeros, or never read). Emptied past
 #: MAX_VIEWS (packed batches' statistics have a shape per token count).
 _VIEWS: dict = {}

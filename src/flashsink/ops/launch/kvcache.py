@@ -89,7 +89,7 @@ def _no_sinks(heads: int, device):
 
 #: programs per SM the split count aims for (``n_splits_for``): eight, four times the two that fit at once with
 #: the kernel's prefetch registers (241 a thread), so that the programs of a long row's last round are short.
-#: Measured on an H100 (tools/kvcache_variants.py, the kernel alone, decode-paged B=8): v23, 2 -> 4 per SM ran
+#: Measured on an H100 (lab/kvcache_variants.py, the kernel alone, decode-paged B=8): v23, 2 -> 4 per SM ran
 #: 1.16-1.23x faster at 4k-64k keys; v24, 4 (9 splits) -> 8 (18): 16k 0.1565 -> 0.1424 ms, 64k 0.5810 -> 0.5243
 #: (16 per SM, 36 splits: 0.1555 and 0.4965). At 4k the cap of four key tiles a split holds it at 8 splits.
 PROGRAMS_PER_SM = 8

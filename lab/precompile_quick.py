@@ -1,7 +1,7 @@
-"""Build the kernels of tools/gpu_quick.sh's tests in parallel processes (the named cases in both precision
+"""Build the kernels of lab/gpu_quick.sh's tests in parallel processes (the named cases in both precision
 modes, every packed varlen case), into the disk cache.
 
-    python tools/precompile_quick.py
+    python lab/precompile_quick.py
 """
 
 import os

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Issue 55's measurement in one device call: the main backward's variants under work timed beside the
-# library's default and FlashAttention-4 (tools/bwd_variants.py, its FA4 rows), then ncu's rows of the
+# library's default and FlashAttention-4 (lab/bwd_variants.py, its FA4 rows), then ncu's rows of the
 # issue's table (time, DRAM bytes, L2 hit rate, instructions, grid) for the library's whole fwd+bwd, FA4's,
 # and each variant's main kernel, on causal bf16 H64/8 D128 N4096 and D64 N8192:
-#   source .gpu/setup.sh && VARIANTS=/hm bash tools/gpu_bwd_traffic.sh
-# VARIANTS: tools/bwd_variants.py's --variants (default "/hm": the head-major grids); PROBLEMS its
+#   source .gpu/setup.sh && VARIANTS=/hm bash lab/gpu_bwd_traffic.sh
+# VARIANTS: lab/bwd_variants.py's --variants (default "/hm": the head-major grids); PROBLEMS its
 # --problems; NCU=0 skips the profiles; NCU_SOURCE=1 adds SASS-level source counters of the library's and
 # FA4's main backward at D128 (details-*.txt here, the per-line CSVs in the archive). FA4 is used once both parts of .fa4 are unpacked on this machine
 # (.fa4/setup.sh). Outputs in $OUT (or ./gpu-out): bwd_variants.txt, ncu-table.md, summary.txt, and
@@ -23,7 +23,7 @@ left() { local l=$((stop_at - SECONDS)); echo $(( l > 5 ? l : 5 )); }
 variants=${VARIANTS:-/hm}
 problems=${PROBLEMS:-causal-d128,gptoss-full}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv,noheader > "$work/gpu.txt"
-timeout "$(left)" python tools/bwd_variants.py --problems "$problems" --jobs "${JOBS:-16}" --variants "$variants" \
+timeout "$(left)" python lab/bwd_variants.py --problems "$problems" --jobs "${JOBS:-16}" --variants "$variants" \
   --json "$work/bwd_variants.json" > "$dest/bwd_variants.txt" 2> "$work/bwd_variants.err"
 br=$?
 nr=skipped
@@ -39,15 +39,15 @@ if [ "${NCU:-1}" != 0 ] && command -v ncu >/dev/null; then
     [[ ",$problems," == *",$name,"* ]] || continue
     for sys in flashsink fa4; do
       NCU_SHAPE=$shape timeout "$(left)" ncu --csv --clock-control none --profile-from-start off --metrics "$metrics" \
-        python tools/ncu_bwd_pair.py $sys > "$work/ncu-$sys-$name.csv" 2>> "$work/ncu.err" || nr=$?
+        python lab/ncu_bwd_pair.py $sys > "$work/ncu-$sys-$name.csv" 2>> "$work/ncu.err" || nr=$?
       tables+=("$sys $name=$work/ncu-$sys-$name.csv")
     done
     timeout "$(left)" ncu --csv --clock-control none -k "regex:^flashsink_bwd_kernel$" --metrics "$metrics" \
-      python tools/bwd_variants.py --profile-run --problems "$name" --variants "$variants" \
+      python lab/bwd_variants.py --profile-run --problems "$name" --variants "$variants" \
       > "$work/ncu-variants-$name.csv" 2>> "$work/ncu.err" || nr=$?
     tables+=("variants $name=$work/ncu-variants-$name.csv")
   done
-  python tools/ncu_table.py "${tables[@]}" > "$dest/ncu-table.md" 2>&1
+  python lab/ncu_table.py "${tables[@]}" > "$dest/ncu-table.md" 2>&1
   # NCU_SOURCE=1: where the main kernels' instructions and stalls go, SASS line by line (the library's
   # default and FA4's at causal D128), for the instruction target: one CSV each, the hottest lines first
   if [ "${NCU_SOURCE:-0}" = 1 ]; then
@@ -55,7 +55,7 @@ if [ "${NCU:-1}" != 0 ] && command -v ncu >/dev/null; then
       NCU_SHAPE=1,64,8,4096,128 timeout "$(left)" ncu --clock-control none --profile-from-start off \
         -k "regex:^flashsink_bwd_kernel$|FlashAttentionBackwardSm90" --section SourceCounters \
         --section WarpStateStats --section InstructionStats -o "$work/source-$sys" \
-        python tools/ncu_bwd_pair.py $sys >> "$work/ncu.err" 2>&1 || nr=$?
+        python lab/ncu_bwd_pair.py $sys >> "$work/ncu.err" 2>&1 || nr=$?
       ncu --import "$work/source-$sys.ncu-rep" --page source --csv --print-source sass \
         > "$work/source-$sys.csv" 2>> "$work/ncu.err"
       ncu --import "$work/source-$sys.ncu-rep" --page details > "$dest/details-$sys.txt" 2>> "$work/ncu.err"

@@ -1,8 +1,8 @@
 """Where a kernel's first-use build time goes, on a machine with nvcc and no GPU needed.
 
-    python tools/compile_time.py one fwd --problem golden       # one kernel, phases, in this process
-    python tools/compile_time.py first-use --problem golden     # a first use: get_kernel's parallel build
-    python tools/compile_time.py imports                        # the imports a worker pays
+    python lab/compile_time.py one fwd --problem golden       # one kernel, phases, in this process
+    python lab/compile_time.py first-use --problem golden     # a first use: get_kernel's parallel build
+    python lab/compile_time.py imports                        # the imports a worker pays
 
 Each run points TileLang's and flashsink's caches at fresh temporary directories first (set before
 anything imports tilelang), so nothing is loaded from an earlier build. ``one`` wraps the phases of
@@ -28,7 +28,7 @@ import tempfile
 import time
 
 PROBLEMS = {
-    # name: dtype, D, groups, precision  (the tools/first_use.py problems' static configuration)
+    # name: dtype, D, groups, precision  (the lab/first_use.py problems' static configuration)
     "golden": ("float16", 128, 8, "fast"),
     "gptoss": ("bfloat16", 64, 8, "fast"),
 }

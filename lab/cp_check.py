@@ -4,8 +4,8 @@ UNTESTED ON GPUs: written without a multi-GPU machine; the same code paths are t
 processes with gloo (tests/test_ring.py, tests/test_distributed.py). Expect to fix small things on
 its first run.
 
-    torchrun --standalone --nproc-per-node 2 tools/cp_check.py --seq 32768
-    torchrun --standalone --nproc-per-node 4 tools/cp_check.py --seq 131072 --methods ring
+    torchrun --standalone --nproc-per-node 2 lab/cp_check.py --seq 32768
+    torchrun --standalone --nproc-per-node 4 lab/cp_check.py --seq 131072 --methods ring
 
 The problem is the golden config (fp16, B=1, H=64, H_kv=8, D=128, W=128, sinks) at the given
 sequence length (``--window none`` for full causal). Every rank builds the same global inputs from

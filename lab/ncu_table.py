@@ -1,6 +1,6 @@
 """Issue 55's ncu table from ncu's CSV (``ncu --csv --metrics ...`` output, one file per run):
 
-    python tools/ncu_table.py LABEL=FILE.csv [LABEL=FILE.csv ...]
+    python lab/ncu_table.py LABEL=FILE.csv [LABEL=FILE.csv ...]
 
 One row per profiled kernel: time (ms), DRAM read / write (GB), L2 hit rate, instructions (M), grid, registers
 and, where the metric was asked for, the tensor pipe's busy share. ``LABEL`` names the run (the system and the

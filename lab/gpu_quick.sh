@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A focused GPU check that fits one device call from a fresh machine (the whole suite, tools/gpu_suite.sh,
 # needs two calls on one warm machine):
-#   source .gpu/setup.sh && bash tools/gpu_quick.sh
+#   source .gpu/setup.sh && bash lab/gpu_quick.sh
 # 1. precompiles, in parallel processes, the kernels of the named cases (both precision modes) and of every
 #    packed varlen case (tests/gpu_cases.py);
 # 2. runs those tests (test_kernels_gpu.py -k QUICK_K, all of test_varlen_gpu.py) with XDIST workers
@@ -22,7 +22,7 @@ stop_at=${STOP_AT:-560}
 left() { local l=$((stop_at - SECONDS)); echo $(( l > 5 ? l : 5 )); }
 commit=${FLASHSINK_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}
 
-timeout "$(left)" python tools/precompile_quick.py > "$dest/precompile.log" 2>&1
+timeout "$(left)" python lab/precompile_quick.py > "$dest/precompile.log" 2>&1
 pc=$?
 echo "precompiled at ${SECONDS}s (rc=$pc)" >> "$dest/precompile.log"
 

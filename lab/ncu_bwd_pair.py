@@ -1,12 +1,12 @@
 """One eager fwd+bwd of the library or of FlashAttention-4 inside a profiler range, after a warm-up call, for
 ncu to read every kernel of it (the backward's preprocess, main kernel and postprocesses included):
 
-    ncu --profile-from-start off --clock-control none --metrics ... python tools/ncu_bwd_pair.py flashsink
-    ncu --profile-from-start off --clock-control none --metrics ... python tools/ncu_bwd_pair.py fa4
+    ncu --profile-from-start off --clock-control none --metrics ... python lab/ncu_bwd_pair.py flashsink
+    ncu --profile-from-start off --clock-control none --metrics ... python lab/ncu_bwd_pair.py fa4
 
 ``NCU_SHAPE`` B,H,HKV,N,D[,W] (default 1,64,8,4096,128: issue 55's causal bf16 D128 problem). Both systems
-take the same seeded [B, S, H, D] inputs with a learnable sink; tools/ncu_table.py turns ncu's CSV into the
-rows of issue 55's table. tools/gpu_bwd_traffic.sh runs it beside the variants' timings.
+take the same seeded [B, S, H, D] inputs with a learnable sink; lab/ncu_table.py turns ncu's CSV into the
+rows of issue 55's table. lab/gpu_bwd_traffic.sh runs it beside the variants' timings.
 """
 
 import math

@@ -1,7 +1,7 @@
 """What each piece of the eager host path costs on this machine (CUDA only): the GPU kept busy by
 ``torch.cuda._sleep`` so every call only queues, each piece timed alone over ``--iters`` calls.
 
-    python tools/host_parts.py [--problem golden|gptoss-swa] [--iters 100]
+    python lab/host_parts.py [--problem golden|gptoss-swa] [--iters 100]
 
 Pieces: torch allocations and fills, a view, each launcher of the problem's kernels with its real
 arguments (the tvm_ffi call: argument conversion, TileLang's host checks, TMA descriptors, the

@@ -1,6 +1,6 @@
 """Time the attention_kvcache forward kernel on the GPU at several split counts, in one device call.
 
-    source .gpu/setup.sh && python tools/kvcache_variants.py [--lengths 4096,16384,65536] [--page-size 256]
+    source .gpu/setup.sh && python lab/kvcache_variants.py [--lengths 4096,16384,65536] [--page-size 256]
 
 The problem is the bench's decode-paged preset (B=8, H=64, H_kv=8, D=64, bf16, one query per row, a
 random block table with pages shared by no two rows). The kernel (``fwd_kvcache.build_fwd_kvcache``)
@@ -12,7 +12,7 @@ tests/test_kvcache_gpu.py's, in the GPU suite.
 ``--split-layouts``: also the split decode's kernel (``fwd_split.py``, ``attention``'s decode path) alone over
 contiguous caches in both padded layouts, ``[B, H_kv, S, D]`` (bhsd: a key tile is 16 KB contiguous) and
 ``[B, S, H_kv, D]`` (bshd: 128-byte rows 1 KB apart, as in a page), at ``decode.n_splits_for``'s split
-count (compiled through TileLang's disk cache: compile it on the CPU host first, as tools/fwd_variants.py
+count (compiled through TileLang's disk cache: compile it on the CPU host first, as lab/fwd_variants.py
 says).
 """
 

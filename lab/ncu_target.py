@@ -1,6 +1,6 @@
 """One problem's eager fwd+bwd, twice (the first compiles and warms up), for a profiler to attach to:
 
-    ncu -k "regex:flashsink_(fwd|bwd)_kernel" --launch-skip 2 --launch-count 2 python tools/ncu_target.py
+    ncu -k "regex:flashsink_(fwd|bwd)_kernel" --launch-skip 2 --launch-count 2 python lab/ncu_target.py
 
 ``NCU_SHAPE`` B,H,HKV,N,D[,W] (default 1,64,8,8192,64: causal bf16 gpt-oss full attention at N=8192)."""
 

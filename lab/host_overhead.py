@@ -1,8 +1,8 @@
 """Host time per ``flashsink.attention`` call (the Python between the user and the kernels).
 
-    python tools/host_overhead.py            # CUDA if available, else --cpu
-    python tools/host_overhead.py --cpu      # no GPU: the CUDA code path with CPU tensors
-    python tools/host_overhead.py --floor    # the autograd engine's own cost (any op pays it)
+    python lab/host_overhead.py            # CUDA if available, else --cpu
+    python lab/host_overhead.py --cpu      # no GPU: the CUDA code path with CPU tensors
+    python lab/host_overhead.py --floor    # the autograd engine's own cost (any op pays it)
 
 CUDA: the GPU is first kept busy with ``torch.cuda._sleep`` (longer than the measured calls),
 so the wall time of N calls is the host's alone (launches only queue); then the same calls

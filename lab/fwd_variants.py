@@ -1,8 +1,8 @@
 """Time alternatives of the forward kernel on the GPU, in one device call.
 
-    source .gpu/setup.sh && python tools/fwd_variants.py [--problems causal-d128,golden] [--jobs 16] [--json out.json]
+    source .gpu/setup.sh && python lab/fwd_variants.py [--problems causal-d128,golden] [--jobs 16] [--json out.json]
 
-For each problem of tools/bwd_variants.py (H=64, H_kv=8, bhsd, B=1, sinks), or of ``VARLEN`` (the bench's
+For each problem of lab/bwd_variants.py (H=64, H_kv=8, bhsd, B=1, sinks), or of ``VARLEN`` (the bench's
 packed varlen batch, thd: ``varlen-swa``, ``varlen-full``), and each variant of the
 forward (the pipelined kernel's tiles and mask, ``fwd.build_fwd_pipelined``; the hand warp-specialized
 kernel ``ws`` of fwd_ws.py with its options): compile every kernel in parallel
@@ -184,7 +184,7 @@ def main() -> int:
                          "first in a run, 1.24 later), so one pass in order favours the first rows")
     ap.add_argument("--variants", default="all",
                     help="comma-separated: the variants whose label contains one of them, or '=label' exactly, as "
-                         f"tools/bwd_variants.py's ('all', the default: every one; {DEFAULT!r} always runs, it is the reference)")
+                         f"lab/bwd_variants.py's ('all', the default: every one; {DEFAULT!r} always runs, it is the reference)")
     args = ap.parse_args()
     args.variants = _variants_arg(ap, args.variants)
     if args.rounds < 1:

@@ -3,7 +3,7 @@ a profiler to attach to and compare the two kernels side by side:
 
     ncu -k "regex:flashsink_fwd|FlashAttentionForward" --launch-count 6 \\
         --section SpeedOfLight --section SchedulerStats --section WarpStateStats --section InstructionStats \\
-        python tools/ncu_fwd_pair.py
+        python lab/ncu_fwd_pair.py
 
 (six launches: the library's three, then FA4's three; FA4's kernel is named
 ``kernel_cutlass_kernel_flash_attncuteflash_fwd_sm90FlashAttentionForwardSm90_...``).

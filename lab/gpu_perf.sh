@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Kernel variants timed side by side on the GPU, then (NCU=1) an ncu profile of the library's
 # forward and main backward, in one device call:
-#   source .gpu/setup.sh && bash tools/gpu_perf.sh
-# BWD_VARIANTS / FWD_VARIANTS: the --variants of tools/bwd_variants.py / tools/fwd_variants.py
+#   source .gpu/setup.sh && bash lab/gpu_perf.sh
+# BWD_VARIANTS / FWD_VARIANTS: the --variants of lab/bwd_variants.py / lab/fwd_variants.py
 # (comma-separated: the labels containing one of them, or "=label" exactly; empty: that tool is skipped); BWD_PROBLEMS / FWD_PROBLEMS their --problems; KVCACHE=1 also runs
-# tools/kvcache_variants.py (attention_kvcache's kernel variants, kvcache.txt); JOBS compile
+# lab/kvcache_variants.py (attention_kvcache's kernel variants, kvcache.txt); JOBS compile
 # processes (default 8, so that a suite precompile can run beside it). Outputs go to $OUT (or
 # ./gpu-out): bwd_variants.txt, fwd_variants.txt, ncu.txt, perf-summary.txt, and perf-logs.tgz (the
 # JSONs and stderr; the device tool brings back at most 8 files).
@@ -23,18 +23,18 @@ bw=${BWD_VARIANTS-"ws 64x128/s2,strict"}
 fw=${FWD_VARIANTS-"=ws 128x128/s2,=ws/fold 128x128/s2"}
 br=skipped fr=skipped nr=skipped
 if [ -n "$bw" ]; then
-  timeout "$(left)" python tools/bwd_variants.py --problems "${BWD_PROBLEMS:-causal-d128,gptoss-full}" --jobs "$jobs" \
+  timeout "$(left)" python lab/bwd_variants.py --problems "${BWD_PROBLEMS:-causal-d128,gptoss-full}" --jobs "$jobs" \
     --variants "$bw" --json "$work/bwd_variants.json" > "$dest/bwd_variants.txt" 2> "$work/bwd_variants.err"
   br=$?
 fi
 if [ -n "$fw" ]; then
-  timeout "$(left)" python tools/fwd_variants.py --problems "${FWD_PROBLEMS:-causal-d128,gptoss-full}" --jobs "$jobs" \
+  timeout "$(left)" python lab/fwd_variants.py --problems "${FWD_PROBLEMS:-causal-d128,gptoss-full}" --jobs "$jobs" \
     --variants "$fw" --json "$work/fwd_variants.json" > "$dest/fwd_variants.txt" 2> "$work/fwd_variants.err"
   fr=$?
 fi
 kr=skipped
 if [ -n "${KVCACHE:-}" ]; then
-  timeout "$(left)" python tools/kvcache_variants.py > "$dest/kvcache.txt" 2> "$work/kvcache.err"
+  timeout "$(left)" python lab/kvcache_variants.py > "$dest/kvcache.txt" 2> "$work/kvcache.err"
   kr=$?
 fi
 if [ -n "${NCU:-}" ] && command -v ncu >/dev/null; then
@@ -42,7 +42,7 @@ if [ -n "${NCU:-}" ] && command -v ncu >/dev/null; then
   # backward profiled once each (speed of light, warp stalls, tensor-core and issue utilization)
   timeout "$(left)" ncu --target-processes all -k "regex:flashsink_(fwd|bwd)_kernel" --launch-skip 2 --launch-count 2 \
     --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats --section Occupancy \
-    --section LaunchStats python tools/ncu_target.py > "$dest/ncu.txt" 2>&1
+    --section LaunchStats python lab/ncu_target.py > "$dest/ncu.txt" 2>&1
   nr=$?
 fi
 {

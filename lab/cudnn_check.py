@@ -5,7 +5,7 @@ against flashsink's float64 reference (and the bf16 reference: the fast gate's y
 UNTESTED ON GPUs when written: the peer's plumbing is tested on the CPU through a fake `cudnn`
 (tests/test_bench_cudnn.py); this is its first contact with the real library.
 
-    source .gpu/setup.sh && source .cudnn/setup.sh && python tools/cudnn_check.py
+    source .gpu/setup.sh && source .cudnn/setup.sh && python lab/cudnn_check.py
 
 Problems: the required one, causal B=1 H=64 H_kv=8 N=1024 D=64 bf16 with sinks; then a window (W=128),
 S_q < S_kv (bottom-right causal, B=2) and a small packed varlen batch (ragged), each of which may be n/a

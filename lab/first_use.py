@@ -1,6 +1,6 @@
 """Seconds from a configuration's first ``flashsink.attention`` call to its gradients, caches empty.
 
-    source .gpu/setup.sh && python tools/first_use.py [--precision fast] [--problem gptoss-swa]
+    source .gpu/setup.sh && python lab/first_use.py [--precision fast] [--problem gptoss-swa]
 
 Issue 14 asks for at most 20 s of compilation at the first use of a configuration. This points
 TileLang's and flashsink's kernel caches at fresh temporary directories (set before anything

@@ -1,6 +1,6 @@
 """Time alternatives of the main backward kernel on the GPU, in one device call.
 
-    source .gpu/setup.sh && python tools/bwd_variants.py [--problems causal-d128,gptoss-full] [--jobs 16]
+    source .gpu/setup.sh && python lab/bwd_variants.py [--problems causal-d128,gptoss-full] [--jobs 16]
         [--variants ws,s3]
 
 For each problem (H=64, H_kv=8, bhsd, B=1) and each variant (tiles, dQ reduction, the hand
@@ -206,7 +206,7 @@ def _func(job):
 
 def _load(job, build=_func):
     """The compiled kernel of ``job`` (from TileLang's disk cache once compiled); ``build(job)`` gives
-    the PrimFunc (tools/fwd_variants.py passes its own)."""
+    the PrimFunc (lab/fwd_variants.py passes its own)."""
     import tilelang
 
     from flashsink.ops.build.lowering import check_source
