@@ -40,12 +40,14 @@ PROBE_TIMEOUT_S, PROBE_START_S = 60, 240
 
 
 def _variants(d: int, only: str = "") -> list:
-    """(label, Tiles fields, (dq_bulk, overlap, split, ws, precision, branch, swap, dq_first, ds_first)) of the
-    main backward for head dim ``d``. ``ws``: ``bwd_ws.build_bwd_ws(cfg, tiles, split, dq_first, ds_first)``
+    """(label, Tiles fields, (dq_bulk, overlap, split, ws, precision, branch, swap, dq_first, ds_first[, head_major[,
+    dk_in_flight]])) of the main backward for head dim ``d``. ``ws``: ``bwd_ws.build_bwd_ws(cfg, tiles, split,
+    dq_first, ds_first, head_major=, dk_in_flight=)``
     (``t.stages`` is its ring's depth); otherwise ``bwd.build_bwd_pipelined(cfg, tiles, split, branch, swap, dq_bulk, overlap)``,
     TileLang's kernel (None: the config's choice for ``dq_bulk``, ``overlap`` and ``branch``)."""
     t = (64, 128, 256, 2)
     t3 = (64, 128, 256, 3)
+    t128 = (128, 128, 256, 2)  # D64's dq-first tiles
     fast = [("64x128/s2", t, (False, False, 1, False)),
             ("64x128/s2/bulk", t, (True, False, 1, False)),
             ("64x128/s2/overlap", t, (False, True, 1, False)),
@@ -75,7 +77,6 @@ def _variants(d: int, only: str = "") -> list:
           ("ws 64x128/s3/split8/hm", t3, (None, None, 8, True, "fast", None, False, False, False, True)),
           ("ws 64x128/s2/split4/hm", t, (None, None, 4, True, "fast", None, False, False, False, True))]
     if d <= 64:
-        t128 = (128, 128, 256, 2)
         hm += [("ws 128x128/s2/dqfirst/split8/hm", t128, (None, None, 8, True, "fast", None, False, True, False, True)),
                ("ws 128x128/s2/dqfirst/split4/hm", t128, (None, None, 4, True, "fast", None, False, True, False, True)),
                ("ws 128x128/s2/split8/hm", t128, (None, None, 8, True, "fast", None, False, False, False, True)),
@@ -94,7 +95,6 @@ def _variants(d: int, only: str = "") -> list:
           ("ws 64x128/s2/dqfirst/dsfirst/dkflight/split8/hm", t,
            (None, None, 8, True, "fast", None, False, True, True, True, True))]
     if d <= 64:
-        t128 = (128, 128, 256, 2)
         kf += [("ws 128x128/s2/dqfirst/dsfirst/dkflight/split8/hm", t128,
                 (None, None, 8, True, "fast", None, False, True, True, True, True)),
                ("ws 128x128/s2/dqfirst/dsfirst/dkflight", t128,
