@@ -80,11 +80,11 @@ def main(argv=None):
     spec = api.validate_attention(q, k, v, s, window=128, causal=True, scale=None, layout="bhsd")
     row("validate_attention", lambda: api.validate_attention(q, k, v, s, window=128, causal=True, scale=None,
                                                               layout="bhsd"))
-    cfg = dense.kernel_config(spec, q.device, False, "fast")
-    window = dense.kernel_window(128)
-    s32 = dense._sinks_f32(s, 64, q.device)
+    plan, q, k, v = dense.prepare(spec, q, k, v)
+    cfg, window = plan.cfg, plan.window
+    s32 = dense.sinks_f32(s, 64, q.device)
     with torch.no_grad():
-        o, lse = dense._forward(q, k, v, s32, cfg, spec, window)
+        o, lse = dense.forward(plan, q, k, v, s32)
     fwd = registry.get_kernel("fwd", cfg)
     row(f"launcher fwd ({type(fwd).__name__})",
         lambda: fwd(q, k, v, s32, window, float(spec.scale) * 1.4426950408889634, o, lse))
@@ -93,8 +93,9 @@ def main(argv=None):
         row("launcher fwd .main", lambda: main_fn(q, k, v, s32, window, float(spec.scale) * 1.4426950408889634,
                                                   o, lse))
     row("get_kernel lookup", lambda: registry.get_kernel("fwd", cfg))
-    row("dense._forward", lambda: dense._forward(q, k, v, s32, cfg, spec, window))
-    row("dense._backward", lambda: dense._backward(do, q, k, v, o, lse, None, s32, cfg, spec, window))
+    row("dense.prepare", lambda: dense.prepare(spec, q, k, v))
+    row("dense.forward", lambda: dense.forward(plan, q, k, v, s32))
+    row("dense.backward", lambda: dense.backward(plan, do, q, k, v, o, lse, None, s32))
 
     def nothing():
         out = _Nothing.apply(*leaves)

@@ -287,16 +287,16 @@ def test_fwd_window_takes_256_rows_at_head_dim_64_where_the_group_packs(monkeypa
     (128, -0.125, "fwd_unfolded"), (1 << 30, 0.0, "fwd_unfolded"),
 ])
 def test_the_forward_kind_follows_window_and_scale(window, scale, want):
-    """dense._fwd_kind: a scale <= 0 takes the unfolded forward, whatever the window; a window of at
+    """kinds.forward_kind (the forward dense.forward launches): a scale <= 0 takes the unfolded forward, whatever the window; a window of at
     most WINDOW_TILES_MAX keys the windowed tiles where the group packs (gpt-oss's 8 heads at head dims
     64 and 128); else the forward. A group that does not pack has no windowed kind; sm_80 has one
     forward, unfolded."""
-    from flashsink.ops.launch.dense import _fwd_kind
+    from flashsink.ops.build.kinds import forward_kind
 
-    assert _fwd_kind(_cfg(d=64), window, scale) == want
-    assert _fwd_kind(_cfg(d=128), window, scale) == want
-    assert _fwd_kind(_cfg(d=64, groups=1), window, scale) == want.replace("fwd_window", "fwd")
-    assert _fwd_kind(_cfg(d=64, arch="sm_80"), window, scale) == "fwd"
+    assert forward_kind(_cfg(d=64), window, scale) == want
+    assert forward_kind(_cfg(d=128), window, scale) == want
+    assert forward_kind(_cfg(d=64, groups=1), window, scale) == want.replace("fwd_window", "fwd")
+    assert forward_kind(_cfg(d=64, arch="sm_80"), window, scale) == "fwd"
 
 
 @pytest.mark.parametrize("d,tiles", [(128, Tiles(128, 128, 256, 2)), (64, Tiles(128, 128, 256, 2))])

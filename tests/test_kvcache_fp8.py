@@ -417,7 +417,7 @@ def test_fp8_kernel_draft_on_the_gpu(c):
     against the formula under the fast gate; a bad scale makes its KV head's rows NaN."""
     from flashsink.ops.build.config import LOG2E, NO_WINDOW, arch_of, split_tiles
     from flashsink.ops.build.registry import get_kernel
-    from flashsink.ops.launch.dense import _sm_count
+    from flashsink.ops.launch.dense import sm_count
     from flashsink.ops.launch.kvcache import n_splits_for
     from flashsink._validate_kvcache import validate_kvcache
 
@@ -427,7 +427,7 @@ def test_fp8_kernel_draft_on_the_gpu(c):
     cfg = _draft_cfg(arch_of(torch.device("cuda")), c)
     fwd, merge = _compile_draft(cfg.arch, c), get_kernel("merge_splits", cfg)
     B, Sq, H, Dv = spec.batch, spec.seq_q, spec.heads, spec.head_dim_v
-    S = n_splits_for(spec, split_tiles(cfg), _sm_count(torch.cuda.current_device()))
+    S = n_splits_for(spec, split_tiles(cfg), sm_count(torch.device("cuda")))
     table = args["block_table"]
     if table is None:
         table = torch.arange(B, dtype=torch.int32, device="cuda").view(B, 1)

@@ -26,7 +26,7 @@ from flashsink.ops.build.config import LOG2E, NO_WINDOW, KernelConfig
 pytestmark = pytest.mark.l0
 
 
-#: the forward's kinds: one launch protocol (``dense._fwd_kind`` picks one per call)
+#: the forward's kinds: one launch protocol (``kinds.forward_kind`` picks one per call)
 FORWARDS = kinds.forward_kinds()
 
 
@@ -123,8 +123,8 @@ def test_dense_forward_launch(monkeypatch, launches, arch, case):
     cfg = dense.kernel_config(spec, torch.device("cuda", 0), False)
     assert cfg.arch == arch and cfg.layout == spec.layout
     window = NO_WINDOW if spec.window is None else spec.window
-    sinks32 = dense._sinks_f32(sinks, spec.heads, q.device)
-    o, lse = dense._forward(q, k, v, sinks32, cfg, spec, window)
+    sinks32 = dense.sinks_f32(sinks, spec.heads, q.device)
+    o, lse = dense.forward(dense.Plan(spec, cfg, window), q, k, v, sinks32)
     (fw,) = launches
     assert fw.kind == "fwd" and fw.cfg == cfg and len(fw.args) == 8
     # a window of at most 128 keys takes the windowed tiles where the group packs (config.fwd_window_tiles)
@@ -160,8 +160,8 @@ def test_decode_uses_the_split_forward(monkeypatch, launches):
     _arch(monkeypatch, "sm_90a")
     q, k, v, do, sinks, spec = _dense_inputs((2, 8, 2, 1, 700, 64, None, "bshd", True))
     cfg = dense.kernel_config(spec, torch.device("cuda", 0), False)
-    sinks32 = dense._sinks_f32(sinks, spec.heads, q.device)
-    o, lse = dense._forward(q, k, v, sinks32, cfg, spec, NO_WINDOW)
+    sinks32 = dense.sinks_f32(sinks, spec.heads, q.device)
+    o, lse = dense.forward(dense.Plan(spec, cfg, NO_WINDOW), q, k, v, sinks32)
     fw, merge = launches
     assert fw.kind == "fwd_split" and len(fw.args) == 7
     for got, want in zip(fw.args[:3], (q, k, v)):
@@ -336,11 +336,11 @@ def test_dense_backward_launches(monkeypatch, launches, arch, case, with_dlse, d
     assert cfg.precision == precision
     o = _fake_o(q, spec) if precision == "fast" else None
     window = NO_WINDOW if spec.window is None else spec.window
-    sinks32 = dense._sinks_f32(sinks, spec.heads, q.device)
+    sinks32 = dense.sinks_f32(sinks, spec.heads, q.device)
     rows = _rows(spec.seq_q)
     lse = torch.randn(spec.batch, spec.heads, rows)
     dlse = torch.randn(spec.batch, spec.heads, spec.seq_q) if with_dlse else None
-    result = dense._backward(do, q, k, v, o, lse, dlse, sinks32, cfg, spec, window)
+    result = dense.backward(dense.Plan(spec, cfg, window), do, q, k, v, o, lse, dlse, sinks32)
     _check_backward(launches, cfg, spec, (q, k, v, do, o), lse, dlse, sinks32, result, lambda kind: (),
                     (spec.batch, spec.heads, rows), spec.seq_q)
 
@@ -355,9 +355,9 @@ def test_split_backward_launches(monkeypatch, launches, case):
     monkeypatch.setattr(dense, "_use_split", lambda cfg, spec, window, total_q=None: True)
     q, k, v, do, sinks, spec = _dense_inputs(case)
     cfg = dense.kernel_config(spec, torch.device("cuda", 0), False, "fast")
-    sinks32 = dense._sinks_f32(sinks, spec.heads, q.device)
+    sinks32 = dense.sinks_f32(sinks, spec.heads, q.device)
     lse = torch.randn(spec.batch, spec.heads, _rows(spec.seq_q))
-    dq, dk, dv, _ = dense._backward(do, q, k, v, _fake_o(q, spec), lse, None, sinks32, cfg, spec, NO_WINDOW)
+    dq, dk, dv, _ = dense.backward(dense.Plan(spec, cfg, NO_WINDOW), do, q, k, v, _fake_o(q, spec), lse, None, sinks32)
     assert [x.kind for x in launches] == ["preprocess", "bwd_split", "postprocess", "postprocess", "postprocess"]
     main = launches[1]
     dq_acc, dk_acc, dv_acc = main.args[-3:]
@@ -398,7 +398,7 @@ def test_split_backward_for_packed_batches(monkeypatch, launches):
     BWD_SPLIT_MIN_ROWS among short ones splits (its KV tiles are the kernel's tail); short sequences
     with a loose max_seqlen_q above every row of the batch do not; a window keeps the unsplit kernel.
     A loose max_seqlen_q below the packed rows still splits (the host knows no real length without
-    a sync; same gradients, only slower). The launch is the one dense._backward makes. (D256: the head
+    a sync; same gradients, only slower). The launch is the one dense.backward makes. (D256: the head
     dims of the ws kernel run unsplit.)"""
     from flashsink.ops.build.config import BWD_SPLIT_MIN_ROWS as n
 
@@ -413,8 +413,8 @@ def test_split_backward_for_packed_batches(monkeypatch, launches):
         assert dense._use_split(cfg, spec, win, q.shape[0]) is want, (lens, max_q, window)
         launches.clear()
         lse = torch.randn(spec.heads, _varlen_rows(q.shape[0]))
-        dense._backward(do, q, k, v, _fake_o(q, spec), lse, None, dense._sinks_f32(sinks, 4, q.device), cfg,
-                            spec, win, (cu_q, cu_k))
+        dense.backward(dense.Plan(spec, cfg, win, (cu_q, cu_k)), do, q, k, v, _fake_o(q, spec), lse, None,
+                       dense.sinks_f32(sinks, 4, q.device))
         assert launches[1].kind == ("bwd_split" if want else "bwd"), (lens, max_q, window)
 
 
@@ -455,8 +455,8 @@ def test_varlen_forward_launch(monkeypatch, launches, arch, case):
     cfg = dense.kernel_config(spec, torch.device("cuda", 0), False)
     assert cfg.layout == "thd"
     window = NO_WINDOW if spec.window is None else spec.window
-    sinks32 = dense._sinks_f32(sinks, spec.heads, q.device)
-    o, lse = dense._forward(q, k, v, sinks32, cfg, spec, window, (cu_q, cu_k))
+    sinks32 = dense.sinks_f32(sinks, spec.heads, q.device)
+    o, lse = dense.forward(dense.Plan(spec, cfg, window, (cu_q, cu_k)), q, k, v, sinks32)
     (fw,) = launches
     assert fw.kind == "fwd" and len(fw.args) == 11
     a = fw.args
@@ -481,11 +481,11 @@ def test_varlen_backward_launches(monkeypatch, launches, arch, case, with_dlse, 
     cfg = dense.kernel_config(spec, torch.device("cuda", 0), deterministic, precision)
     o = _fake_o(q, spec) if precision == "fast" else None
     window = NO_WINDOW if spec.window is None else spec.window
-    sinks32 = dense._sinks_f32(sinks, spec.heads, q.device)
+    sinks32 = dense.sinks_f32(sinks, spec.heads, q.device)
     rows = _varlen_rows(q.shape[0])
     lse = torch.randn(spec.heads, rows)
     dlse = torch.randn(spec.heads, q.shape[0]) if with_dlse else None
-    result = dense._backward(do, q, k, v, o, lse, dlse, sinks32, cfg, spec, window, (cu_q, cu_k))
+    result = dense.backward(dense.Plan(spec, cfg, window, (cu_q, cu_k)), do, q, k, v, o, lse, dlse, sinks32)
 
     def seq_args(kind):
         return (cu_q, cu_k, spec.seq_kv if kind == "bwd" else spec.seq_q)

@@ -14,7 +14,6 @@ import pytest
 from flashsink.ops.build import keys, kinds, precompile
 from flashsink.ops.build.config import KernelConfig
 from flashsink.ops.build.kinds import KINDS, Kind
-from flashsink.ops.launch import dense
 
 pytestmark = pytest.mark.l0
 
@@ -81,7 +80,7 @@ def test_a_forward_row_is_chosen_by_its_predicate(monkeypatch):
     monkeypatch.setitem(KINDS, "toy_fwd", Kind(build_toy, None, needed=lambda cfg: False,
                                                chosen_when=lambda cfg, window, scale: window == 7))
     sm80 = _cfg("sm_80")  # no fwd_window there, so the toy row is the first that takes a window of 7
-    assert dense._fwd_kind(sm80, 7, 0.125) == "toy_fwd" and dense._fwd_kind(sm80, 8, 0.125) == "fwd"
+    assert kinds.forward_kind(sm80, 7, 0.125) == "toy_fwd" and kinds.forward_kind(sm80, 8, 0.125) == "fwd"
     assert "toy_fwd" in kinds.forward_kinds()
 
 

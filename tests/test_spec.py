@@ -46,6 +46,7 @@ def test_every_entry_point_refuses_what_the_rule_refuses(d, capsys):
 @pytest.mark.parametrize("d", [16, 48, 64, 80, 96, 128, 160, 256])
 def test_every_entry_point_takes_what_the_rule_takes(d, monkeypatch):
     monkeypatch.setattr(config, "_arch_of_index", lambda index: "sm_90a")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # the ops' plan: q's device (CPU here)
     dev = torch.device("cuda", 0)
     dense.check_supported(_spec(d=d, dv=d))
     cfg = dense.kernel_config(_spec(d=d, dv=d), dev, False)
@@ -53,10 +54,10 @@ def test_every_entry_point_takes_what_the_rule_takes(d, monkeypatch):
     q = torch.randn(2, 100, 8, d, dtype=torch.bfloat16)
     k = torch.randn(2, 120, 2, d, dtype=torch.bfloat16)
     if kernel_head_dim(d) == d:  # the ops take the native dims unpadded
-        assert custom_ops._kernel_inputs(_spec(d=d, dv=d), dev, False, "fast", q)[0] is cfg
+        assert custom_ops._kernel_inputs(_spec(d=d, dv=d), False, "fast", q, k, k)[0].cfg is cfg
     else:
         with pytest.raises(ValueError, match=f"the q/k head dim is {d}"):
-            custom_ops._kernel_inputs(_spec(d=d, dv=d), dev, False, "fast", q, k)
+            custom_ops._kernel_inputs(_spec(d=d, dv=d), False, "fast", q, k, k)
 
 
 @pytest.mark.l0

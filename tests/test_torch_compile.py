@@ -292,7 +292,7 @@ def test_opcheck_cpu(dtype, layout, sinks, window, causal, precision):
 
 
 def test_fake_shapes():
-    """The fake implementations: o in the layout, lse with _padded_rows(seq_q) rows, dsink in the sinks' dtype."""
+    """The fake implementations: o in the layout, lse with padded_rows(seq_q) rows, dsink in the sinks' dtype."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():
@@ -339,15 +339,16 @@ GPU_CASES = [
 def _forward_routes(q, k, window, layout, deterministic, precision) -> tuple:
     """``(eager fwd_o32, traced fwd_window)`` for the problem of ``q`` and ``k``: whether flashsink.attention's
     eager route with gradients runs ``fwd_o32`` (``config.fwd_o32``: 128-key tiles, two-term P @ V), and
-    whether the traced route's op (no fp32 O) runs ``fwd_window`` (``dense._fwd_kind``: 64-key tiles,
+    whether the traced route's op (no fp32 O) runs ``fwd_window`` (``kinds.forward_kind``: 64-key tiles,
     so each row's sums split differently and lse is within one rounding of ``fwd_o32``'s, not bitwise)."""
     from flashsink.ops.build import config
+    from flashsink.ops.build.kinds import forward_kind
     from flashsink.ops.launch import dense
 
     spec = validate_attention(q, k, k, None, window=window, causal=True, scale=None, layout=layout)
     cfg = dense.kernel_config(spec, q.device, deterministic, precision)
     return (config.fwd_o32(cfg),
-            dense._fwd_kind(cfg, dense.kernel_window(window), float(spec.scale)) == "fwd_window")
+            forward_kind(cfg, dense.kernel_window(window), float(spec.scale)) == "fwd_window")
 
 
 @pytest.mark.gpu

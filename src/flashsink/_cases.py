@@ -133,7 +133,7 @@ def reference_grads(q, k, v, sinks, do, *, window=None, causal=True, scale=None,
     lse alone with the cotangent ``-rowsum(dO * (round(O) - O))``.
     """
     spec = validate_attention(q, k, v, sinks, window=window, causal=causal, scale=scale, layout=layout)
-    cdt = reference._compute_dtype(q.dtype, compute_dtype)
+    cdt = reference.resolve_compute_dtype(q.dtype, compute_dtype)
     hdim = _head_dim_index(layout)
     g = spec.groups
     per_kv_head = max(1, spec.batch * g * spec.seq_q * spec.seq_kv)

@@ -60,7 +60,7 @@ def attention(
         return kernel_attention(
             spec, q, k, v, sinks, return_lse=return_lse, deterministic=deterministic, precision=precision
         )
-    return reference._attention(q, k, v, sinks, spec, return_lse=return_lse)
+    return reference.attention_validated(q, k, v, sinks, spec, return_lse=return_lse)
 
 
 def attention_varlen(
@@ -108,7 +108,7 @@ def attention_varlen(
         )
     cu_q = cu_seqlens_q.detach().cpu().tolist()
     cu_k = cu_seqlens_k.detach().cpu().tolist()
-    return reference._attention_varlen(q, k, v, cu_q, cu_k, sinks, spec, return_lse=return_lse)
+    return reference.attention_varlen_validated(q, k, v, cu_q, cu_k, sinks, spec, return_lse=return_lse)
 
 
 def attention_kvcache(
@@ -177,5 +177,5 @@ def attention_kvcache(
                                                  spec.scale, spec.layout, k_scale, v_scale)
         return (o, lse) if return_lse else o
     lengths, pages = check_cache_values(spec, cache_seqlens, block_table, k_scale, v_scale)
-    return reference._attention_kvcache(q, k_cache, v_cache, lengths, pages, sinks, spec, return_lse=return_lse,
+    return reference.attention_kvcache_validated(q, k_cache, v_cache, lengths, pages, sinks, spec, return_lse=return_lse,
                                         k_scale=k_scale, v_scale=v_scale)

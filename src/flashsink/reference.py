@@ -61,7 +61,7 @@ def seen_bad(bad: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
     return torch.matmul(visible.to(torch.float32), bad.to(torch.float32)) > 0
 
 
-def _compute_dtype(dtype: torch.dtype, compute_dtype: torch.dtype | None) -> torch.dtype:
+def resolve_compute_dtype(dtype: torch.dtype, compute_dtype: torch.dtype | None) -> torch.dtype:
     if compute_dtype is not None:
         if not isinstance(compute_dtype, torch.dtype) or not compute_dtype.is_floating_point:
             raise TypeError(f"compute_dtype must be a floating torch.dtype or None, got {compute_dtype!r}")
@@ -69,7 +69,7 @@ def _compute_dtype(dtype: torch.dtype, compute_dtype: torch.dtype | None) -> tor
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _attention_bhsd(q, k, v, sinks, spec: AttnSpec, cdt: torch.dtype):
+def attention_bhsd(q, k, v, sinks, spec: AttnSpec, cdt: torch.dtype):
     """Core on ``[B, H, S, D]`` views. Returns o ``[B, H, S_q, D_v]`` (compute dtype) and lse ``[B, H, S_q]``."""
     b, hk, g = spec.batch, spec.kv_heads, spec.groups
     sq, skv = spec.seq_q, spec.seq_kv
@@ -114,12 +114,12 @@ def _lse_dtype(cdt: torch.dtype) -> torch.dtype:
     return torch.float64 if cdt == torch.float64 else torch.float32
 
 
-def _attention(q, k, v, sinks, spec: AttnSpec, *, return_lse: bool, compute_dtype=None):
+def attention_validated(q, k, v, sinks, spec: AttnSpec, *, return_lse: bool, compute_dtype=None):
     """Reference on an already validated problem (``spec`` from ``validate_attention``)."""
-    cdt = _compute_dtype(q.dtype, compute_dtype)
+    cdt = resolve_compute_dtype(q.dtype, compute_dtype)
     if spec.layout == "bshd":
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-    o, lse = _attention_bhsd(q, k, v, sinks, spec, cdt)
+    o, lse = attention_bhsd(q, k, v, sinks, spec, cdt)
     o = o.to(q.dtype)
     if spec.layout == "bshd":
         o = o.transpose(1, 2)
@@ -159,18 +159,18 @@ def attention(
     """
     spec = validate_attention(q, k, v, sinks, window=window, causal=causal, scale=scale, layout=layout)
     check_flag("return_lse", return_lse)
-    return _attention(q, k, v, sinks, spec, return_lse=return_lse, compute_dtype=compute_dtype)
+    return attention_validated(q, k, v, sinks, spec, return_lse=return_lse, compute_dtype=compute_dtype)
 
 
-def _attention_varlen(q, k, v, cu_q: list[int], cu_k: list[int], sinks, spec: AttnSpec, *, return_lse, compute_dtype=None):
+def attention_varlen_validated(q, k, v, cu_q: list[int], cu_k: list[int], sinks, spec: AttnSpec, *, return_lse, compute_dtype=None):
     """Varlen reference on a validated problem: one dense reference call per sequence."""
-    cdt = _compute_dtype(q.dtype, compute_dtype)
+    cdt = resolve_compute_dtype(q.dtype, compute_dtype)
     outs, lses = [], []
     for i in range(spec.batch):
         qi = q[cu_q[i]:cu_q[i + 1]].unsqueeze(0)  # [1, Sq_i, H, D]
         ki = k[cu_k[i]:cu_k[i + 1]].unsqueeze(0)
         vi = v[cu_k[i]:cu_k[i + 1]].unsqueeze(0)
-        o, lse = _attention(qi, ki, vi, sinks, spec.one_sequence(qi.shape[1], ki.shape[1]), return_lse=True,
+        o, lse = attention_validated(qi, ki, vi, sinks, spec.one_sequence(qi.shape[1], ki.shape[1]), return_lse=True,
                             compute_dtype=cdt)
         outs.append(o[0])  # [Sq_i, H, Dv]
         lses.append(lse[0])  # [H, Sq_i]
@@ -213,7 +213,7 @@ def attention_varlen(
     check_flag("return_lse", return_lse)
     cu_q = cu_seqlens_q.detach().cpu().tolist()
     cu_k = cu_seqlens_k.detach().cpu().tolist()
-    return _attention_varlen(q, k, v, cu_q, cu_k, sinks, spec, return_lse=return_lse, compute_dtype=compute_dtype)
+    return attention_varlen_validated(q, k, v, cu_q, cu_k, sinks, spec, return_lse=return_lse, compute_dtype=compute_dtype)
 
 
 def gather_kvcache(cache: torch.Tensor, length: int, pages: list[int] | None = None, row: int = 0) -> torch.Tensor:
@@ -235,13 +235,13 @@ def dequantize_kvcache(cache: torch.Tensor, scale: torch.Tensor, dtype: torch.dt
     return torch.mul(wide, scale.reshape(-1, 1), out=torch.empty(wide.shape, dtype=dtype, device=wide.device))
 
 
-def _attention_kvcache(q, k_cache, v_cache, lengths, pages, sinks, spec: KVCacheSpec, *, return_lse,
+def attention_kvcache_validated(q, k_cache, v_cache, lengths, pages, sinks, spec: KVCacheSpec, *, return_lse,
                        compute_dtype=None, k_scale=None, v_scale=None):
     """KV-cache reference on a validated problem: gather each sequence's keys (dequantized in the
     compute dtype for an fp8 cache), then the dense reference (causal, bottom-right aligned: the S_q
     queries are the last S_q of the sequence). Works in "bshd" (views of q and the caches in the call's
     layout); o comes back in that layout."""
-    cdt = _compute_dtype(q.dtype, compute_dtype)
+    cdt = resolve_compute_dtype(q.dtype, compute_dtype)
     q, k_cache, v_cache = to_bshd(spec, q, k_cache, v_cache)
     outs, lses = [], []
     for b, n in enumerate(lengths):
@@ -252,7 +252,7 @@ def _attention_kvcache(q, k_cache, v_cache, lengths, pages, sinks, spec: KVCache
         sub = make_spec(1, spec.heads, spec.kv_heads, spec.seq_q, n, spec.head_dim, spec.head_dim_v,
                         window=spec.window, causal=True, scale=spec.scale, layout="bshd", dtype=spec.dtype,
                         has_sinks=spec.has_sinks)
-        o, lse = _attention(q[b : b + 1], k, v, sinks, sub, return_lse=True, compute_dtype=cdt)
+        o, lse = attention_validated(q[b : b + 1], k, v, sinks, sub, return_lse=True, compute_dtype=cdt)
         outs.append(o)
         lses.append(lse)
     if outs:
@@ -295,5 +295,5 @@ def attention_kvcache(
     spec = validate_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, sinks, window=window, scale=scale,
                             return_lse=return_lse, layout=layout, k_scale=k_scale, v_scale=v_scale)
     lengths, pages = check_cache_values(spec, cache_seqlens, block_table, k_scale, v_scale)
-    return _attention_kvcache(q, k_cache, v_cache, lengths, pages, sinks, spec, return_lse=return_lse,
+    return attention_kvcache_validated(q, k_cache, v_cache, lengths, pages, sinks, spec, return_lse=return_lse,
                               compute_dtype=compute_dtype, k_scale=k_scale, v_scale=v_scale)

@@ -1,6 +1,6 @@
 """``flashsink.attention`` / ``attention_varlen`` on CUDA tensors: head-dim padding, then the launches.
 
-Two routes to the same launches (``dense._forward`` / ``_backward``):
+Two routes to the same launches (``dense.forward`` / ``dense.backward``, after ``dense.prepare``):
 
 * eagerly (the common case), :class:`_Attention`, a plain ``torch.autograd.Function`` that calls
   the launchers itself: no custom-op dispatch, no re-derivation of the problem from the tensors'
@@ -27,56 +27,45 @@ def _eager(q) -> bool:
 
 
 class _Attention(torch.autograd.Function):
-    """The eager route: forward and backward launches on kernel-ready tensors (contiguous, head dims
-    the kernels' own). ``cu_seqlens`` is None (padded layouts) or int32 ``(cu_q, cu_k)`` (thd).
-    Returns o and the row-padded lse the backward reads (its padding rows unwritten: callers that
-    return lse slice it to the real rows; a slice per call costs microseconds,
-    so the common call that returns only o takes none)."""
+    """The eager route: forward and backward launches on kernel-ready tensors (``dense.prepare``'s:
+    contiguous, head dims the kernels' own) for a ``dense.Plan``. Returns o and the row-padded lse
+    the backward reads (its padding rows unwritten: callers that return lse slice it to the real
+    rows; a slice per call costs microseconds, so the common call that returns only o takes none)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, spec, cfg, cu_seqlens):
-        window = dense.kernel_window(spec.window)
-        sinks32 = dense._sinks_f32(sinks, spec.heads, q.device)
+    def forward(ctx, q, k, v, sinks, plan):
+        sinks32 = dense.sinks_f32(sinks, plan.spec.heads, q.device)
         # the backward's Delta = rowsum(dO * O): fast reads o; strict the forward's fp32 O where it has one
         # (``config.fwd_o32``), else (None) recomputes Delta from P and dP
-        if cfg.precision == "strict":
-            o, lse, saved = dense._forward(q, k, v, sinks32, cfg, spec, window, cu_seqlens, o32=True)
+        if plan.cfg.precision == "strict":
+            o, lse, saved = dense.forward(plan, q, k, v, sinks32, o32=True)
         else:
-            o, lse = dense._forward(q, k, v, sinks32, cfg, spec, window, cu_seqlens)
+            o, lse = dense.forward(plan, q, k, v, sinks32)
             saved = o
         ctx.save_for_backward(q, k, v, saved, lse, sinks32)
-        ctx.problem = (spec, cfg, window, cu_seqlens, None if sinks is None else sinks.dtype)
+        ctx.problem = (plan, None if sinks is None else sinks.dtype)
         ctx.set_materialize_grads(False)
         return o, lse
 
     @staticmethod
     def backward(ctx, do, dlse):
         q, k, v, o, lse, sinks32 = ctx.saved_tensors
-        spec, cfg, window, cu_seqlens, sinks_dtype = ctx.problem
+        plan, sinks_dtype = ctx.problem
         if do is None:  # only lse was used
             do = q.new_zeros((*q.shape[:-1], v.shape[-1]))
         elif not do.is_contiguous():
             do = do.contiguous()
-        dq, dk, dv, dsink = dense._backward(
-            do, q, k, v, o, lse, dlse, sinks32, cfg, spec, window, cu_seqlens
-        )
+        dq, dk, dv, dsink = dense.backward(plan, do, q, k, v, o, lse, dlse, sinks32)
         if dsink is not None and dsink.dtype != sinks_dtype:
             dsink = dsink.to(sinks_dtype)
-        return dq, dk, dv, dsink, None, None, None
+        return dq, dk, dv, dsink, None
 
 
-def _launch(q, k, v, sinks, spec, cfg, cu_seqlens):
+def _launch(plan, q, k, v, sinks):
     """The eager route; without gradients, no autograd node at all. o and the row-padded lse."""
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks)):
-        return _Attention.apply(q, k, v, sinks, spec, cfg, cu_seqlens)
-    window = dense.kernel_window(spec.window)
-    sinks32 = dense._sinks_f32(sinks, spec.heads, q.device)
-    return dense._forward(q, k, v, sinks32, cfg, spec, window, cu_seqlens)
-
-
-def _pad_head_dims(spec, q, k, v):
-    d, dv = dense._kernel_dim(spec.head_dim), dense._kernel_dim(spec.head_dim_v)
-    return dense._pad_dim(q, d), dense._pad_dim(k, d), dense._pad_dim(v, dv)
+        return _Attention.apply(q, k, v, sinks, plan)
+    return dense.forward(plan, q, k, v, dense.sinks_f32(sinks, plan.spec.heads, q.device))
 
 
 def kernel_attention(spec, q, k, v, sinks, *, return_lse=False, deterministic=False, precision="fast"):
@@ -86,20 +75,23 @@ def kernel_attention(spec, q, k, v, sinks, *, return_lse=False, deterministic=Fa
     whose autograd formula calls ``flashsink::bwd``. Head-dim padding and the slicing of o and lse
     are plain torch ops around the launches, so autograd slices and pads the gradients.
     """
-    dense.check_supported(spec)
     if 0 in (spec.batch, spec.heads, spec.seq_q, spec.seq_kv):
         # Empty problems (no rows, or no keys: o = 0 and lse = the sink) have no tiles to
-        # launch; the reference gives their exact, differentiable result on q's device.
+        # launch; the reference gives their exact, differentiable result on q's device (after
+        # the kernels' refusal, as for any problem).
+        dense.check_supported(spec)
         from ... import reference
 
-        return reference._attention(q, k, v, sinks, spec, return_lse=return_lse)
-    q, k, v = _pad_head_dims(spec, q, k, v)
+        return reference.attention_validated(q, k, v, sinks, spec, return_lse=return_lse)
     if _eager(q):
-        o, lse = _launch(q, k, v, sinks, spec, dense.kernel_config(spec, q.device, deterministic, precision), None)
+        plan, q, k, v = dense.prepare(spec, q, k, v, deterministic=deterministic, precision=precision)
+        o, lse = _launch(plan, q, k, v, sinks)
         if return_lse:  # the real rows of the row-padded lse (autograd pads dlse back)
             lse = lse[:, :, : spec.seq_q]
     else:
-        # lse comes back with _padded_rows(seq_q) rows (the layout the backward kernels read).
+        dense.check_supported(spec)  # (the eager route's is prepare's)
+        q, k, v = dense.pad_head_dims(spec, q, k, v)
+        # lse comes back with padded_rows(seq_q) rows (the layout the backward kernels read).
         o, lse = torch.ops.flashsink.fwd(
             q, k, v, sinks, spec.window, spec.causal, spec.scale, spec.layout, deterministic, precision
         )
@@ -118,18 +110,19 @@ def kernel_attention_varlen(spec, q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, *,
     """
     if pad_head_dims is None:
         pad_head_dims = q.is_cuda
-    if q.is_cuda:
-        dense.check_supported(spec)
     cu_q = cu_seqlens_q.to(torch.int32)  # what the kernels read; a no-op for int32 offsets
     cu_k = cu_seqlens_k.to(torch.int32)
-    if pad_head_dims:
-        q, k, v = _pad_head_dims(spec, q, k, v)
     if _eager(q) and spec.batch > 0 and q.shape[0] > 0 and k.shape[0] > 0:
-        cfg = dense.kernel_config(spec, q.device, deterministic, precision)
-        o, lse = _launch(q, k, v, sinks, spec, cfg, (cu_q.contiguous(), cu_k.contiguous()))
+        plan, q, k, v = dense.prepare(spec, q, k, v, deterministic=deterministic, precision=precision,
+                                      cu_seqlens=(cu_q.contiguous(), cu_k.contiguous()), pad=pad_head_dims)
+        o, lse = _launch(plan, q, k, v, sinks)
         if return_lse:
             lse = lse[:, : q.shape[0]]
     else:
+        if q.is_cuda:  # (the ops' CPU implementation is the reference: any dtype and head dim)
+            dense.check_supported(spec)
+        if pad_head_dims:
+            q, k, v = dense.pad_head_dims(spec, q, k, v)
         o, lse = torch.ops.flashsink.varlen_fwd(
             q, k, v, sinks, cu_q, cu_k, spec.seq_q, spec.seq_kv, spec.window, spec.causal, spec.scale,
             deterministic, precision,

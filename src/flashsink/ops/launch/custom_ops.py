@@ -34,11 +34,11 @@ Conventions:
   256 on CUDA: ``kernel_attention`` zero-pads others before the op and slices o after it).
 * ``window``: None or W >= 1 (keys ``[i-W+1, i]``); ``scale``: the score scale.
 * o ``[B, H, S_q, D_v]`` ("bhsd") or ``[B, S_q, H, D_v]`` ("bshd"), contiguous, q's dtype.
-* lse float32 (float64 for float64 inputs) ``[B, H, _padded_rows(S_q)]``: the rows the backward
+* lse float32 (float64 for float64 inputs) ``[B, H, padded_rows(S_q)]``: the rows the backward
   kernels read; rows past ``S_q`` are padding and hold 0. ``flashsink.attention`` returns
   ``lse[:, :, :S_q]``.
 * varlen: q ``[total_q, H, D]``, k/v ``[total_k, H_kv, D]`` (layout "thd"), int32 ``cu_seqlens``; o
-  ``[total_q, H, D_v]``, lse ``[H, dense.varlen_rows(total_q)]`` (padded one row tile past the last token).
+  ``[total_q, H, D_v]``, lse ``[H, varlen_rows(total_q)]`` (padded one row tile past the last token).
 * dlse: the gradient of that padded lse or None; dsink: ``[H]`` in the sinks' dtype (float32 zeros
   when ``sinks`` is None, and the autograd formula then returns no gradient).
 * kvcache: ``flashsink.attention_kvcache``'s arguments (q ``[B, H, S_q, D]`` ("bhsd") or ``[B, S_q, H, D]``
@@ -67,7 +67,7 @@ from ... import _validate
 from ..._validate import AttnSpec
 from ..._validate_kvcache import check_cache_values, check_kvcache_op, refuse_grad
 from . import dense
-from ..build.config import NATIVE_HEAD_DIMS
+from ..build.config import NATIVE_HEAD_DIMS, padded_rows, varlen_rows
 from .kvcache import kernel_attention_kvcache
 
 __all__ = ["fwd", "bwd", "varlen_fwd", "varlen_bwd", "kvcache_fwd"]
@@ -81,9 +81,14 @@ def _empty(spec: AttnSpec) -> bool:
     return 0 in (spec.batch, spec.heads, spec.seq_q, spec.seq_kv)
 
 
-def _kernel_inputs(spec: AttnSpec, device, deterministic: bool, precision: str, *tensors):
-    """The kernels' config and window, and the tensors made contiguous (no-ops from kernel_attention)."""
-    cfg = dense.kernel_config(spec, device, deterministic, precision)
+def _kernel_inputs(spec: AttnSpec, deterministic: bool, precision: str, q, k, v, cu_seqlens=None):
+    """``dense.prepare``'s plan and q, k, v (contiguous; no-ops from kernel_attention), after the ops'
+    own condition: head dims the kernels have, unpadded. ``cu_seqlens``: the varlen ops' ``(cu_q, cu_k)``."""
+    if cu_seqlens is not None:
+        cu_seqlens = (cu_seqlens[0].contiguous(), cu_seqlens[1].contiguous())
+    plan, q, k, v = dense.prepare(spec, q, k, v, deterministic=deterministic, precision=precision,
+                                  cu_seqlens=cu_seqlens, pad=False)
+    cfg = plan.cfg
     # the config's head dims are the rule's (config.kernel_head_dim): the ops take them unpadded only
     if cfg.head_dim != spec.head_dim or cfg.head_dim_v != spec.head_dim_v:
         name, d = ("q/k", spec.head_dim) if cfg.head_dim != spec.head_dim else ("v", spec.head_dim_v)
@@ -91,7 +96,7 @@ def _kernel_inputs(spec: AttnSpec, device, deterministic: bool, precision: str, 
             f"the flashsink kernel ops take head dims {NATIVE_HEAD_DIMS} on CUDA (flashsink.attention and "
             f"attention_varlen zero-pad the others); the {name} head dim is {d}"
         )
-    return cfg, dense.kernel_window(spec.window), [t.contiguous() for t in tensors]
+    return plan, q, k, v
 
 
 # ------------------------------------------------------------------------------------------------
@@ -114,8 +119,8 @@ def _fwd_reference(
     nothing here: the reference is exact in its compute dtype)."""
     spec = _validate.check_op(q, k, v, sinks, window, causal, scale, layout)  # the ops are public names
     _validate.check_op_options(deterministic, precision)
-    o, lse = reference._attention(q, k, v, sinks, spec, return_lse=True)
-    rows = dense._padded_rows(spec.seq_q)
+    o, lse = reference.attention_validated(q, k, v, sinks, spec, return_lse=True)
+    rows = padded_rows(spec.seq_q)
     return o.contiguous(), torch.nn.functional.pad(lse, (0, rows - spec.seq_q))
 
 
@@ -128,9 +133,8 @@ def _fwd_cuda(q, k, v, sinks, window, causal, scale, layout, deterministic, prec
     _validate.check_op_options(deterministic, precision)
     if _empty(spec):
         return _fwd_reference(q, k, v, sinks, window, causal, scale, layout, deterministic, precision)
-    cfg, win, (q, k, v) = _kernel_inputs(spec, q.device, deterministic, precision, q, k, v)
-    sinks32 = dense._sinks_f32(sinks, spec.heads, q.device)
-    o, lse = dense._forward(q, k, v, sinks32, cfg, spec, win)
+    plan, q, k, v = _kernel_inputs(spec, deterministic, precision, q, k, v)
+    o, lse = dense.forward(plan, q, k, v, dense.sinks_f32(sinks, spec.heads, q.device))
     if lse.shape[-1] > spec.seq_q:  # the padding rows: some are never written by the kernel
         lse[:, :, spec.seq_q:] = 0
     return o, lse
@@ -141,7 +145,7 @@ def _fwd_fake(q, k, v, sinks, window, causal, scale, layout, deterministic, prec
     spec = _validate.check_op(q, k, v, sinks, window, causal, scale, layout)  # the ops are public names
     _validate.check_op_options(deterministic, precision)
     o = q.new_empty(_validate.out_shape(spec, q))
-    lse = q.new_empty((spec.batch, spec.heads, dense._padded_rows(spec.seq_q)), dtype=_lse_dtype(q.dtype))
+    lse = q.new_empty((spec.batch, spec.heads, padded_rows(spec.seq_q)), dtype=_lse_dtype(q.dtype))
     return o, lse
 
 
@@ -181,16 +185,16 @@ def _bwd_cuda(do, q, k, v, sinks, lse, dlse, window, causal, scale, layout, dete
     _validate.check_op_options(deterministic, precision, o)
     if _empty(spec):
         return _bwd_reference(do, q, k, v, sinks, lse, dlse, window, causal, scale, layout, deterministic)
-    cfg, win, (do, q, k, v, lse) = _kernel_inputs(spec, q.device, deterministic, precision, do, q, k, v, lse)
-    return _kernel_backward(do, q, k, v, o, lse, dlse, sinks, cfg, spec, win)
+    plan, q, k, v = _kernel_inputs(spec, deterministic, precision, q, k, v)
+    return _kernel_backward(plan, do.contiguous(), q, k, v, o, lse.contiguous(), dlse, sinks)
 
 
-def _kernel_backward(do, q, k, v, o, lse, dlse, sinks, cfg, spec: AttnSpec, win, **launch):
-    """The CUDA backward ops' launch (``launch``: the varlen one's ``cu_seqlens``): dq, dk, dv and dsink
-    in sinks' dtype (float32 zeros without sinks)."""
-    o = _saved_output(o, cfg)
-    sinks32 = dense._sinks_f32(sinks, spec.heads, q.device)
-    dq, dk, dv, dsink = dense._backward(do, q, k, v, o, lse, dlse, sinks32, cfg, spec, win, **launch)
+def _kernel_backward(plan, do, q, k, v, o, lse, dlse, sinks):
+    """The CUDA backward ops' launch: dq, dk, dv and dsink in sinks' dtype (float32 zeros without sinks)."""
+    spec = plan.spec
+    o = _saved_output(o, plan.cfg)
+    sinks32 = dense.sinks_f32(sinks, spec.heads, q.device)
+    dq, dk, dv, dsink = dense.backward(plan, do, q, k, v, o, lse, dlse, sinks32)
     if dsink is None:
         return dq, dk, dv, sinks32.new_zeros(spec.heads)
     return dq, dk, dv, dsink.to(sinks.dtype)
@@ -213,11 +217,11 @@ def _reference_backward(do, q, k, v, sinks, dlse, spec: AttnSpec):
     dP = dO V^T, Delta = rowsum(P * dP) - dlse, dS = P * (dP - Delta), dQ = scale dS K,
     dK = scale dS^T Q, dV = P^T dO, dsink = -sum_rows exp(sink - lse) * Delta.
     """
-    cdt = reference._compute_dtype(q.dtype, None)
+    cdt = reference.resolve_compute_dtype(q.dtype, None)
     if spec.layout == "bshd":
         q, k, v, do = (t.transpose(1, 2) for t in (q, k, v, do))
     b, hk, g, sq, skv = spec.batch, spec.kv_heads, spec.groups, spec.seq_q, spec.seq_kv
-    _, lse = reference._attention_bhsd(q, k, v, sinks, spec, cdt)  # [B, H, Sq]
+    _, lse = reference.attention_bhsd(q, k, v, sinks, spec, cdt)  # [B, H, Sq]
     lse = lse.view(b, hk, g, sq)
     visible = reference.visible_mask(sq, skv, window=spec.window, causal=spec.causal, device=q.device)
     # the finite parts only, as the forward: a masked key's NaN never meets a zero (reference.finite_part)
@@ -289,7 +293,7 @@ fwd.register_autograd(_backward, setup_context=_setup_context)
 # them reaches the graph; max_seqlen_q/k are ints (SymInts when traced) that the host reads (the
 # kernels' grids come from shapes, ops/tir/schedule.py).
 # Output shapes depend on total tokens, heads and head dims only: o [total_q, H, D_v],
-# lse [H, dense.varlen_rows(total_q)] (row-padded as the backward kernels read it; padding rows 0).
+# lse [H, varlen_rows(total_q)] (row-padded as the backward kernels read it; padding rows 0).
 
 
 def _varlen_empty(spec: AttnSpec, q, k) -> bool:
@@ -316,9 +320,9 @@ def _varlen_fwd_reference(
                                      causal, scale)
     _validate.check_op_options(deterministic, precision)
     cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()  # inside the op: never in a graph
-    o, lse = reference._attention_varlen(q, k, v, cu_q, cu_k, sinks, spec, return_lse=True)
+    o, lse = reference.attention_varlen_validated(q, k, v, cu_q, cu_k, sinks, spec, return_lse=True)
     total = q.shape[0]
-    return o.contiguous(), torch.nn.functional.pad(lse, (0, dense.varlen_rows(total) - total))
+    return o.contiguous(), torch.nn.functional.pad(lse, (0, varlen_rows(total) - total))
 
 
 varlen_fwd = torch.library.custom_op("flashsink::varlen_fwd", _varlen_fwd_reference, mutates_args=())
@@ -333,10 +337,8 @@ def _varlen_fwd_cuda(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
     if _varlen_empty(spec, q, k):
         return _varlen_fwd_reference(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                      window, causal, scale, deterministic)
-    cfg, win, (q, k, v, cu_q, cu_k) = _kernel_inputs(spec, q.device, deterministic, precision, q, k, v,
-                                                     cu_seqlens_q, cu_seqlens_k)
-    sinks32 = dense._sinks_f32(sinks, spec.heads, q.device)
-    o, lse = dense._forward(q, k, v, sinks32, cfg, spec, win, cu_seqlens=(cu_q, cu_k))
+    plan, q, k, v = _kernel_inputs(spec, deterministic, precision, q, k, v, (cu_seqlens_q, cu_seqlens_k))
+    o, lse = dense.forward(plan, q, k, v, dense.sinks_f32(sinks, spec.heads, q.device))
     lse[:, q.shape[0]:] = 0  # the padding rows: some are never written by the kernel
     return o, lse
 
@@ -349,7 +351,7 @@ def _varlen_fwd_fake(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
     _validate.check_op_options(deterministic, precision)
     total, heads = q.shape[0], q.shape[1]
     o = q.new_empty((total, heads, v.shape[2]))
-    lse = q.new_empty((heads, dense.varlen_rows(total)), dtype=_lse_dtype(q.dtype))
+    lse = q.new_empty((heads, varlen_rows(total)), dtype=_lse_dtype(q.dtype))
     return o, lse
 
 
@@ -407,9 +409,8 @@ def _varlen_bwd_cuda(do, q, k, v, sinks, lse, dlse, cu_seqlens_q, cu_seqlens_k, 
     if _varlen_empty(spec, q, k):
         return _varlen_bwd_reference(do, q, k, v, sinks, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                      max_seqlen_k, window, causal, scale, deterministic)
-    cfg, win, (do, q, k, v, lse, cu_q, cu_k) = _kernel_inputs(spec, q.device, deterministic, precision, do, q, k, v,
-                                                              lse, cu_seqlens_q, cu_seqlens_k)
-    return _kernel_backward(do, q, k, v, o, lse, dlse, sinks, cfg, spec, win, cu_seqlens=(cu_q, cu_k))
+    plan, q, k, v = _kernel_inputs(spec, deterministic, precision, q, k, v, (cu_seqlens_q, cu_seqlens_k))
+    return _kernel_backward(plan, do.contiguous(), q, k, v, o, lse.contiguous(), dlse, sinks)
 
 
 @varlen_bwd.register_fake
@@ -467,7 +468,7 @@ def _kvcache_fwd_reference(
                             v_scale)
     # inside the op: never in a graph
     lengths, pages = check_cache_values(spec, cache_seqlens, block_table, k_scale, v_scale)
-    o, lse = reference._attention_kvcache(q, k_cache, v_cache, lengths, pages, sinks, spec, return_lse=True,
+    o, lse = reference.attention_kvcache_validated(q, k_cache, v_cache, lengths, pages, sinks, spec, return_lse=True,
                                           k_scale=k_scale, v_scale=v_scale)
     return o.contiguous(), lse.contiguous()
 

@@ -1,11 +1,19 @@
-"""The launch layer: the kernels' configuration, buffers and launches, for every caller.
+"""The launch API: the kernels' configuration, buffers and launches, for every caller.
 
-``_forward`` / ``_backward`` launch the kernels, for the padded layouts and (with ``cu_seqlens``)
-packed varlen batches (layout ``thd``) alike. Two callers, neither imported here: the eager
+A validated problem (an ``AttnSpec``) runs in two steps, for the padded layouts and (with
+``cu_seqlens``) packed varlen batches (layout ``thd``) alike:
+
+    plan, q, k, v = prepare(spec, q, k, v, deterministic=..., precision=..., cu_seqlens=...)
+    o, lse = forward(plan, q, k, v, sinks_f32(sinks, spec.heads, q.device))
+    dq, dk, dv, dsink = backward(plan, do, q, k, v, o, lse, dlse, sinks32)
+
+``prepare`` is where the kernels' own conditions are met (:func:`check_supported`, the head dims
+zero-padded to the kernels', :func:`kernel_config`); :class:`Plan` carries what ``forward`` and
+``backward`` need beyond tensors. Two callers, neither imported here: the eager
 ``torch.autograd.Function`` of ``attention.py`` (what ``flashsink.attention`` runs on CUDA outside
 ``torch.compile``) and the custom ops of ``custom_ops.py`` (the same launches, traceable). Validation
-happened once, in the public function (``flashsink.api``). Nothing here imports tilelang: kernels
-are built on first launch (``registry.get_kernel``).
+happened once, in the public function (``flashsink.api``) or the op. Nothing here imports tilelang:
+kernels are built on first launch (``registry.get_kernel``).
 
 Host time matters here (every eager call runs this): the kernel handle is one dict lookup, the
 buffers that must start zeroed share one fill (the dQ accumulator none: the preprocess zeroes it),
@@ -13,6 +21,7 @@ and nothing is filled that no kernel reads.
 """
 
 import functools
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -23,7 +32,12 @@ from ..build.config import (
     BWD_SPLIT_MIN_ROWS, HEAD_DIM_RULE, LOG2E, NO_WINDOW, PRECISIONS, ROW_PAD, SUPPORTED_DTYPES,
     KernelConfig, arch_of, bwd_split, fwd_o32, kernel_head_dim,
 )
-from ..build.config import padded_rows as _padded_rows, varlen_rows  # noqa: F401  (the ops' and tests' names)
+from ..build.config import padded_rows, varlen_rows
+
+__all__ = [
+    "Plan", "prepare", "forward", "backward", "sinks_f32", "pad_head_dims", "check_supported", "kernel_config",
+    "kernel_window", "sm_count",
+]
 
 
 def kernel_window(window) -> int:
@@ -62,13 +76,14 @@ _CONFIGS: dict = {}
 
 
 def kernel_config(spec, device, deterministic: bool, precision: str = "fast") -> KernelConfig:
-    """The static configuration for a validated problem, or NotImplementedError."""
+    """The static configuration for a validated problem, or NotImplementedError. ``precision`` is not
+    checked here: the public functions (``_validate.check_precision``) and the ops
+    (``_validate.check_op_options``) checked it, each once; an unknown one is an AssertionError."""
     key = (arch_of(device), spec.kernel_key, bool(deterministic), precision)
     cfg = _CONFIGS.get(key)
     if cfg is None:
         check_supported(spec)
-        if precision not in PRECISIONS:  # the public functions checked it; the ops may be called directly
-            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+        assert precision in PRECISIONS, precision
         cfg = _CONFIGS[key] = _config_of(*key)
     return cfg
 
@@ -83,9 +98,47 @@ def _config_of(arch, kernel_key, deterministic, precision) -> KernelConfig:
     )
 
 
+class Plan(NamedTuple):
+    """What :func:`forward` and :func:`backward` need beyond tensors (:func:`prepare` makes it):
+    the validated problem, the kernels' configuration, their runtime window (:func:`kernel_window`)
+    and, for a packed batch (layout ``thd``), ``(cu_q, cu_k)``: int32 on q's device (else None)."""
+
+    spec: object  # the AttnSpec (_validate)
+    cfg: KernelConfig
+    window: int
+    cu_seqlens: Optional[tuple] = None
+
+
+def prepare(spec, q, k, v, *, deterministic=False, precision="fast", cu_seqlens=None, pad=True):
+    """The launch plan of a validated problem, and q, k, v as the kernels take them: ``(plan, q, k, v)``.
+
+    NotImplementedError unless the kernels take the problem (:func:`check_supported`, once per
+    configuration: :func:`kernel_config` keeps them). ``pad``: q, k, v contiguous with their head
+    dims zero-padded to the kernels' (exact: zero columns add nothing to q.k; autograd slices the
+    gradients back); without it contiguous only (the ops, which take native head dims)."""
+    cfg = kernel_config(spec, q.device, deterministic, precision)
+    if pad:
+        q, k, v = _pad_dim(q, cfg.head_dim), _pad_dim(k, cfg.head_dim), _pad_dim(v, cfg.head_dim_v)
+    else:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    return Plan(spec, cfg, kernel_window(spec.window), cu_seqlens), q, k, v
+
+
+def pad_head_dims(spec, q, k, v):
+    """q, k, v contiguous, head dims zero-padded to the kernels' (:func:`prepare`'s padding, for the
+    traced route, whose ops make their own plan), for a problem :func:`check_supported` passed."""
+    d, dv = _kernel_dim(spec.head_dim), _kernel_dim(spec.head_dim_v)
+    return _pad_dim(q, d), _pad_dim(k, d), _pad_dim(v, dv)
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device) -> int:
+    """The streaming multiprocessors of a CUDA device (the current one for an index-less device)."""
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 # The launches. Padded layouts (bhsd, bshd) and packed varlen batches (thd) run the same kernels;
@@ -103,7 +156,7 @@ def _seq_args(cu_seqlens, longest: int) -> tuple:
 
 def _stat_shape(spec, q, cu_seqlens) -> tuple:
     if cu_seqlens is None:
-        return (spec.batch, spec.heads, _padded_rows(spec.seq_q))
+        return (spec.batch, spec.heads, padded_rows(spec.seq_q))
     return (spec.heads, varlen_rows(q.shape[0]))
 
 
@@ -129,8 +182,8 @@ def _use_split(cfg, spec, window, total_q=None) -> bool:
 def _stat_shape_kv(spec, k, cu_seqlens) -> tuple:
     """Rows of the fp32 dK/dV accumulators: :func:`_stat_shape` over the keys."""
     if cu_seqlens is None:
-        return (spec.batch, spec.kv_heads, _padded_rows(spec.seq_kv))
-    return (spec.kv_heads, _padded_rows(k.shape[0] + ROW_PAD))
+        return (spec.batch, spec.kv_heads, padded_rows(spec.seq_kv))
+    return (spec.kv_heads, padded_rows(k.shape[0] + ROW_PAD))
 
 
 def _numel(shape) -> int:
@@ -140,15 +193,17 @@ def _numel(shape) -> int:
     return n
 
 
-def _forward(q, k, v, sinks32, cfg, spec, window, cu_seqlens=None, o32=False):
-    """o (q's layout and dtype) and the row-padded lse (float32, :func:`_stat_shape`). ``o32`` (strict,
-    a backward to follow): a third result, the output in fp32 from the kind ``fwd_o32`` where the call
-    has it (``config.fwd_o32``, a positive scale, not the split decode), else None: what the backward's
-    Delta pass reads (:func:`_backward`)."""
+def forward(plan, q, k, v, sinks32, *, o32=False):
+    """o (q's layout and dtype) and the row-padded lse (float32, :func:`_stat_shape`). q, k, v as
+    :func:`prepare` returned them, ``sinks32`` from :func:`sinks_f32`. ``o32`` (strict, a backward to
+    follow): a third result, the output in fp32 from the kind ``fwd_o32`` where the call has it
+    (``config.fwd_o32``, a positive scale, not the split decode), else None: what the backward's
+    Delta pass reads (:func:`backward`)."""
+    spec, cfg, window, cu_seqlens = plan
     if decode.use_split(spec, cfg):  # never for thd
         # few query rows against a long cache: split the keys over programs (decode.py)
-        sms = _sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device())
-        o, lse = decode.forward_split(q, k, v, sinks32, cfg, spec, window, sms, _padded_rows(spec.seq_q))
+        o, lse = decode.forward_split(q, k, v, sinks32, cfg, spec, window, sm_count(q.device),
+                                      padded_rows(spec.seq_q))
         return (o, lse, None) if o32 else (o, lse)
     # the kernels' head dim (cfg), not the problem's: q, k, v arrive zero-padded to it
     o = torch.empty((*q.shape[:-1], cfg.head_dim_v), dtype=q.dtype, device=q.device)
@@ -159,23 +214,19 @@ def _forward(q, k, v, sinks32, cfg, spec, window, cu_seqlens=None, o32=False):
         o_f32 = torch.empty(o.shape, dtype=torch.float32, device=q.device)
         get_kernel("fwd_o32", cfg)(q, k, v, sinks32, *seq, window, scale * LOG2E, o, lse, o_f32)
         return o, lse, o_f32
-    get_kernel(_fwd_kind(cfg, window, scale), cfg)(q, k, v, sinks32, *seq, window, scale * LOG2E, o, lse)
+    # the registry's choice (kinds.forward_kind): fwd_unfolded for a scale <= 0 where the forward folds
+    # the scale, fwd_window for a window of at most config.WINDOW_TILES_MAX keys where it has tiles, else fwd
+    get_kernel(forward_kind(cfg, window, scale), cfg)(q, k, v, sinks32, *seq, window, scale * LOG2E, o, lse)
     return (o, lse, None) if o32 else (o, lse)
 
 
-def _fwd_kind(cfg, window: int, scale: float) -> str:
-    """The forward kernel for a call: the registry's choice (``kinds.forward_kind``: ``fwd_unfolded`` for a
-    scale <= 0 where the forward folds the scale, ``fwd_window`` for a window of at most
-    ``config.WINDOW_TILES_MAX`` keys where it has tiles of its own, else ``fwd``)."""
-    return forward_kind(cfg, window, scale)
-
-
-def _backward(do, q, k, v, o, lse, dlse, sinks32, cfg, spec, window, cu_seqlens=None):
+def backward(plan, do, q, k, v, o, lse, dlse, sinks32):
     """dq, dk, dv and dsink (float32 ``[H]``, None without sinks). ``lse`` is the forward's
     row-padded one; ``dlse`` (or None) its gradient over the real rows (seq_q, or total_q).
     ``o``: what the Delta pass reads (Delta = rowsum(dO * O)): fast, the forward's output (contiguous,
-    head dims as the kernels saw them); strict, the forward's fp32 output (``_forward(o32=True)``), or
+    head dims as the kernels saw them); strict, the forward's fp32 output (``forward(o32=True)``), or
     None: Delta then comes from P and dP, recomputed."""
+    spec, cfg, window, cu_seqlens = plan
     dev = q.device
     stat = lse.shape  # [B, H, rows] or [H, rows] (thd)
     scale = float(spec.scale)
@@ -294,7 +345,8 @@ def _unwritten(shape, device):
     return _shared("unused", shape, device)
 
 
-def _sinks_f32(sinks, heads, device):
+def sinks_f32(sinks, heads, device):
+    """The kernels' sinks argument: float32, contiguous, ``[H]`` (an unread buffer without sinks)."""
     if sinks is None:  # kernels built without sinks have no sink term: their sinks argument is unread
         return _unwritten((heads,), device)
     if sinks.dtype == torch.float32 and sinks.is_contiguous():

@@ -25,6 +25,7 @@ import torch
 from ...reference import dequantize_kvcache
 from ..build.registry import get_kernel
 from ..build.config import KVCACHE_HEAD_DIMS, LOG2E, NO_WINDOW, SUPPORTED_DTYPES, KernelConfig, arch_of, split_tiles
+from .dense import sm_count
 
 _PLANS: dict = {}  # static facts -> (cfg, forward kernel, merge kernel, tiles)
 _IDENTITY: dict = {}  # (batch, device) -> int32 [[0], [1], .., [B-1]]
@@ -114,8 +115,6 @@ def _nan_unless_positive(scale):
 def kernel_attention_kvcache(spec, q, k_cache, v_cache, cache_seqlens, block_table, sinks, *, return_lse,
                              k_scale=None, v_scale=None):
     """Run validated inputs through the kernels (forward only)."""
-    from .dense import _sm_count
-
     check_supported(spec, k_cache, v_cache)
     dev = q.device
     B, Sq, H, Dv = spec.batch, spec.seq_q, spec.heads, spec.head_dim_v
@@ -136,7 +135,7 @@ def kernel_attention_kvcache(spec, q, k_cache, v_cache, cache_seqlens, block_tab
         sinks32 = _no_sinks(H, dev)
     else:
         sinks32 = sinks if sinks.dtype == torch.float32 and sinks.is_contiguous() else sinks.to(torch.float32).contiguous()
-    S = n_splits_for(spec, tiles, _sm_count(dev.index if dev.index is not None else torch.cuda.current_device()))
+    S = n_splits_for(spec, tiles, sm_count(dev))
     # two allocations: on the GPU host a slice or a view costs as much as an allocation (perf-log.md v8)
     o_part = torch.empty((B, H, Sq, S, Dv), dtype=torch.float32, device=dev)
     lse_part = torch.empty((B, H, Sq, S), dtype=torch.float32, device=dev)
