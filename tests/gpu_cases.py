@@ -267,3 +267,18 @@ def merge_test_config(arch: str):
 
     return KernelConfig(arch=arch, dtype="float32", head_dim=64, head_dim_v=64, groups=1, causal=True,
                         has_sinks=True, layout="bhsd", deterministic=False, precision="strict")
+
+
+def combine_splits(o_part, lse_part, sinks32, has_sinks: bool):
+    """The merge kernel's (``merge_splits.py``) torch twin, which test_decode.py and test_kvcache_gpu.py
+    judge it and the split algebra against: ``[B, H, Sq, S, Dv]`` / ``[B, H, Sq, S]`` fp32 partials (the
+    kernel's layout: splits next to the head dim, as ``flashsink.combine.merge_stacked`` takes them) -> o
+    ``[B, H, Sq, Dv]`` and lse ``[B, H, Sq]``, fp32. A split that saw no key (lse -inf) is ignored,
+    whatever its o holds. (Test code only: the library launches the kernel.)"""
+    from flashsink.combine import merge_stacked
+
+    terms = lse_part
+    if has_sinks:
+        sink = sinks32.view(1, -1, 1, 1).expand(*lse_part.shape[:3], 1)
+        terms = torch.cat([lse_part, sink], dim=-1)  # the sink: one more term, with no value
+    return merge_stacked(o_part, terms)

@@ -9,8 +9,9 @@ import torch
 from flashsink import reference
 from flashsink._validate import validate_attention
 from flashsink.ops.build.config import KernelConfig
-from flashsink.ops.launch.decode import combine_splits, n_splits_for, use_split
+from flashsink.ops.launch.decode import n_splits_for, use_split
 from flashsink.testing import check_precision
+from gpu_cases import combine_splits
 
 
 def _spec(b=1, h=64, hk=8, sq=1, skv=4096, window=None, layout="bhsd"):

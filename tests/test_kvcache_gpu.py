@@ -9,7 +9,7 @@ import flashsink
 from flashsink import reference
 from flashsink.testing import assert_precision, dtype_name
 
-from gpu_cases import KVCase, kvcache_cases, merge_test_config
+from gpu_cases import KVCase, combine_splits, kvcache_cases, merge_test_config
 
 pytestmark = pytest.mark.gpu
 
@@ -114,11 +114,10 @@ def test_bad_values_give_nan_rows_without_faults():
 
 @pytest.mark.boundary
 def test_merge_kernel_nonfinite_as_combine_splits():
-    """The merge kernel against its torch twin decode.combine_splits on sinks +inf, -inf, NaN and
+    """The merge kernel against its torch twin gpu_cases.combine_splits on sinks +inf, -inf, NaN and
     finite, splits with no key holding NaN, and rows where every split is empty."""
     from flashsink.ops.build.registry import get_kernel
     from flashsink.ops.build.config import arch_of
-    from flashsink.ops.launch.decode import combine_splits
 
     g = torch.Generator().manual_seed(3)
     B, H, Sq, S, D = 2, 4, 3, 5, 64

@@ -11,17 +11,15 @@ batch): a few hundred programs, each streaming the whole cache alone. The split-
 
 and one small kernel (``merge_splits.py``) merges the partials and applies each head's sink once:
 ``lse = logsumexp([lse_1 .. lse_S, sink])``, ``o = sum_s exp(lse_s - lse) o_s``, the algebra of
-:func:`flashsink.combine.merge_stacked`, the code behind :func:`flashsink.combine`;
-:func:`combine_splits` is its torch twin (the tests judge the kernel against it). The LSE is
-the regular one (sink included), so the backward is the regular one. Nothing here imports
-tilelang.
+:func:`flashsink.combine.merge_stacked`, the code behind :func:`flashsink.combine` (the tests judge
+the kernel against a torch twin of it, ``tests/gpu_cases.combine_splits``). The LSE is the regular
+one (sink included), so the backward is the regular one. Nothing here imports tilelang.
 """
 
 import math
 
 import torch
 
-from ...combine import merge_stacked
 from ...visibility import visible_span
 from ..build.config import LOG2E, SPLIT_ROWS, split_tiles
 
@@ -50,21 +48,10 @@ def n_splits_for(spec, cfg, sm_count: int) -> int:
     return max(1, min(math.ceil(2 * sm_count / programs), blocks // 4))
 
 
-def combine_splits(o_part, lse_part, sinks32, has_sinks: bool):
-    """``[B, H, Sq, S, Dv]`` / ``[B, H, Sq, S]`` fp32 partials (the kernel's layout: splits next
-    to the head dim, as :func:`merge_stacked` takes them) -> o ``[B, H, Sq, Dv]`` and lse
-    ``[B, H, Sq]``, fp32. A split that saw no key (lse -inf) is ignored, whatever its o holds."""
-    terms = lse_part
-    if has_sinks:
-        sink = sinks32.view(1, -1, 1, 1).expand(*lse_part.shape[:3], 1)
-        terms = torch.cat([lse_part, sink], dim=-1)  # the sink: one more term, with no value
-    return merge_stacked(o_part, terms)
-
-
 def forward_split(q, k, v, sinks32, cfg, spec, window, sm_count: int, lse_rows: int):
     """The split-KV forward: o in q's layout and dtype, lse ``[B, H, lse_rows]`` (rows past
     ``seq_q`` unwritten). Two launches: the split kernel's partials, then ``merge_splits.py``, the
-    kernel twin of :func:`combine_splits` (sink applied once, o cast into q's layout)."""
+    kernel twin of ``flashsink.combine.merge_stacked`` (sink applied once, o cast into q's layout)."""
     from ..build.registry import get_kernel
 
     B, H, Sq, Dv = spec.batch, spec.heads, spec.seq_q, cfg.head_dim_v  # the kernels' (padded) head dim
