@@ -475,7 +475,7 @@ def kernel_partials(q, k, v, ranges, *, causal, window, attn=None):
     or, with a window, rows that see only the last keys of the range (reversed rows and keys,
     bottom-right causal). Rows in no piece keep o = 0, lse = -inf. Differentiable (autograd
     through every call)."""
-    from flashsink.distributed import _plan_pair
+    from flashsink.distributed.ring import _plan_pair
 
     attn = attn or flashsink.attention
     b_, h, sq, _ = q.shape

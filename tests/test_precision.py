@@ -177,13 +177,13 @@ def test_make_inputs():
 def test_reference_grads_chunking_is_exact(monkeypatch):
     inp = testing.make_inputs(1, 8, 4, 13, 13, 8, torch.float16, "cpu", seed=4)
     whole = testing.reference_grads(**inp, window=5, compute_dtype=torch.float64)
-    monkeypatch.setattr(_cases, "_CHUNK_SCORE_ELEMS", 1)  # one KV head per chunk
+    monkeypatch.setattr(_cases, "CHUNK_SCORE_ELEMS", 1)  # one KV head per chunk
     parts = testing.reference_grads(**inp, window=5, compute_dtype=torch.float64)
     for n in ("o", "lse", "dq", "dk", "dv", "dsink"):
         assert torch.equal(whole[n], parts[n]), n
     assert whole["o"].dtype == torch.float64 and whole["dsink"].dtype == torch.float64
     rounded = testing.reference_grads(**inp, window=5, compute_dtype=torch.float64, o_rounded=True)["o_rounded"]
-    monkeypatch.setattr(_cases, "_CHUNK_SCORE_ELEMS", 10**9)
+    monkeypatch.setattr(_cases, "CHUNK_SCORE_ELEMS", 10**9)
     assert "o_rounded" not in testing.reference_grads(**inp, window=5, compute_dtype=torch.float64)
     whole_rounded = testing.reference_grads(**inp, window=5, compute_dtype=torch.float64, o_rounded=True)["o_rounded"]
     for n in ("dq", "dk", "dsink"):

@@ -250,7 +250,7 @@ def test_ring_matches_single_process(p, tmp_path):
 
 
 def _piece_mask(q0, q1, k0, k1, kind, window):
-    from flashsink.distributed import _CAUSAL, _FULL
+    from flashsink.distributed.ring import _CAUSAL, _FULL
 
     n, m = q1 - q0, k1 - k0
     if kind == _FULL:
@@ -272,7 +272,7 @@ def _random_problem(rng):
 def test_plan_covers_exactly_the_visible_pairs():
     """Every visible (query, key) pair of a query range x key range is in exactly one piece, no
     masked one is, and each piece is one flashsink.attention call (its mask as computed here)."""
-    from flashsink.distributed import _plan_pair
+    from flashsink.distributed.ring import _plan_pair
 
     rng = random.Random(random.SystemRandom().getrandbits(62))
     checked = 0
@@ -302,7 +302,8 @@ def test_step_plans_cover_exactly_the_global_mask():
     """Over all ranks and all K/V blocks of a ring (after merging pieces into fewer calls), every
     visible pair of the global problem is computed exactly once and no masked pair is; with
     zig-zag shards and no window every step is one call."""
-    from flashsink.distributed import _RingCfg, sequence_positions
+    from flashsink.distributed.ring import _RingCfg
+    from flashsink.distributed import sequence_positions
 
     rng = random.Random(random.SystemRandom().getrandbits(62))
     for _ in range(150):
@@ -332,7 +333,8 @@ def test_step_plans_cover_exactly_the_global_mask():
 def _simulated_ring(q, k, v, sinks, p, zigzag, causal, window, scale):
     """Every rank's output, the ring's pieces and merges run in one process (differentiable):
     the "bshd" full-sequence output, assembled from the ranks' shards."""
-    from flashsink.distributed import _piece, _RingCfg, shard_sequence, unshard_sequence
+    from flashsink.distributed.ring import _piece, _RingCfg
+    from flashsink.distributed import shard_sequence, unshard_sequence
 
     n = q.shape[1] // p
     outs = []

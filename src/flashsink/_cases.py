@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 
 from . import reference
-from ._precision import PrecisionReport, _resolve_dtype, dtype_name, judge_all
+from ._precision import PrecisionReport, resolve_dtype, dtype_name, judge_all
 from ._validate import validate_attention
 from .ops.build.config import PRECISIONS
 
@@ -48,7 +48,7 @@ def case_id(
         parts.append(layout)
     if not sinks:
         parts.append("nosink")
-    parts.append(dtype_name(_resolve_dtype(dtype)))
+    parts.append(dtype_name(resolve_dtype(dtype)))
     return "-".join(parts)
 
 
@@ -74,7 +74,7 @@ def make_inputs(
     Values are drawn on the CPU from a generator seeded with ``seed`` (a random seed if None), so
     a seed gives the same tensors on every device.
     """
-    dt = _resolve_dtype(dtype)
+    dt = resolve_dtype(dtype)
     dv = head_dim if head_dim_v is None else head_dim_v
     if seed is None:
         seed = random.SystemRandom().getrandbits(62)
@@ -101,8 +101,9 @@ def make_inputs(
     return out
 
 
-# Bound on the score elements of one reference chunk (fp64: 2 GiB per [.., S_q, S_kv] tensor).
-_CHUNK_SCORE_ELEMS = 2**28
+#: bound on the score elements of one reference chunk (fp64: 2 GiB per [.., S_q, S_kv] tensor);
+#: ``flashsink check`` sizes its memory estimate by it
+CHUNK_SCORE_ELEMS = 2**28
 
 
 def _head_dim_index(layout: str) -> int:
@@ -137,7 +138,7 @@ def reference_grads(q, k, v, sinks, do, *, window=None, causal=True, scale=None,
     hdim = _head_dim_index(layout)
     g = spec.groups
     per_kv_head = max(1, spec.batch * g * spec.seq_q * spec.seq_kv)
-    step = max(1, min(spec.kv_heads, _CHUNK_SCORE_ELEMS // per_kv_head))
+    step = max(1, min(spec.kv_heads, CHUNK_SCORE_ELEMS // per_kv_head))
 
     parts = []
     for h0 in range(0, spec.kv_heads, step):

@@ -139,7 +139,8 @@ def dtype_name(dtype: torch.dtype) -> str:
     return _DTYPE_NAMES.get(dtype, str(dtype).replace("torch.", ""))
 
 
-def _resolve_dtype(dtype) -> torch.dtype:
+def resolve_dtype(dtype) -> torch.dtype:
+    """A torch.dtype, or its name (``"bf16"``, ``"float16"``, ...), as the torch.dtype; ValueError otherwise."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if isinstance(dtype, str) and dtype.lower() in _DTYPE_ALIASES:
@@ -149,7 +150,7 @@ def _resolve_dtype(dtype) -> torch.dtype:
 
 def tolerance(dtype) -> Tolerance:
     """The tolerances of the precision standard for ``dtype`` (fp16, bf16 or fp32)."""
-    dt = _resolve_dtype(dtype)
+    dt = resolve_dtype(dtype)
     if dt not in TOLERANCES:
         raise ValueError(
             f"the precision standard covers fp16, bf16 and fp32, got {dt}; "
@@ -255,7 +256,7 @@ def check_precision(name: str, actual, expected, dtype, *, lowp=None, composed: 
     """
     if composed and lowp is None:
         raise ValueError(f"{name}: composed=True needs lowp (the low-precision system whose share it is judged against)")
-    dt = _resolve_dtype(dtype)
+    dt = resolve_dtype(dtype)
     tol = tolerance(dt)
     shape = tuple(expected.shape)
     base = dict(name=name, dtype=dtype_name(dt), shape=shape, atol=tol.atol, rtol=tol.rtol)
@@ -361,7 +362,7 @@ def check_fast(name: str, actual, expected, dtype, *, lowp, o_rounded=None) -> P
     """
     if lowp is None:
         raise ValueError(f"{name}: the fast gate needs lowp (the reference computed in the input dtype)")
-    dt = _resolve_dtype(dtype)
+    dt = resolve_dtype(dtype)
     tol = tolerance(dt)
     u = torch.finfo(dt).eps / 2
     shape = tuple(expected.shape)

@@ -82,7 +82,7 @@ def make_spec(batch, heads, kv_heads, seq_q, seq_kv, head_dim, head_dim_v, *, wi
         seq_kv=seq_kv,
         head_dim=head_dim,
         head_dim_v=head_dim_v,
-        window=_spec_window(window),
+        window=spec_window(window),
         causal=causal,
         scale=1.0 / math.sqrt(head_dim) if scale is None else float(scale),
         layout=layout,
@@ -91,7 +91,7 @@ def make_spec(batch, heads, kv_heads, seq_q, seq_kv, head_dim, head_dim_v, *, wi
     )
 
 
-def _shape(t: torch.Tensor) -> str:
+def shape_text(t: torch.Tensor) -> str:
     return "[" + ", ".join(str(s) for s in t.shape) + "]"
 
 
@@ -125,7 +125,7 @@ def check_strided(name: str, t) -> None:
         )
 
 
-def _check_tensor(name: str, t, *, floating: bool = True) -> None:
+def check_tensor(name: str, t, *, floating: bool = True) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     check_strided(name, t)
@@ -136,7 +136,7 @@ def _check_tensor(name: str, t, *, floating: bool = True) -> None:
         )
 
 
-def _check_options(window, causal, scale) -> None:
+def check_options(window, causal, scale) -> None:
     check_flag("causal", causal)
     if window is not None:
         if isinstance(window, bool) or not isinstance(window, (numbers.Integral, torch.SymInt)):
@@ -172,19 +172,19 @@ def _check_scale_dtype(scale, dtype: torch.dtype) -> None:
         )
 
 
-def _spec_window(window):
+def spec_window(window):
     if window is None or isinstance(window, torch.SymInt):  # symbolic (the ops' fakes): no guard on it
         return window
     return min(int(window), _MAX_WINDOW)
 
 
-def _check_sinks(sinks, heads: int, device: torch.device) -> None:
+def check_sinks(sinks, heads: int, device: torch.device) -> None:
     if sinks is None:
         return
-    _check_tensor("sinks", sinks)
+    check_tensor("sinks", sinks)
     if sinks.dim() != 1 or sinks.shape[0] != heads:
         raise ValueError(
-            f"sinks must be 1-D of shape [{heads}] (one logit per query head), got shape {_shape(sinks)}"
+            f"sinks must be 1-D of shape [{heads}] (one logit per query head), got shape {shape_text(sinks)}"
         )
     if sinks.device != device:
         raise ValueError(
@@ -192,7 +192,7 @@ def _check_sinks(sinks, heads: int, device: torch.device) -> None:
         )
 
 
-def _check_same_dtype_device(q, k, v) -> None:
+def check_same_dtype_device(q, k, v) -> None:
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(
             f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}; "
@@ -204,7 +204,7 @@ def _check_same_dtype_device(q, k, v) -> None:
         )
 
 
-def _check_heads(heads: int, kv_heads: int, head_dim: int, head_dim_v: int, what) -> None:
+def check_heads(heads: int, kv_heads: int, head_dim: int, head_dim_v: int, what) -> None:
     """``what`` describes the inputs in the messages: a str, or a callable giving one, so that the
     description is only built on an error (formatting symbolic shapes breaks a torch.compile graph)."""
     if not (heads < 1 or kv_heads < 1 or heads % kv_heads != 0 or head_dim < 1 or head_dim_v < 1):
@@ -271,19 +271,19 @@ def validate_attention(q, k, v, sinks, *, window, causal, scale, layout) -> Attn
 
 def _validate_attention(q, k, v, sinks, *, window, causal, scale, layout) -> AttnSpec:
     for name, t in (("q", q), ("k", k), ("v", v)):
-        _check_tensor(name, t)
+        check_tensor(name, t)
     if sinks is not None:
-        _check_tensor("sinks", sinks)
-    _check_options(window, causal, scale)
+        check_tensor("sinks", sinks)
+    check_options(window, causal, scale)
     if not isinstance(layout, str) or layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     what = "[B, H, S, D]" if layout == "bhsd" else "[B, S, H, D]"
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
             raise ValueError(
-                f"{name} must be 4-D {what} for layout={layout!r}, got {t.dim()}-D shape {_shape(t)}"
+                f"{name} must be 4-D {what} for layout={layout!r}, got {t.dim()}-D shape {shape_text(t)}"
             )
-    _check_same_dtype_device(q, k, v)
+    check_same_dtype_device(q, k, v)
     _check_scale_dtype(scale, q.dtype)
 
     if layout == "bhsd":
@@ -295,17 +295,17 @@ def _validate_attention(q, k, v, sinks, *, window, causal, scale, layout) -> Att
         bk, skv, hk, dk = k.shape
         bv, sv, hv, dv = v.shape
     if bk != b:
-        raise ValueError(f"k batch ({bk}) must equal q batch ({b}); q {_shape(q)}, k {_shape(k)}")
+        raise ValueError(f"k batch ({bk}) must equal q batch ({b}); q {shape_text(q)}, k {shape_text(k)}")
     if dk != d:
         raise ValueError(
-            f"k head_dim ({dk}) must equal q head_dim ({d}); q {_shape(q)}, k {_shape(k)}"
+            f"k head_dim ({dk}) must equal q head_dim ({d}); q {shape_text(q)}, k {shape_text(k)}"
         )
     if (bv, hv, sv) != (bk, hk, skv):
         raise ValueError(
-            f"v must match k in batch, heads and sequence length ({layout}): k {_shape(k)}, v {_shape(v)}"
+            f"v must match k in batch, heads and sequence length ({layout}): k {shape_text(k)}, v {shape_text(v)}"
         )
-    _check_heads(h, hk, d, dv, lambda: f"layout={layout!r}, q {_shape(q)}, k {_shape(k)}, v {_shape(v)}")
-    _check_sinks(sinks, h, q.device)
+    check_heads(h, hk, d, dv, lambda: f"layout={layout!r}, q {shape_text(q)}, k {shape_text(k)}, v {shape_text(v)}")
+    check_sinks(sinks, h, q.device)
 
     return make_spec(b, h, hk, sq, skv, d, dv, window=window, causal=causal, scale=scale, layout=layout,
                      dtype=q.dtype, has_sinks=sinks is not None)
@@ -325,7 +325,7 @@ def _check_cu_structure(name: str, cu, device: torch.device) -> None:
     if cu.dim() != 1 or cu.shape[0] < 1:
         raise ValueError(
             f"{name} must be 1-D with batch + 1 entries (cumulative lengths starting at 0), "
-            f"got shape {_shape(cu)}"
+            f"got shape {shape_text(cu)}"
         )
     if cu.device != device:
         raise ValueError(f"{name} must be on the same device as q ({device}), got {cu.device}")
@@ -419,29 +419,29 @@ def _int(n):
 def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks, window, causal, scale):
     """Everything but the offsets' values; returns the spec."""
     for name, t in (("q", q), ("k", k), ("v", v)):
-        _check_tensor(name, t)
+        check_tensor(name, t)
     if sinks is not None:
-        _check_tensor("sinks", sinks)
-    _check_options(window, causal, scale)
+        check_tensor("sinks", sinks)
+    check_options(window, causal, scale)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 3:
             raise ValueError(
                 f"{name} must be 3-D [total_tokens, heads, head_dim] for varlen attention, "
-                f"got {t.dim()}-D shape {_shape(t)}"
+                f"got {t.dim()}-D shape {shape_text(t)}"
             )
-    _check_same_dtype_device(q, k, v)
+    check_same_dtype_device(q, k, v)
     _check_scale_dtype(scale, q.dtype)
     tq, h, d = q.shape
     tk, hk, dk = k.shape
     tv, hv, dv = v.shape
     if dk != d:
-        raise ValueError(f"k head_dim ({dk}) must equal q head_dim ({d}); q {_shape(q)}, k {_shape(k)}")
+        raise ValueError(f"k head_dim ({dk}) must equal q head_dim ({d}); q {shape_text(q)}, k {shape_text(k)}")
     if (tv, hv) != (tk, hk):
         raise ValueError(
-            f"v must match k in total tokens and heads: k {_shape(k)}, v {_shape(v)}"
+            f"v must match k in total tokens and heads: k {shape_text(k)}, v {shape_text(v)}"
         )
-    _check_heads(h, hk, d, dv, lambda: f"varlen, q {_shape(q)}, k {_shape(k)}, v {_shape(v)}")
-    _check_sinks(sinks, h, q.device)
+    check_heads(h, hk, d, dv, lambda: f"varlen, q {shape_text(q)}, k {shape_text(k)}, v {shape_text(v)}")
+    check_sinks(sinks, h, q.device)
     _check_cu_structure("cu_seqlens_q", cu_seqlens_q, q.device)
     _check_cu_structure("cu_seqlens_k", cu_seqlens_k, q.device)
     if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0]:
@@ -499,11 +499,11 @@ def out_shape(spec: AttnSpec, q) -> tuple:
 
 
 def _check_grad(name: str, t, shape: tuple, dtype: torch.dtype, device: torch.device) -> None:
-    _check_tensor(name, t)
+    check_tensor(name, t)
     if tuple(t.shape) != tuple(shape) or t.dtype != dtype or t.device != device:
         raise ValueError(
             f"{name} must be a {dtype} tensor of shape {list(shape)} on {device}, "
-            f"got {t.dtype} {_shape(t)} on {t.device}"
+            f"got {t.dtype} {shape_text(t)} on {t.device}"
         )
 
 
@@ -558,4 +558,4 @@ def check_op_options(deterministic, precision, o=None) -> None:
     check_flag("deterministic", deterministic)
     check_precision(precision)
     if o is not None:
-        _check_tensor("o", o)
+        check_tensor("o", o)

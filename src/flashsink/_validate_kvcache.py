@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ._validate import (LAYOUTS, _check_heads, _check_options, _check_same_dtype_device, _check_sinks, _check_tensor,
-                        _shape, _spec_window, check_strided)
+from ._validate import (LAYOUTS, check_heads, check_options, check_same_dtype_device, check_sinks, check_tensor,
+                        shape_text, spec_window, check_strided)
 
 
 #: the fp8 cache format (OCP E4M3, vLLM's and FlashInfer's "fp8"), and the query dtypes that go with it
@@ -80,7 +80,7 @@ def _check_int_tensor(name: str, t, dims: int, what: str, device) -> None:
         raise TypeError(f"{name} must have dtype int32 (the kernels read it on the device), got {t.dtype}; "
                         f"convert it once with .to(torch.int32)")
     if t.dim() != dims:
-        raise ValueError(f"{name} must be {dims}-D {what}, got {t.dim()}-D shape {_shape(t)}")
+        raise ValueError(f"{name} must be {dims}-D {what}, got {t.dim()}-D shape {shape_text(t)}")
     if t.device != device:
         raise ValueError(f"{name} must be on the same device as q ({device}), got {t.device}")
 
@@ -104,12 +104,12 @@ def _check_dtypes(q, k_cache, v_cache) -> bool:
             f"q has dtype {q.dtype}: fp8 queries are not supported; pass q in bfloat16 or float16 "
             f"(the caches may be {FP8_CACHE_DTYPE}, with k_scale and v_scale)"
         )
-    _check_tensor("q", q)
+    check_tensor("q", q)
     if k_cache.dtype not in _FP8_DTYPES and v_cache.dtype not in _FP8_DTYPES:
         for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-            _check_tensor(name, t)
+            check_tensor(name, t)
         try:
-            _check_same_dtype_device(q, k_cache, v_cache)
+            check_same_dtype_device(q, k_cache, v_cache)
         except ValueError as exc:
             raise ValueError(str(exc).replace("q, k and v", "q, k_cache and v_cache")) from None
         return False
@@ -157,7 +157,7 @@ def _check_scales(fp8: bool, k_scale, v_scale, k_cache, kv_heads: int, device) -
         if t.dtype != torch.float32:
             raise TypeError(f"{name} must have dtype float32, got {t.dtype}; convert it once with .float()")
         if tuple(t.shape) not in ((), (1,), (kv_heads,)):
-            raise ValueError(f"{name} must be {need}, got shape {_shape(t)}")
+            raise ValueError(f"{name} must be {need}, got shape {shape_text(t)}")
         if t.device != device:
             raise ValueError(f"{name} must be on the same device as q ({device}), got {t.device}; "
                              f"move it once with .to(q.device)")
@@ -182,10 +182,10 @@ def validate_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, sinks, *, 
     docstring); any other cache refuses them.
     """
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        _check_tensor(name, t, floating=False)
+        check_tensor(name, t, floating=False)
     if sinks is not None:
-        _check_tensor("sinks", sinks)
-    _check_options(window, True, scale)
+        check_tensor("sinks", sinks)
+    check_options(window, True, scale)
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__} ({return_lse!r})")
     if not isinstance(layout, str) or layout not in LAYOUTS:
@@ -193,12 +193,12 @@ def validate_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, sinks, *, 
     paged = block_table is not None
     q_what, what = _cache_layouts(layout, paged)
     if q.dim() != 4:
-        raise ValueError(f"q must be 4-D {q_what} for layout={layout!r}, got {q.dim()}-D shape {_shape(q)}")
+        raise ValueError(f"q must be 4-D {q_what} for layout={layout!r}, got {q.dim()}-D shape {shape_text(q)}")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if t.dim() != 4:
             raise ValueError(
                 f"{name} must be 4-D {what} for layout={layout!r} "
-                f"({'paged: block_table given' if paged else 'no block_table'}), got {t.dim()}-D shape {_shape(t)}"
+                f"({'paged: block_table given' if paged else 'no block_table'}), got {t.dim()}-D shape {shape_text(t)}"
             )
     fp8 = _check_dtypes(q, k_cache, v_cache)
     if layout == "bhsd":
@@ -211,32 +211,32 @@ def validate_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, sinks, *, 
         v_lead = tuple(v_cache.shape[:3])
     if v_lead != (n0, rows, hk):
         raise ValueError(f"v_cache must match k_cache in its first three dims {what} (layout={layout!r}): "
-                         f"k_cache {_shape(k_cache)}, v_cache {_shape(v_cache)}")
+                         f"k_cache {shape_text(k_cache)}, v_cache {shape_text(v_cache)}")
     if dk != d:
-        raise ValueError(f"k_cache head_dim ({dk}) must equal q head_dim ({d}); q {_shape(q)}, k_cache {_shape(k_cache)}")
-    _check_heads(h, hk, d, v_cache.shape[3], lambda: f"layout={layout!r}, q {_shape(q)}, k_cache {_shape(k_cache)}")
-    _check_sinks(sinks, h, q.device)
+        raise ValueError(f"k_cache head_dim ({dk}) must equal q head_dim ({d}); q {shape_text(q)}, k_cache {shape_text(k_cache)}")
+    check_heads(h, hk, d, v_cache.shape[3], lambda: f"layout={layout!r}, q {shape_text(q)}, k_cache {shape_text(k_cache)}")
+    check_sinks(sinks, h, q.device)
     _check_scales(fp8, k_scale, v_scale, k_cache, hk, q.device)
     _check_int_tensor("cache_seqlens", cache_seqlens, 1, "[B] (keys in the cache per batch row)", q.device)
     if cache_seqlens.shape[0] != b:
-        raise ValueError(f"cache_seqlens must have one entry per batch row of q ([{b}]), got shape {_shape(cache_seqlens)}")
+        raise ValueError(f"cache_seqlens must have one entry per batch row of q ([{b}]), got shape {shape_text(cache_seqlens)}")
     if paged:
         _check_int_tensor("block_table", block_table, 2, "[B, max_pages] (page indices per batch row)", q.device)
         if block_table.shape[0] != b or block_table.shape[1] < 1:
-            raise ValueError(f"block_table must be [B, max_pages] = [{b}, >= 1], got shape {_shape(block_table)}")
+            raise ValueError(f"block_table must be [B, max_pages] = [{b}, >= 1], got shape {shape_text(block_table)}")
         if rows < 1:
-            raise ValueError(f"page_size must be >= 1, got k_cache {_shape(k_cache)} {what} (layout={layout!r})")
+            raise ValueError(f"page_size must be >= 1, got k_cache {shape_text(k_cache)} {what} (layout={layout!r})")
         num_pages, page_size, max_pages = n0, rows, block_table.shape[1]
     else:
         if n0 != b:
             raise ValueError(f"k_cache batch ({n0}) must equal q batch ({b}) for a contiguous cache "
-                             f"{what} (pass block_table for a paged one); k_cache {_shape(k_cache)}")
+                             f"{what} (pass block_table for a paged one); k_cache {shape_text(k_cache)}")
         num_pages, page_size, max_pages = b, rows, 1
     if torch.is_grad_enabled():
         refuse_grad(q, k_cache, v_cache, sinks, k_scale, v_scale)
     return KVCacheSpec(
         batch=b, heads=h, kv_heads=hk, seq_q=sq, head_dim=d, head_dim_v=v_cache.shape[3],
-        window=_spec_window(window),  # clamped: the op's int64 window, the masks' integer arithmetic
+        window=spec_window(window),  # clamped: the op's int64 window, the masks' integer arithmetic
         scale=1.0 / math.sqrt(d) if scale is None else float(scale),
         dtype=q.dtype, has_sinks=sinks is not None, paged=paged,
         num_pages=num_pages, page_size=page_size, max_pages=max_pages, layout=layout,

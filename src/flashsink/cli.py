@@ -92,16 +92,16 @@ def _resolve_problem(args, device: str) -> tuple[dict, str | None]:
 # Bytes per element of the dense [B, H, S_q, S_kv] scores that `check` holds at its peak on the CPU, measured
 # with ru_maxrss (H=16 H_kv=2 D=128 fp16, N=1024 and 2048): flashsink.attention's float32 forward and backward
 # 26-29 over all the scores; the reference pair (float64 and the input dtype, testing.reference_pair) 51-56 over
-# the KV heads it holds at once (_cases._CHUNK_SCORE_ELEMS). The two run one after the other.
+# the KV heads it holds at once (_cases.CHUNK_SCORE_ELEMS). The two run one after the other.
 _ATTN_BYTES, _REF_BYTES = 30, 56
 
 
 def cpu_memory_needed(prob: dict) -> int:
     """About the peak memory in bytes of `check` on the CPU for ``prob``."""
-    from ._cases import _CHUNK_SCORE_ELEMS
+    from ._cases import CHUNK_SCORE_ELEMS
 
     per_kv_head = prob["batch"] * (prob["heads"] // prob["kv_heads"]) * prob["seq_q"] * prob["seq_kv"]
-    held = per_kv_head * max(1, min(prob["kv_heads"], _CHUNK_SCORE_ELEMS // max(1, per_kv_head)))
+    held = per_kv_head * max(1, min(prob["kv_heads"], CHUNK_SCORE_ELEMS // max(1, per_kv_head)))
     return max(_ATTN_BYTES * per_kv_head * prob["kv_heads"], _REF_BYTES * held)
 
 
@@ -182,7 +182,7 @@ def cmd_check(args) -> int:
     if note:
         say(note)
 
-    dtype = testing._resolve_dtype(prob["dtype"])
+    dtype = testing.resolve_dtype(prob["dtype"])
     kw = dict(window=prob["window"], causal=prob["causal"])
     shapes = ((prob["heads"], prob["seq_q"]), (prob["kv_heads"], prob["seq_kv"]), (prob["kv_heads"], prob["seq_kv"]))
     try:  # the shapes, on meta tensors: nothing allocated before the memory check below

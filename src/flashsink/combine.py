@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from ._validate import LAYOUTS, _check_tensor, _shape
+from ._validate import LAYOUTS, check_tensor, shape_text
 
 __all__ = ["combine"]
 
@@ -34,7 +34,7 @@ def _check_list(name: str, xs) -> list:
     if len(xs) == 0:
         raise ValueError(f"{name} must hold at least one partial result, got an empty {type(xs).__name__}")
     for i, t in enumerate(xs):
-        _check_tensor(f"{name}[{i}]", t)
+        check_tensor(f"{name}[{i}]", t)
     return list(xs)
 
 
@@ -66,12 +66,12 @@ def _validate(outs, lses, sinks, layout, return_lse):
     what = "[B, H, S, D]" if layout == "bhsd" else "[B, S, H, D]"
     o0 = outs[0]
     if o0.dim() != 4:
-        raise ValueError(f"outs[0] must be 4-D {what} for layout={layout!r}, got {o0.dim()}-D shape {_shape(o0)}")
+        raise ValueError(f"outs[0] must be 4-D {what} for layout={layout!r}, got {o0.dim()}-D shape {shape_text(o0)}")
     device = o0.device
     _check_partials(
         "outs", outs, tuple(o0.shape), device,
-        shape_error=lambda i, o: f"outs[{i}] must have the shape of outs[0] {_shape(o0)} (partials over the same "
-        f"queries), got {_shape(o)}",
+        shape_error=lambda i, o: f"outs[{i}] must have the shape of outs[0] {shape_text(o0)} (partials over the same "
+        f"queries), got {shape_text(o)}",
         device_error=lambda i, o: f"outs must be on one device, got outs[0] on {device} and outs[{i}] on {o.device}",
     )
 
@@ -82,14 +82,14 @@ def _validate(outs, lses, sinks, layout, return_lse):
     _check_partials(
         "lses", lses, (b, h, s), device,
         shape_error=lambda i, lse: f"lses[{i}] must be [B, H, S] = [{b}, {h}, {s}] to match outs ({layout} "
-        f"{_shape(o0)}), got {_shape(lse)}",
+        f"{shape_text(o0)}), got {shape_text(lse)}",
         device_error=lambda i, lse: f"lses[{i}] must be on the device of outs ({device}), got {lse.device}",
     )
     if sinks is not None:
-        _check_tensor("sinks", sinks)
+        check_tensor("sinks", sinks)
         if sinks.dim() != 1 or sinks.shape[0] != h:
             raise ValueError(
-                f"sinks must be 1-D of shape [{h}] (one logit per head of outs), got shape {_shape(sinks)}"
+                f"sinks must be 1-D of shape [{h}] (one logit per head of outs), got shape {shape_text(sinks)}"
             )
         if sinks.device != device:
             raise ValueError(f"sinks must be on the device of outs ({device}), got {sinks.device}")

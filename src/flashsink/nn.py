@@ -21,7 +21,7 @@ import numbers
 import torch
 from torch import nn
 
-from ._validate import _check_tensor
+from ._validate import check_tensor
 from .api import attention, check_precision
 
 __all__ = ["SinkAttention"]
@@ -111,7 +111,7 @@ class SinkAttention(nn.Module):
             self.sinks.normal_(mean=0.0, std=self.init_std)
 
     def _check_input(self, name: str, t, heads: int) -> None:
-        _check_tensor(name, t)  # flashsink.attention's own check first: a nested tensor has no shape to read
+        check_tensor(name, t)  # flashsink.attention's own check first: a nested tensor has no shape to read
         if t.dim() != 4:
             raise ValueError(f"{name} must be a 4-D tensor in layout {self.layout!r}, got {getattr(t, 'shape', type(t))}")
         h = t.shape[1] if self.layout == "bhsd" else t.shape[2]

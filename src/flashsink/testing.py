@@ -11,7 +11,7 @@ benchmark use to apply it: the public facade of two modules.
 
 from __future__ import annotations
 
-from ._cases import case_id, compare_all, make_inputs, reference_grads, reference_pair
+from ._cases import CHUNK_SCORE_ELEMS, case_id, compare_all, make_inputs, reference_grads, reference_pair
 from ._precision import (
     COMPOSED_MARGIN,
     FAST_FACTOR,
@@ -24,13 +24,13 @@ from ._precision import (
     TOLERANCES,
     PrecisionReport,
     Tolerance,
-    _resolve_dtype,  # noqa: F401  (the CLI and the benchmark read a dtype argument through it)
     assert_fast,
     assert_precision,
     check_fast,
     check_precision,
     dtype_name,
     judge_all,
+    resolve_dtype,
     tolerance,
 )
 
@@ -46,6 +46,7 @@ __all__ = [
     "GATE2_FACTOR",
     "TENSORS",
     "PRECISIONS",
+    "CHUNK_SCORE_ELEMS",
     "assert_fast",
     "assert_precision",
     "case_id",
@@ -57,5 +58,6 @@ __all__ = [
     "make_inputs",
     "reference_grads",
     "reference_pair",
+    "resolve_dtype",
     "tolerance",
 ]

@@ -16,7 +16,7 @@ from .peers import SYSTEMS
 from .plotting import plot
 from .problems import MODES, PRESETS, Problem, parse_shape, preset_problems
 from .report import format_table
-from .run import _say, run_bench
+from .run import say, run_bench
 from .timing import Timer
 
 
@@ -187,7 +187,7 @@ def cmd_bench(args) -> int:
         return 1
     except (_Interrupted, KeyboardInterrupt):
         interrupted = True
-        _say("interrupted: reporting the problems finished so far")
+        say("interrupted: reporting the problems finished so far")
         if "ceilings" not in result:
             return 124
     finally:
@@ -201,10 +201,10 @@ def cmd_bench(args) -> int:
         except _WriteFailed as exc:
             print(exc, file=sys.stderr)
             return 1
-        _say(f"wrote {args.json}")
+        say(f"wrote {args.json}")
     if args.plot:
         msg = plot(result, args.plot)
-        _say(msg or f"wrote {args.plot}")
+        say(msg or f"wrote {args.plot}")
     failed = [r for r in result["rows"] if r["status"].startswith("FAIL")
               and (getattr(SYSTEMS.get(r["system"]), "required_gate", None) or r["system"] == "hf/flashsink")]
     if interrupted:

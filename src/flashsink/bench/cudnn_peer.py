@@ -25,7 +25,7 @@ import importlib
 import torch
 
 from .problems import Problem
-from .system import System, Unavailable, _all_visible
+from .system import System, Unavailable, all_visible
 
 MIN_BACKEND = 91300  # cuDNN 9.13: the fused attention's sink_token / dSink_token
 _IO_TYPES = {"fp16": "HALF", "bf16": "BFLOAT16"}
@@ -125,7 +125,7 @@ class Cudnn(System):
 
     def _mask(self, prob: Problem) -> dict:
         cudnn = self._lib()
-        if not prob.causal or _all_visible(prob):  # nothing hidden (decode: the one row sees the cache)
+        if not prob.causal or all_visible(prob):  # nothing hidden (decode: the one row sees the cache)
             return {}
         bottom_right = prob.seqlens is None and prob.seq_q != prob.seq_kv  # varlen: S_q == S_kv per sequence
         kw = {"diagonal_band_right_bound": 0,

@@ -259,7 +259,7 @@ def cmd_host_chain(args, *, cuda_available=None, check_output_path=None) -> int:
     import json
     import sys
 
-    from .run import _say, header
+    from .run import say, header
 
     def usage(msg: str) -> int:
         print(f"error: {msg}", file=sys.stderr)
@@ -285,14 +285,14 @@ def cmd_host_chain(args, *, cuda_available=None, check_output_path=None) -> int:
         print(NO_CUDA_MESSAGE, file=sys.stderr)
         return 2
     dtype = args.dtype or "bf16"
-    _say(f"host-chain on {torch.cuda.get_device_name()}: {', '.join(systems)}, {reps} repeats; "
+    say(f"host-chain on {torch.cuda.get_device_name()}: {', '.join(systems)}, {reps} repeats; "
          "calibrating the busy hold ...")
     result = {"header": header("cuda")}
     result.update(run_host_chain(systems, device="cuda", dtype=dtype, reps=reps, seed=args.seed,
-                                 say=_say))
+                                 say=say))
     print(format_host_chain(result), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1, default=str)
-        _say(f"wrote {args.json}")
+        say(f"wrote {args.json}")
     return 0 if all(r["valid"] or not r["status"].startswith("INVALID") for r in result["rows"]) else 1

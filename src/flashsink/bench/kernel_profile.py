@@ -6,7 +6,7 @@ import torch
 
 from .flashsink_systems import FlashSink
 from .problems import Problem
-from .system import _callables
+from .system import callables_of
 
 
 _KERNEL_ROLES = (
@@ -34,7 +34,7 @@ def profile_flashsink(prob: Problem, inp: dict, iters: int = 5) -> list[dict]:
     """Per-kernel device time of flashsink's fwd+bwd (torch.profiler, CUDA activity)."""
     from torch.profiler import ProfilerActivity, profile
 
-    calls, _ = _callables(FlashSink(), prob, inp)
+    calls, _ = callables_of(FlashSink(), prob, inp)
     calls["fwd+bwd"]()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:

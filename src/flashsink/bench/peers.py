@@ -13,7 +13,7 @@ from .cudnn_peer import Cudnn
 from .flashsink_systems import (FlashSink, FlashSinkDet, FlashSinkGraph, FlashSinkKVCache, FlashSinkPaged,
                                 FlashSinkStrict, FlashSinkStrictGraph)
 from .problems import score_elems
-from .system import System, Unavailable, _all_visible
+from .system import System, Unavailable, all_visible
 
 
 class Eager(System):
@@ -50,7 +50,7 @@ class Sdpa(System):
                  "mask over all tokens would time other work")
 
     def _dense(self, prob) -> bool:
-        if _all_visible(prob):
+        if all_visible(prob):
             return False
         return prob.window is not None or (prob.causal and prob.seq_q != prob.seq_kv)
 
@@ -59,13 +59,13 @@ class Sdpa(System):
             return "no sink"
         if self._dense(prob):
             return "no sink; dense bool mask, K/V expanded: computes all Sq*Skv pairs"
-        if prob.causal and _all_visible(prob) and prob.seq_q < prob.seq_kv:
+        if prob.causal and all_visible(prob) and prob.seq_q < prob.seq_kv:
             return "no sink; no mask (one query row sees the whole cache)"
         return "no sink"
 
     def prepare(self, inp, prob):
         t = dict(inp)
-        t["is_causal"] = prob.causal and not _all_visible(prob)  # decided here: forward is timed
+        t["is_causal"] = prob.causal and not all_visible(prob)  # decided here: forward is timed
         g = prob.heads // prob.kv_heads
         if self._dense(prob):
             from ..reference import visible_mask
@@ -197,7 +197,7 @@ class Flex(System):
                 keep = keep & (i - kv_idx < w)
             return keep
 
-        if _all_visible(prob):  # decode: nothing to mask
+        if all_visible(prob):  # decode: nothing to mask
             t["block_mask"] = None
         else:
             t["block_mask"] = create_block_mask(mask_mod, None, None, prob.seq_q, prob.seq_kv,

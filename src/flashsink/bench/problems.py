@@ -41,7 +41,7 @@ class Problem:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return testing._resolve_dtype(self.dtype)
+        return testing.resolve_dtype(self.dtype)
 
     @property
     def scale(self) -> float:

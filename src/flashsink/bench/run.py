@@ -17,7 +17,7 @@ from .gates import GATES, gate, reference
 from .kernel_profile import profile_flashsink
 from .peers import SYSTEMS
 from .problems import FORWARD_ONLY, VARLEN_SEED, Problem, lengths_summary, make_problem_inputs, new_row
-from .system import Unavailable, _callables
+from .system import Unavailable, callables_of
 from .timing import Timer, measure_ceilings, time_row
 
 
@@ -58,7 +58,7 @@ def header(device: str) -> dict:
     }
 
 
-def _say(msg: str) -> None:
+def say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
@@ -74,10 +74,10 @@ def run_bench(problems: list[Problem], *, systems: list[str], modes: list[str], 
     timer = timer or Timer(device)
     result = {} if result is None else result
     result.update({"header": header(device), "timing": timer.method, "rows": [], "profiles": [], "gates": []})
-    _say(f"bench on {result['header']['device']}; measuring the ceilings ...")
+    say(f"bench on {result['header']['device']}; measuring the ceilings ...")
     ceil = measure_ceilings(device, timer)
     result["ceilings"] = ceil
-    _say(f"  matmul {ceil['matmul_tflops']:.4g} TFLOP/s ({ceil['matmul']}), copy {ceil['copy_gbs']:.4g} GB/s")
+    say(f"  matmul {ceil['matmul_tflops']:.4g} TFLOP/s ({ceil['matmul']}), copy {ceil['copy_gbs']:.4g} GB/s")
 
     sys_objs = {}
     for name in systems:
@@ -95,7 +95,7 @@ def run_bench(problems: list[Problem], *, systems: list[str], modes: list[str], 
         if prob.hf_train:  # a model's training step, not one attention call: its own runner
             from . import hf as bench_hf
 
-            rows, gates = bench_hf.run_problem(prob, systems, device, timer, seed, tiny=prob.seq_q < 1024, say=_say,
+            rows, gates = bench_hf.run_problem(prob, systems, device, timer, seed, tiny=prob.seq_q < 1024, say=say,
                                                timed="fwd+bwd" in modes)
             result["rows"].extend(rows)
             result["gates"].extend(gates)
@@ -107,7 +107,7 @@ def run_bench(problems: list[Problem], *, systems: list[str], modes: list[str], 
 
             rows, gates = bench_stack.run_problem(
                 prob, systems, sys_objs, modes=modes, device=device, timer=timer, ceil=ceil, opts=opts, seed=seed,
-                gate2=gate2, say=_say, peers={n for n in systems if SYSTEMS[n].peer})
+                gate2=gate2, say=say, peers={n for n in systems if SYSTEMS[n].peer})
             result["rows"].extend(rows)
             result["gates"].extend(gates)
             if on_problem is not None:
@@ -116,7 +116,7 @@ def run_bench(problems: list[Problem], *, systems: list[str], modes: list[str], 
         # decode is forward only: no backward in its gate, and its other modes are n/a
         grads = any(m != "fwd" for m in modes) and not prob.forward_only
         if prob.seqlens is not None:
-            _say(f"{tag} {len(prob.seqlens)} sequences (seed {VARLEN_SEED}), lengths min/median/max "
+            say(f"{tag} {len(prob.seqlens)} sequences (seed {VARLEN_SEED}), lengths min/median/max "
                  f"{lengths_summary(prob.seqlens)}, {prob.tokens_q} tokens")
         inp = make_problem_inputs(prob, device, seed)
         refs = {}
@@ -124,11 +124,11 @@ def run_bench(problems: list[Problem], *, systems: list[str], modes: list[str], 
         def ref(sinks: bool):
             if sinks not in refs:
                 what = "with sinks" if sinks else "without sinks (for sdpa)"
-                _say(f"{tag} reference fp64 {what} ...")
+                say(f"{tag} reference fp64 {what} ...")
                 exp = reference(inp, prob, sinks=sinks, compute_dtype=torch.float64)
                 low = None
                 if gate2 and prob.torch_dtype != torch.float64:
-                    _say(f"{tag} reference {prob.dtype} {what} (gate 2) ...")
+                    say(f"{tag} reference {prob.dtype} {what} (gate 2) ...")
                     low = reference(inp, prob, sinks=sinks, compute_dtype=prob.torch_dtype)
                 refs[sinks] = (exp, low)
             return refs[sinks]
@@ -146,11 +146,11 @@ def run_bench(problems: list[Problem], *, systems: list[str], modes: list[str], 
             g = None
             if not status:
                 exp, low = ref(system.has_sink)
-                _say(f"{tag} {name}: correctness gate (first call compiles) ...")
+                say(f"{tag} {name}: correctness gate (first call compiles) ...")
                 t0 = time.perf_counter()
                 g = gate(system, prob, inp, exp, low, grads=grads)
                 labels = {m: g.label(m) for m in modes if not (prob.forward_only and m != "fwd")}
-                _say(f"{tag} {name}: gate {'raised' if g.error else labels} in {time.perf_counter() - t0:.1f} s")
+                say(f"{tag} {name}: gate {'raised' if g.error else labels} in {time.perf_counter() - t0:.1f} s")
 
                 def dump(reports):
                     return [{k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(r).items()}
@@ -184,14 +184,14 @@ def run_bench(problems: list[Problem], *, systems: list[str], modes: list[str], 
                     else:
                         verdict = f"FAIL ({need} gate): " + g.reason(mode, need)
                     if calls is None:
-                        calls, state = _callables(system, prob, inp)
-                    _say(f"{tag} {name} {mode}: timing ...")
+                        calls, state = callables_of(system, prob, inp)
+                    say(f"{tag} {name} {mode}: timing ...")
                     time_row(row, calls, mode, device, timer, verdict)
                 prob_rows.append(row)
             calls = state = None
             system.release()
             if profile and name == "flashsink" and device == "cuda" and g is not None and not g.error:
-                _say(f"{tag} flashsink: profiling one fwd+bwd ...")
+                say(f"{tag} flashsink: profiling one fwd+bwd ...")
                 result["profiles"].append({"problem": prob.label(), "kernels": profile_flashsink(prob, inp)})
         # speedup over the best peer with sinks that passes a gate, per mode
         for mode in modes:

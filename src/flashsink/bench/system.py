@@ -102,13 +102,13 @@ class System:
         """Drop what the system keeps between its gate and its timing (called after each problem)."""
 
 
-def _all_visible(prob: Problem) -> bool:
+def all_visible(prob: Problem) -> bool:
     """Every query row sees every key: no mask needed (decode: one row, bottom-right causal)."""
     return prob.seqlens is None and visible_pairs(prob.seq_q, prob.seq_kv, prob.window, prob.causal) == \
         prob.seq_q * prob.seq_kv
 
 
 
-def _callables(system: System, prob: Problem, inp: dict):
+def callables_of(system: System, prob: Problem, inp: dict):
     """fwd, bwd, fwd+bwd closures (:meth:`System.callables`) and a state slot for the caller."""
     return system.callables(inp, prob), None

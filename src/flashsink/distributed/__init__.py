@@ -22,7 +22,7 @@ pieces of a K/V block a rank's queries see), :mod:`.sharding` (which tokens a ra
 conversions between full tensors and shards).
 """
 
-from .ring import _CAUSAL, _FULL, _SUFFIX, _piece, _plan_pair, _plan_step, _RingCfg, ring_attention  # noqa: F401
+from .ring import ring_attention
 from .sharding import sequence_positions, shard_sequence, unshard_sequence
 from .ulysses import ulysses_attention
 

@@ -13,7 +13,7 @@ from .._validate import validate_attention
 from ..api import attention
 from ..combine import merge_partials  # the partials are ours: no per-step check (no host sync)
 from ..visibility import first_key, first_query, query_end
-from .sharding import _segments
+from .sharding import segments
 
 
 # -- the mask of one (query segment, key segment) pair, as flashsink.attention calls ------------
@@ -129,8 +129,8 @@ class _RingCfg:
     def plan(self, src: int):
         """This rank's pieces against the K/V block of rank ``src``."""
         return _plan_step(
-            _segments(self.rank, self.p, self.local_len, self.zigzag),
-            _segments(src, self.p, self.local_len, self.zigzag),
+            segments(self.rank, self.p, self.local_len, self.zigzag),
+            segments(src, self.p, self.local_len, self.zigzag),
             self.causal, self.window,
         )
 

@@ -14,7 +14,7 @@ import numbers
 import torch
 
 
-def _segments(rank: int, p: int, local_len: int, zigzag: bool) -> tuple[tuple[int, int, int], ...]:
+def segments(rank: int, p: int, local_len: int, zigzag: bool) -> tuple[tuple[int, int, int], ...]:
     """Segments ``(global_start, local_start, length)`` of the tokens rank holds, in local order."""
     if not zigzag:
         return ((rank * local_len, 0, local_len),)
@@ -57,7 +57,7 @@ def sequence_positions(rank, world_size, seq_len, *, zigzag=True, device=None) -
     if isinstance(seq_len, bool) or not isinstance(seq_len, numbers.Integral) or seq_len < 0:
         raise TypeError(f"seq_len must be a non-negative int, got {type(seq_len).__name__} ({seq_len!r})")
     n = _check_seq_len("seq_len", int(seq_len), world_size, zigzag)
-    parts = [torch.arange(g, g + m, device=device) for g, _, m in _segments(rank, world_size, n, zigzag)]
+    parts = [torch.arange(g, g + m, device=device) for g, _, m in segments(rank, world_size, n, zigzag)]
     return torch.cat(parts)
 
 
@@ -82,7 +82,7 @@ def shard_sequence(x, rank, world_size, *, dim=1, zigzag=True) -> torch.Tensor:
     _check_rank_args(rank, world_size, zigzag)
     dim = _check_dim(x, dim)
     n = _check_seq_len(f"x (dim {dim})", x.shape[dim], world_size, zigzag)
-    segs = _segments(rank, world_size, n, zigzag)
+    segs = segments(rank, world_size, n, zigzag)
     if len(segs) == 1:
         return x.narrow(dim, segs[0][0], n)
     return torch.cat([x.narrow(dim, g, m) for g, _, m in segs], dim=dim)
