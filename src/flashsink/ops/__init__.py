@@ -3,8 +3,8 @@ pinned by ``tests/test_import_graph.py``):
 
 - ``launch/``: what the public functions call on CUDA tensors: the autograd function
   (``attention``), the ``torch.ops.flashsink`` custom ops (``custom_ops``), and the launches of the
-  dense route (``dense``: configuration, forward, backward), split-KV decode (``decode``) and the paged
-  cache (``kvcache``). Imports ``build`` only.
+  dense route (``dense``, the launch API: ``prepare``, ``forward``, ``backward``), split-KV decode
+  (``decode``) and the paged cache (``kvcache``). Imports ``build`` only.
 - ``build/``: the configuration and tile policy (``config``, a leaf every layer may import), the
   registry of kernel kinds (``kinds``), building and caching kernels (``compile``, ``diskcache``,
   ``precompile``). Reaches the kernels only through the registry's builder names.
