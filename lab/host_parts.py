@@ -80,9 +80,8 @@ def main(argv=None):
     spec = api.validate_attention(q, k, v, s, window=128, causal=True, scale=None, layout="bhsd")
     row("validate_attention", lambda: api.validate_attention(q, k, v, s, window=128, causal=True, scale=None,
                                                               layout="bhsd"))
-    plan, q, k, v = dense.prepare(spec, q, k, v)
+    plan, q, k, v, s32 = dense.prepare(spec, q, k, v, s)
     cfg, window = plan.cfg, plan.window
-    s32 = dense.sinks_f32(s, 64, q.device)
     with torch.no_grad():
         o, lse = dense.forward(plan, q, k, v, s32)
     fwd = registry.get_kernel("fwd", cfg)
@@ -93,7 +92,7 @@ def main(argv=None):
         row("launcher fwd .main", lambda: main_fn(q, k, v, s32, window, float(spec.scale) * 1.4426950408889634,
                                                   o, lse))
     row("get_kernel lookup", lambda: registry.get_kernel("fwd", cfg))
-    row("dense.prepare", lambda: dense.prepare(spec, q, k, v))
+    row("dense.prepare", lambda: dense.prepare(spec, q, k, v, s))
     row("dense.forward", lambda: dense.forward(plan, q, k, v, s32))
     row("dense.backward", lambda: dense.backward(plan, do, q, k, v, o, lse, None, s32))
 

@@ -54,10 +54,10 @@ def test_every_entry_point_takes_what_the_rule_takes(d, monkeypatch):
     q = torch.randn(2, 100, 8, d, dtype=torch.bfloat16)
     k = torch.randn(2, 120, 2, d, dtype=torch.bfloat16)
     if kernel_head_dim(d) == d:  # the ops take the native dims unpadded
-        assert custom_ops._kernel_inputs(_spec(d=d, dv=d), False, "fast", q, k, k)[0].cfg is cfg
+        assert custom_ops._kernel_inputs(_spec(d=d, dv=d), False, "fast", q, k, k, None)[0].cfg is cfg
     else:
         with pytest.raises(ValueError, match=f"the q/k head dim is {d}"):
-            custom_ops._kernel_inputs(_spec(d=d, dv=d), False, "fast", q, k, k)
+            custom_ops._kernel_inputs(_spec(d=d, dv=d), False, "fast", q, k, k, None)
 
 
 @pytest.mark.l0

@@ -33,8 +33,8 @@ class _Attention(torch.autograd.Function):
     rows; a slice per call costs microseconds, so the common call that returns only o takes none)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, plan):
-        sinks32 = dense.sinks_f32(sinks, plan.spec.heads, q.device)
+    def forward(ctx, q, k, v, sinks, plan, sinks32):
+        # (sinks: the autograd input; sinks32, prepare's float32 copy or sinks itself, what the kernels read)
         # the backward's Delta = rowsum(dO * O): fast reads o; strict the forward's fp32 O where it has one
         # (``config.fwd_o32``), else (None) recomputes Delta from P and dP
         if plan.cfg.precision == "strict":
@@ -58,14 +58,14 @@ class _Attention(torch.autograd.Function):
         dq, dk, dv, dsink = dense.backward(plan, do, q, k, v, o, lse, dlse, sinks32)
         if dsink is not None and dsink.dtype != sinks_dtype:
             dsink = dsink.to(sinks_dtype)
-        return dq, dk, dv, dsink, None
+        return dq, dk, dv, dsink, None, None
 
 
-def _launch(plan, q, k, v, sinks):
+def _launch(plan, q, k, v, sinks, sinks32):
     """The eager route; without gradients, no autograd node at all. o and the row-padded lse."""
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks)):
-        return _Attention.apply(q, k, v, sinks, plan)
-    return dense.forward(plan, q, k, v, dense.sinks_f32(sinks, plan.spec.heads, q.device))
+        return _Attention.apply(q, k, v, sinks, plan, sinks32)
+    return dense.forward(plan, q, k, v, sinks32)
 
 
 def kernel_attention(spec, q, k, v, sinks, *, return_lse=False, deterministic=False, precision="fast"):
@@ -84,8 +84,9 @@ def kernel_attention(spec, q, k, v, sinks, *, return_lse=False, deterministic=Fa
 
         return reference.attention_validated(q, k, v, sinks, spec, return_lse=return_lse)
     if _eager(q):
-        plan, q, k, v = dense.prepare(spec, q, k, v, deterministic=deterministic, precision=precision)
-        o, lse = _launch(plan, q, k, v, sinks)
+        plan, q, k, v, sinks32 = dense.prepare(spec, q, k, v, sinks, deterministic=deterministic,
+                                               precision=precision)
+        o, lse = _launch(plan, q, k, v, sinks, sinks32)
         if return_lse:  # the real rows of the row-padded lse (autograd pads dlse back)
             lse = lse[:, :, : spec.seq_q]
     else:
@@ -113,9 +114,9 @@ def kernel_attention_varlen(spec, q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, *,
     cu_q = cu_seqlens_q.to(torch.int32)  # what the kernels read; a no-op for int32 offsets
     cu_k = cu_seqlens_k.to(torch.int32)
     if _eager(q) and spec.batch > 0 and q.shape[0] > 0 and k.shape[0] > 0:
-        plan, q, k, v = dense.prepare(spec, q, k, v, deterministic=deterministic, precision=precision,
-                                      cu_seqlens=(cu_q.contiguous(), cu_k.contiguous()), pad=pad_head_dims)
-        o, lse = _launch(plan, q, k, v, sinks)
+        plan, q, k, v, sinks32 = dense.prepare(spec, q, k, v, sinks, deterministic=deterministic, precision=precision,
+                                               cu_seqlens=(cu_q.contiguous(), cu_k.contiguous()), pad=pad_head_dims)
+        o, lse = _launch(plan, q, k, v, sinks, sinks32)
         if return_lse:
             lse = lse[:, : q.shape[0]]
     else:

@@ -81,13 +81,14 @@ def _empty(spec: AttnSpec) -> bool:
     return 0 in (spec.batch, spec.heads, spec.seq_q, spec.seq_kv)
 
 
-def _kernel_inputs(spec: AttnSpec, deterministic: bool, precision: str, q, k, v, cu_seqlens=None):
-    """``dense.prepare``'s plan and q, k, v (contiguous; no-ops from kernel_attention), after the ops'
-    own condition: head dims the kernels have, unpadded. ``cu_seqlens``: the varlen ops' ``(cu_q, cu_k)``."""
+def _kernel_inputs(spec: AttnSpec, deterministic: bool, precision: str, q, k, v, sinks, cu_seqlens=None):
+    """``dense.prepare``'s plan, q, k, v (contiguous; no-ops from kernel_attention) and float32 sinks,
+    after the ops' own condition: head dims the kernels have, unpadded. ``cu_seqlens``: the varlen
+    ops' ``(cu_q, cu_k)``."""
     if cu_seqlens is not None:
         cu_seqlens = (cu_seqlens[0].contiguous(), cu_seqlens[1].contiguous())
-    plan, q, k, v = dense.prepare(spec, q, k, v, deterministic=deterministic, precision=precision,
-                                  cu_seqlens=cu_seqlens, pad=False)
+    plan, q, k, v, sinks32 = dense.prepare(spec, q, k, v, sinks, deterministic=deterministic, precision=precision,
+                                           cu_seqlens=cu_seqlens, pad=False)
     cfg = plan.cfg
     # the config's head dims are the rule's (config.kernel_head_dim): the ops take them unpadded only
     if cfg.head_dim != spec.head_dim or cfg.head_dim_v != spec.head_dim_v:
@@ -96,7 +97,7 @@ def _kernel_inputs(spec: AttnSpec, deterministic: bool, precision: str, q, k, v,
             f"the flashsink kernel ops take head dims {NATIVE_HEAD_DIMS} on CUDA (flashsink.attention and "
             f"attention_varlen zero-pad the others); the {name} head dim is {d}"
         )
-    return plan, q, k, v
+    return plan, q, k, v, sinks32
 
 
 # ------------------------------------------------------------------------------------------------
@@ -133,8 +134,8 @@ def _fwd_cuda(q, k, v, sinks, window, causal, scale, layout, deterministic, prec
     _validate.check_op_options(deterministic, precision)
     if _empty(spec):
         return _fwd_reference(q, k, v, sinks, window, causal, scale, layout, deterministic, precision)
-    plan, q, k, v = _kernel_inputs(spec, deterministic, precision, q, k, v)
-    o, lse = dense.forward(plan, q, k, v, dense.sinks_f32(sinks, spec.heads, q.device))
+    plan, q, k, v, sinks32 = _kernel_inputs(spec, deterministic, precision, q, k, v, sinks)
+    o, lse = dense.forward(plan, q, k, v, sinks32)
     if lse.shape[-1] > spec.seq_q:  # the padding rows: some are never written by the kernel
         lse[:, :, spec.seq_q:] = 0
     return o, lse
@@ -185,18 +186,16 @@ def _bwd_cuda(do, q, k, v, sinks, lse, dlse, window, causal, scale, layout, dete
     _validate.check_op_options(deterministic, precision, o)
     if _empty(spec):
         return _bwd_reference(do, q, k, v, sinks, lse, dlse, window, causal, scale, layout, deterministic)
-    plan, q, k, v = _kernel_inputs(spec, deterministic, precision, q, k, v)
-    return _kernel_backward(plan, do.contiguous(), q, k, v, o, lse.contiguous(), dlse, sinks)
+    plan, q, k, v, sinks32 = _kernel_inputs(spec, deterministic, precision, q, k, v, sinks)
+    return _kernel_backward(plan, do.contiguous(), q, k, v, o, lse.contiguous(), dlse, sinks, sinks32)
 
 
-def _kernel_backward(plan, do, q, k, v, o, lse, dlse, sinks):
+def _kernel_backward(plan, do, q, k, v, o, lse, dlse, sinks, sinks32):
     """The CUDA backward ops' launch: dq, dk, dv and dsink in sinks' dtype (float32 zeros without sinks)."""
-    spec = plan.spec
     o = _saved_output(o, plan.cfg)
-    sinks32 = dense.sinks_f32(sinks, spec.heads, q.device)
     dq, dk, dv, dsink = dense.backward(plan, do, q, k, v, o, lse, dlse, sinks32)
     if dsink is None:
-        return dq, dk, dv, sinks32.new_zeros(spec.heads)
+        return dq, dk, dv, sinks32.new_zeros(plan.spec.heads)
     return dq, dk, dv, dsink.to(sinks.dtype)
 
 
@@ -337,8 +336,9 @@ def _varlen_fwd_cuda(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
     if _varlen_empty(spec, q, k):
         return _varlen_fwd_reference(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                      window, causal, scale, deterministic)
-    plan, q, k, v = _kernel_inputs(spec, deterministic, precision, q, k, v, (cu_seqlens_q, cu_seqlens_k))
-    o, lse = dense.forward(plan, q, k, v, dense.sinks_f32(sinks, spec.heads, q.device))
+    plan, q, k, v, sinks32 = _kernel_inputs(spec, deterministic, precision, q, k, v, sinks,
+                                            (cu_seqlens_q, cu_seqlens_k))
+    o, lse = dense.forward(plan, q, k, v, sinks32)
     lse[:, q.shape[0]:] = 0  # the padding rows: some are never written by the kernel
     return o, lse
 
@@ -409,8 +409,9 @@ def _varlen_bwd_cuda(do, q, k, v, sinks, lse, dlse, cu_seqlens_q, cu_seqlens_k, 
     if _varlen_empty(spec, q, k):
         return _varlen_bwd_reference(do, q, k, v, sinks, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                      max_seqlen_k, window, causal, scale, deterministic)
-    plan, q, k, v = _kernel_inputs(spec, deterministic, precision, q, k, v, (cu_seqlens_q, cu_seqlens_k))
-    return _kernel_backward(plan, do.contiguous(), q, k, v, o, lse.contiguous(), dlse, sinks)
+    plan, q, k, v, sinks32 = _kernel_inputs(spec, deterministic, precision, q, k, v, sinks,
+                                            (cu_seqlens_q, cu_seqlens_k))
+    return _kernel_backward(plan, do.contiguous(), q, k, v, o, lse.contiguous(), dlse, sinks, sinks32)
 
 
 @varlen_bwd.register_fake

@@ -3,13 +3,13 @@
 A validated problem (an ``AttnSpec``) runs in two steps, for the padded layouts and (with
 ``cu_seqlens``) packed varlen batches (layout ``thd``) alike:
 
-    plan, q, k, v = prepare(spec, q, k, v, deterministic=..., precision=..., cu_seqlens=...)
-    o, lse = forward(plan, q, k, v, sinks_f32(sinks, spec.heads, q.device))
+    plan, q, k, v, sinks32 = prepare(spec, q, k, v, sinks, deterministic=..., precision=..., cu_seqlens=...)
+    o, lse = forward(plan, q, k, v, sinks32)
     dq, dk, dv, dsink = backward(plan, do, q, k, v, o, lse, dlse, sinks32)
 
 ``prepare`` is where the kernels' own conditions are met (:func:`check_supported`, the head dims
-zero-padded to the kernels', :func:`kernel_config`); :class:`Plan` carries what ``forward`` and
-``backward`` need beyond tensors. Two callers, neither imported here: the eager
+zero-padded to the kernels', the sinks in float32, :func:`kernel_config`); :class:`Plan` carries
+what ``forward`` and ``backward`` need beyond tensors. Two callers, neither imported here: the eager
 ``torch.autograd.Function`` of ``attention.py`` (what ``flashsink.attention`` runs on CUDA outside
 ``torch.compile``) and the custom ops of ``custom_ops.py`` (the same launches, traceable). Validation
 happened once, in the public function (``flashsink.api``) or the op. Nothing here imports tilelang:
@@ -109,19 +109,22 @@ class Plan(NamedTuple):
     cu_seqlens: Optional[tuple] = None
 
 
-def prepare(spec, q, k, v, *, deterministic=False, precision="fast", cu_seqlens=None, pad=True):
-    """The launch plan of a validated problem, and q, k, v as the kernels take them: ``(plan, q, k, v)``.
+def prepare(spec, q, k, v, sinks, *, deterministic=False, precision="fast", cu_seqlens=None, pad=True):
+    """The launch plan of a validated problem, and q, k, v and the sinks as the kernels take them:
+    ``(plan, q, k, v, sinks32)``.
 
     NotImplementedError unless the kernels take the problem (:func:`check_supported`, once per
     configuration: :func:`kernel_config` keeps them). ``pad``: q, k, v contiguous with their head
     dims zero-padded to the kernels' (exact: zero columns add nothing to q.k; autograd slices the
-    gradients back); without it contiguous only (the ops, which take native head dims)."""
+    gradients back); without it contiguous only (the ops, which take native head dims).
+    ``sinks32``: :func:`sinks_f32` (what the kernels read; float32 sinks are passed as they are, and
+    their gradient stays the caller's: the autograd function's or the ops' formula)."""
     cfg = kernel_config(spec, q.device, deterministic, precision)
     if pad:
         q, k, v = _pad_dim(q, cfg.head_dim), _pad_dim(k, cfg.head_dim), _pad_dim(v, cfg.head_dim_v)
     else:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    return Plan(spec, cfg, kernel_window(spec.window), cu_seqlens), q, k, v
+    return Plan(spec, cfg, kernel_window(spec.window), cu_seqlens), q, k, v, sinks_f32(sinks, spec.heads, q.device)
 
 
 def pad_head_dims(spec, q, k, v):
@@ -194,8 +197,8 @@ def _numel(shape) -> int:
 
 
 def forward(plan, q, k, v, sinks32, *, o32=False):
-    """o (q's layout and dtype) and the row-padded lse (float32, :func:`_stat_shape`). q, k, v as
-    :func:`prepare` returned them, ``sinks32`` from :func:`sinks_f32`. ``o32`` (strict, a backward to
+    """o (q's layout and dtype) and the row-padded lse (float32, :func:`_stat_shape`). q, k, v and
+    ``sinks32`` as :func:`prepare` returned them. ``o32`` (strict, a backward to
     follow): a third result, the output in fp32 from the kind ``fwd_o32`` where the call has it
     (``config.fwd_o32``, a positive scale, not the split decode), else None: what the backward's
     Delta pass reads (:func:`backward`)."""
