@@ -45,7 +45,7 @@ def _fresh_caches(keep: str | None = None) -> str:
 
 
 def _cfg(problem: str, arch: str):
-    from flashsink.ops.build.config import KernelConfig
+    from flashsink.kernel_config import KernelConfig
 
     dtype, d, g, prec = PROBLEMS[problem]
     return KernelConfig(arch=arch, dtype=dtype, head_dim=d, head_dim_v=d, groups=g, causal=True, has_sinks=True,

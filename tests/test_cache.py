@@ -30,7 +30,7 @@ from flashsink.cli import main
 from flashsink.errors import CacheDirError, CompileError
 from flashsink.ops.build import compile as C
 from flashsink.ops.build import diskcache, keys, logs, lowering, retry
-from flashsink.ops.build.config import KernelConfig
+from flashsink.kernel_config import KernelConfig
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 
@@ -569,7 +569,7 @@ def test_key_holds_its_own_kinds_tiles_only(monkeypatch):
 
     from flashsink.ops.build import keys as comp
     from flashsink.ops.build import kinds
-    from flashsink.ops.build.config import KernelConfig, Tiles
+    from flashsink.kernel_config import KernelConfig, Tiles
 
     cfg = KernelConfig("sm_90a", "bfloat16", 64, 64, 8, True, True, "bhsd", deterministic=False, precision="strict")
     func = comp.build_prim_func("merge_splits", cfg)

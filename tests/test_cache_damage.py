@@ -314,7 +314,7 @@ def _fake_compiler(monkeypatch, tmp_path):
 
 
 def _cfg():
-    from flashsink.ops.build.config import KernelConfig
+    from flashsink.kernel_config import KernelConfig
 
     return KernelConfig(arch="sm_80", dtype="bfloat16", head_dim=64, head_dim_v=64, groups=1, causal=True,
                         has_sinks=True, layout="bhsd", deterministic=False, precision="strict")

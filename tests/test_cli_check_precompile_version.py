@@ -82,7 +82,7 @@ def test_precompile_reports_each_kernel_when_it_finishes(monkeypatch, tmp_path):
 
     from flashsink.ops.build import parallel
     from flashsink.ops.build import precompile as pc
-    from flashsink.ops.build.config import KernelConfig
+    from flashsink.kernel_config import KernelConfig
 
     monkeypatch.setenv("FLASHSINK_CACHE_DIR", str(tmp_path / "cache"))
     slow_done = threading.Event()

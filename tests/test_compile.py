@@ -11,7 +11,7 @@ import pytest
 
 from flashsink.ops.build.compile import compile_kernel
 from flashsink.ops.build.kinds import KINDS
-from flashsink.ops.build.config import KernelConfig
+from flashsink.kernel_config import KernelConfig
 
 pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 
@@ -115,7 +115,7 @@ def test_swapped_grid_main_backward_compiles():
 
     from flashsink.ops.kernels.bwd import build_bwd_pipelined
     from flashsink.ops.build.keys import pass_configs
-    from flashsink.ops.build.config import bwd_branch, bwd_tiles
+    from flashsink.kernel_config import bwd_branch, bwd_tiles
 
     def build_bwd(cfg, swap=True):
         return build_bwd_pipelined(cfg, bwd_tiles(cfg), 1, bwd_branch(cfg), swap, True, True)
@@ -145,7 +145,7 @@ def test_strict_preprocess_options_compile(arch, opts):
 
     from flashsink.ops.kernels.bwd import build_preprocess, build_preprocess_strict
     from flashsink.ops.build.keys import build_prim_func, pass_configs
-    from flashsink.ops.build.config import pre_branch, pre_lpt, pre_tiles
+    from flashsink.kernel_config import pre_branch, pre_lpt, pre_tiles
 
     def build(cfg, branch=False, lpt=False):
         return build_preprocess_strict(cfg, pre_tiles(cfg), branch, lpt)

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from flashsink.ops.build.config import KernelConfig, Tiles, fwd_mask, fwd_tiles, fwd_ws
+from flashsink.kernel_config import KernelConfig, Tiles, fwd_mask, fwd_tiles, fwd_ws
 
 
 def _cfg(arch, **over):

@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("tilelang")
 
 from flashsink.ops.kernels import fwd  # noqa: E402
-from flashsink.ops.build.config import FWD_WINDOW_ROWS_D64, KernelConfig, Tiles, fwd_fold, fwd_tiles, fwd_ws_options  # noqa: E402
+from flashsink.kernel_config import FWD_WINDOW_ROWS_D64, KernelConfig, Tiles, fwd_fold, fwd_tiles, fwd_ws_options  # noqa: E402
 from flashsink.ops.kernels.fwd_ws import build_fwd_ws, consumer_regs  # noqa: E402
 
 pytestmark = pytest.mark.l0
@@ -74,7 +74,7 @@ def test_fold_is_the_default_and_fwd_unfolded_the_other(d):
     """config.fwd_fold: the library's forward folds the scale (positive scales); the kind
     fwd_unfolded is the same kernel scaling each logit first (scale <= 0)."""
     from flashsink.ops.build.keys import build_prim_func
-    from flashsink.ops.build.config import fwd_fold
+    from flashsink.kernel_config import fwd_fold
 
     cfg = _cfg(d=d)
     assert fwd_fold(cfg)
@@ -98,7 +98,7 @@ def test_tma_epilogue_stores_each_warpgroups_rows_by_tma(d, layout):
     after a proxy fence and the warpgroup's barrier; the issuing thread waits for its stores to have read the
     buffer before the next tile writes it and before the program exits. Refused where a box could write past
     a sequence into the next one (thd), and with o32."""
-    from flashsink.ops.build.config import fwd_window_tiles
+    from flashsink.kernel_config import fwd_window_tiles
     from flashsink.ops.kernels.fwd_ws import build_fwd_ws
 
     cfg = _cfg("bfloat16" if d == 64 else "float16", d, layout)
@@ -126,7 +126,7 @@ def test_tma_epilogue_compiles_for_hopper():
 
     from flashsink.ops.build.keys import compile_args
     from flashsink.ops.build.lowering import jit
-    from flashsink.ops.build.config import fwd_window_tiles
+    from flashsink.kernel_config import fwd_window_tiles
     from flashsink.ops.kernels.fwd_ws import build_fwd_ws
 
     cfg = _cfg("bfloat16", 64, "bshd")
@@ -163,7 +163,7 @@ def test_library_forward_is_ws_where_config_says(cfg, want):
     """config.fwd_ws picks the hand kernel for the library's forward (Hopper, equal head dims 64 or
     128), with 192-row tiles at D64; elsewhere the pipelined kernel."""
     from flashsink.ops.build.keys import build_prim_func
-    from flashsink.ops.build.config import fwd_tiles, fwd_ws
+    from flashsink.kernel_config import fwd_tiles, fwd_ws
 
     assert fwd_ws(cfg) == want
     text = build_prim_func("fwd", cfg).script()
@@ -195,7 +195,7 @@ def test_the_forward_options_follow_the_head_dim(cfg, opts):
     import dataclasses
 
     from flashsink.ops.build.keys import build_prim_func
-    from flashsink.ops.build.config import fwd_fold, fwd_o32, fwd_o32_tiles, fwd_tiles, fwd_ws, fwd_ws_options
+    from flashsink.kernel_config import fwd_fold, fwd_o32, fwd_o32_tiles, fwd_tiles, fwd_ws, fwd_ws_options
     from flashsink.ops.kernels.fwd_ws import build_fwd_ws
     from flashsink.ops.build.kinds import KINDS
 
@@ -243,7 +243,7 @@ def test_fwd_window_is_the_packed_forward_with_64_key_tiles(cfg, tiles):
     slots (head dim 128 since v26), folded as the forward is; elsewhere the kind is not built and the
     forward's tiles stand."""
     from flashsink.ops.build.keys import build_prim_func
-    from flashsink.ops.build.config import WINDOW_TILES_MAX, fwd_fold, fwd_tiles, fwd_window_tiles, fwd_windowed
+    from flashsink.kernel_config import WINDOW_TILES_MAX, fwd_fold, fwd_tiles, fwd_window_tiles, fwd_windowed
     from flashsink.ops.kernels.fwd_ws import build_fwd_ws
     from flashsink.ops.build.kinds import KINDS, kinds_for
 
@@ -270,7 +270,7 @@ def test_fwd_window_takes_256_rows_at_head_dim_64_where_the_group_packs(monkeypa
     patched here so the test holds whatever the default): the windowed kind's tiles at head dim 64 take 256
     rows where the group packs into them and 192 where it does not, and the kernel is built with four
     consumer warpgroups (640 threads, setmaxnreg 112 for the consumers)."""
-    from flashsink.ops.build import config
+    from flashsink import kernel_config as config
     from flashsink.ops.kernels.fwd_ws import build_fwd_ws
 
     monkeypatch.setattr(config, "FWD_WINDOW_ROWS_D64", 256)
@@ -458,7 +458,7 @@ def test_library_forward_packs_gqa_where_it_fits(cfg, packs):
     kernel where ``config.pack_gqa_fits`` (measured on the H200, docs/perf-log.md v18: o and lse bitwise
     equal to the unpacked kernel, gpt-oss SWA 1.11x, varlen 1.36-1.39x), TIR for TIR, and the unpacked
     one elsewhere; custom tiles that cannot pack fall back instead of refusing."""
-    from flashsink.ops.build.config import fwd_tiles, fwd_ws_options, pack_gqa_fits
+    from flashsink.kernel_config import fwd_tiles, fwd_ws_options, pack_gqa_fits
     from flashsink.ops.kernels.fwd_ws import build_fwd_ws
 
     tiles = fwd_tiles(cfg)
@@ -561,7 +561,7 @@ def test_key_limits_mask_exactly_the_invisible_keys():
     import itertools
     import random
 
-    from flashsink.ops.build.config import NO_WINDOW
+    from flashsink.kernel_config import NO_WINDOW
     from flashsink.ops.tir.mask import key_limits, visible
 
     def select(cond, a, b):

@@ -117,7 +117,7 @@ def test_merge_kernel_nonfinite_as_combine_splits():
     """The merge kernel against its torch twin decode.combine_splits on sinks +inf, -inf, NaN and
     finite, splits with no key holding NaN, and rows where every split is empty."""
     from flashsink.ops.build.registry import get_kernel
-    from flashsink.ops.build.config import arch_of
+    from flashsink.kernel_config import arch_of
     from flashsink.ops.launch.decode import combine_splits
 
     g = torch.Generator().manual_seed(3)

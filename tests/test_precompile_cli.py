@@ -101,7 +101,7 @@ def test_dry_run_counts_what_is_built(capsys):
 
 
 def test_precompile_refuses_bad_jobs():
-    from flashsink.ops.build.config import KernelConfig
+    from flashsink.kernel_config import KernelConfig
     from flashsink.ops.build.precompile import precompile
 
     cfg = KernelConfig("sm_80", "bfloat16", 64, 64, 1, True, True, "bhsd", deterministic=False, precision="strict")
@@ -114,7 +114,7 @@ def test_precompile_starts_the_longest_builds_first(monkeypatch):
     """The workers take the kinds that build longest first (``Kind.build_s``), each kind's
     configurations in the order given."""
     from flashsink.ops.build import precompile as pc
-    from flashsink.ops.build.config import KernelConfig
+    from flashsink.kernel_config import KernelConfig
     from flashsink.ops.build.kinds import KINDS
 
     seen = []
@@ -153,7 +153,7 @@ def test_cpu_bundle_lists_the_suite_the_recorded_and_the_bench_kernels(tmp_path,
     import json
 
     from flashsink.ops.build import precompile as precompile_mod
-    from flashsink.ops.build.config import KernelConfig
+    from flashsink.kernel_config import KernelConfig
     from flashsink.ops.build.kinds import kinds_for
 
     tool = _tool("precompile_cpu_bundle")

@@ -12,7 +12,7 @@ import re
 import pytest
 
 from flashsink.ops.build import keys, kinds, precompile
-from flashsink.ops.build.config import KernelConfig
+from flashsink.kernel_config import KernelConfig
 from flashsink.ops.build.kinds import KINDS, Kind
 from flashsink.ops.launch import dense
 

@@ -30,7 +30,7 @@ RECORDED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "suite_recor
 
 
 def _bench() -> list:
-    from flashsink.ops.build.config import KernelConfig
+    from flashsink.kernel_config import KernelConfig
     from flashsink.ops.build.kinds import precompile_kinds
 
     out = []

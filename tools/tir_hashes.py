@@ -18,7 +18,7 @@ import hashlib
 import itertools
 
 from flashsink.ops.build.keys import build_prim_func
-from flashsink.ops.build.config import KernelConfig
+from flashsink.kernel_config import KernelConfig
 from flashsink.ops.build.kinds import KINDS
 
 

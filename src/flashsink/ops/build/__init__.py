@@ -1,7 +1,6 @@
-"""Configuration, the kernel registry, and building and caching kernels.
+"""The kernel registry, and building and caching kernels (``KernelConfig``: ``flashsink.kernel_config``).
 
-``config`` is the leaf every layer may import: ``KernelConfig`` (the compile-cache key), the tile
-tables and the policy functions that choose a kernel variant per configuration. ``kinds`` is the
+``kinds`` is the
 registry (one row per kernel kind: builder, tiles, when it is launched). Building a kernel, one job
 a module, each importing only those above it in this list:
 

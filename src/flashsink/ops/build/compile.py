@@ -40,7 +40,7 @@ from pathlib import Path
 
 from ...errors import CacheDirError, CompileError
 from . import diskcache, keys, kinds, logs, retry
-from .config import KernelConfig
+from ...kernel_config import KernelConfig
 from .keys import EXECUTION_BACKEND, CompileArgs
 from .logs import log
 

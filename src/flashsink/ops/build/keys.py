@@ -14,7 +14,7 @@ import subprocess
 import sys
 
 from . import kinds
-from .config import KernelConfig
+from ...kernel_config import KernelConfig
 
 EXECUTION_BACKEND = "tvm_ffi"
 

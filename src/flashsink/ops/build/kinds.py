@@ -18,7 +18,7 @@ import dataclasses
 import importlib
 from typing import Callable, Optional, Union
 
-from .config import (
+from ...kernel_config import (
     WINDOW_TILES_MAX, KVCACHE_HEAD_DIMS, SPLIT_ROWS, KernelConfig, bwd_split, bwd_tiles, dq_tiles, fwd_fold, fwd_o32,
     fwd_o32_tiles, fwd_tiles, fwd_window_tiles, fwd_windowed, pre_o32_tiles, pre_tiles, split_tiles,
 )

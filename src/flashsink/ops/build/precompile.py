@@ -11,7 +11,7 @@ import sys
 import time
 
 from . import diskcache
-from .config import PRECISIONS, KernelConfig
+from ...kernel_config import PRECISIONS, KernelConfig
 from .kinds import KINDS as _REGISTRY, canonical, kinds_for, precompile_kinds
 from .parallel import compile_parallel
 
@@ -79,7 +79,7 @@ _DTYPES = {"fp16": "float16", "bf16": "bfloat16"}
 
 def configs_from_args(args) -> list:
     """Every KernelConfig the options ask for (the product of the option lists)."""
-    from .config import HEAD_DIM_RULE, kernel_head_dim
+    from ...kernel_config import HEAD_DIM_RULE, kernel_head_dim
 
     for d in args.head_dim:
         if kernel_head_dim(d) is None:
@@ -151,7 +151,7 @@ def cmd_precompile(args) -> int:
 
 def add_parser(sub) -> None:
     from ..._argtypes import add_command, positive_int
-    from .config import SUPPORTED_ARCHS
+    from ...kernel_config import SUPPORTED_ARCHS
 
     p = add_command(
         sub, "precompile", cmd_precompile,

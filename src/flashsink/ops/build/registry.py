@@ -16,7 +16,7 @@ import time
 from ...errors import CompileError
 from . import compile as compile_mod
 from . import diskcache, kinds, parallel
-from .config import KernelConfig
+from ...kernel_config import KernelConfig
 from .logs import log
 
 _cache: dict = {}

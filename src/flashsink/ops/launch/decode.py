@@ -23,7 +23,7 @@ import torch
 
 from ...combine import merge_stacked
 from ...visibility import visible_span
-from ..build.config import LOG2E, SPLIT_ROWS, split_tiles
+from ...kernel_config import LOG2E, SPLIT_ROWS, split_tiles
 
 
 def visible_keys(spec) -> int:

@@ -19,11 +19,11 @@ import torch
 from . import decode
 from ..build.registry import get_kernel
 from ..build.kinds import KINDS, forward_kind
-from ..build.config import (
+from ...kernel_config import (
     BWD_SPLIT_MIN_ROWS, HEAD_DIM_RULE, LOG2E, NO_WINDOW, PRECISIONS, ROW_PAD, SUPPORTED_DTYPES,
     KernelConfig, arch_of, bwd_split, fwd_o32, kernel_head_dim,
 )
-from ..build.config import padded_rows as _padded_rows, varlen_rows  # noqa: F401  (the ops' and tests' names)
+from ...kernel_config import padded_rows as _padded_rows, varlen_rows  # noqa: F401  (the ops' and tests' names)
 
 
 def kernel_window(window) -> int:

@@ -24,7 +24,7 @@ import torch
 
 from ...reference import dequantize_kvcache
 from ..build.registry import get_kernel
-from ..build.config import KVCACHE_HEAD_DIMS, LOG2E, NO_WINDOW, SUPPORTED_DTYPES, KernelConfig, arch_of, split_tiles
+from ...kernel_config import KVCACHE_HEAD_DIMS, LOG2E, NO_WINDOW, SUPPORTED_DTYPES, KernelConfig, arch_of, split_tiles
 
 _PLANS: dict = {}  # static facts -> (cfg, forward kernel, merge kernel, tiles)
 _IDENTITY: dict = {}  # (batch, device) -> int32 [[0], [1], .., [B-1]]
