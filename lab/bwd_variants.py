@@ -181,7 +181,7 @@ def _cfg(dtype: str, d: int, precision: str):
 def _func(job):
     from flashsink.ops.kernels import bwd, bwd_ws
     from flashsink import kernel_config as config
-    from flashsink.ops.build.keys import build_prim_func
+    from flashsink.ops.compiler.compile import build_prim_func
     from flashsink.kernel_config import Tiles
 
     kind, dtype, d, precision, tiles, opts = job
@@ -209,8 +209,8 @@ def _load(job, build=_func):
     the PrimFunc (lab/fwd_variants.py passes its own)."""
     import tilelang
 
-    from flashsink.ops.build.lowering import check_source
-    from flashsink.ops.build.keys import pass_configs
+    from flashsink.ops.compiler.compile import check_source
+    from flashsink.ops.compiler.compile import pass_configs
 
     kernel = tilelang.compile(build(job), target={"kind": "cuda", "arch": "sm_90a"}, execution_backend="tvm_ffi",
                               pass_configs=pass_configs())

@@ -73,7 +73,7 @@ def _variants(d: int) -> list:
 
 
 def _func(job):
-    from flashsink.ops.build.keys import build_prim_func
+    from flashsink.ops.compiler.compile import build_prim_func
     from flashsink.kernel_config import Tiles
     from flashsink.ops.kernels.fwd import build_fwd_pipelined
     from flashsink.ops.kernels.fwd_ws import build_fwd_ws

@@ -34,7 +34,7 @@ import torch
 
 
 def _noop_kernels():
-    from flashsink.ops.build import registry
+    from flashsink.ops.compiler import registry
 
     def noop(*args):
         return None

@@ -64,7 +64,7 @@ def main() -> int:
     from triton.testing import do_bench
 
     import flashsink
-    from flashsink.ops.build.registry import get_kernel
+    from flashsink.ops.compiler.registry import get_kernel
     from flashsink.kernel_config import LOG2E, NO_WINDOW, KernelConfig, arch_of, split_tiles
     from flashsink.ops.launch.kvcache import n_splits_for
     from flashsink._validate_kvcache import validate_kvcache

@@ -73,7 +73,7 @@ def test_ws_refuses_what_it_does_not_support(cfg, tiles, opts):
 def test_fold_is_the_default_and_fwd_unfolded_the_other(d):
     """config.fwd_fold: the library's forward folds the scale (positive scales); the kind
     fwd_unfolded is the same kernel scaling each logit first (scale <= 0)."""
-    from flashsink.ops.build.keys import build_prim_func
+    from flashsink.ops.compiler.compile import build_prim_func
     from flashsink.kernel_config import fwd_fold
 
     cfg = _cfg(d=d)
@@ -124,8 +124,8 @@ def test_tma_epilogue_compiles_for_hopper():
     the wait for its reads (ptxas -v on the CPU host, docs/perf-log.md v26: 128 registers, no spill, as with "wg")."""
     import subprocess
 
-    from flashsink.ops.build.keys import compile_args
-    from flashsink.ops.build.lowering import jit
+    from flashsink.ops.compiler.compile import compile_args
+    from flashsink.ops.compiler.compile import jit
     from flashsink.kernel_config import fwd_window_tiles
     from flashsink.ops.kernels.fwd_ws import build_fwd_ws
 
@@ -141,7 +141,7 @@ def test_ws_compiles_for_hopper():
     gpt-oss's full layers."""
     import tilelang
 
-    from flashsink.ops.build.keys import pass_configs
+    from flashsink.ops.compiler.compile import pass_configs
 
     func = _ws(_cfg(d=64), Tiles(128, 128, 256, 2))
     kern = tilelang.compile(func, target={"kind": "cuda", "arch": "sm_90a"}, execution_backend="tvm_ffi",
@@ -162,7 +162,7 @@ def test_ws_compiles_for_hopper():
 def test_library_forward_is_ws_where_config_says(cfg, want):
     """config.fwd_ws picks the hand kernel for the library's forward (Hopper, equal head dims 64 or
     128), with 192-row tiles at D64; elsewhere the pipelined kernel."""
-    from flashsink.ops.build.keys import build_prim_func
+    from flashsink.ops.compiler.compile import build_prim_func
     from flashsink.kernel_config import fwd_tiles, fwd_ws
 
     assert fwd_ws(cfg) == want
@@ -194,10 +194,10 @@ def test_the_forward_options_follow_the_head_dim(cfg, opts):
     next test's."""
     import dataclasses
 
-    from flashsink.ops.build.keys import build_prim_func
+    from flashsink.ops.compiler.compile import build_prim_func
     from flashsink.kernel_config import fwd_fold, fwd_o32, fwd_o32_tiles, fwd_tiles, fwd_ws, fwd_ws_options
     from flashsink.ops.kernels.fwd_ws import build_fwd_ws
-    from flashsink.ops.build.kinds import KINDS
+    from flashsink.ops.compiler.kinds import KINDS
 
     assert fwd_ws_options(cfg) == opts
     assert [k for k in KINDS if k.startswith("fwd")] == ["fwd", "fwd_unfolded", "fwd_window", "fwd_o32", "fwd_split",
@@ -242,10 +242,10 @@ def test_fwd_window_is_the_packed_forward_with_64_key_tiles(cfg, tiles):
     them by TMA (epilogue "tma", docs/perf-log.md v27; packed batches "wg", 16 bytes a thread, v24), two Q
     slots (head dim 128 since v26), folded as the forward is; elsewhere the kind is not built and the
     forward's tiles stand."""
-    from flashsink.ops.build.keys import build_prim_func
+    from flashsink.ops.compiler.compile import build_prim_func
     from flashsink.kernel_config import WINDOW_TILES_MAX, fwd_fold, fwd_tiles, fwd_window_tiles, fwd_windowed
     from flashsink.ops.kernels.fwd_ws import build_fwd_ws
-    from flashsink.ops.build.kinds import KINDS, kinds_for
+    from flashsink.ops.compiler.kinds import KINDS, kinds_for
 
     assert WINDOW_TILES_MAX == 128
     want = tiles is not None
@@ -305,7 +305,7 @@ def test_o32_option_adds_an_fp32_output_and_a_second_pv_term(d, tiles):
     "ws/fold/o32"): the default launch plus one output, ``O32`` (o's shape, fp32), stored
     from the normalized accumulator; P @ V issued as two products (hi and lo: one more wgmma in the
     loop and one in the tail) and waited for accordingly; the fast configuration refuses it."""
-    from flashsink.ops.build.keys import build_prim_func
+    from flashsink.ops.compiler.compile import build_prim_func
     from flashsink.ops.kernels.fwd_ws import build_fwd_ws
 
     cfg = _cfg(d=d)
@@ -411,7 +411,7 @@ def test_warpgroup_epilogue_stores_16_bytes_a_thread():
     wide (where the register epilogue's are 4: half a 32-byte sector, docs/perf-log.md v24)."""
     import tilelang
 
-    from flashsink.ops.build.keys import pass_configs
+    from flashsink.ops.compiler.compile import pass_configs
     from flashsink.ops.kernels.fwd_ws import build_fwd_ws
 
     func = build_fwd_ws(_cfg(d=64, layout="bshd"), Tiles(192, 64, 384, 3), fold=True, epilogue="wg", q_slots=2,
@@ -494,7 +494,7 @@ def test_pack_gqa_compiles_for_hopper():
     announcing its own 3072 bytes on the one Q barrier before the producer's single arrival."""
     import tilelang
 
-    from flashsink.ops.build.keys import pass_configs
+    from flashsink.ops.compiler.compile import pass_configs
     from flashsink.ops.kernels.fwd_ws import build_fwd_ws
 
     func = build_fwd_ws(_cfg(d=64), Tiles(192, 128, 384, 2), fold=True, epilogue="regs", q_slots=2, pack_gqa=True)
@@ -512,8 +512,8 @@ def test_pack_gqa_compiles_at_head_dim_128():
     ``hc * 8192 + g * 1024`` elements; nvcc builds it, and no lane is elected under a narrow branch."""
     import tilelang
 
-    from flashsink.ops.build.lowering import narrow_elections
-    from flashsink.ops.build.keys import pass_configs
+    from flashsink.ops.compiler.compile import narrow_elections
+    from flashsink.ops.compiler.compile import pass_configs
     from flashsink.ops.kernels.fwd_ws import build_fwd_ws
 
     func = build_fwd_ws(_cfg("float16", 128), Tiles(128, 128, 256, 2), fold=True, pack_gqa=True)

@@ -380,7 +380,7 @@ def _draft_cfg(arch, c: Fp8Case):
 def _compile_draft(arch, c: Fp8Case):
     import tilelang
 
-    from flashsink.ops.build.keys import pass_configs
+    from flashsink.ops.compiler.compile import pass_configs
     from flashsink.ops.kernels.fwd_kvcache import build_fwd_kvcache
 
     return tilelang.compile(build_fwd_kvcache(_draft_cfg(arch, c), kv_fp8=True), target={"kind": "cuda", "arch": arch},
@@ -416,7 +416,7 @@ def test_fp8_kernel_draft_on_the_gpu(c):
     """The draft with the merge kernel, launched as ``kvcache.kernel_attention_kvcache`` launches the default,
     against the formula under the fast gate; a bad scale makes its KV head's rows NaN."""
     from flashsink.kernel_config import LOG2E, NO_WINDOW, arch_of, split_tiles
-    from flashsink.ops.build.registry import get_kernel
+    from flashsink.ops.compiler.registry import get_kernel
     from flashsink.ops.launch.dense import _sm_count
     from flashsink.ops.launch.kvcache import n_splits_for
     from flashsink._validate_kvcache import validate_kvcache

@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from flashsink._validate import validate_attention, validate_varlen
-from flashsink.ops.build import registry
+from flashsink.ops.compiler import registry
 from flashsink.ops.launch import attention, custom_ops, dense
 from flashsink import kernel_config as config
-from flashsink.ops.build import kinds
+from flashsink.ops.compiler import kinds
 from flashsink.kernel_config import LOG2E, NO_WINDOW, KernelConfig
 
 pytestmark = pytest.mark.l0

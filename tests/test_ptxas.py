@@ -20,7 +20,7 @@ import pytest
 
 pytest.importorskip("tilelang")
 
-from flashsink.ops.build import keys, kinds, lowering  # noqa: E402
+from flashsink.ops.compiler import compile as keys, kinds, compile as lowering  # noqa: E402
 from flashsink.kernel_config import KernelConfig, bwd_dq_first  # noqa: E402
 
 #: (precision, deterministic)

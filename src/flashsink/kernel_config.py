@@ -1,5 +1,5 @@
 """Static kernel configuration and the per-architecture tile table: the base module that every layer
-(``_validate``, ``ops.launch``, ``ops.build``, ``ops.kernels``, ``ops.tir``) imports, importing nothing of
+(``_validate``, ``ops.launch``, ``ops.compiler``, ``ops.kernels``, ``ops.tir``) imports, importing nothing of
 flashsink itself.
 
 Everything in :class:`KernelConfig` is baked into a compiled kernel and is therefore

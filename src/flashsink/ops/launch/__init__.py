@@ -5,6 +5,6 @@ torch.compile), ``custom_ops`` (the ``torch.ops.flashsink`` ops: their schemas, 
 implementations), ``dense`` (a problem's ``KernelConfig``; the forward's and backward's buffers and
 launches), ``decode`` (split-KV decode through ``attention``), ``kvcache`` (``attention_kvcache``).
 
-May import ``flashsink.ops.build`` and the package's top-level modules (``_validate``, ``reference``,
+May import ``flashsink.ops.compiler`` and the package's top-level modules (``_validate``, ``reference``,
 ``combine``, ``visibility``); never ``kernels`` or ``tir`` (nothing here imports tilelang).
 """

@@ -17,8 +17,8 @@ import functools
 import torch
 
 from . import decode
-from ..build.registry import get_kernel
-from ..build.kinds import KINDS, forward_kind
+from ..compiler.registry import get_kernel
+from ..compiler.kinds import KINDS, forward_kind
 from ...kernel_config import (
     BWD_SPLIT_MIN_ROWS, HEAD_DIM_RULE, LOG2E, NO_WINDOW, PRECISIONS, ROW_PAD, SUPPORTED_DTYPES,
     KernelConfig, arch_of, bwd_split, fwd_o32, kernel_head_dim,

@@ -10,10 +10,10 @@ import os
 import sys
 import time
 
-from . import diskcache
 from ...kernel_config import PRECISIONS, KernelConfig
+from . import diskcache
 from .kinds import KINDS as _REGISTRY, canonical, kinds_for, precompile_kinds
-from .parallel import compile_parallel
+from .registry import compile_parallel
 
 __all__ = ["compile_parallel", "kinds_for", "precompile"]
 
