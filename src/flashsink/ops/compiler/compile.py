@@ -143,9 +143,7 @@ def versions() -> dict:
 
 def _tiles(kind: str, cfg) -> dict:
     """The tile choice kind ``kind`` makes for ``cfg`` (its tile function, by name; none for a kind of fixed
-    blocks). Only its own: the TIR's hash already covers every size the kernel was built with, and a key
-    that held every kind's choice (as until v20) made any change to one tile function a new key for
-    every kernel, so every cached kernel and CPU-built bundle had to be compiled again."""
+    blocks). Only its own, so that a change to one tile function leaves the other kinds' entries valid."""
     fn = kinds.check_kind(kind).tiles
     if fn is None:
         return {}
@@ -178,13 +176,9 @@ def cache_key(kind: str, cfg, func, args: CompileArgs) -> dict:
 # one TileLang compile, and the checks of its CUDA source
 
 def jit(func, cfg, args: CompileArgs):
-    """One TileLang compile (lowering + nvcc + host library), not through TileLang's caches.
-
-    ``JITKernel`` itself skips TileLang's kernel cache, but its nvcc step goes through TileLang's binary
-    cache (``TILELANG_CACHE_DIR``, default ``~/.tilelang/cache``): it would write each cubin there and load
-    a cubin it finds there, a file nobody checked, into a kernel flashsink then stores as verified. So that
-    cache is off for the compile (TileLang's global switch, restored after; it only ever runs in flashsink's
-    own compile processes, ``compile.enter_compile_process``); the whole kernel goes to flashsink's cache."""
+    """One TileLang compile (lowering + nvcc + host library), not through TileLang's caches: its binary
+    cache (``~/.tilelang/cache``) would load a cubin nobody checked into a kernel flashsink then stores as
+    verified, so it is off for the compile (a global switch: this runs in compile processes only)."""
     import tilelang
     from tilelang.jit import JITKernel
 
@@ -204,12 +198,9 @@ _ELECT = re.compile(r"tl_shuffle_elect<(\d+)>")
 
 
 def narrow_elections(source: str) -> list[int]:
-    """The lane elections in a kernel's CUDA source that run under fewer threads than a warp:
-    TileLang issues a bulk copy (TMA) or barrier setup from one lane it picks with
-    ``tl::tl_shuffle_elect<extent>``, ``elect.sync`` over the full warp, where ``extent`` is the number
-    of threads of the branch around it. Under a branch of fewer than 32 threads (``if tx == ...``
-    around a ``T.tma_copy``) the elected lane waits at ``elect.sync`` for lanes that never come: the
-    kernel hangs (the H200 showed it, docs/perf-log.md v18). 0 means the whole block and is fine."""
+    """The extents of ``tl_shuffle_elect<extent>`` (``elect.sync`` over the full warp, for a bulk copy or
+    barrier setup) under a branch of fewer than 32 threads: the elected lane waits for lanes that never
+    come and the kernel hangs (docs/perf-log.md v18). 0 means the whole block and is fine."""
     return sorted({int(n) for n in _ELECT.findall(source) if 0 < int(n) < 32})
 
 
@@ -344,17 +335,13 @@ def compile_with_retries(kind: str, cfg, func, args: CompileArgs, root: Path):
 
 
 # ----------------------------------------------------------------------------------------------
-# compile_kernel: through the disk cache, in a compile process
+# compile_kernel: through the disk cache (TileLang's tvm_ffi files, our verification), in a compile process
 
 _compile_process = False  # enter_compile_process(): this process is one of flashsink's compile processes
 
 #: what compile_kernel did in this process: "compiled", "disk" (loaded a verified entry),
 #: "rebuilt" (an entry failed verification and was replaced). Read by tests and precompile.
 counts: collections.Counter = collections.Counter()
-
-
-# ----------------------------------------------------------------------------------------------
-# saving and loading through the disk cache (TileLang's tvm_ffi serialization, our verification)
 
 _SO = "executable.so"
 _DEVICE = "device_kernel.cu"
@@ -363,9 +350,8 @@ _PARAMS = "params.json"
 
 
 def _write_kernel(kernel, d: Path) -> None:
-    """The files TileLang's own tvm_ffi cache writes, exported as it exports them on Linux: with no
-    extra keywords (its cache adds some only for Windows' and macOS' linkers). tests/test_tilelang_api.py
-    fails if a TileLang upgrade changes that, so this needs none of TileLang's private names."""
+    """The files TileLang's own tvm_ffi cache writes, exported as it exports them on Linux
+    (tests/test_tilelang_api.py fails if a TileLang upgrade changes that)."""
     from tilelang.engine.param import dump_kernel_params
 
     (d / _DEVICE).write_text(kernel.kernel_source or "")
@@ -458,7 +444,7 @@ def compile_kernel(kind: str, cfg: KernelConfig, *, load_only: bool = False):
 
 
 def enter_compile_process() -> None:
-    """Make this process one of flashsink's compile processes (the child below, ``parallel.py``'s workers):
+    """Make this process one of flashsink's compile processes (the child below, ``registry``'s workers):
     :func:`compile_kernel` compiles in it, pointing its temporary directory at the cache's (nothing else
     runs in such a process); its log shows warnings only unless ``FLASHSINK_LOG`` says otherwise (the
     process that started it prints the progress)."""
@@ -571,10 +557,8 @@ def _load_compiled(job, files: dict | None):
 
 
 def _reload(kernel, root: Path, name: str, key: dict, func, cfg, args: CompileArgs):
-    """The kernel just stored, loaded back from its verified entry (milliseconds). The compiled one's
-    host code is C source that TileLang links into a library (g++, 0.3-0.7 s) at its first call, the
-    same link the store has just done; the loaded one is that library, already linked. Falls back to
-    the compiled kernel if the entry cannot be read back."""
+    """The kernel just stored, loaded back from its verified entry: already linked (the compiled one's
+    host code would be linked again by g++ at its first call, 0.3-0.7 s). Else the compiled kernel."""
     try:
         hit = diskcache.load(root, name, key)
         if hit is not None:

@@ -1,14 +1,12 @@
-"""The registry of kernel kinds: one entry per kernel, read by everything that builds or lists kernels.
+"""The registry of kernel kinds: one row per kernel, read by everything that lists, selects or builds
+kernels (first use, ``flashsink precompile``, the disk cache's key, the forward's choice per call
+(:func:`forward_kind`), the tests and the tools).
 
-A kind is its builder (``KernelConfig -> PrimFunc``, :func:`builders`: the kernels import tilelang, so
-they are imported when a kernel is built), its tile function (``kernel_config``; part of the disk-cache key), the configurations that need it, those it builds for at all, and its route
-(the first launch of a kernel builds those of its route, in parallel: ``registry.get_kernel``;
+A kind is its builder (:func:`builders`, imported when a kernel is built: the kernels import tilelang),
+its tile function (``kernel_config``; part of the disk-cache key), the configurations that need it and
+those it builds for, its route (a first launch builds the kernels of its route, in parallel;
 ``flashsink precompile`` builds every route), and the configuration fields its code never reads (one
-build then serves every value of them).
-
-A new kind is one entry here, its builder, and its launch (docs/architecture.md, "Adding a kernel kind").
-Everything that lists, selects or builds kernels asks this module: first use, ``flashsink precompile``, the
-disk cache's key, the forward's choice per call (:func:`forward_kind`), the tests and the tools.
+build then serves every value of them). Adding one: docs/architecture.md, "Adding a kernel kind".
 """
 
 from __future__ import annotations
@@ -71,7 +69,7 @@ def _window_call(cfg: KernelConfig, window: int, scale: float) -> bool:
 class Kind:
     #: the builder (``KernelConfig -> PrimFunc``); None: the kernels' own, :func:`builders`
     builder: Optional[Callable]
-    tiles: Optional[Callable]  # the config.py tile function, or None (fixed blocks)
+    tiles: Optional[Callable]  # the kernel_config tile function, or None (fixed blocks)
     needed: Callable[[KernelConfig], bool]  # does a configuration's forward + backward launch it?
     ignores: tuple = ()  # KernelConfig fields the kernel's code does not read
     #: does it build for a configuration at all (``flashsink precompile --kinds`` refuses the others)?
@@ -80,11 +78,8 @@ class Kind:
     #: "decode" (few query rows against a long cache: the split-KV forward, attention_kvcache); a first
     #: use builds the kernels of its own route only (:func:`first_use_kinds`)
     route: str = "dense"
-    #: about how many seconds one build takes, serially (lab/compile_time.py on the 2-core CPU machine,
-    #: docs/perf-log.md "First use: where the compile time goes"; measured for fwd, preprocess, bwd
-    #: and postprocess, the others set by the kernel they resemble; fwd_kvcache builds slowest of all): a
-    #: first use builds the longest in its own process and the others in workers longest first, so only
-    #: their order matters
+    #: about how many seconds one build takes, serially (lab/compile_time.py; docs/perf-log.md "First use:
+    #: where the compile time goes"): parallel builds start the longest first, so only their order matters
     build_s: float = 5.0
     #: a forward the dense route may launch instead of "fwd": ``(cfg, window, scale) -> bool``, asked in
     #: the registry's order by :func:`forward_kind` (None: not such a forward)
