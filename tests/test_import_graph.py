@@ -100,7 +100,7 @@ LAYERS = {
     "flashsink.ops.compiler": {"flashsink.ops.kernels"},  # the builders, imported when a kernel is built
     "flashsink.ops.launch": {"flashsink.ops.compiler"},
 }
-#: what the modules outside flashsink.ops may import from it: the launch layer and the build layer
+#: what the modules outside flashsink.ops may import from it: the launch layer and the compile layer
 #: (the CLI's cache and precompile commands), never a kernel or a TIR piece
 OUTSIDE = {"flashsink.ops.launch", "flashsink.ops.compiler"}
 #: the base module every layer imports (KernelConfig and its policy): it imports nothing of flashsink
