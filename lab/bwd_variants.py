@@ -172,7 +172,7 @@ def _pre_variants(only: str = "") -> list:
 
 
 def _cfg(dtype: str, d: int, precision: str):
-    from flashsink.ops.build.config import KernelConfig
+    from flashsink.kernel_config import KernelConfig
 
     return KernelConfig(arch="sm_90a", dtype=dtype, head_dim=d, head_dim_v=d, groups=H // HK, causal=True,
                         has_sinks=True, layout="bhsd", precision=precision, deterministic=False)
@@ -180,9 +180,9 @@ def _cfg(dtype: str, d: int, precision: str):
 
 def _func(job):
     from flashsink.ops.kernels import bwd, bwd_ws
-    from flashsink.ops.build import config
-    from flashsink.ops.build.keys import build_prim_func
-    from flashsink.ops.build.config import Tiles
+    from flashsink import kernel_config as config
+    from flashsink.ops.compiler.compile import build_prim_func
+    from flashsink.kernel_config import Tiles
 
     kind, dtype, d, precision, tiles, opts = job
     cfg = _cfg(dtype, d, precision)
@@ -209,8 +209,8 @@ def _load(job, build=_func):
     the PrimFunc (lab/fwd_variants.py passes its own)."""
     import tilelang
 
-    from flashsink.ops.build.lowering import check_source
-    from flashsink.ops.build.keys import pass_configs
+    from flashsink.ops.compiler.compile import check_source
+    from flashsink.ops.compiler.compile import pass_configs
 
     kernel = tilelang.compile(build(job), target={"kind": "cuda", "arch": "sm_90a"}, execution_backend="tvm_ffi",
                               pass_configs=pass_configs())
@@ -235,7 +235,7 @@ class _Problem:
     def __init__(self, name, kern):
         import torch
 
-        from flashsink.ops.build.config import LOG2E, NO_WINDOW
+        from flashsink.kernel_config import LOG2E, NO_WINDOW
 
         dtype_name, self.n, self.d, window = PROBLEMS[name]
         n, d, dt = self.n, self.d, getattr(torch, dtype_name)

@@ -45,7 +45,7 @@ def _fresh_caches(keep: str | None = None) -> str:
 
 
 def _cfg(problem: str, arch: str):
-    from flashsink.ops.build.config import KernelConfig
+    from flashsink.kernel_config import KernelConfig
 
     dtype, d, g, prec = PROBLEMS[problem]
     return KernelConfig(arch=arch, dtype=dtype, head_dim=d, head_dim_v=d, groups=g, causal=True, has_sinks=True,
@@ -115,7 +115,7 @@ def cmd_imports(args) -> int:
     out["import tilelang"] = time.perf_counter() - t
     t = time.perf_counter()
     import flashsink  # noqa: F401
-    from flashsink.ops.build import keys  # noqa: F401
+    from flashsink.ops.compiler import compile as keys  # noqa: F401
     out["import flashsink"] = time.perf_counter() - t
     t = time.perf_counter()
     keys.versions()
@@ -177,8 +177,8 @@ def cmd_one(args) -> int:
     from tilelang.contrib import nvcc as nvcc_mod
     from tilelang.cuda import backend as cuda_backend
 
-    from flashsink.ops.build import compile as c
-    from flashsink.ops.build import diskcache, keys, lowering
+    from flashsink.ops.compiler import compile as c
+    from flashsink.ops.compiler import diskcache, compile as keys, compile as lowering
     imports = time.perf_counter() - t_imp
 
     cubins = []
@@ -241,8 +241,8 @@ def cmd_one(args) -> int:
 def cmd_first_use(args) -> int:
     _fresh_caches()
     t_imp = time.perf_counter()
-    from flashsink.ops.build import compile as c
-    from flashsink.ops.build import kinds, registry
+    from flashsink.ops.compiler import compile as c
+    from flashsink.ops.compiler import kinds, registry
     imports = time.perf_counter() - t_imp
     if args.jobs:
         registry.FIRST_USE_JOBS = args.jobs

@@ -73,8 +73,8 @@ def _variants(d: int) -> list:
 
 
 def _func(job):
-    from flashsink.ops.build.keys import build_prim_func
-    from flashsink.ops.build.config import Tiles
+    from flashsink.ops.compiler.compile import build_prim_func
+    from flashsink.kernel_config import Tiles
     from flashsink.ops.kernels.fwd import build_fwd_pipelined
     from flashsink.ops.kernels.fwd_ws import build_fwd_ws
 
@@ -103,7 +103,7 @@ def _probe_child(job, n, out):
     try:
         import torch
 
-        from flashsink.ops.build.config import LOG2E, NO_WINDOW
+        from flashsink.kernel_config import LOG2E, NO_WINDOW
 
         kern = _load(job, _func)
         dt, d = getattr(torch, job[0]), job[1]
@@ -146,7 +146,7 @@ def _probe(jobs, n: int) -> dict:
 def _inputs(torch, dt, d: int, lens, packed: bool):
     """``(q, k, v, sinks, seq, lse_shape)`` for sequences of ``lens``: one bhsd sequence, or (``packed``) a
     thd batch, whose kernels take ``seq = (cu_seqlens_q, cu_seqlens_k, max_seqlen)`` after the sinks."""
-    from flashsink.ops.build.config import padded_rows, varlen_rows
+    from flashsink.kernel_config import padded_rows, varlen_rows
 
     total = sum(lens)
     shape_q, shape_kv = ((total, H, d), (total, HK, d)) if packed else ((1, H, total, d), (1, HK, total, d))
@@ -226,7 +226,7 @@ def main() -> int:
     import torch
     from triton.testing import do_bench
 
-    from flashsink.ops.build.config import LOG2E, NO_WINDOW
+    from flashsink.kernel_config import LOG2E, NO_WINDOW
 
     results = []
     for name in names:

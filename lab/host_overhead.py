@@ -34,7 +34,7 @@ import torch
 
 
 def _noop_kernels():
-    from flashsink.ops.build import registry
+    from flashsink.ops.compiler import registry
 
     def noop(*args):
         return None
@@ -49,7 +49,7 @@ def _noop_kernels():
 def _fake_cuda(route: str):
     """Run the CUDA implementations on CPU tensors (this process only)."""
     from flashsink.ops.launch import attention, custom_ops, dense
-    from flashsink.ops.build import config
+    from flashsink import kernel_config as config
 
     if route == "eager":
         attention._eager = lambda q: True

@@ -47,7 +47,7 @@ class _Nothing(torch.autograd.Function):
 def main(argv=None):
     import flashsink
     from flashsink import api, testing
-    from flashsink.ops.build import registry
+    from flashsink.ops.compiler import registry
     from flashsink.ops.launch import dense
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])

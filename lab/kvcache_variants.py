@@ -64,8 +64,8 @@ def main() -> int:
     from triton.testing import do_bench
 
     import flashsink
-    from flashsink.ops.build.registry import get_kernel
-    from flashsink.ops.build.config import LOG2E, NO_WINDOW, KernelConfig, arch_of, split_tiles
+    from flashsink.ops.compiler.registry import get_kernel
+    from flashsink.kernel_config import LOG2E, NO_WINDOW, KernelConfig, arch_of, split_tiles
     from flashsink.ops.launch.kvcache import n_splits_for
     from flashsink._validate_kvcache import validate_kvcache
 
@@ -119,7 +119,7 @@ def _split_rows(cfg, q, n, sms, scale):
     from triton.testing import do_bench
 
     from flashsink._validate import validate_attention
-    from flashsink.ops.build.config import NO_WINDOW
+    from flashsink.kernel_config import NO_WINDOW
     from flashsink.ops.launch.decode import n_splits_for
 
     k = torch.randn(B, n, HK, D, device="cuda", dtype=q.dtype)

@@ -12,8 +12,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 if __name__ == "__main__":  # the pool's workers are spawned: they import this file, not run it
     from gpu_cases import case_config, named_cases, varlen_kernel_configs
 
-    from flashsink.ops.build.kinds import kinds_for
-    from flashsink.ops.build.precompile import precompile
+    from flashsink.ops.compiler.kinds import kinds_for
+    from flashsink.ops.compiler.precompile import precompile
 
     cfgs = [case_config("sm_90a", c, precision=p) for c in named_cases() for p in ("strict", "fast")]
     cfgs += varlen_kernel_configs("sm_90a", "strict") + varlen_kernel_configs("sm_90a", "fast")

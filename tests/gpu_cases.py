@@ -120,7 +120,7 @@ def fast_cases() -> list:
 
 def case_config(arch: str, c, *, layout=None, deterministic=False, precision="strict"):
     """The KernelConfig a case (``Case`` or ``VarlenCase``) runs with on ``arch``."""
-    from flashsink.ops.build.config import SUPPORTED_DTYPES, KernelConfig
+    from flashsink.kernel_config import SUPPORTED_DTYPES, KernelConfig
     from flashsink.ops.launch.dense import _kernel_dim
 
     return KernelConfig(
@@ -252,7 +252,7 @@ def kvcache_cases() -> list:
 
 
 def kvcache_config(arch: str, c):
-    from flashsink.ops.build.config import SUPPORTED_DTYPES, KernelConfig
+    from flashsink.kernel_config import SUPPORTED_DTYPES, KernelConfig
 
     return KernelConfig(
         arch=arch, dtype=SUPPORTED_DTYPES[c.dtype], head_dim=c.head_dim, head_dim_v=c.head_dim,
@@ -263,7 +263,7 @@ def kvcache_config(arch: str, c):
 
 def merge_test_config(arch: str):
     """The fp32 merge kernel that test_kvcache_gpu.py judges against its torch twin."""
-    from flashsink.ops.build.config import KernelConfig
+    from flashsink.kernel_config import KernelConfig
 
     return KernelConfig(arch=arch, dtype="float32", head_dim=64, head_dim_v=64, groups=1, causal=True,
                         has_sinks=True, layout="bhsd", deterministic=False, precision="strict")

@@ -148,7 +148,7 @@ def test_precompile_covers_every_flashsink_row(monkeypatch):
     which compile at their gate)."""
     from flashsink.bench import command
     from flashsink.ops.launch import dense
-    from flashsink.ops.build import precompile as precompile_mod
+    from flashsink.ops.compiler import precompile as precompile_mod
 
     got = []
     monkeypatch.setattr(dense, "arch_of", lambda device: "sm_90a")

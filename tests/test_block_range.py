@@ -16,7 +16,7 @@ import torch
 from flashsink import visibility
 from flashsink.ops.tir.block_range import (full_kv_blocks_for_rows, full_row_blocks_for_keys, kv_blocks_for_rows,
                                        row_blocks_for_keys)
-from flashsink.ops.build.config import NO_WINDOW
+from flashsink.kernel_config import NO_WINDOW
 from flashsink.ops.tir.mask import visible
 from flashsink.reference import visible_mask
 

@@ -8,8 +8,8 @@ import pytest
 pytest.importorskip("tilelang")
 
 from flashsink.ops.kernels import bwd, bwd_ws  # noqa: E402
-from flashsink.ops.build import config  # noqa: E402
-from flashsink.ops.build.config import KernelConfig, Tiles  # noqa: E402
+from flashsink import kernel_config as config  # noqa: E402
+from flashsink.kernel_config import KernelConfig, Tiles  # noqa: E402
 
 pytestmark = pytest.mark.l0
 
@@ -88,8 +88,8 @@ def test_ws_refuses_what_it_does_not_support(cfg, tiles):
 def test_library_kernels_are_ws_where_config_says(cfg, want):
     """config.bwd_ws picks the hand kernel for both main-backward kinds (Hopper; fast at D <= 128,
     strict at D64): the library's bwd and bwd_split PrimFuncs are then bwd_ws.py's."""
-    from flashsink.ops.build.keys import build_prim_func
-    from flashsink.ops.build.config import bwd_split, bwd_ws
+    from flashsink.ops.compiler.compile import build_prim_func
+    from flashsink.kernel_config import bwd_split, bwd_ws
 
     assert bwd_ws(cfg) == want
     for kind in ("bwd",) + (("bwd_split",) if bwd_split(cfg) > 1 else ()):
@@ -103,7 +103,7 @@ def test_dq_first_order_and_tiles_where_config_says(d):
     with 128-row tiles, and dS^T first (``config.bwd_fa3_order``); D128's unsplit kernel keeps 64-row tiles
     in the old order. Either order is the other's kernel with one wait moved (the same launch);
     deterministic kernels (no dQ) are the same either way."""
-    from flashsink.ops.build.config import bwd_dq_first, bwd_tiles
+    from flashsink.kernel_config import bwd_dq_first, bwd_tiles
 
     cfg = _cfg(d=d)
     assert bwd_dq_first(cfg) == (d == 64)
@@ -184,8 +184,8 @@ def test_dk_in_flight_leaves_dk_running_into_the_next_tile():
 def test_strict_preprocess_branches_and_goes_longest_first_on_hopper():
     """``config.pre_branch`` / ``pre_lpt``: Hopper's strict preprocess skips the mask on wholly visible KV
     tiles and issues its query tiles longest first (padded layouts); sm_80 and the fast preprocess do not."""
-    from flashsink.ops.build.keys import build_prim_func
-    from flashsink.ops.build.config import pre_branch, pre_lpt, pre_tiles
+    from flashsink.ops.compiler.compile import build_prim_func
+    from flashsink.kernel_config import pre_branch, pre_lpt, pre_tiles
 
     strict = _cfg(precision="strict")
     assert pre_branch(strict) and pre_lpt(strict)
@@ -213,7 +213,7 @@ def test_ws_strict_option_has_two_term_products(d):
     lab/bwd_variants.py at D128): the launch of TileLang's strict kernel, its P^T and dS^T
     split into hi + lo (split.py), so three products more per tile than the fast kernel (dV, dK, dQ
     each twice)."""
-    from flashsink.ops.build.keys import build_prim_func
+    from flashsink.ops.compiler.compile import build_prim_func
 
     strict, fast = _cfg(d=d, precision="strict"), _cfg(d=d)
     t = Tiles(64, 128, 256, 2)
@@ -231,7 +231,7 @@ def test_strict_preprocess_from_an_fp32_o_option():
     """``build_preprocess_o32`` (strict; the kind ``preprocess_o32``, lab/bwd_variants.py's
     "strict pre/o32"): the fast preprocess's memory-bound pass with O in fp32 (the forward's ``o32`` output);
     the fast kernel's launch otherwise; it refuses the fast configuration."""
-    from flashsink.ops.build.keys import build_prim_func
+    from flashsink.ops.compiler.compile import build_prim_func
 
     for d, layout in ((64, "bhsd"), (128, "thd")):
         strict = _cfg(d=d, layout=layout, precision="strict")

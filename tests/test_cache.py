@@ -28,9 +28,9 @@ import pytest
 import flashsink
 from flashsink.cli import main
 from flashsink.errors import CacheDirError, CompileError
-from flashsink.ops.build import compile as C
-from flashsink.ops.build import diskcache, keys, logs, lowering, retry
-from flashsink.ops.build.config import KernelConfig
+from flashsink.ops.compiler import compile as C
+from flashsink.ops.compiler import diskcache, compile as keys, compile as logs, compile as lowering, compile as retry
+from flashsink.kernel_config import KernelConfig
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 
@@ -65,7 +65,7 @@ def _race_worker(cache_dir, barrier, queue):
     try:
         import tilelang  # noqa: F401  (the slow import happens before the barrier)
 
-        from flashsink.ops.build import compile as comp
+        from flashsink.ops.compiler import compile as comp
 
         barrier.wait(timeout=900)
         kernel = comp.compile_kernel("postprocess", CFG)
@@ -567,9 +567,9 @@ def test_key_holds_its_own_kinds_tiles_only(monkeypatch):
     under it, as it was; changing its own is a new key."""
     import dataclasses
 
-    from flashsink.ops.build import keys as comp
-    from flashsink.ops.build import kinds
-    from flashsink.ops.build.config import KernelConfig, Tiles
+    from flashsink.ops.compiler import compile as comp
+    from flashsink.ops.compiler import kinds
+    from flashsink.kernel_config import KernelConfig, Tiles
 
     cfg = KernelConfig("sm_90a", "bfloat16", 64, 64, 8, True, True, "bhsd", deterministic=False, precision="strict")
     func = comp.build_prim_func("merge_splits", cfg)

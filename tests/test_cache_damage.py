@@ -30,7 +30,7 @@ import pytest
 
 from flashsink.cli import main
 from flashsink.errors import CacheDirError
-from flashsink.ops.build import diskcache
+from flashsink.ops.compiler import diskcache
 
 KEY = {"kind": "fwd", "config": {"arch": "sm_90a"}, "versions": {"tilelang": "0.1.15"}}
 FILES = {"executable.so": b"\x7fELF" + bytes(range(256)) * 4, "params.json": b"[]", "device_kernel.cu": b"// k"}
@@ -281,8 +281,8 @@ scratch_paths: list = []
 
 def _child_with_fake_compiler(job):
     """What the compile process runs, with the compiler faked (this module is imported there afresh)."""
-    from flashsink.ops.build import compile as C
-    from flashsink.ops.build import keys, lowering
+    from flashsink.ops.compiler import compile as C
+    from flashsink.ops.compiler import compile as keys, compile as lowering
 
     keys.build_prim_func = lambda kind, cfg: _Func()  # the child builds the kernel's function itself
     lowering.jit = _fake_jit
@@ -300,8 +300,8 @@ def _child_with_fake_compiler(job):
 
 def _fake_compiler(monkeypatch, tmp_path):
     """compile_kernel with the compiler faked, wherever it runs; returns what _load_kernel was given."""
-    from flashsink.ops.build import compile as C
-    from flashsink.ops.build import keys, lowering
+    from flashsink.ops.compiler import compile as C
+    from flashsink.ops.compiler import compile as keys, compile as lowering
 
     monkeypatch.setenv("FLASHSINK_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(keys, "build_prim_func", lambda kind, cfg: _Func())
@@ -314,7 +314,7 @@ def _fake_compiler(monkeypatch, tmp_path):
 
 
 def _cfg():
-    from flashsink.ops.build.config import KernelConfig
+    from flashsink.kernel_config import KernelConfig
 
     return KernelConfig(arch="sm_80", dtype="bfloat16", head_dim=64, head_dim_v=64, groups=1, causal=True,
                         has_sinks=True, layout="bhsd", deterministic=False, precision="strict")
@@ -322,7 +322,7 @@ def _cfg():
 
 @pytest.mark.l0
 def test_item15_compile_leaves_other_threads_temp_files_alone(tmp_path, monkeypatch):
-    from flashsink.ops.build import compile as C
+    from flashsink.ops.compiler import compile as C
 
     loaded = _fake_compiler(monkeypatch, tmp_path)
     cfg = _cfg()
@@ -360,7 +360,7 @@ def test_item15_compile_leaves_other_threads_temp_files_alone(tmp_path, monkeypa
 def test_item15_a_kernel_the_cache_cannot_hold_still_comes_back(tmp_path, monkeypatch, caplog):
     """The compile process compiled the kernel but could not store it (a full disk): it hands the files
     back, compile_kernel loads them and says so; the compile's scratch files are gone all the same."""
-    from flashsink.ops.build import compile as C
+    from flashsink.ops.compiler import compile as C
 
     loaded = _fake_compiler(monkeypatch, tmp_path)
     monkeypatch.setenv("FS_TEST_STORE_FAILS", "1")
@@ -382,7 +382,7 @@ import os
 def test_caches_are_made_where_the_suite_puts_them():
     from tilelang.env import env
 
-    from flashsink.ops.build import diskcache
+    from flashsink.ops.compiler import diskcache
 
     diskcache.ensure_cache_dir()  # flashsink's cache, where this environment puts it
     os.makedirs(env.TILELANG_CACHE_DIR, exist_ok=True)  # TileLang's, where a compile writes its files

@@ -27,7 +27,7 @@ import pytest
 
 from flashsink.cli import main
 from flashsink.errors import CacheDirError
-from flashsink.ops.build import diskcache
+from flashsink.ops.compiler import diskcache
 
 KEY = {"kind": "fwd", "config": {"arch": "sm_90a"}, "versions": {"tilelang": "0.1.15"}}
 FILES = {"executable.so": b"\x7fELF" + bytes(range(256)) * 4, "params.json": b"[]", "device_kernel.cu": b"// k"}

@@ -80,9 +80,9 @@ def test_precompile_reports_each_kernel_when_it_finishes(monkeypatch, tmp_path):
     it), each line with the count done and the time since the start."""
     import concurrent.futures as cf
 
-    from flashsink.ops.build import parallel
-    from flashsink.ops.build import precompile as pc
-    from flashsink.ops.build.config import KernelConfig
+    from flashsink.ops.compiler import registry as parallel
+    from flashsink.ops.compiler import precompile as pc
+    from flashsink.kernel_config import KernelConfig
 
     monkeypatch.setenv("FLASHSINK_CACHE_DIR", str(tmp_path / "cache"))
     slow_done = threading.Event()
@@ -155,7 +155,7 @@ def test_compile_keeps_tilelang_binary_cache_off(monkeypatch, raises):
 
     import tilelang
 
-    from flashsink.ops.build import lowering
+    from flashsink.ops.compiler import compile as lowering
 
     jit_module = importlib.import_module("tilelang.jit")  # the module (``tilelang.jit`` is also a function)
 

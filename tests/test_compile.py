@@ -9,9 +9,9 @@ import shutil
 
 import pytest
 
-from flashsink.ops.build.compile import compile_kernel
-from flashsink.ops.build.kinds import KINDS
-from flashsink.ops.build.config import KernelConfig
+from flashsink.ops.compiler.compile import compile_kernel
+from flashsink.ops.compiler.kinds import KINDS
+from flashsink.kernel_config import KernelConfig
 
 pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 
@@ -114,8 +114,8 @@ def test_swapped_grid_main_backward_compiles():
     import tilelang
 
     from flashsink.ops.kernels.bwd import build_bwd_pipelined
-    from flashsink.ops.build.keys import pass_configs
-    from flashsink.ops.build.config import bwd_branch, bwd_tiles
+    from flashsink.ops.compiler.compile import pass_configs
+    from flashsink.kernel_config import bwd_branch, bwd_tiles
 
     def build_bwd(cfg, swap=True):
         return build_bwd_pipelined(cfg, bwd_tiles(cfg), 1, bwd_branch(cfg), swap, True, True)
@@ -144,8 +144,8 @@ def test_strict_preprocess_options_compile(arch, opts):
     import tilelang
 
     from flashsink.ops.kernels.bwd import build_preprocess, build_preprocess_strict
-    from flashsink.ops.build.keys import build_prim_func, pass_configs
-    from flashsink.ops.build.config import pre_branch, pre_lpt, pre_tiles
+    from flashsink.ops.compiler.compile import build_prim_func, pass_configs
+    from flashsink.kernel_config import pre_branch, pre_lpt, pre_tiles
 
     def build(cfg, branch=False, lpt=False):
         return build_preprocess_strict(cfg, pre_tiles(cfg), branch, lpt)
@@ -171,7 +171,7 @@ def test_kvcache_gathers_through_a_shared_page_table(arch):
 
     import tilelang
 
-    from flashsink.ops.build.keys import pass_configs
+    from flashsink.ops.compiler.compile import pass_configs
     from flashsink.ops.kernels.fwd_kvcache import build_fwd_kvcache
 
     func = build_fwd_kvcache(_cfg(arch, "fwd_kvcache", layout="bshd"))
@@ -191,7 +191,7 @@ def test_kvcache_prefetch_loads_the_next_tile_into_registers():
 
     import tilelang
 
-    from flashsink.ops.build.keys import pass_configs
+    from flashsink.ops.compiler.compile import pass_configs
     from flashsink.ops.kernels.fwd_kvcache import build_fwd_kvcache
 
     cfg = _cfg("sm_90a", "fwd_kvcache", layout="bshd")
@@ -221,7 +221,7 @@ def test_split_kv_kernels_mask_only_the_partial_key_tiles(kind, layout):
     key-loop instructions (sm_90a SASS, 870 -> 503 a wholly visible tile; ``fwd_kvcache``'s gather 1,452 -> 1,069,
     docs/perf-log.md v30). The GPU suite checks the outputs (decode and kvcache cases with windows, lengths off the
     tiles, several query rows, chunks)."""
-    from flashsink.ops.build.keys import build_prim_func
+    from flashsink.ops.compiler.compile import build_prim_func
 
     lines = build_prim_func(kind, _cfg("sm_90a", kind, layout=layout)).script().splitlines()
     loop = next(i for i, line in enumerate(lines) if line.strip().startswith("for kb in"))

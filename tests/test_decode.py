@@ -8,7 +8,7 @@ import torch
 
 from flashsink import reference
 from flashsink._validate import validate_attention
-from flashsink.ops.build.config import KernelConfig
+from flashsink.kernel_config import KernelConfig
 from flashsink.ops.launch.decode import n_splits_for, use_split
 from flashsink.testing import check_precision
 from gpu_cases import combine_splits

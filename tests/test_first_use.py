@@ -16,11 +16,11 @@ import threading
 import pytest
 
 from flashsink.errors import CompileError
-from flashsink.ops.build import compile as compile_mod
-from flashsink.ops.build import parallel, registry
-from flashsink.ops.build import kinds
-from flashsink.ops.build import config as config_mod
-from flashsink.ops.build.config import KernelConfig
+from flashsink.ops.compiler import compile as compile_mod
+from flashsink.ops.compiler import registry as parallel, registry
+from flashsink.ops.compiler import kinds
+from flashsink import kernel_config as config_mod
+from flashsink.kernel_config import KernelConfig
 
 pytestmark = pytest.mark.l0
 

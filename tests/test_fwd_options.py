@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from flashsink.ops.build.config import KernelConfig, Tiles, fwd_mask, fwd_tiles, fwd_ws
+from flashsink.kernel_config import KernelConfig, Tiles, fwd_mask, fwd_tiles, fwd_ws
 
 
 def _cfg(arch, **over):
@@ -27,7 +27,7 @@ def _script(cfg, **opts):
 @pytest.mark.l0
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
 def test_default_options_are_the_library_kernel(arch):
-    from flashsink.ops.build.keys import build_prim_func
+    from flashsink.ops.compiler.compile import build_prim_func
 
     cfg = _cfg(arch)
     lib = build_prim_func("fwd", cfg).script()
@@ -74,7 +74,7 @@ def _lower(arch, **opts):
     import tilelang
     import tvm
 
-    from flashsink.ops.build.keys import pass_configs
+    from flashsink.ops.compiler.compile import pass_configs
     from flashsink.ops.kernels.fwd import build_fwd_pipelined
 
     target = {"kind": "cuda", "arch": arch}
@@ -98,7 +98,7 @@ def test_options_lower(arch, opts):
 def test_options_compile(arch, opts):
     import tilelang
 
-    from flashsink.ops.build.keys import pass_configs
+    from flashsink.ops.compiler.compile import pass_configs
     from flashsink.ops.kernels.fwd import build_fwd_pipelined
 
     kernel = tilelang.compile(build_fwd_pipelined(_cfg(arch), **opts), target={"kind": "cuda", "arch": arch},

@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("tilelang")
 
 from flashsink.ops.kernels import fwd  # noqa: E402
-from flashsink.ops.build.config import FWD_WINDOW_ROWS_D64, KernelConfig, Tiles, fwd_fold, fwd_tiles, fwd_ws_options  # noqa: E402
+from flashsink.kernel_config import FWD_WINDOW_ROWS_D64, KernelConfig, Tiles, fwd_fold, fwd_tiles, fwd_ws_options  # noqa: E402
 from flashsink.ops.kernels.fwd_ws import build_fwd_ws, consumer_regs  # noqa: E402
 
 pytestmark = pytest.mark.l0
@@ -73,8 +73,8 @@ def test_ws_refuses_what_it_does_not_support(cfg, tiles, opts):
 def test_fold_is_the_default_and_fwd_unfolded_the_other(d):
     """config.fwd_fold: the library's forward folds the scale (positive scales); the kind
     fwd_unfolded is the same kernel scaling each logit first (scale <= 0)."""
-    from flashsink.ops.build.keys import build_prim_func
-    from flashsink.ops.build.config import fwd_fold
+    from flashsink.ops.compiler.compile import build_prim_func
+    from flashsink.kernel_config import fwd_fold
 
     cfg = _cfg(d=d)
     assert fwd_fold(cfg)
@@ -98,7 +98,7 @@ def test_tma_epilogue_stores_each_warpgroups_rows_by_tma(d, layout):
     after a proxy fence and the warpgroup's barrier; the issuing thread waits for its stores to have read the
     buffer before the next tile writes it and before the program exits. Refused where a box could write past
     a sequence into the next one (thd), and with o32."""
-    from flashsink.ops.build.config import fwd_window_tiles
+    from flashsink.kernel_config import fwd_window_tiles
     from flashsink.ops.kernels.fwd_ws import build_fwd_ws
 
     cfg = _cfg("bfloat16" if d == 64 else "float16", d, layout)
@@ -124,9 +124,9 @@ def test_tma_epilogue_compiles_for_hopper():
     the wait for its reads (ptxas -v on the CPU host, docs/perf-log.md v26: 128 registers, no spill, as with "wg")."""
     import subprocess
 
-    from flashsink.ops.build.keys import compile_args
-    from flashsink.ops.build.lowering import jit
-    from flashsink.ops.build.config import fwd_window_tiles
+    from flashsink.ops.compiler.compile import compile_args
+    from flashsink.ops.compiler.compile import jit
+    from flashsink.kernel_config import fwd_window_tiles
     from flashsink.ops.kernels.fwd_ws import build_fwd_ws
 
     cfg = _cfg("bfloat16", 64, "bshd")
@@ -141,7 +141,7 @@ def test_ws_compiles_for_hopper():
     gpt-oss's full layers."""
     import tilelang
 
-    from flashsink.ops.build.keys import pass_configs
+    from flashsink.ops.compiler.compile import pass_configs
 
     func = _ws(_cfg(d=64), Tiles(128, 128, 256, 2))
     kern = tilelang.compile(func, target={"kind": "cuda", "arch": "sm_90a"}, execution_backend="tvm_ffi",
@@ -162,8 +162,8 @@ def test_ws_compiles_for_hopper():
 def test_library_forward_is_ws_where_config_says(cfg, want):
     """config.fwd_ws picks the hand kernel for the library's forward (Hopper, equal head dims 64 or
     128), with 192-row tiles at D64; elsewhere the pipelined kernel."""
-    from flashsink.ops.build.keys import build_prim_func
-    from flashsink.ops.build.config import fwd_tiles, fwd_ws
+    from flashsink.ops.compiler.compile import build_prim_func
+    from flashsink.kernel_config import fwd_tiles, fwd_ws
 
     assert fwd_ws(cfg) == want
     text = build_prim_func("fwd", cfg).script()
@@ -194,10 +194,10 @@ def test_the_forward_options_follow_the_head_dim(cfg, opts):
     next test's."""
     import dataclasses
 
-    from flashsink.ops.build.keys import build_prim_func
-    from flashsink.ops.build.config import fwd_fold, fwd_o32, fwd_o32_tiles, fwd_tiles, fwd_ws, fwd_ws_options
+    from flashsink.ops.compiler.compile import build_prim_func
+    from flashsink.kernel_config import fwd_fold, fwd_o32, fwd_o32_tiles, fwd_tiles, fwd_ws, fwd_ws_options
     from flashsink.ops.kernels.fwd_ws import build_fwd_ws
-    from flashsink.ops.build.kinds import KINDS
+    from flashsink.ops.compiler.kinds import KINDS
 
     assert fwd_ws_options(cfg) == opts
     assert [k for k in KINDS if k.startswith("fwd")] == ["fwd", "fwd_unfolded", "fwd_window", "fwd_o32", "fwd_split",
@@ -242,10 +242,10 @@ def test_fwd_window_is_the_packed_forward_with_64_key_tiles(cfg, tiles):
     them by TMA (epilogue "tma", docs/perf-log.md v27; packed batches "wg", 16 bytes a thread, v24), two Q
     slots (head dim 128 since v26), folded as the forward is; elsewhere the kind is not built and the
     forward's tiles stand."""
-    from flashsink.ops.build.keys import build_prim_func
-    from flashsink.ops.build.config import WINDOW_TILES_MAX, fwd_fold, fwd_tiles, fwd_window_tiles, fwd_windowed
+    from flashsink.ops.compiler.compile import build_prim_func
+    from flashsink.kernel_config import WINDOW_TILES_MAX, fwd_fold, fwd_tiles, fwd_window_tiles, fwd_windowed
     from flashsink.ops.kernels.fwd_ws import build_fwd_ws
-    from flashsink.ops.build.kinds import KINDS, kinds_for
+    from flashsink.ops.compiler.kinds import KINDS, kinds_for
 
     assert WINDOW_TILES_MAX == 128
     want = tiles is not None
@@ -270,7 +270,7 @@ def test_fwd_window_takes_256_rows_at_head_dim_64_where_the_group_packs(monkeypa
     patched here so the test holds whatever the default): the windowed kind's tiles at head dim 64 take 256
     rows where the group packs into them and 192 where it does not, and the kernel is built with four
     consumer warpgroups (640 threads, setmaxnreg 112 for the consumers)."""
-    from flashsink.ops.build import config
+    from flashsink import kernel_config as config
     from flashsink.ops.kernels.fwd_ws import build_fwd_ws
 
     monkeypatch.setattr(config, "FWD_WINDOW_ROWS_D64", 256)
@@ -291,7 +291,7 @@ def test_the_forward_kind_follows_window_and_scale(window, scale, want):
     most WINDOW_TILES_MAX keys the windowed tiles where the group packs (gpt-oss's 8 heads at head dims
     64 and 128); else the forward. A group that does not pack has no windowed kind; sm_80 has one
     forward, unfolded."""
-    from flashsink.ops.build.kinds import forward_kind
+    from flashsink.ops.compiler.kinds import forward_kind
 
     assert forward_kind(_cfg(d=64), window, scale) == want
     assert forward_kind(_cfg(d=128), window, scale) == want
@@ -305,7 +305,7 @@ def test_o32_option_adds_an_fp32_output_and_a_second_pv_term(d, tiles):
     "ws/fold/o32"): the default launch plus one output, ``O32`` (o's shape, fp32), stored
     from the normalized accumulator; P @ V issued as two products (hi and lo: one more wgmma in the
     loop and one in the tail) and waited for accordingly; the fast configuration refuses it."""
-    from flashsink.ops.build.keys import build_prim_func
+    from flashsink.ops.compiler.compile import build_prim_func
     from flashsink.ops.kernels.fwd_ws import build_fwd_ws
 
     cfg = _cfg(d=d)
@@ -411,7 +411,7 @@ def test_warpgroup_epilogue_stores_16_bytes_a_thread():
     wide (where the register epilogue's are 4: half a 32-byte sector, docs/perf-log.md v24)."""
     import tilelang
 
-    from flashsink.ops.build.keys import pass_configs
+    from flashsink.ops.compiler.compile import pass_configs
     from flashsink.ops.kernels.fwd_ws import build_fwd_ws
 
     func = build_fwd_ws(_cfg(d=64, layout="bshd"), Tiles(192, 64, 384, 3), fold=True, epilogue="wg", q_slots=2,
@@ -458,7 +458,7 @@ def test_library_forward_packs_gqa_where_it_fits(cfg, packs):
     kernel where ``config.pack_gqa_fits`` (measured on the H200, docs/perf-log.md v18: o and lse bitwise
     equal to the unpacked kernel, gpt-oss SWA 1.11x, varlen 1.36-1.39x), TIR for TIR, and the unpacked
     one elsewhere; custom tiles that cannot pack fall back instead of refusing."""
-    from flashsink.ops.build.config import fwd_tiles, fwd_ws_options, pack_gqa_fits
+    from flashsink.kernel_config import fwd_tiles, fwd_ws_options, pack_gqa_fits
     from flashsink.ops.kernels.fwd_ws import build_fwd_ws
 
     tiles = fwd_tiles(cfg)
@@ -494,7 +494,7 @@ def test_pack_gqa_compiles_for_hopper():
     announcing its own 3072 bytes on the one Q barrier before the producer's single arrival."""
     import tilelang
 
-    from flashsink.ops.build.keys import pass_configs
+    from flashsink.ops.compiler.compile import pass_configs
     from flashsink.ops.kernels.fwd_ws import build_fwd_ws
 
     func = build_fwd_ws(_cfg(d=64), Tiles(192, 128, 384, 2), fold=True, epilogue="regs", q_slots=2, pack_gqa=True)
@@ -512,8 +512,8 @@ def test_pack_gqa_compiles_at_head_dim_128():
     ``hc * 8192 + g * 1024`` elements; nvcc builds it, and no lane is elected under a narrow branch."""
     import tilelang
 
-    from flashsink.ops.build.lowering import narrow_elections
-    from flashsink.ops.build.keys import pass_configs
+    from flashsink.ops.compiler.compile import narrow_elections
+    from flashsink.ops.compiler.compile import pass_configs
     from flashsink.ops.kernels.fwd_ws import build_fwd_ws
 
     func = build_fwd_ws(_cfg("float16", 128), Tiles(128, 128, 256, 2), fold=True, pack_gqa=True)
@@ -561,7 +561,7 @@ def test_key_limits_mask_exactly_the_invisible_keys():
     import itertools
     import random
 
-    from flashsink.ops.build.config import NO_WINDOW
+    from flashsink.kernel_config import NO_WINDOW
     from flashsink.ops.tir.mask import key_limits, visible
 
     def select(cond, a, b):

@@ -177,7 +177,7 @@ def test_kernels_nan_in_a_masked_value_stays_in_the_tiles_that_visit_it():
     tiles visit key tiles up to their own last row) are finite and match the reference; the rest either
     match or are NaN (0 * NaN in a partly visible tile)."""
     from flashsink._validate import validate_attention
-    from flashsink.ops.build.config import fwd_tiles
+    from flashsink.kernel_config import fwd_tiles
     from flashsink.ops.launch.dense import kernel_config
     from flashsink.testing import assert_precision, make_inputs
 

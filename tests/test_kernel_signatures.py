@@ -10,8 +10,8 @@ import pytest
 
 pytest.importorskip("tilelang")
 
-from flashsink.ops.build.keys import build_prim_func  # noqa: E402
-from flashsink.ops.build.config import KernelConfig  # noqa: E402
+from flashsink.ops.compiler.compile import build_prim_func  # noqa: E402
+from flashsink.kernel_config import KernelConfig  # noqa: E402
 
 pytestmark = pytest.mark.l0
 

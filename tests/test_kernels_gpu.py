@@ -137,7 +137,7 @@ def test_default_path_is_stable(precision, n):
 @pytest.mark.l0
 def test_no_recompile_across_lengths():
     """One compiled kernel per static configuration serves every length."""
-    from flashsink.ops.build.registry import cache_size
+    from flashsink.ops.compiler.registry import cache_size
 
     def run(n, b):
         inp = make_inputs(b, 8, 2, n, n, 64, torch.bfloat16, "cuda")

@@ -184,7 +184,7 @@ def test_split_count_aims_at_programs_per_sm_with_four_key_tiles_each():
     programs a split), capped so that every split has at least four key tiles of the capacity."""
     from types import SimpleNamespace
 
-    from flashsink.ops.build.config import Tiles
+    from flashsink.kernel_config import Tiles
     from flashsink.ops.launch.kvcache import PROGRAMS_PER_SM, n_splits_for
 
     tiles = Tiles(64, 128, 128, 2)

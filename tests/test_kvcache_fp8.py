@@ -370,7 +370,7 @@ def test_cuda_bad_scales_give_nan_in_their_heads():
 
 
 def _draft_cfg(arch, c: Fp8Case):
-    from flashsink.ops.build.config import SUPPORTED_DTYPES, KernelConfig
+    from flashsink.kernel_config import SUPPORTED_DTYPES, KernelConfig
 
     return KernelConfig(arch=arch, dtype=SUPPORTED_DTYPES[c.dtype], head_dim=c.head_dim, head_dim_v=c.head_dim,
                         groups=c.heads // c.kv_heads, causal=True, has_sinks=c.sinks, layout="bshd",
@@ -380,7 +380,7 @@ def _draft_cfg(arch, c: Fp8Case):
 def _compile_draft(arch, c: Fp8Case):
     import tilelang
 
-    from flashsink.ops.build.keys import pass_configs
+    from flashsink.ops.compiler.compile import pass_configs
     from flashsink.ops.kernels.fwd_kvcache import build_fwd_kvcache
 
     return tilelang.compile(build_fwd_kvcache(_draft_cfg(arch, c), kv_fp8=True), target={"kind": "cuda", "arch": arch},
@@ -415,8 +415,8 @@ def test_fp8_kernel_draft_compiles_for_sm90a():
 def test_fp8_kernel_draft_on_the_gpu(c):
     """The draft with the merge kernel, launched as ``kvcache.kernel_attention_kvcache`` launches the default,
     against the formula under the fast gate; a bad scale makes its KV head's rows NaN."""
-    from flashsink.ops.build.config import LOG2E, NO_WINDOW, arch_of, split_tiles
-    from flashsink.ops.build.registry import get_kernel
+    from flashsink.kernel_config import LOG2E, NO_WINDOW, arch_of, split_tiles
+    from flashsink.ops.compiler.registry import get_kernel
     from flashsink.ops.launch.dense import sm_count
     from flashsink.ops.launch.kvcache import n_splits_for
     from flashsink._validate_kvcache import validate_kvcache

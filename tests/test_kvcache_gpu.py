@@ -80,7 +80,7 @@ def test_kvcache(c):
 @pytest.mark.l1
 def test_no_recompile_across_lengths_and_page_sizes():
     """Lengths, batch size, chunk length, page size and the number of pages are runtime values."""
-    from flashsink.ops.build.registry import cache_size
+    from flashsink.ops.compiler.registry import cache_size
 
     base = KVCase(64, 8, 64, torch.bfloat16, (100,), 16)
     flashsink.attention_kvcache(**make_cache(base))
@@ -116,8 +116,8 @@ def test_bad_values_give_nan_rows_without_faults():
 def test_merge_kernel_nonfinite_as_combine_splits():
     """The merge kernel against its torch twin gpu_cases.combine_splits on sinks +inf, -inf, NaN and
     finite, splits with no key holding NaN, and rows where every split is empty."""
-    from flashsink.ops.build.registry import get_kernel
-    from flashsink.ops.build.config import arch_of
+    from flashsink.ops.compiler.registry import get_kernel
+    from flashsink.kernel_config import arch_of
 
     g = torch.Generator().manual_seed(3)
     B, H, Sq, S, D = 2, 4, 3, 5, 64

@@ -18,10 +18,11 @@ import pytest
 import torch
 
 from flashsink._validate import validate_attention, validate_varlen
-from flashsink.ops.build import registry
+from flashsink.ops.compiler import registry
 from flashsink.ops.launch import attention, custom_ops, dense
-from flashsink.ops.build import config, kinds
-from flashsink.ops.build.config import LOG2E, NO_WINDOW, KernelConfig
+from flashsink import kernel_config as config
+from flashsink.ops.compiler import kinds
+from flashsink.kernel_config import LOG2E, NO_WINDOW, KernelConfig
 
 pytestmark = pytest.mark.l0
 
@@ -376,7 +377,7 @@ def test_split_backward_launches(monkeypatch, launches, case):
 def test_split_backward_is_chosen_for_long_rows(monkeypatch):
     """bwd_split runs where a KV tile sees at least BWD_SPLIT_MIN_ROWS rows and the configuration has
     a split (GQA, not deterministic, Hopper); windowed and short problems keep the unsplit kernel."""
-    from flashsink.ops.build.config import BWD_SPLIT_MIN_ROWS
+    from flashsink.kernel_config import BWD_SPLIT_MIN_ROWS
 
     _arch(monkeypatch, "sm_90a")
     long_n = BWD_SPLIT_MIN_ROWS + 1
@@ -400,7 +401,7 @@ def test_split_backward_for_packed_batches(monkeypatch, launches):
     A loose max_seqlen_q below the packed rows still splits (the host knows no real length without
     a sync; same gradients, only slower). The launch is the one dense.backward makes. (D256: the head
     dims of the ws kernel run unsplit.)"""
-    from flashsink.ops.build.config import BWD_SPLIT_MIN_ROWS as n
+    from flashsink.kernel_config import BWD_SPLIT_MIN_ROWS as n
 
     _arch(monkeypatch, "sm_90a")
     for lens, max_q, window, want in (((5, n, 3, 0), n, None, True), ((5, n, 3, 0), n, 128, False),

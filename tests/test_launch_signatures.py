@@ -23,9 +23,10 @@ pytest.importorskip("tilelang", reason="the kernels' signatures come from TileLa
 
 from flashsink._validate import validate_attention, validate_varlen  # noqa: E402
 from flashsink.ops.launch import attention, custom_ops, dense
-from flashsink.ops.build import config, kinds  # noqa: E402
-from flashsink.ops.build import keys, registry  # noqa: E402
-from flashsink.ops.build.config import KernelConfig  # noqa: E402
+from flashsink import kernel_config as config  # noqa: E402
+from flashsink.ops.compiler import kinds  # noqa: E402
+from flashsink.ops.compiler import compile as keys, registry  # noqa: E402
+from flashsink.kernel_config import KernelConfig  # noqa: E402
 
 from test_launch_args import _cuda_impls_on_cpu  # noqa: E402
 

@@ -101,8 +101,8 @@ def test_dry_run_counts_what_is_built(capsys):
 
 
 def test_precompile_refuses_bad_jobs():
-    from flashsink.ops.build.config import KernelConfig
-    from flashsink.ops.build.precompile import precompile
+    from flashsink.kernel_config import KernelConfig
+    from flashsink.ops.compiler.precompile import precompile
 
     cfg = KernelConfig("sm_80", "bfloat16", 64, 64, 1, True, True, "bhsd", deterministic=False, precision="strict")
     for jobs in (0, -1, 1.5):
@@ -113,9 +113,9 @@ def test_precompile_refuses_bad_jobs():
 def test_precompile_starts_the_longest_builds_first(monkeypatch):
     """The workers take the kinds that build longest first (``Kind.build_s``), each kind's
     configurations in the order given."""
-    from flashsink.ops.build import precompile as pc
-    from flashsink.ops.build.config import KernelConfig
-    from flashsink.ops.build.kinds import KINDS
+    from flashsink.ops.compiler import precompile as pc
+    from flashsink.kernel_config import KernelConfig
+    from flashsink.ops.compiler.kinds import KINDS
 
     seen = []
 
@@ -152,9 +152,9 @@ def test_cpu_bundle_lists_the_suite_the_recorded_and_the_bench_kernels(tmp_path,
     import dataclasses
     import json
 
-    from flashsink.ops.build import precompile as precompile_mod
-    from flashsink.ops.build.config import KernelConfig
-    from flashsink.ops.build.kinds import kinds_for
+    from flashsink.ops.compiler import precompile as precompile_mod
+    from flashsink.kernel_config import KernelConfig
+    from flashsink.ops.compiler.kinds import kinds_for
 
     tool = _tool("precompile_cpu_bundle")
     rec = KernelConfig("sm_90a", "float16", 64, 64, 3, True, True, "bshd", False, "fast")

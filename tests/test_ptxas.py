@@ -20,8 +20,8 @@ import pytest
 
 pytest.importorskip("tilelang")
 
-from flashsink.ops.build import keys, kinds, lowering  # noqa: E402
-from flashsink.ops.build.config import KernelConfig, bwd_dq_first  # noqa: E402
+from flashsink.ops.compiler import compile as keys, kinds, compile as lowering  # noqa: E402
+from flashsink.kernel_config import KernelConfig, bwd_dq_first  # noqa: E402
 
 #: (precision, deterministic)
 MODES = (("fast", False), ("strict", False), ("fast", True), ("strict", True))
@@ -104,7 +104,7 @@ ptxas info    : Used 168 registers, used 2 barriers, 1024 bytes smem"""
 def test_ds_first_compiles_without_serialized_wgmma():
     """D64's dq-first main backward with ``ds_first=True`` (dS^T into dP^T's registers before P^T is
     rounded; the default since perf-log v35) compiles without C7512, which the old order has (v20)."""
-    from flashsink.ops.build.config import bwd_tiles
+    from flashsink.kernel_config import bwd_tiles
     from flashsink.ops.kernels.bwd_ws import build_bwd_ws
 
     cfg = KernelConfig("sm_90a", "bfloat16", 64, 64, 8, True, True, "bhsd", False, "fast")
@@ -122,7 +122,7 @@ def test_dk_in_flight_compiles_without_serialized_wgmma():
     """FlashAttention-3's order at D128 head-major (``dq_first``, ``ds_first``, ``dk_in_flight``: dK's product
     running into the next tile, perf-log v34) compiles without a serialized wgmma; without ``ds_first`` ptxas
     serializes it (C7512: P^T's registers are still live)."""
-    from flashsink.ops.build.config import bwd_tiles
+    from flashsink.kernel_config import bwd_tiles
     from flashsink.ops.kernels.bwd_ws import build_bwd_ws
 
     cfg = KernelConfig("sm_90a", "bfloat16", 128, 128, 8, True, True, "bhsd", False, "fast")

@@ -19,8 +19,8 @@ pytest.importorskip("tilelang")
 import torch  # noqa: E402
 
 from flashsink.ops.tir import schedule  # noqa: E402
-from flashsink.ops.build.keys import build_prim_func  # noqa: E402
-from flashsink.ops.build.config import KernelConfig, bwd_ws, fwd_tiles, fwd_ws, pack_gqa_fits  # noqa: E402
+from flashsink.ops.compiler.compile import build_prim_func  # noqa: E402
+from flashsink.kernel_config import KernelConfig, bwd_ws, fwd_tiles, fwd_ws, pack_gqa_fits  # noqa: E402
 
 pytestmark = pytest.mark.l0
 

@@ -11,9 +11,9 @@ import torch
 
 from flashsink._validate import make_spec, validate_attention, validate_varlen
 from flashsink.cli import main
-from flashsink.ops.build import config
+from flashsink import kernel_config as config
 from flashsink.ops.launch import custom_ops, dense
-from flashsink.ops.build.config import NATIVE_HEAD_DIMS, kernel_head_dim
+from flashsink.kernel_config import NATIVE_HEAD_DIMS, kernel_head_dim
 
 
 def _spec(d=64, dv=64, **kw):

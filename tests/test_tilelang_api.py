@@ -1,5 +1,5 @@
 """What flashsink assumes of TileLang where it uses public names in place of private ones
-(``ops/build/compile.py``). Each test reads the private name TileLang itself uses, so a TileLang upgrade that
+(``ops/compiler/compile.py``). Each test reads the private name TileLang itself uses, so a TileLang upgrade that
 changes the behaviour fails here, loudly, instead of exporting or launching kernels differently.
 No kernel is compiled: the TileLang objects are stand-ins with the attributes these functions read.
 """

@@ -341,8 +341,8 @@ def _forward_routes(q, k, window, layout, deterministic, precision) -> tuple:
     eager route with gradients runs ``fwd_o32`` (``config.fwd_o32``: 128-key tiles, two-term P @ V), and
     whether the traced route's op (no fp32 O) runs ``fwd_window`` (``kinds.forward_kind``: 64-key tiles,
     so each row's sums split differently and lse is within one rounding of ``fwd_o32``'s, not bitwise)."""
-    from flashsink.ops.build import config
-    from flashsink.ops.build.kinds import forward_kind
+    from flashsink import kernel_config as config
+    from flashsink.ops.compiler.kinds import forward_kind
     from flashsink.ops.launch import dense
 
     spec = validate_attention(q, k, k, None, window=window, causal=True, scale=None, layout=layout)

@@ -146,7 +146,7 @@ def test_varlen_loose_max_seqlen(precision):
 @pytest.mark.l2
 def test_varlen_no_recompile():
     """New lengths and a new number of sequences reuse the compiled kernels."""
-    from flashsink.ops.build.registry import cache_size
+    from flashsink.ops.compiler.registry import cache_size
 
     g = torch.Generator().manual_seed(7)
     sizes = []

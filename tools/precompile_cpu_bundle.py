@@ -30,8 +30,8 @@ RECORDED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "suite_recor
 
 
 def _bench() -> list:
-    from flashsink.ops.build.config import KernelConfig
-    from flashsink.ops.build.kinds import precompile_kinds
+    from flashsink.kernel_config import KernelConfig
+    from flashsink.ops.compiler.kinds import precompile_kinds
 
     out = []
     for dtype, d, layout in (("float16", 128, "bhsd"), ("bfloat16", 128, "bhsd"), ("bfloat16", 64, "bhsd"),
@@ -52,7 +52,7 @@ def main() -> int:
     from precompile_gpu_cases import suite_pairs
     from precompile_recorded import recorded_pairs
 
-    from flashsink.ops.build.precompile import precompile
+    from flashsink.ops.compiler.precompile import precompile
 
     pairs = suite_pairs(ARCH) + recorded_pairs(args.recorded or RECORDED)
     pairs += _bench()

@@ -13,8 +13,8 @@ def suite_pairs(arch: str) -> list:
     """(kind, config) of every kernel the GPU test matrix builds for ``arch``."""
     from gpu_cases import case_config, decode_cases, kernel_configs, kvcache_cases, kvcache_config, merge_test_config
 
-    from flashsink.ops.build.kinds import kvcache_kinds, route_kinds
-    from flashsink.ops.build.precompile import kinds_for
+    from flashsink.ops.compiler.kinds import kvcache_kinds, route_kinds
+    from flashsink.ops.compiler.precompile import kinds_for
 
     # the split-KV forward only where the tests take it (decode cases, in both precision modes: the
     # configuration, hence the kernel's cache key, carries the mode), not for every config
@@ -28,6 +28,6 @@ def suite_pairs(arch: str) -> list:
 
 
 if __name__ == "__main__":
-    from flashsink.ops.build.precompile import precompile
+    from flashsink.ops.compiler.precompile import precompile
 
     sys.exit(1 if precompile([], pairs=suite_pairs(sys.argv[1] if len(sys.argv) > 1 else "sm_90a")) else 0)

@@ -14,9 +14,9 @@ def recorded_pairs(path: str) -> list:
     backward); not the kinds of a configuration seen only through a lone kernel (merge_splits' float32
     partials are no fwd's dtype). A forward kind since removed (an older run's) is read as ``fwd``;
     ``fwd_window`` (removed in docs/perf-log.md v15, back in v19) is a forward like ``fwd``."""
-    from flashsink.ops.build.config import KernelConfig
-    from flashsink.ops.build.kinds import KINDS
-    from flashsink.ops.build.precompile import kinds_for
+    from flashsink.kernel_config import KernelConfig
+    from flashsink.ops.compiler.kinds import KINDS
+    from flashsink.ops.compiler.precompile import kinds_for
 
     recorded = []
     with open(path) as f:
@@ -33,7 +33,7 @@ def recorded_pairs(path: str) -> list:
 
 
 if __name__ == "__main__":
-    from flashsink.ops.build.precompile import precompile
+    from flashsink.ops.compiler.precompile import precompile
 
     pairs = recorded_pairs(sys.argv[1])
     print(f"{len(pairs)} recorded kernels and their configurations' others")

@@ -17,9 +17,9 @@ import argparse
 import hashlib
 import itertools
 
-from flashsink.ops.build.keys import build_prim_func
-from flashsink.ops.build.config import KernelConfig
-from flashsink.ops.build.kinds import KINDS
+from flashsink.ops.compiler.compile import build_prim_func
+from flashsink.kernel_config import KernelConfig
+from flashsink.ops.compiler.kinds import KINDS
 
 
 #: (dtype, head_dim, head_dim_v, groups, sinks): the grid's shapes (the first four by default, as before

@@ -14,7 +14,7 @@ import torch
 from . import reference
 from ._precision import PrecisionReport, resolve_dtype, dtype_name, judge_all
 from ._validate import validate_attention
-from .ops.build.config import PRECISIONS
+from .kernel_config import PRECISIONS
 
 
 def case_id(

@@ -93,7 +93,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .ops.build.config import PRECISIONS  # the gate of each mode: check_fast ("fast"), check_precision ("strict")
+from .kernel_config import PRECISIONS  # the gate of each mode: check_fast ("fast"), check_precision ("strict")
 
 MIN_RATIO = 0.99  # gate 1: share of elements within atol + rtol * |e|
 MAX_ABS_LIMIT = 0.1  # gate 1: max |a - e|

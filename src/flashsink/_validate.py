@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .ops.build.config import PRECISIONS, padded_rows, varlen_rows  # the lse rows the ops return (a leaf: torch only)
+from .kernel_config import PRECISIONS, padded_rows, varlen_rows  # the lse rows the ops return (a leaf: torch only)
 
 LAYOUTS = ("bhsd", "bshd")
 #: input dtypes of q, k, v and sinks (the reference computes in float32, or float64 for float64;

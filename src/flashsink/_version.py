@@ -1,4 +1,4 @@
-"""The package version (its own leaf module: ops/build/compile.py keys the disk cache on it without importing
+"""The package version (its own leaf module: ops/compiler/compile.py keys the disk cache on it without importing
 the package above it). Keep equal to pyproject.toml's."""
 
 __version__ = "0.1.0"

@@ -6,9 +6,9 @@ Commands:
     bench   gate flashsink and its peers against the float64 reference, then time them
             (implementation in ``flashsink.bench``).
     precompile  compile kernels ahead of time into the kernel cache, no GPU needed
-            (implementation in ``flashsink.ops.build.precompile``).
+            (implementation in ``flashsink.ops.compiler.precompile``).
     cache   ``cache info``: where the kernel cache is, its entries and their state;
-            ``cache clear``: remove them (implementation in ``flashsink.ops.build.diskcache``).
+            ``cache clear``: remove them (implementation in ``flashsink.ops.compiler.diskcache``).
 """
 
 from __future__ import annotations
@@ -277,7 +277,7 @@ def _cache_root(args):
     """The cache directory and how it was chosen; checked, not created."""
     from pathlib import Path
 
-    from .ops.build import diskcache
+    from .ops.compiler import diskcache
 
     if args.dir:
         return Path(args.dir).expanduser().absolute(), "--dir"
@@ -312,7 +312,7 @@ def _unsafe(command: str, exc) -> int:
 
 def cmd_cache_info(args) -> int:
     from .errors import CacheDirError
-    from .ops.build import cachedir, diskcache
+    from .ops.compiler import cachedir, diskcache
 
     root, how = _cache_root(args)
     _say(f"flashsink kernel cache: {root} ({how})")
@@ -344,7 +344,7 @@ def cmd_cache_clear(args) -> int:
     import os
 
     from .errors import CacheDirError
-    from .ops.build import cachedir, diskcache
+    from .ops.compiler import cachedir, diskcache
 
     root, _ = _cache_root(args)
     try:  # checked (ops.cachedir: the path from /, the subdirectories), never created; None: missing
@@ -417,7 +417,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench import add_parser as add_bench_parser
 
     add_bench_parser(sub)
-    from .ops.build.precompile import add_parser as add_precompile_parser
+    from .ops.compiler.precompile import add_parser as add_precompile_parser
 
     add_precompile_parser(sub)
     _add_cache_parser(sub)

@@ -24,7 +24,7 @@ class CompileError(RuntimeError):
 
     Attributes:
         kind: the kernel (``"fwd"``, ``"bwd"``, ...).
-        config: the :class:`~flashsink.ops.build.config.KernelConfig` it was compiled for.
+        config: the :class:`~flashsink.kernel_config.KernelConfig` it was compiled for.
         target: the TileLang target (``{"kind": "cuda", "arch": ...}``).
         stderr_tail: the end of the compiler's output / the exception text.
         attempts: how many times the compile was tried (transient failures are retried).

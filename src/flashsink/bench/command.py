@@ -34,7 +34,7 @@ def _precompile(problems: list[Problem], device: str, systems=((False, "fast"),)
     (deterministic, precision) pairs of the flashsink rows being timed."""
     from .._validate import validate_attention
     from ..ops.launch.dense import kernel_config
-    from ..ops.build.precompile import precompile
+    from ..ops.compiler.precompile import precompile
 
     cfgs = []
     for p in problems:

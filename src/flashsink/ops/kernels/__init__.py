@@ -6,5 +6,5 @@ warp-specialized Hopper backward), ``fwd_split`` / ``fwd_kvcache`` / ``merge_spl
 decode, the paged cache). ``fwd_entry`` and ``bwd_entry`` hold the prim_func signatures that a
 family's kernels share (the parameter order is the launch protocol).
 
-May import ``flashsink.ops.tir`` and ``flashsink.ops.build.config``; nothing of ``launch``.
+May import ``flashsink.ops.tir`` and ``flashsink.kernel_config``; nothing of ``launch``.
 """

@@ -22,7 +22,7 @@ barriers between the two consumers per tile (perf-log v6).
 import tilelang.language as T
 
 from ..tir.block_range import full_row_blocks_for_keys, row_blocks_for_keys
-from ..build.config import KernelConfig
+from ...kernel_config import KernelConfig
 from .bwd_entry import main_bwd_entry, main_bwd_shapes
 from ..tir.layout import acc_tile, prologue_load, sequence, stat_tile, store_rows, tile
 from ..tir.schedule import by_work, locate

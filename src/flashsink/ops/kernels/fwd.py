@@ -12,7 +12,7 @@ import tilelang.language as T
 
 from ..tir import softmax
 from ..tir.block_range import full_kv_blocks_for_rows, kv_blocks_for_rows
-from ..build.config import (
+from ...kernel_config import (
     KernelConfig, Tiles, fwd_fold, fwd_mask, fwd_o32_tiles, fwd_tiles, fwd_window_tiles, fwd_windowed, fwd_ws,
     fwd_ws_options,
 )

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import tilelang.language as T
 
-from ..build.config import KernelConfig
+from ...kernel_config import KernelConfig
 from ..tir.layout import kernel, optional, qkv_shapes, stat_shape, varlen_params
 from ..tir.schedule import grid
 

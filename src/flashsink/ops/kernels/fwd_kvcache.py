@@ -35,7 +35,7 @@ import tilelang.language as T
 
 from ..tir import softmax
 from ..tir.block_range import full_kv_blocks_for_rows, kv_blocks_for_rows, split_blocks
-from ..build.config import KernelConfig, split_tiles
+from ...kernel_config import KernelConfig, split_tiles
 from ..tir.layout import QueryMajor
 from ..tir.mask import branch_tile, in_blocks, packed_logits
 

@@ -19,7 +19,7 @@ from tilelang.layout import make_swizzled_layout
 
 from ..tir import softmax
 from ..tir.block_range import full_kv_blocks_for_rows, kv_blocks_for_rows
-from ..build.config import KernelConfig, Tiles, pack_gqa_fits
+from ...kernel_config import KernelConfig, Tiles, pack_gqa_fits
 from .fwd_entry import fwd_entry, fwd_shapes
 from ..tir.layout import sequence, store_rows, store_rows_vec, store_stat, tile, tile_head, tile_row
 from ..tir.mask import branch_logits

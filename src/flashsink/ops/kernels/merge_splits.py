@@ -16,7 +16,7 @@ One program per (query row, head, batch), ``dim_v`` threads wide.
 
 import tilelang.language as T
 
-from ..build.config import LOG2E, KernelConfig
+from ...kernel_config import LOG2E, KernelConfig
 from ..tir.layout import index, padded_shape
 
 LN2 = 0.6931471805599453

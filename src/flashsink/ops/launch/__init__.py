@@ -6,6 +6,6 @@ implementations), ``dense`` (the launch API both call: ``prepare`` -> ``Plan``, 
 ``backward``), ``decode`` (split-KV decode through ``attention``), ``kvcache`` (``attention_kvcache``).
 Modules call each other's public names only.
 
-May import ``flashsink.ops.build`` and the package's top-level modules (``_validate``, ``reference``,
+May import ``flashsink.ops.compiler`` and the package's top-level modules (``_validate``, ``reference``,
 ``combine``, ``visibility``); never ``kernels`` or ``tir`` (nothing here imports tilelang).
 """

@@ -67,7 +67,7 @@ from ... import _validate
 from ..._validate import AttnSpec
 from ..._validate_kvcache import check_cache_values, check_kvcache_op, refuse_grad
 from . import dense
-from ..build.config import NATIVE_HEAD_DIMS, padded_rows, varlen_rows
+from ...kernel_config import NATIVE_HEAD_DIMS, padded_rows, varlen_rows
 from .kvcache import kernel_attention_kvcache
 
 __all__ = ["fwd", "bwd", "varlen_fwd", "varlen_bwd", "kvcache_fwd"]

@@ -21,7 +21,7 @@ import math
 import torch
 
 from ...visibility import visible_span
-from ..build.config import LOG2E, SPLIT_ROWS, split_tiles
+from ...kernel_config import LOG2E, SPLIT_ROWS, split_tiles
 
 
 def visible_keys(spec) -> int:
@@ -52,7 +52,7 @@ def forward_split(q, k, v, sinks32, cfg, spec, window, sm_count: int, lse_rows: 
     """The split-KV forward: o in q's layout and dtype, lse ``[B, H, lse_rows]`` (rows past
     ``seq_q`` unwritten). Two launches: the split kernel's partials, then ``merge_splits.py``, the
     kernel twin of ``flashsink.combine.merge_stacked`` (sink applied once, o cast into q's layout)."""
-    from ..build.registry import get_kernel
+    from ..compiler.registry import get_kernel
 
     B, H, Sq, Dv = spec.batch, spec.heads, spec.seq_q, cfg.head_dim_v  # the kernels' (padded) head dim
     S = n_splits_for(spec, cfg, sm_count)

@@ -26,13 +26,13 @@ from typing import NamedTuple, Optional
 import torch
 
 from . import decode
-from ..build.registry import get_kernel
-from ..build.kinds import KINDS, forward_kind
-from ..build.config import (
+from ..compiler.registry import get_kernel
+from ..compiler.kinds import KINDS, forward_kind
+from ...kernel_config import (
     BWD_SPLIT_MIN_ROWS, HEAD_DIM_RULE, LOG2E, NO_WINDOW, PRECISIONS, ROW_PAD, SUPPORTED_DTYPES,
     KernelConfig, arch_of, bwd_split, fwd_o32, kernel_head_dim,
 )
-from ..build.config import padded_rows, varlen_rows
+from ...kernel_config import padded_rows, varlen_rows
 
 __all__ = [
     "Plan", "prepare", "forward", "backward", "sinks_f32", "pad_head_dims", "check_supported", "kernel_config",

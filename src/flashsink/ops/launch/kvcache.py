@@ -23,8 +23,8 @@ import math
 import torch
 
 from ...reference import dequantize_kvcache
-from ..build.registry import get_kernel
-from ..build.config import KVCACHE_HEAD_DIMS, LOG2E, NO_WINDOW, SUPPORTED_DTYPES, KernelConfig, arch_of, split_tiles
+from ..compiler.registry import get_kernel
+from ...kernel_config import KVCACHE_HEAD_DIMS, LOG2E, NO_WINDOW, SUPPORTED_DTYPES, KernelConfig, arch_of, split_tiles
 from .dense import sm_count
 
 _PLANS: dict = {}  # static facts -> (cfg, forward kernel, merge kernel, tiles)

@@ -5,6 +5,6 @@
 and tile a program runs), ``layout`` (addressing of bhsd / bshd / thd, signature helpers), ``split``
 (the two-term ``hi + lo`` products of strict mode).
 
-May import ``flashsink.ops.build.config`` and ``flashsink.visibility``; nothing of ``kernels``,
+May import ``flashsink.kernel_config`` and ``flashsink.visibility``; nothing of ``kernels``,
 ``launch`` or the rest of ``build``.
 """

@@ -14,7 +14,7 @@ state starts at ``(-inf, 0)`` and ``m`` is replaced by 0 where it is still ``-in
 
 import tilelang.language as T
 
-from ..build.config import LOG2E  # noqa: F401  (re-exported for the kernels)
+from ...kernel_config import LOG2E  # noqa: F401  (re-exported for the kernels)
 from .layout import tile_head
 
 LN2 = 0.6931471805599453

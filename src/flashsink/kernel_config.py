@@ -1,4 +1,6 @@
-"""Static kernel configuration and the per-architecture tile table.
+"""Static kernel configuration and the per-architecture tile table: the base module that every layer
+(``_validate``, ``ops.launch``, ``ops.compiler``, ``ops.kernels``, ``ops.tir``) imports, importing nothing of
+flashsink itself.
 
 Everything in :class:`KernelConfig` is baked into a compiled kernel and is therefore
 part of the compile-cache key. Batch, sequence lengths, the window size and the

@@ -1,26 +1,10 @@
-"""Is this path ours and private: the trust checks of the kernel cache directory.
+"""Is this path ours and private: the trust checks of the kernel cache directory (docs/caching.md,
+"Security model").
 
-The cache holds shared libraries that are loaded into the process, so before anything is read from
-it (and before anything is created in it) the directory must be one that only this user, or root,
-can change:
-
-* :func:`trusted_root` resolves the path one component at a time from ``/`` with ``lstat`` (never
-  ``os.stat``, which follows links). Every directory on the way must be owned by this user or root
-  and not writable by group or others, unless it is sticky (``/tmp``: others cannot rename what is
-  not theirs there). A symlink on the way must be owned by this user or root; its target is walked
-  with the same rules. The resolved cache directory itself and its ``kernels/``, ``locks/`` and
-  ``tmp/`` must be real directories (not symlinks) owned by this user, writable by nobody else.
-  Missing components are created, mode 0700, only under a directory that passed.
-* The walk is remembered as the ``(st_dev, st_ino, st_uid, st_mode)`` of every component it looked
-  at. :func:`recheck`, called before every load, ``lstat``\\ s those same paths again (a dozen system
-  calls) and compares; any difference (a re-pointed symlink, a ``chmod``, a directory renamed and
-  replaced) repeats the whole walk, which refuses what is no longer safe.
-* :func:`open_entry` and :func:`read_regular` open an entry and its files with ``O_NOFOLLOW |
-  O_NONBLOCK`` and ``fstat`` what they opened: a symlink, FIFO, device or socket is never read (a
-  FIFO cannot hang the reader), a file that cannot be read is an error the caller turns into "bad
-  entry".
-
-What this does not defend against: root, or anyone who can already write files as this user.
+:func:`trusted_root` walks the path from ``/`` with ``lstat``: every directory above the cache owned by
+this user or root and not writable by others unless sticky, every symlink owned by them too, the cache
+and its subdirectories real directories of this user's only; :func:`recheck` compares that walk before
+every load. :func:`open_entry` and :func:`read_regular` never follow a link or wait on a FIFO.
 """
 
 from __future__ import annotations

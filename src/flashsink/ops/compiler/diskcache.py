@@ -1,37 +1,12 @@
-"""The on-disk kernel cache: a private directory of verified entries.
+"""The on-disk kernel cache: a private directory of verified entries (docs/caching.md, "Security model").
 
-Layout of ``$FLASHSINK_CACHE_DIR`` (default ``$XDG_CACHE_HOME/flashsink``, else
-``~/.cache/flashsink``)::
-
-    kernels/<kind>-<digest>/   one compiled kernel: TileLang's files plus ENTRY_MANIFEST
-    locks/<kind>-<digest>.lock one flock per key: who compiles, who waits
-    tmp/                       staging and build directories, renamed or removed when done
-
-Security model (the checks themselves are in ``cachedir.py``). An entry holds a shared library
-that is loaded into the process, so:
-
-* the cache directory must be ours and private, and so must every directory above it be safe
-  (owned by us or root, not writable by others unless sticky), checked by a walk from ``/`` at the
-  first use and compared again (cheaply) before every load; its subdirectories and entries must be
-  real directories, never symlinks. A directory that fails is refused with :class:`CacheDirError`;
-* every entry records its full key and the sha256 of each of its files in a manifest that carries a
-  checksum over its own fields and is validated by a schema (types, not just keys); before loading,
-  the key must equal the one asked for and every file must be a regular file that hashes to its
-  recorded value, with no file missing or added. Files are opened without following links or waiting
-  on FIFOs. The bytes that were hashed are the bytes that get loaded (they are copied to a private
-  temporary file first), so nothing can swap a file between the check and the load. An entry that
-  fails is logged as a warning, moved out of ``kernels/`` and rebuilt, never loaded;
-* only what a valid flashsink marker names is ever deleted: an entry's files named by its manifest,
-  a lock file holding its marker line, a ``tmp/`` directory holding its marker file. ``clear`` and
-  the stale-``tmp/`` sweep leave everything else alone (``clear`` lists it) and follow no symlink.
-
-What this does not defend against: root, or someone who can already write files as you (they could
-rewrite the manifest and its checksum along with the library, or your shell profile). The checksums
-catch corruption, half-written files and edits; the directory checks keep other users out.
-
-Concurrency: entries are built in ``tmp/`` and published with one atomic ``os.rename``, so a
-reader sees a complete entry or none. A per-key ``fcntl.flock`` makes processes that need the same
-kernel at once compile it once: the first compiles, the others wait, then load its entry.
+``$FLASHSINK_CACHE_DIR`` (default ``$XDG_CACHE_HOME/flashsink``, else ``~/.cache/flashsink``) holds
+``kernels/<kind>-<digest>/`` (TileLang's files plus ENTRY_MANIFEST), ``locks/<kind>-<digest>.lock`` (one
+flock per key: one compile per key across processes) and ``tmp/`` (staging and build directories).
+An entry holds a shared library that is loaded into the process, so its manifest records the full key
+and every file's sha256 under a checksum of its own; an entry is loaded only from the bytes that were
+hashed, published with one atomic rename, and one that fails is moved away and rebuilt. Only what a
+valid flashsink marker names is ever deleted. The directory's trust checks are ``cachedir``'s.
 """
 
 from __future__ import annotations

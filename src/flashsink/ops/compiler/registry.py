@@ -3,21 +3,24 @@
 The first miss of a configuration builds every kernel of its route (``kinds.first_use_kinds``):
 loaded from the disk cache where they are there, the others compiled at once, the longest through
 ``compile.compile_kernel`` here (which compiles it in a child process of its own) and the rest in
-worker processes (``parallel.py``).
+worker processes (:func:`executor`: TileLang's lowering is Python and holds the GIL), as
+``flashsink precompile`` does (:func:`compile_parallel`).
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import dataclasses
+import multiprocessing as mp
 import os
 import threading
 import time
 
 from ...errors import CompileError
+from ...kernel_config import KernelConfig
 from . import compile as compile_mod
-from . import diskcache, kinds, parallel
-from .config import KernelConfig
-from .logs import log
+from . import diskcache, kinds
+from .compile import log
 
 _cache: dict = {}
 _lock = threading.Lock()  # get_kernel: one compile or load at a time in this process
@@ -73,9 +76,9 @@ def _build_config(kind: str, cfg: KernelConfig) -> None:
                  "this machine, so this call is slow (~10-20 s); they are then cached in %s",
                  len(missing), " ".join(missing), cfg.short(), diskcache.ensure_cache_dir())
         jobs = FIRST_USE_JOBS or max(1, min(len(rest), (os.cpu_count() or 1) - 1))
-        with parallel.executor(jobs) as pool:
+        with executor(jobs) as pool:
             # submitted first: the workers start (interpreter, imports) while this process compiles
-            futures = [pool.submit(parallel.compile_one, (k, cfg)) for k in rest]
+            futures = [pool.submit(compile_one, (k, cfg)) for k in rest]
             t = time.perf_counter()
             kernel = _guarded(first, kind, cfg)  # a failure of ``kind`` raises once the workers are done
             log.debug("flashsink: %s for %s: compiled in this process in %.1f s", first, cfg.short(),
@@ -154,3 +157,40 @@ def _record_and_stop(path: str, kind: str, cfg: KernelConfig) -> None:
 def cache_size() -> int:
     """Number of kernels compiled in this process (used by the no-recompile test)."""
     return len(_cache)
+
+
+# ----------------------------------------------------------------------------------------------
+# many kernels at once, in worker processes
+
+def _init_worker():
+    compile_mod.enter_compile_process()  # compiles run here; the parent prints the progress
+
+
+def compile_one(job):
+    """Returns (kind, cfg, seconds, "compiled" | "cached" | "rebuilt", error text or None)."""
+    kind, cfg = job
+    start = time.perf_counter()
+    before = dict(compile_mod.counts)
+    try:
+        compile_mod.compile_kernel(kind, cfg)
+    except Exception as exc:  # reported by the parent, which decides what failed
+        return kind, cfg, time.perf_counter() - start, "failed", f"{type(exc).__name__}: {exc}"
+    done = {k: v - before.get(k, 0) for k, v in compile_mod.counts.items()}
+    how = "rebuilt" if done.get("rebuilt") else "compiled" if done.get("compiled") else "cached"
+    return kind, cfg, time.perf_counter() - start, how, None
+
+
+def executor(jobs: int):
+    """Worker processes (spawned: no CUDA state or locks inherited)."""
+    return cf.ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn"), initializer=_init_worker)
+
+
+def compile_parallel(todo, *, jobs=None):
+    """Compile (kind, config) pairs in worker processes into the disk cache; yields
+    ``(kind, cfg, seconds, how, error)`` per pair as soon as it finishes (in the order they finish, not
+    ``todo``'s: a fast kernel is reported while a slow one submitted before it still builds)."""
+    jobs = jobs or max(1, min(len(todo), os.cpu_count() or 1))
+    with executor(jobs) as pool:
+        futures = [pool.submit(compile_one, job) for job in todo]
+        for future in cf.as_completed(futures):
+            yield future.result()

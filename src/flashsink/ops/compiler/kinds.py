@@ -1,24 +1,20 @@
-"""The registry of kernel kinds: one entry per kernel, read by everything that builds or lists kernels.
+"""The registry of kernel kinds: one row per kernel, read by everything that lists, selects or builds
+kernels (first use, ``flashsink precompile``, the disk cache's key, the forward's choice per call
+(:func:`forward_kind`), the tests and the tools).
 
-A kind is its builder (``KernelConfig -> PrimFunc``, in a module that imports tilelang, so named here
-as ``"module.function"`` and imported when a kernel is built), its tile function (``config.py``; part
-of the disk-cache key), the configurations that need it, those it builds for at all, and its route
-(the first launch of a kernel builds those of its route, in parallel: ``registry.get_kernel``;
+A kind is its builder (:func:`builders`, imported when a kernel is built: the kernels import tilelang),
+its tile function (``kernel_config``; part of the disk-cache key), the configurations that need it and
+those it builds for, its route (a first launch builds the kernels of its route, in parallel;
 ``flashsink precompile`` builds every route), and the configuration fields its code never reads (one
-build then serves every value of them).
-
-A new kind is one entry here, its builder, and its launch (docs/architecture.md, "Adding a kernel kind").
-Everything that lists, selects or builds kernels asks this module: first use, ``flashsink precompile``, the
-disk cache's key, the forward's choice per call (:func:`forward_kind`), the tests and the tools.
+build then serves every value of them). Adding one: docs/architecture.md, "Adding a kernel kind".
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
-from typing import Callable, Optional, Union
+from typing import Callable, Optional
 
-from .config import (
+from ...kernel_config import (
     WINDOW_TILES_MAX, KVCACHE_HEAD_DIMS, SPLIT_ROWS, KernelConfig, bwd_split, bwd_tiles, dq_tiles, fwd_fold, fwd_o32,
     fwd_o32_tiles, fwd_tiles, fwd_window_tiles, fwd_windowed, pre_o32_tiles, pre_tiles, split_tiles,
 )
@@ -71,10 +67,9 @@ def _window_call(cfg: KernelConfig, window: int, scale: float) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class Kind:
-    #: "module.function" of a builder in flashsink.ops.kernels (imported when a kernel is built, so that
-    #: nothing here imports tilelang), or the builder itself (``KernelConfig -> PrimFunc``)
-    builder: Union[str, Callable]
-    tiles: Optional[Callable]  # the config.py tile function, or None (fixed blocks)
+    #: the builder (``KernelConfig -> PrimFunc``); None: the kernels' own, :func:`builders`
+    builder: Optional[Callable]
+    tiles: Optional[Callable]  # the kernel_config tile function, or None (fixed blocks)
     needed: Callable[[KernelConfig], bool]  # does a configuration's forward + backward launch it?
     ignores: tuple = ()  # KernelConfig fields the kernel's code does not read
     #: does it build for a configuration at all (``flashsink precompile --kinds`` refuses the others)?
@@ -83,11 +78,8 @@ class Kind:
     #: "decode" (few query rows against a long cache: the split-KV forward, attention_kvcache); a first
     #: use builds the kernels of its own route only (:func:`first_use_kinds`)
     route: str = "dense"
-    #: about how many seconds one build takes, serially (lab/compile_time.py on the 2-core CPU machine,
-    #: docs/perf-log.md "First use: where the compile time goes"; measured for fwd, preprocess, bwd
-    #: and postprocess, the others set by the kernel they resemble; fwd_kvcache builds slowest of all): a
-    #: first use builds the longest in its own process and the others in workers longest first, so only
-    #: their order matters
+    #: about how many seconds one build takes, serially (lab/compile_time.py; docs/perf-log.md "First use:
+    #: where the compile time goes"): parallel builds start the longest first, so only their order matters
     build_s: float = 5.0
     #: a forward the dense route may launch instead of "fwd": ``(cfg, window, scale) -> bool``, asked in
     #: the registry's order by :func:`forward_kind` (None: not such a forward)
@@ -96,44 +88,57 @@ class Kind:
     #: kernels, which no forward or backward of ``attention`` launches)
     precompiled_when: Optional[Callable[[KernelConfig], bool]] = None
 
-    def build(self, cfg: KernelConfig):
-        if callable(self.builder):
-            return self.builder(cfg)
-        module, function = self.builder.rsplit(".", 1)
-        return getattr(importlib.import_module(f"..kernels.{module}", __package__), function)(cfg)
-
 
 #: every kernel, in the order listed to users (``flashsink precompile --kinds``)
 KINDS: dict = {
-    "fwd": Kind("fwd.build_fwd", fwd_tiles, _always, ignores=("deterministic", "precision"), build_s=16.0),
+    "fwd": Kind(None, fwd_tiles, _always, ignores=("deterministic", "precision"), build_s=16.0),
     # the forward without the scale folded into its exponent, where "fwd" folds it (config.fwd_fold):
     # launched by a call with scale <= 0 only, so built on the first such call, not ahead
-    "fwd_unfolded": Kind("fwd.build_fwd_unfolded", fwd_tiles, _never, ignores=("deterministic", "precision"),
+    "fwd_unfolded": Kind(None, fwd_tiles, _never, ignores=("deterministic", "precision"),
                          builds=fwd_fold, build_s=16.0, chosen_when=_unfolded_call),
     # the forward with a narrow window's tiles (config.fwd_window_tiles: 64-key tiles, a GQA group packed),
     # where they differ from "fwd"'s: launched by calls with window <= config.WINDOW_TILES_MAX (gpt-oss's
     # sliding layers share their configuration with the full ones, so a first use builds both forwards)
-    "fwd_window": Kind("fwd.build_fwd_window", fwd_window_tiles, fwd_windowed, ignores=("deterministic", "precision"),
+    "fwd_window": Kind(None, fwd_window_tiles, fwd_windowed, ignores=("deterministic", "precision"),
                        builds=fwd_windowed, build_s=16.0, chosen_when=_window_call),
     # strict's forward when a backward follows, and that backward's Delta pass (config.fwd_o32): two-term
     # P @ V and the output in fp32 too, read by a memory-bound Delta instead of recomputing P and dP
-    "fwd_o32": Kind("fwd.build_fwd_o32", fwd_o32_tiles, fwd_o32, ignores=("deterministic",), builds=fwd_o32,
+    "fwd_o32": Kind(None, fwd_o32_tiles, fwd_o32, ignores=("deterministic",), builds=fwd_o32,
                     build_s=16.0),
-    "preprocess": Kind("bwd.build_preprocess", pre_tiles, _always, build_s=5.0),
-    "preprocess_o32": Kind("bwd.build_preprocess_o32", pre_o32_tiles, fwd_o32, builds=fwd_o32, build_s=5.0),
-    "bwd": Kind("bwd.build_bwd", bwd_tiles, _always, build_s=8.0),
-    "bwd_split": Kind("bwd.build_bwd_split", bwd_tiles, _has_split, builds=_has_split, build_s=8.0),
-    "dq": Kind("bwd.build_dq", dq_tiles, lambda cfg: cfg.deterministic, build_s=6.0),
-    "postprocess": Kind("bwd.build_postprocess", None, _postprocess,
+    "preprocess": Kind(None, pre_tiles, _always, build_s=5.0),
+    "preprocess_o32": Kind(None, pre_o32_tiles, fwd_o32, builds=fwd_o32, build_s=5.0),
+    "bwd": Kind(None, bwd_tiles, _always, build_s=8.0),
+    "bwd_split": Kind(None, bwd_tiles, _has_split, builds=_has_split, build_s=8.0),
+    "dq": Kind(None, dq_tiles, lambda cfg: cfg.deterministic, build_s=6.0),
+    "postprocess": Kind(None, None, _postprocess,
                         ignores=("deterministic", "precision"), build_s=2.5),
-    "fwd_split": Kind("fwd_split.build_fwd_split", split_tiles, _split_kv, ignores=("deterministic", "precision"),
+    "fwd_split": Kind(None, split_tiles, _split_kv, ignores=("deterministic", "precision"),
                       route="decode", builds=_split_kernel, build_s=16.0),
-    "fwd_kvcache": Kind("fwd_kvcache.build_fwd_kvcache", split_tiles, _never, ignores=("deterministic", "precision"),
+    "fwd_kvcache": Kind(None, split_tiles, _never, ignores=("deterministic", "precision"),
                         route="decode", build_s=20.0, precompiled_when=_kvcache),
     # merges the split-KV partials (decode through attention, and attention_kvcache)
-    "merge_splits": Kind("merge_splits.build_merge_splits", None, _split_kv, ignores=("deterministic", "precision"),
+    "merge_splits": Kind(None, None, _split_kv, ignores=("deterministic", "precision"),
                          route="decode", build_s=2.5, precompiled_when=_kvcache),
 }
+
+def builders() -> dict:
+    """Each kind of :data:`KINDS` whose row names no builder: its builder in ``ops/kernels``. Imported here,
+    when a kernel is built: the kernels import tilelang, and importing flashsink must not."""
+    from ..kernels import bwd, fwd, fwd_kvcache, fwd_split, merge_splits
+
+    return {
+        "fwd": fwd.build_fwd, "fwd_unfolded": fwd.build_fwd_unfolded, "fwd_window": fwd.build_fwd_window,
+        "fwd_o32": fwd.build_fwd_o32, "preprocess": bwd.build_preprocess, "preprocess_o32": bwd.build_preprocess_o32,
+        "bwd": bwd.build_bwd, "bwd_split": bwd.build_bwd_split, "dq": bwd.build_dq, "postprocess": bwd.build_postprocess,
+        "fwd_split": fwd_split.build_fwd_split, "fwd_kvcache": fwd_kvcache.build_fwd_kvcache,
+        "merge_splits": merge_splits.build_merge_splits,
+    }
+
+
+def builder(name: str) -> Callable:
+    """Kind ``name``'s builder: its row's, else :func:`builders`'."""
+    return check_kind(name).builder or builders()[name]
+
 
 #: the value a kind's ignored field takes in the configuration it is built and cached for (:func:`canonical`);
 #: fixed here, not a KernelConfig default (KernelConfig has none for these), so the disk-cache keys stay

@@ -1,19 +1,17 @@
-"""Compile many kernels ahead of time, in parallel processes.
-
-Kernels built here go into flashsink's disk cache (``FLASHSINK_CACHE_DIR``, see ``diskcache.py``),
-so later processes load them instead of compiling. A kernel already in the cache is loaded and
-counted as cached, not rebuilt. Works without a GPU: the architecture is part of each
-:class:`KernelConfig`.
+"""``flashsink precompile``: many kernels compiled ahead of time, in parallel processes, into the disk
+cache, so later processes load them. A kernel already cached is loaded and counted as cached. No GPU
+needed: the architecture is part of each ``KernelConfig``.
 """
 
+import itertools
 import os
 import sys
 import time
 
+from ...kernel_config import HEAD_DIM_RULE, PRECISIONS, SUPPORTED_ARCHS, KernelConfig, kernel_head_dim
 from . import diskcache
-from .config import PRECISIONS, KernelConfig
 from .kinds import KINDS as _REGISTRY, canonical, kinds_for, precompile_kinds
-from .parallel import compile_parallel
+from .registry import compile_parallel
 
 __all__ = ["compile_parallel", "kinds_for", "precompile"]
 
@@ -79,8 +77,6 @@ _DTYPES = {"fp16": "float16", "bf16": "bfloat16"}
 
 def configs_from_args(args) -> list:
     """Every KernelConfig the options ask for (the product of the option lists)."""
-    from .config import HEAD_DIM_RULE, kernel_head_dim
-
     for d in args.head_dim:
         if kernel_head_dim(d) is None:
             raise ValueError(f"--head-dim: {d} is not one of the kernels' head dims ({HEAD_DIM_RULE})")
@@ -91,23 +87,11 @@ def configs_from_args(args) -> list:
     causal = {"causal": (True,), "full": (False,), "both": (True, False)}[args.mask]
     det = (False, True) if args.deterministic else (False,)
     layouts = list(dict.fromkeys(list(args.layout) + (["thd"] if getattr(args, "varlen", False) else [])))
-    out = []
-    for arch in args.arch:
-        for dtype in args.dtype:
-            for d in dict.fromkeys(kernel_head_dim(d) for d in args.head_dim):
-                for g in args.groups:
-                    for layout in layouts:
-                        for s in sinks:
-                            for c in causal:
-                                for dt in det:
-                                    for prec in dict.fromkeys(args.precision):
-                                        out.append(
-                                            KernelConfig(
-                                                arch=arch, dtype=_DTYPES[dtype], head_dim=d, head_dim_v=d,
-                                                groups=g, causal=c, has_sinks=s, layout=layout,
-                                                deterministic=dt, precision=prec,
-                                            )
-                                        )
+    out = [KernelConfig(arch=arch, dtype=_DTYPES[dtype], head_dim=d, head_dim_v=d, groups=g, causal=c, has_sinks=s,
+                        layout=layout, deterministic=dt, precision=prec)
+           for arch, dtype, d, g, layout, s, c, dt, prec in itertools.product(
+               args.arch, args.dtype, dict.fromkeys(kernel_head_dim(d) for d in args.head_dim), args.groups, layouts,
+               sinks, causal, det, dict.fromkeys(args.precision))]
     return list(dict.fromkeys(out))  # --groups 8 8 plans one configuration, as precompile builds one
 
 
@@ -151,7 +135,6 @@ def cmd_precompile(args) -> int:
 
 def add_parser(sub) -> None:
     from ..._argtypes import add_command, positive_int
-    from .config import SUPPORTED_ARCHS
 
     p = add_command(
         sub, "precompile", cmd_precompile,

@@ -1,0 +1,569 @@
+"""Compiling one kernel through the disk cache: :func:`compile_kernel`.
+
+One compiled kernel per (kernel kind, ``KernelConfig``); lengths, batch, window and scale are runtime
+arguments, so a new length never recompiles. Only nvcc is needed, not a GPU (``cfg.arch`` names the
+target). Three levels: this process's dict (``registry.get_kernel``), flashsink's verified disk cache
+(``diskcache``), and TileLang's compiler through ``JITKernel`` directly (:func:`jit`), never through
+TileLang's own disk cache, which loads files it has not checked. The key is :func:`cache_key`; a failed
+compile raises :class:`flashsink.CompileError` after ``COMPILE_RETRIES`` retries of transient failures.
+
+A compile never runs in the caller's process: it points the process's temporary directory at the
+cache's (``diskcache.private_tmp``), which must not happen under another thread of the user's program.
+:func:`compile_kernel` hands it to a fresh interpreter (:func:`_run_compile_child`) that compiles,
+stores the entry and exits; flashsink's worker processes (``registry``) compile in place.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import errno
+import functools
+import hashlib
+import logging
+import os
+import pickle
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+from ...errors import CacheDirError, CompileError, tail
+from ...kernel_config import KernelConfig
+from . import diskcache, kinds
+
+
+
+# ----------------------------------------------------------------------------------------------
+# the "flashsink" logger and FLASHSINK_LOG
+
+log = logging.getLogger("flashsink")
+
+_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "warn": logging.WARNING,
+           "error": logging.ERROR, "critical": logging.CRITICAL, "off": logging.CRITICAL + 10}
+_logging_done = False
+
+
+def configure_logging() -> None:
+    """Apply ``FLASHSINK_LOG`` (debug, info, warning, error, off) to the "flashsink" logger, once
+    per process. Without it the level is info, unless the application set the logger's level
+    itself. When the application has not configured logging (no handler on the root logger), a
+    stderr handler is added so the lines are seen."""
+    global _logging_done
+    if _logging_done:
+        return
+    _logging_done = True
+    given = os.environ.get("FLASHSINK_LOG", "").strip().lower()
+    level = _LEVELS.get(given) if given else None
+    if given and level is None:
+        log.warning("flashsink: FLASHSINK_LOG=%r is not one of %s; using info", given, ", ".join(_LEVELS))
+        level = logging.INFO
+    if level is not None:
+        log.setLevel(level)
+    elif log.level == logging.NOTSET:
+        log.setLevel(logging.INFO)
+    if not log.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(handler)
+
+
+# ----------------------------------------------------------------------------------------------
+# what a kernel is: its PrimFunc, its compile arguments, its disk-cache key
+
+EXECUTION_BACKEND = "tvm_ffi"
+
+
+def build_prim_func(kind: str, cfg: KernelConfig):
+    """The TileLang ``PrimFunc`` of one kernel (lowering input, not compiled)."""
+    return kinds.builder(kind)(cfg)
+
+
+def pass_configs() -> dict:
+    """Pass configs for every kernel: exp2/log2 through the fast hardware approximations."""
+    import tilelang
+
+    return {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
+
+
+@dataclasses.dataclass
+class CompileArgs:
+    out_idx: list | None
+    pass_configs: dict
+    compile_flags: list | None
+
+
+def compile_args(func) -> CompileArgs:
+    """What ``tilelang.compile`` would pass to ``JITKernel``: function-level attrs merged with ours."""
+    attrs = func.attrs
+    has = (lambda name: attrs is not None and name in attrs)  # noqa: E731
+    out_idx = [int(i) for i in attrs["tilelang_out_idx"]] if has("tilelang_out_idx") else None
+    configs = dict(attrs["tilelang_pass_configs"]) if has("tilelang_pass_configs") else {}
+    configs.update(pass_configs())
+    flags = [str(f) for f in attrs["tilelang_compile_flags"]] if has("tilelang_compile_flags") else None
+    return CompileArgs(out_idx, configs, flags)
+
+
+@functools.cache
+def _nvcc_version() -> str:
+    try:
+        from tilelang.contrib.nvcc import get_nvcc_compiler
+
+        nvcc = get_nvcc_compiler()
+    except Exception:  # no CUDA toolkit found
+        return "none"
+    try:
+        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "none"
+    lines = [ln.strip() for ln in out.splitlines() if ln.strip()]
+    return lines[-1] if lines else "unknown"
+
+
+@functools.cache
+def versions() -> dict:
+    """Everything outside the kernel's own code that changes the compiled binary."""
+    import tilelang
+    import tvm_ffi
+
+    from ..._version import __version__
+
+    return {
+        "flashsink": __version__,
+        "tilelang": tilelang.__version__,
+        "tvm_ffi": getattr(tvm_ffi, "__version__", "?"),
+        "nvcc": _nvcc_version(),
+        "platform": f"{sys.platform}-{platform.machine()}",
+    }
+
+
+def _tiles(kind: str, cfg) -> dict:
+    """The tile choice kind ``kind`` makes for ``cfg`` (its tile function, by name; none for a kind of fixed
+    blocks). Only its own, so that a change to one tile function leaves the other kinds' entries valid."""
+    fn = kinds.check_kind(kind).tiles
+    if fn is None:
+        return {}
+    try:
+        return {fn.__name__: dataclasses.asdict(fn(cfg))}
+    except Exception as exc:  # a table that does not cover this config
+        return {fn.__name__: f"n/a ({type(exc).__name__})"}
+
+
+def cache_key(kind: str, cfg, func, args: CompileArgs) -> dict:
+    """The disk-cache key: the static configuration, the tiles, the kernel's TIR (so an edit to a
+    kernel's code is a new key even at the same version), compile arguments and versions."""
+    config = dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else repr(cfg)
+    return {
+        "kind": kind,
+        "config_type": type(cfg).__qualname__,
+        "config": config,
+        "tiles": _tiles(kind, cfg),
+        "tir_sha256": hashlib.sha256(func.script(show_meta=True).encode()).hexdigest(),
+        "target": cfg.target(),
+        "execution_backend": EXECUTION_BACKEND,
+        "out_idx": args.out_idx,
+        "pass_configs": {str(k): repr(v) for k, v in sorted(args.pass_configs.items(), key=lambda kv: str(kv[0]))},
+        "compile_flags": args.compile_flags,
+        "versions": versions(),
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# one TileLang compile, and the checks of its CUDA source
+
+def jit(func, cfg, args: CompileArgs):
+    """One TileLang compile (lowering + nvcc + host library), not through TileLang's caches: its binary
+    cache (``~/.tilelang/cache``) would load a cubin nobody checked into a kernel flashsink then stores as
+    verified, so it is off for the compile (a global switch: this runs in compile processes only)."""
+    import tilelang
+    from tilelang.jit import JITKernel
+
+    was_on = tilelang.is_cache_enabled()
+    tilelang.disable_cache()
+    try:
+        return JITKernel(
+            func, out_idx=args.out_idx, execution_backend=EXECUTION_BACKEND, target=cfg.target(),
+            pass_configs=args.pass_configs, compile_flags=args.compile_flags,
+        )
+    finally:
+        if was_on:
+            tilelang.enable_cache()
+
+
+_ELECT = re.compile(r"tl_shuffle_elect<(\d+)>")
+
+
+def narrow_elections(source: str) -> list[int]:
+    """The extents of ``tl_shuffle_elect<extent>`` (``elect.sync`` over the full warp, for a bulk copy or
+    barrier setup) under a branch of fewer than 32 threads: the elected lane waits for lanes that never
+    come and the kernel hangs (docs/perf-log.md v18). 0 means the whole block and is fine."""
+    return sorted({int(n) for n in _ELECT.findall(source) if 0 < int(n) < 32})
+
+
+def check_source(source: str) -> None:
+    """Raise ``RuntimeError`` if ``source`` (a kernel's CUDA) would hang: :func:`narrow_elections`."""
+    narrow = narrow_elections(source)
+    if narrow:
+        raise RuntimeError(
+            f"the kernel elects a lane under a branch of {narrow} thread(s), fewer than a warp: elect.sync "
+            f"would wait for the warp's other lanes and hang. Issue its bulk copies (T.tma_copy) from a "
+            f"branch of whole warps (the copy elects one lane itself)")
+
+
+def device_source(func, cfg, args: CompileArgs) -> str:
+    """``func``'s CUDA source after TileLang's whole lowering, without nvcc: what :func:`jit` hands nvcc
+    (``kernel.get_kernel_source()`` of the compiled kernel)."""
+    import tilelang
+    import tvm
+
+    with tvm.transform.PassContext(opt_level=3, config=args.pass_configs), tvm.target.Target(cfg.target()):
+        return tilelang.lower(func, target=cfg.target()).kernel_source
+
+
+def ptxas_output(source: str, arch: str, args: CompileArgs) -> str:
+    """What nvcc and ptxas print (``-Xptxas -v``: registers, spills) compiling ``source`` to a cubin for
+    ``arch`` with the options TileLang's own compile passes (its include paths and ``compile_flags``,
+    ``--use_fast_math`` under the fast-math pass config). TileLang keeps that output to itself, so the
+    source is compiled once more here. Raises ``RuntimeError`` if nvcc fails."""
+    import tilelang
+    from tilelang.contrib import nvcc
+
+    options = nvcc.default_compile_options(args.compile_flags)
+    if args.pass_configs.get(tilelang.PassConfigKey.TL_ENABLE_FAST_MATH):
+        options.append("--use_fast_math")
+    with tempfile.TemporaryDirectory(prefix="flashsink-ptxas-") as d:
+        cu, cubin = Path(d) / "kernel.cu", Path(d) / "kernel.cubin"
+        cu.write_text(source)
+        cmd = [nvcc.get_nvcc_compiler(), "--cubin", "-O3", "-lineinfo", f"-arch={arch}", *options,
+               "-Xptxas", "-v", "-o", str(cubin), str(cu)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+    out = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        raise RuntimeError(f"nvcc failed ({proc.returncode}): {' '.join(cmd)}\n{out[-4000:]}")
+    return out
+
+
+#: ptxas's notes that a function's wgmma run one at a time ("Potential Performance Loss: wgmma.mma_async
+#: instructions are serialized due to ..."): C7512 (registers), C7514 (a non-wgmma instruction reads an
+#: accumulator inside a pipeline stage) and their siblings, by code or by text
+_SERIALIZED = re.compile(r"^.*(?:\(C751[24]\)|wgmma.*serialized).*$", re.MULTILINE)
+
+
+def serialized_wgmma(output: str) -> list:
+    """The lines of ``output`` (:func:`ptxas_output`) where ptxas serializes a function's wgmma: every
+    product then waits for the one before it, the tensor cores never run two at once (perf-log v11, v20)."""
+    return [line.strip() for line in _SERIALIZED.findall(output)]
+
+
+def ptxas_usage(output: str) -> str:
+    """ptxas's registers and spills in ``output``, one line: "168 registers, 0 B spill stores, 0 B spill loads"."""
+    regs = re.findall(r"Used (\d+) registers", output)
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", output)
+    st, ld = spills[-1] if spills else ("?", "?")
+    return f"{regs[-1] if regs else '?'} registers, {st} B spill stores, {ld} B spill loads"
+
+
+# ----------------------------------------------------------------------------------------------
+# compile failures: transient ones retried, the rest a CompileError
+
+#: extra attempts after a transient failure (so at most 1 + COMPILE_RETRIES compiles)
+COMPILE_RETRIES = 2
+RETRY_DELAY_S = 1.0
+
+_TRANSIENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.ENOMEM, errno.EAGAIN, errno.EINTR, errno.EMFILE,
+                     errno.ENFILE, errno.ETXTBSY}
+_TRANSIENT_TEXT = ("No space left on device", "Disk quota exceeded", "Cannot allocate memory", "out of memory",
+                   "Resource temporarily unavailable", "Too many open files", "died due to signal",
+                   "Killed", "killed", "timed out")
+
+
+def compiler_output(exc: BaseException) -> str:
+    """The exception text without the CUDA source TileLang puts in front of nvcc's output."""
+    text = str(exc)
+    marker = "Compilation error:"
+    return text[text.rfind(marker):] if marker in text else text
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Failures worth another try: the compiler was killed or timed out, or the machine ran out
+    of disk, memory or file handles. Errors in the kernel or the compiler's verdict are not."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, (MemoryError, subprocess.TimeoutExpired)):
+            return True
+        if isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS:
+            return True
+        if any(t in compiler_output(exc) for t in _TRANSIENT_TEXT):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def error_text(exc: BaseException) -> str:
+    """What a :class:`flashsink.CompileError` reports of ``exc``: nvcc's output, or the lowering's message."""
+    if "Compilation error:" in str(exc):  # nvcc's verdict: its output is what matters
+        return tail(compiler_output(exc))
+    # a lowering or front-end error: the message and where it was raised
+    return tail("".join(traceback.format_exception(type(exc), exc, exc.__traceback__, limit=-4)))
+
+
+def compile_with_retries(kind: str, cfg, func, args: CompileArgs, root: Path):
+    """:func:`jit` in the cache's private temp directory, then :func:`check_source`;
+    transient failures retried, the rest raised as :class:`flashsink.CompileError`."""
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            with diskcache.private_tmp(root):
+                kernel = jit(func, cfg, args)
+            check_source(kernel.get_kernel_source() or "")
+            return kernel
+        except Exception as exc:
+            if attempt <= COMPILE_RETRIES and is_transient(exc):
+                log.warning(
+                    "flashsink: compiling %s for %s failed with a transient error (%s); retry %d of %d",
+                    kind, cfg.short(), tail(compiler_output(exc), 300).replace("\n", " "), attempt, COMPILE_RETRIES,
+                )
+                time.sleep(RETRY_DELAY_S * attempt)
+                continue
+            raise CompileError(kind, cfg, cfg.target(), error_text(exc), attempts=attempt) from exc
+
+
+# ----------------------------------------------------------------------------------------------
+# compile_kernel: through the disk cache (TileLang's tvm_ffi files, our verification), in a compile process
+
+_compile_process = False  # enter_compile_process(): this process is one of flashsink's compile processes
+
+#: what compile_kernel did in this process: "compiled", "disk" (loaded a verified entry),
+#: "rebuilt" (an entry failed verification and was replaced). Read by tests and precompile.
+counts: collections.Counter = collections.Counter()
+
+_SO = "executable.so"
+_DEVICE = "device_kernel.cu"
+_HOST = "host_kernel.cu"
+_PARAMS = "params.json"
+
+
+def _write_kernel(kernel, d: Path) -> None:
+    """The files TileLang's own tvm_ffi cache writes, exported as it exports them on Linux
+    (tests/test_tilelang_api.py fails if a TileLang upgrade changes that)."""
+    from tilelang.engine.param import dump_kernel_params
+
+    (d / _DEVICE).write_text(kernel.kernel_source or "")
+    (d / _HOST).write_text(kernel.adapter.get_host_source() or "")
+    (d / _PARAMS).write_text(dump_kernel_params(kernel.params))
+    kernel.adapter.get_exportable_executable().export_library(str(d / _SO))
+
+
+def _load_kernel(files: dict, func, cfg, args: CompileArgs, root: Path):
+    """A kernel from an entry's verified bytes: the library is loaded from a private copy of
+    exactly the bytes that were hashed (removed once loaded)."""
+    from tilelang.engine.param import load_kernel_params
+    from tilelang.jit import JITKernel
+    from tilelang.jit.adapter.base import CachedTextSource
+
+    with diskcache.scratch(root, "load") as d:
+        so_path = str(d / _SO)
+        with open(so_path, "xb") as f:
+            f.write(files[_SO])
+        return JITKernel.from_database(
+            func=func,
+            host_kernel_source=CachedTextSource(text=files[_HOST].decode()),
+            device_kernel_source=CachedTextSource(text=files[_DEVICE].decode()),
+            kernel_lib_path=so_path,
+            params=load_kernel_params(files[_PARAMS].decode()),
+            target=cfg.target(),
+            target_host=None,
+            out_idx=args.out_idx,
+            execution_backend=EXECUTION_BACKEND,
+            pass_configs=args.pass_configs,
+            compile_flags=args.compile_flags,
+        )
+
+
+def compile_kernel(kind: str, cfg: KernelConfig, *, load_only: bool = False):
+    """The kernel for ``(kind, cfg)``: loaded from the disk cache when a verified entry exists,
+    compiled (and saved) otherwise (``load_only``: None then). Raises :class:`flashsink.CompileError`
+    if it cannot be built and :class:`flashsink.errors.CacheDirError` if the cache directory is unsafe."""
+    configure_logging()
+    root = diskcache.ensure_cache_dir()
+    kinds.check_kind(kind)
+    cfg = kinds.canonical(kind, cfg)  # one build for the fields the kernel does not read
+    try:
+        func = build_prim_func(kind, cfg)
+    except Exception as exc:  # the kernel's TileLang code failed for this configuration
+        raise CompileError(kind, cfg, cfg.target(), error_text(exc)) from exc
+    args = compile_args(func)
+    key = cache_key(kind, cfg, func, args)
+    name = diskcache.entry_name(kind, key)
+    with diskcache.key_lock(root, name):
+        entry_existed = (root / "kernels" / name).exists()
+        start = time.perf_counter()
+        hit = diskcache.load(root, name, key)
+        if hit is not None:
+            try:
+                kernel = _load_kernel(hit[1], func, cfg, args, root)
+            except Exception as exc:  # e.g. written by an incompatible runtime: rebuild it
+                log.warning("flashsink: could not load cache entry %s (%s: %s); rebuilding it",
+                            root / "kernels" / name, type(exc).__name__, exc)
+                diskcache.discard(root, root / "kernels" / name)
+            else:
+                counts["disk"] += 1
+                log.debug("flashsink: loaded the %s kernel for %s from the disk cache %s in %.2f s",
+                          kind, cfg.short(), root / "kernels" / name, time.perf_counter() - start)
+                return kernel
+        if load_only:
+            return None
+        log.info(
+            "flashsink: compiling the %s kernel for %s (first use of this configuration on this machine, "
+            "so this call is slow: ~10-60 s); it is then cached in %s",
+            kind, cfg.short(), root,
+        )
+        job = (kind, cfg, func, args, root, name, key)  # the key's lock stays held here for the child
+        if _compile_process:
+            kernel, unsaved = _compile_and_store(job)
+            if unsaved is None:
+                kernel = _reload(kernel, root, name, key, func, cfg, args)
+        else:
+            # the child rebuilds the PrimFunc from (kind, cfg): a pickled one loses its layout annotations
+            # (TileLang then cannot evaluate them: "the forward map must be injective")
+            handed = _run_compile_child((kind, cfg, None, args, root, name, key))
+            unsaved = handed and handed[0]
+            kernel = _load_compiled(job, handed and handed[1])
+        counts["rebuilt" if entry_existed else "compiled"] += 1
+        if unsaved:  # the kernel works; only the cache is missing it
+            log.warning("flashsink: compiled %s for %s but could not save it to the disk cache %s: %s",
+                        kind, cfg.short(), root, unsaved)
+        log.debug("flashsink: compiled %s for %s in %.1f s", kind, cfg.short(), time.perf_counter() - start)
+        return kernel
+
+
+def enter_compile_process() -> None:
+    """Make this process one of flashsink's compile processes (the child below, ``registry``'s workers):
+    :func:`compile_kernel` compiles in it, pointing its temporary directory at the cache's (nothing else
+    runs in such a process); its log shows warnings only unless ``FLASHSINK_LOG`` says otherwise (the
+    process that started it prints the progress)."""
+    global _compile_process
+    _compile_process = True
+    os.environ.setdefault("FLASHSINK_LOG", "warning")
+
+
+def _compile_and_store(job) -> tuple:
+    """In a compile process: compile ``job`` (retries), then store its entry. Returns (kernel, None), or
+    (kernel, why) if the entry could not be stored."""
+    kind, cfg, func, args, root, name, key = job
+    start = time.perf_counter()
+    kernel = compile_with_retries(kind, cfg, func, args, root)
+    seconds = time.perf_counter() - start
+    try:
+        with diskcache.private_tmp(root):
+            diskcache.store(root, name, key, functools.partial(_write_kernel, kernel), kind=kind,
+                            summary=f"{kind} {cfg.short()}", extra={"compile_seconds": round(seconds, 1)})
+    except Exception as exc:  # noqa: BLE001  (the caller says so and still gets the kernel)
+        return kernel, f"{type(exc).__name__}: {exc}"
+    return kernel, None
+
+
+def _child_build(job) -> tuple | None:
+    """What the compile child runs: :func:`_compile_and_store`, its PrimFunc built here from (kind, cfg) and
+    checked against the caller's key (the same code: the same kernel). Returns None once the entry is
+    stored, else (why, {file name: bytes}): the kernel's files, for the caller to load."""
+    kind, cfg, _, args, root, name, key = job
+    diskcache.ensure_cache_dir(root)
+    try:
+        func = build_prim_func(kind, cfg)
+    except Exception as exc:  # noqa: BLE001  (the kernel's TileLang code failed here)
+        raise CompileError(kind, cfg, cfg.target(), error_text(exc)) from exc
+    if cache_key(kind, cfg, func, args) != key:
+        raise CompileError(kind, cfg, cfg.target(), "the compile process built another kernel than the caller "
+                           "keyed (its flashsink or TileLang differs from the caller's)")
+    job = (kind, cfg, func, args, root, name, key)
+    kernel, unsaved = _compile_and_store(job)
+    if unsaved is None:
+        return None
+    with diskcache.private_tmp(job[4]) as d:
+        _write_kernel(kernel, d)
+        return unsaved, {p.name: p.read_bytes() for p in d.iterdir() if p.name != diskcache.TMP_MARKER}
+
+
+# A fresh interpreter with this process's sys.path reads (the function, the job) pickled from its stdin
+# and writes (status, result) pickled to its stdout, which is a copy of fd 1 taken before fd 1 is pointed
+# at stderr: what the compiler prints cannot mix into the result. Not multiprocessing's spawn, which
+# would run the top of the user's main script again in the child.
+_CHILD_MAIN = ("import pickle, sys; sys.path[:] = pickle.load(sys.stdin.buffer); "
+               "from flashsink.ops.compiler.compile import _child_main; _child_main()")
+
+
+def _child_main() -> None:
+    out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    enter_compile_process()
+    try:
+        import tilelang  # noqa: F401  (before the job's pickled TileLang objects, its pass configs)
+
+        fn, job = pickle.load(sys.stdin.buffer)
+        result = ("ok", fn(job))
+    except BaseException as exc:  # noqa: BLE001  (handed to the caller, which raises it)
+        result = ("error", exc)
+    try:
+        blob = pickle.dumps(result)
+    except Exception:  # noqa: BLE001  (an exception that does not pickle: its text)
+        blob = pickle.dumps(("error", RuntimeError(f"{type(result[1]).__name__}: {result[1]}")))
+    out.write(blob)
+    out.close()
+
+
+def _run_compile_child(job) -> tuple | None:
+    """:func:`_child_build` of ``job`` in a fresh interpreter; returns its result, raises its error (a
+    :class:`flashsink.CompileError`; anything else becomes one). The child's temporary directory and
+    environment are its own: this process's stay as they are (no thread of it sees them change)."""
+    kind, cfg = job[0], job[1]
+    payload = pickle.dumps(list(sys.path)) + pickle.dumps((_child_build, job))
+    env = {**os.environ, "FLASHSINK_LOG": os.environ.get("FLASHSINK_LOG", "warning")}
+    proc = subprocess.run([sys.executable, "-c", _CHILD_MAIN], input=payload, stdout=subprocess.PIPE, env=env)
+    try:
+        status, value = pickle.loads(proc.stdout)
+    except Exception:  # noqa: BLE001  (killed, or died before it could answer)
+        raise CompileError(kind, cfg, cfg.target(), f"the compile process ended with exit status "
+                           f"{proc.returncode} and no result (its output is above, on stderr)") from None
+    if status == "ok":
+        return value
+    if isinstance(value, (CompileError, CacheDirError)):
+        raise value
+    raise CompileError(kind, cfg, cfg.target(), f"{type(value).__name__}: {value}") from value
+
+
+def _load_compiled(job, files: dict | None):
+    """The kernel the compile child just built: loaded from its verified entry, or (it could not be
+    stored) from the files it handed back."""
+    kind, cfg, func, args, root, name, key = job
+    try:
+        if files is None:
+            hit = diskcache.load(root, name, key)
+            if hit is None:
+                raise RuntimeError(f"the entry {root / 'kernels' / name} it stored is missing")
+            files = hit[1]
+        return _load_kernel(files, func, cfg, args, root)
+    except CacheDirError:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        raise CompileError(kind, cfg, cfg.target(), f"compiled, but loading the result failed: "
+                           f"{type(exc).__name__}: {exc}") from exc
+
+
+def _reload(kernel, root: Path, name: str, key: dict, func, cfg, args: CompileArgs):
+    """The kernel just stored, loaded back from its verified entry: already linked (the compiled one's
+    host code would be linked again by g++ at its first call, 0.3-0.7 s). Else the compiled kernel."""
+    try:
+        hit = diskcache.load(root, name, key)
+        if hit is not None:
+            return _load_kernel(hit[1], func, cfg, args, root)
+    except Exception as exc:  # noqa: BLE001  (the compiled kernel still works)
+        log.debug("flashsink: could not load %s back from the disk cache (%s: %s); using the compiled kernel",
+                  name, type(exc).__name__, exc)
+    return kernel
