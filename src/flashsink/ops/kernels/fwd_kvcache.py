@@ -38,6 +38,7 @@ from ..tir.block_range import full_kv_blocks_for_rows, kv_blocks_for_rows, split
 from ..build.config import KernelConfig, split_tiles
 from ..tir.layout import QueryMajor
 from ..tir.mask import branch_tile, in_blocks, packed_logits
+from .fwd_split import alloc_tiles
 
 NAN = float("nan")
 FP8 = "float8_e4m3fn"  # torch.float8_e4m3fn
@@ -131,18 +132,8 @@ def build_fwd_kvcache(cfg: KernelConfig, kv_fp8: bool = False):
     @T.macro
     def body(Q, K, V, BlockTable, SeqLens, KScale, VScale, window, scale_log2, OPart, LSEPart):
         with T.Kernel(n_splits * m_tiles, heads_kv, batch, threads=t.threads) as (bx, kv_head, b):
-            q_s = T.alloc_shared([bm, dim], dtype)
-            k_s = T.alloc_shared([bn, dim], dtype)
-            v_s = T.alloc_shared([bn, dim_v], dtype)
-            acc_s = T.alloc_fragment([bm, bn], accum)
-            p = T.alloc_fragment([bm, bn], dtype)
-            acc_o = T.alloc_fragment([bm, dim_v], accum)
-            m = T.alloc_fragment([bm], accum)
-            m_prev = T.alloc_fragment([bm], accum)
-            alpha = T.alloc_fragment([bm], accum)
-            row_sum = T.alloc_fragment([bm], accum)
-            l = T.alloc_fragment([bm], accum)
-            lse = T.alloc_fragment([bm], accum)
+            q_s, k_s, v_s, acc_s, p, acc_o = alloc_tiles(bm, bn, dim, dim_v, dtype)
+            m, m_prev, alpha, row_sum, l, lse = softmax.alloc_state(bm)
             pg_s = T.alloc_shared([bn], "int32")  # each key row's page (or PAST_END / BAD_PAGE)
             off_s = T.alloc_shared([bn], "int32")  # and its row in the page
             k_r = T.alloc_fragment([bn, dim], dtype)  # the next tile's key and value rows, loaded while
