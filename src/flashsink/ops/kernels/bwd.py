@@ -25,6 +25,8 @@ and the sink gets ``dsink[h] = -sum_rows exp(sink[h] - lse) * Delta``.
 - ``build_postprocess``: casts the fp32 dQ accumulator into dQ in the input layout.
 """
 
+from types import SimpleNamespace
+
 import tilelang.language as T
 
 from ..tir.block_range import full_kv_blocks_for_rows, full_row_blocks_for_keys, kv_blocks_for_rows, row_blocks_for_keys
@@ -143,21 +145,18 @@ def _build_preprocess_fast(cfg: KernelConfig, o_dtype: str, t):
     bm = t.block_m
     dim, dim_v, layout = cfg.head_dim, cfg.head_dim_v, cfg.layout
     dtype, accum = cfg.dtype, "float32"
-    batch, heads, seq_q, rows_pad, n_part = T.dynamic("batch, heads, seq_q, rows_pad, n_part")
-    o_shape = qkv_shapes(layout, batch, heads, heads, seq_q, seq_q, dim_v, dim_v)[0]
-    st_shape = stat_shape(layout, batch, heads, rows_pad)
-    with_dq = not cfg.deterministic
+    s = _preprocess_shapes(cfg)
+    heads, seq_q, with_dq = s.heads, s.seq_q, s.with_dq
 
     @T.macro
-    def body(O, dO, LSE, dLSE, Sinks, CuQ, Delta, dSinkAcc, dSinkPart, dQAcc, m_tiles, n_seqs):
+    def body(O, Q, K, V, dO, LSE, dLSE, Sinks, CuQ, CuK, window, scale, Delta, dSinkAcc, dSinkPart, dQAcc, m_tiles,
+             n_seqs):
         with T.Kernel(m_tiles, heads, n_seqs, threads=t.threads) as (bx, head, b):
             o = T.alloc_fragment([bm, dim_v], o_dtype)
             do = T.alloc_fragment([bm, dim_v], dtype)
             prod = T.alloc_fragment([bm, dim_v], accum)
             lse = T.alloc_fragment([bm], accum)
-            delta = T.alloc_fragment([bm], accum)
-            contrib = T.alloc_fragment([bm], accum)
-            total = T.alloc_fragment([1], accum)
+            delta, contrib, total = _alloc_delta(bm)
 
             b, bx = locate(layout, CuQ, bx, b, bm)
             q_base, sq = sequence(layout, CuQ, b, seq_q)
@@ -172,26 +171,7 @@ def _build_preprocess_fast(cfg: KernelConfig, o_dtype: str, t):
             _store_delta(Delta, dLSE, LSE, Sinks, lse, delta, contrib, total, head, b, bx, q_base, row0, sq, dSinkAcc,
                          dSinkPart, cfg, True)
 
-    cu, longest, n_cu = varlen_params(layout)
-
-    @kernel("flashsink_bwd_preprocess_fast", layout)
-    def flashsink_bwd_preprocess_fast(
-        O: T.Tensor(o_shape, o_dtype),
-        dO: T.Tensor(o_shape, dtype),
-        LSE: T.Tensor(st_shape, accum),
-        dLSE: T.Tensor(st_shape, accum),
-        Sinks: T.Tensor([heads], accum),
-        CuQ: cu,
-        CuK: cu,
-        max_seqlen_q: longest,
-        Delta: T.Tensor(st_shape, accum),
-        dSinkAcc: T.Tensor([heads], accum),
-        dSinkPart: T.Tensor([batch, heads, n_part], accum),
-        dQAcc: optional(with_dq, T.Tensor(st_shape + [dim], accum)),
-    ):
-        body(O, dO, LSE, dLSE, Sinks, CuQ, Delta, dSinkAcc, dSinkPart, dQAcc, *grid(layout, seq_q, n_cu, batch, bm))
-
-    return flashsink_bwd_preprocess_fast
+    return _preprocess_entry(cfg, s, "flashsink_bwd_preprocess_fast", o_dtype, body, bm)
 
 
 def build_preprocess_strict(cfg: KernelConfig, t, branch: bool, lpt: bool):
@@ -210,14 +190,11 @@ def build_preprocess_strict(cfg: KernelConfig, t, branch: bool, lpt: bool):
     bm, bn = t.block_m, t.block_n
     dim, dim_v, groups, layout = cfg.head_dim, cfg.head_dim_v, cfg.groups, cfg.layout
     dtype, accum = cfg.dtype, "float32"
-    batch, heads, seq_q, seq_kv, rows_pad, n_part = T.dynamic("batch, heads, seq_q, seq_kv, rows_pad, n_part")
-    heads_kv = heads // groups
-    q_shape, k_shape, v_shape, o_shape = qkv_shapes(layout, batch, heads, heads_kv, seq_q, seq_kv, dim, dim_v)
-    st_shape = stat_shape(layout, batch, heads, rows_pad)
-    with_dq = not cfg.deterministic
+    s = _preprocess_shapes(cfg)
+    heads, seq_q, seq_kv, with_dq = s.heads, s.seq_q, s.seq_kv, s.with_dq
 
     @T.macro
-    def body(Q, K, V, dO, LSE, dLSE, Sinks, CuQ, CuK, window, scale, Delta, dSinkAcc, dSinkPart, dQAcc, m_tiles,
+    def body(O, Q, K, V, dO, LSE, dLSE, Sinks, CuQ, CuK, window, scale, Delta, dSinkAcc, dSinkPart, dQAcc, m_tiles,
              n_seqs):
         with T.Kernel(*grid_dims(m_tiles, heads, lpt), n_seqs, threads=t.threads) as (g0, g1, b):
             bx, head = grid_coords(g0, g1, m_tiles, longest_last=True, on=lpt)
@@ -229,9 +206,7 @@ def build_preprocess_strict(cfg: KernelConfig, t, branch: bool, lpt: bool):
             p = T.alloc_fragment([bm, bn], accum)
             dp = T.alloc_fragment([bm, bn], accum)
             part = T.alloc_fragment([bm], accum)
-            delta = T.alloc_fragment([bm], accum)
-            contrib = T.alloc_fragment([bm], accum)
-            total = T.alloc_fragment([1], accum)
+            delta, contrib, total = _alloc_delta(bm)
 
             b, bx = locate(layout, CuQ, bx, b, bm)
             q_base, sq = sequence(layout, CuQ, b, seq_q)
@@ -265,13 +240,40 @@ def build_preprocess_strict(cfg: KernelConfig, t, branch: bool, lpt: bool):
             _store_delta(Delta, dLSE, LSE, Sinks, lse, delta, contrib, total, head, b, bx, q_base, row0, sq, dSinkAcc,
                          dSinkPart, cfg, False)
 
+    return _preprocess_entry(cfg, s, "flashsink_bwd_preprocess", None, body, bm)
+
+
+def _preprocess_shapes(cfg: KernelConfig) -> SimpleNamespace:
+    """The preprocesses' dynamic sizes and their tensors' shapes (fast reads only ``o_shape``'s)."""
+    layout = cfg.layout
+    batch, heads, seq_q, seq_kv, rows_pad, n_part = T.dynamic("batch, heads, seq_q, seq_kv, rows_pad, n_part")
+    q_shape, k_shape, v_shape, o_shape = qkv_shapes(layout, batch, heads, heads // cfg.groups, seq_q, seq_kv,
+                                                    cfg.head_dim, cfg.head_dim_v)
+    return SimpleNamespace(batch=batch, heads=heads, seq_q=seq_q, seq_kv=seq_kv, n_part=n_part, q_shape=q_shape,
+                           k_shape=k_shape, v_shape=v_shape, o_shape=o_shape,
+                           st_shape=stat_shape(layout, batch, heads, rows_pad), with_dq=not cfg.deterministic)
+
+
+def _alloc_delta(bm: int) -> tuple:
+    """``(delta, contrib, total)``: Delta's rows and :func:`_store_delta`'s scratch for the sink gradient,
+    the kernel naming them by the names it unpacks them into."""
+    return T.alloc_fragment([bm], "float32"), T.alloc_fragment([bm], "float32"), T.alloc_fragment([1], "float32")
+
+
+def _preprocess_entry(cfg: KernelConfig, s: SimpleNamespace, name: str, o_dtype, body, bm: int):
+    """The kernel ``name`` over the preprocesses' one signature: fast (``o_dtype``: O's dtype) reads O,
+    strict (``o_dtype`` None) Q, K and V with the window and the scale; ``body`` takes them all (None
+    where absent) and the grid of ``bm``-row query tiles."""
+    layout, dtype, accum, strict = cfg.layout, cfg.dtype, "float32", o_dtype is None
+    batch, heads, seq_q, st_shape, o_shape = s.batch, s.heads, s.seq_q, s.st_shape, s.o_shape
     cu, longest, n_cu = varlen_params(layout)
 
-    @kernel("flashsink_bwd_preprocess", layout)
-    def flashsink_bwd_preprocess(
-        Q: T.Tensor(q_shape, dtype),
-        K: T.Tensor(k_shape, dtype),
-        V: T.Tensor(v_shape, dtype),
+    @kernel(name, layout)
+    def preprocess(
+        O: optional(not strict, T.Tensor(o_shape, o_dtype or dtype)),  # (built either way: a dtype)
+        Q: optional(strict, T.Tensor(s.q_shape, dtype)),
+        K: optional(strict, T.Tensor(s.k_shape, dtype)),
+        V: optional(strict, T.Tensor(s.v_shape, dtype)),
         dO: T.Tensor(o_shape, dtype),
         LSE: T.Tensor(st_shape, accum),
         dLSE: T.Tensor(st_shape, accum),
@@ -279,17 +281,17 @@ def build_preprocess_strict(cfg: KernelConfig, t, branch: bool, lpt: bool):
         CuQ: cu,
         CuK: cu,
         max_seqlen_q: longest,
-        window: T.int32,
-        scale: T.float32,
+        window: optional(strict, T.int32),
+        scale: optional(strict, T.float32),
         Delta: T.Tensor(st_shape, accum),
         dSinkAcc: T.Tensor([heads], accum),
-        dSinkPart: T.Tensor([batch, heads, n_part], accum),
-        dQAcc: optional(with_dq, T.Tensor(st_shape + [dim], accum)),
+        dSinkPart: T.Tensor([batch, heads, s.n_part], accum),
+        dQAcc: optional(s.with_dq, T.Tensor(st_shape + [cfg.head_dim], accum)),
     ):
-        body(Q, K, V, dO, LSE, dLSE, Sinks, CuQ, CuK, window, scale, Delta, dSinkAcc, dSinkPart, dQAcc,
+        body(O, Q, K, V, dO, LSE, dLSE, Sinks, CuQ, CuK, window, scale, Delta, dSinkAcc, dSinkPart, dQAcc,
              *grid(layout, seq_q, n_cu, batch, bm))
 
-    return flashsink_bwd_preprocess
+    return preprocess
 
 
 def build_bwd(cfg: KernelConfig, split: int = 1):

@@ -36,8 +36,9 @@ import tilelang.language as T
 from ..tir import softmax
 from ..tir.block_range import full_kv_blocks_for_rows, kv_blocks_for_rows, split_blocks
 from ...kernel_config import KernelConfig, split_tiles
-from ..tir.layout import QueryMajor
+from ..tir.layout import QueryMajor, optional
 from ..tir.mask import branch_tile, in_blocks, packed_logits
+from .fwd_split import alloc_tiles
 
 NAN = float("nan")
 FP8 = "float8_e4m3fn"  # torch.float8_e4m3fn
@@ -131,18 +132,8 @@ def build_fwd_kvcache(cfg: KernelConfig, kv_fp8: bool = False):
     @T.macro
     def body(Q, K, V, BlockTable, SeqLens, KScale, VScale, window, scale_log2, OPart, LSEPart):
         with T.Kernel(n_splits * m_tiles, heads_kv, batch, threads=t.threads) as (bx, kv_head, b):
-            q_s = T.alloc_shared([bm, dim], dtype)
-            k_s = T.alloc_shared([bn, dim], dtype)
-            v_s = T.alloc_shared([bn, dim_v], dtype)
-            acc_s = T.alloc_fragment([bm, bn], accum)
-            p = T.alloc_fragment([bm, bn], dtype)
-            acc_o = T.alloc_fragment([bm, dim_v], accum)
-            m = T.alloc_fragment([bm], accum)
-            m_prev = T.alloc_fragment([bm], accum)
-            alpha = T.alloc_fragment([bm], accum)
-            row_sum = T.alloc_fragment([bm], accum)
-            l = T.alloc_fragment([bm], accum)
-            lse = T.alloc_fragment([bm], accum)
+            q_s, k_s, v_s, acc_s, p, acc_o = alloc_tiles(bm, bn, dim, dim_v, dtype)
+            m, m_prev, alpha, row_sum, l, lse = softmax.alloc_state(bm)
             pg_s = T.alloc_shared([bn], "int32")  # each key row's page (or PAST_END / BAD_PAGE)
             off_s = T.alloc_shared([bn], "int32")  # and its row in the page
             k_r = T.alloc_fragment([bn, dim], dtype)  # the next tile's key and value rows, loaded while
@@ -197,40 +188,24 @@ def build_fwd_kvcache(cfg: KernelConfig, kv_fp8: bool = False):
                         bad_row(bad_len, KScale, VScale, kv_head), NAN, lse[r]
                     )
 
-    if kv_fp8:
-        @T.prim_func
-        def flashsink_fwd_kvcache_fp8(
-            Q: T.Tensor([batch, seq_q, heads, dim], dtype),
-            K: T.Tensor([num_pages, page_size, heads_kv, dim], kv_dtype),
-            V: T.Tensor([num_pages, page_size, heads_kv, dim_v], kv_dtype),
-            BlockTable: T.Tensor([batch, max_pages], "int32"),
-            SeqLens: T.Tensor([batch], "int32"),
-            KScale: T.Tensor([heads_kv], accum),  # per KV head (a per-tensor scale expanded on the host)
-            VScale: T.Tensor([heads_kv], accum),
-            window: T.int32,
-            scale_log2: T.float32,
-            OPart: T.Tensor([batch, heads, seq_q, n_splits, dim_v], accum),
-            LSEPart: T.Tensor([batch, heads, seq_q, n_splits], accum),
-        ):
-            body(Q, K, V, BlockTable, SeqLens, KScale, VScale, window, scale_log2, OPart, LSEPart)
-
-        return flashsink_fwd_kvcache_fp8
-
-    @T.prim_func
+    # one signature for both: without kv_fp8 the scales are no parameters and None in the body
     def flashsink_fwd_kvcache(
         Q: T.Tensor([batch, seq_q, heads, dim], dtype),
-        K: T.Tensor([num_pages, page_size, heads_kv, dim], dtype),
-        V: T.Tensor([num_pages, page_size, heads_kv, dim_v], dtype),
+        K: T.Tensor([num_pages, page_size, heads_kv, dim], kv_dtype),
+        V: T.Tensor([num_pages, page_size, heads_kv, dim_v], kv_dtype),
         BlockTable: T.Tensor([batch, max_pages], "int32"),
         SeqLens: T.Tensor([batch], "int32"),
+        KScale: optional(kv_fp8, T.Tensor([heads_kv], accum)),  # per KV head (a per-tensor scale expanded on the host)
+        VScale: optional(kv_fp8, T.Tensor([heads_kv], accum)),
         window: T.int32,
         scale_log2: T.float32,
         OPart: T.Tensor([batch, heads, seq_q, n_splits, dim_v], accum),
         LSEPart: T.Tensor([batch, heads, seq_q, n_splits], accum),
     ):
-        body(Q, K, V, BlockTable, SeqLens, None, None, window, scale_log2, OPart, LSEPart)
+        body(Q, K, V, BlockTable, SeqLens, KScale, VScale, window, scale_log2, OPart, LSEPart)
 
-    return flashsink_fwd_kvcache
+    flashsink_fwd_kvcache.__name__ = "flashsink_fwd_kvcache_fp8" if kv_fp8 else "flashsink_fwd_kvcache"
+    return T.prim_func(flashsink_fwd_kvcache)
 
 
 def _slot_entry(table, b, slot, max_pages):

@@ -37,18 +37,8 @@ def build_fwd_split(cfg: KernelConfig):
         LSEPart: T.Tensor([batch, heads, seq_q, n_splits], accum),
     ):
         with T.Kernel(n_splits, heads_kv, batch, threads=t.threads) as (split, kv_head, b):
-            q_s = T.alloc_shared([bm, dim], dtype)
-            k_s = T.alloc_shared([bn, dim], dtype)
-            v_s = T.alloc_shared([bn, dim_v], dtype)
-            acc_s = T.alloc_fragment([bm, bn], accum)
-            p = T.alloc_fragment([bm, bn], dtype)
-            acc_o = T.alloc_fragment([bm, dim_v], accum)
-            m = T.alloc_fragment([bm], accum)
-            m_prev = T.alloc_fragment([bm], accum)
-            alpha = T.alloc_fragment([bm], accum)
-            row_sum = T.alloc_fragment([bm], accum)
-            l = T.alloc_fragment([bm], accum)
-            lse = T.alloc_fragment([bm], accum)
+            q_s, k_s, v_s, acc_s, p, acc_o = alloc_tiles(bm, bn, dim, dim_v, dtype)
+            m, m_prev, alpha, row_sum, l, lse = softmax.alloc_state(bm)
 
             n_rows = groups * seq_q  # packed row p is query row p % seq_q of head p // seq_q
             rows = HeadMajor(n_rows, seq_q)
@@ -89,3 +79,10 @@ def build_fwd_split(cfg: KernelConfig):
 
     return flashsink_fwd_split
 
+
+def alloc_tiles(bm: int, bn: int, dim: int, dim_v: int, dtype: str) -> tuple:
+    """The split forwards' tiles (this kernel's and ``fwd_kvcache``'s), in this order: ``(q_s, k_s, v_s,
+    acc_s, p, acc_o)``, the kernel naming them by the names it unpacks them into."""
+    return (T.alloc_shared([bm, dim], dtype), T.alloc_shared([bn, dim], dtype), T.alloc_shared([bn, dim_v], dtype),
+            T.alloc_fragment([bm, bn], "float32"), T.alloc_fragment([bm, bn], dtype),
+            T.alloc_fragment([bm, dim_v], "float32"))
