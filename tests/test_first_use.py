@@ -91,14 +91,14 @@ def fake_build(monkeypatch):
 
 
 def test_first_use_builds_the_whole_set_in_parallel(fake_build, caplog):
-    # (bwd_split: the head-major main backward for rows past BWD_SPLIT_MIN_ROWS, config.bwd_head_major)
+    # (no bwd_split: the ws main backward runs unsplit, config.bwd_split)
     # (fwd_window: the forward for windows up to 128 keys, 64-key tiles with a GQA group packed,
     # config.fwd_window_tiles)
-    assert kinds.kinds_for(CFG) == ("fwd", "fwd_window", "preprocess", "bwd", "bwd_split", "postprocess",
-                                    "fwd_split", "merge_splits")
+    assert kinds.kinds_for(CFG) == ("fwd", "fwd_window", "preprocess", "bwd", "postprocess", "fwd_split",
+                                    "merge_splits")
     # a training call's first launch builds the forward and backward, not the decode pair
     needed = kinds.first_use_kinds("fwd", CFG)
-    assert needed == ("fwd", "fwd_window", "preprocess", "bwd", "bwd_split", "postprocess")
+    assert needed == ("fwd", "fwd_window", "preprocess", "bwd", "postprocess")
     with caplog.at_level(logging.INFO, logger="flashsink"):
         launcher = registry.get_kernel("fwd", CFG)
     assert launcher == ("executable", "fwd", kinds.canonical("fwd", CFG))  # the executable, not the adapter
@@ -106,9 +106,9 @@ def test_first_use_builds_the_whole_set_in_parallel(fake_build, caplog):
     # the longest build (the forward) in this process, which has its imports done; the others in
     # workers, one per kernel, all at once (the barrier passed), submitted longest first
     assert [k for k, where in fake_build["built"] if where == "in-process"] == ["fwd"]
-    assert fake_build["submitted"] == ["fwd_window", "bwd", "bwd_split", "preprocess", "postprocess"]
+    assert fake_build["submitted"] == ["fwd_window", "bwd", "preprocess", "postprocess"]
     assert fake_build["jobs"] == len(needed) - 1
-    assert "compiling 6 kernels" in caplog.text and "in parallel" in caplog.text
+    assert "compiling 5 kernels" in caplog.text and "in parallel" in caplog.text
     # every kernel of the configuration is now one dict lookup away, nothing else is built or loaded
     n = len(fake_build["loads"])
     for kind in needed:
@@ -125,9 +125,9 @@ def test_first_use_loads_cached_kernels_and_compiles_only_the_rest(fake_build):
     for kind in ("fwd", "bwd", "fwd_split"):
         fake_build["disk"].add((kind, kinds.canonical(kind, CFG)))
     registry.get_kernel("bwd", CFG)
-    assert sorted(k for k, _ in fake_build["built"]) == ["bwd_split", "fwd_window", "postprocess", "preprocess"]
+    assert sorted(k for k, _ in fake_build["built"]) == ["fwd_window", "postprocess", "preprocess"]
     assert ("fwd_window", "in-process") in fake_build["built"]
-    assert fake_build["jobs"] == 3
+    assert fake_build["jobs"] == 2
 
 
 def test_first_use_workers_leave_a_core_to_this_process(fake_build, monkeypatch):
@@ -135,7 +135,7 @@ def test_first_use_workers_leave_a_core_to_this_process(fake_build, monkeypatch)
     fake_build["no_barrier"] = True  # fewer workers than kernels: they run in turns
     registry.get_kernel("fwd", CFG)
     assert fake_build["jobs"] == 2
-    assert fake_build["submitted"] == ["fwd_window", "bwd", "bwd_split", "preprocess", "postprocess"]
+    assert fake_build["submitted"] == ["fwd_window", "bwd", "preprocess", "postprocess"]
     assert sorted(k for k, _ in fake_build["built"]) == sorted(kinds.first_use_kinds("fwd", CFG))
     assert all(registry.get_kernel(k, CFG)[1] == k for k in kinds.first_use_kinds("fwd", CFG))
 
@@ -164,8 +164,8 @@ def test_first_use_takes_back_kernels_no_worker_started(fake_build, monkeypatch)
     monkeypatch.setattr(compile_mod, "compile_kernel", compile_kernel)
     registry.get_kernel("fwd", CFG)
     assert fake_build["jobs"] == 1
-    assert [k for k, where in fake_build["built"] if where == "in-process"] == ["fwd", "bwd", "bwd_split",
-                                                                                  "preprocess", "postprocess"]
+    assert [k for k, where in fake_build["built"] if where == "in-process"] == ["fwd", "bwd", "preprocess",
+                                                                                  "postprocess"]
     assert [k for k, where in fake_build["built"] if where == "worker"] == ["fwd_window"]
     assert all(registry.get_kernel(k, CFG)[1] == k for k in kinds.first_use_kinds("fwd", CFG))
 
