@@ -384,10 +384,9 @@ def test_split_backward_is_chosen_for_long_rows(monkeypatch):
     for n, window, det, hk, d, want in ((long_n, None, False, 2, 256, True), (long_n, 128, False, 2, 256, False),
                                         (long_n - 2, None, False, 2, 256, False), (long_n, None, True, 2, 256, False),
                                         (long_n, None, False, 8, 256, False),
-                                        # the ws kernel runs split head-major at D64 (causal) and D128
+                                        # the ws kernel runs unsplit at D64, split head-major at D128
                                         # (config.bwd_split, bwd_head_major)
-                                        (long_n, None, False, 2, 64, True), (long_n - 2, None, False, 2, 64, False),
-                                        (long_n, None, False, 2, 128, True),
+                                        (long_n, None, False, 2, 64, False), (long_n, None, False, 2, 128, True),
                                         (long_n - 2, None, False, 2, 128, False), (long_n, 128, False, 2, 128, False)):
         q, k, v, do, sinks, spec = _dense_inputs((1, 8, hk, n, n, d, window, "bhsd", True))
         cfg = dense.kernel_config(spec, torch.device("cuda", 0), det, "fast")

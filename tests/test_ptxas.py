@@ -61,6 +61,15 @@ def _ptxas_all(pairs) -> dict:
     return {pair: "" if f is None else f.result() for pair, f in out.items()}
 
 
+def _known(kind, cfg) -> tuple:
+    """The serialization known today, as strict xfails (each flips to a failure once fixed): D64's dq-first
+    main backward (C7512, registers). ``build_bwd_ws(ds_first=True)`` compiles without it; it becomes the
+    default once a GPU has timed it against this order (perf-log v33, Next 1)."""
+    if kind == "bwd" and bwd_dq_first(cfg):
+        return (pytest.mark.xfail(strict=True, reason="C7512 in D64's dq-first order until ds_first is timed"),)
+    return ()
+
+
 @pytest.fixture(scope="module")
 def ptxas(request) -> dict:
     """:func:`_ptxas_all` of the kernels of this session's selected tests (``-k`` builds only those)."""
@@ -71,7 +80,7 @@ def ptxas(request) -> dict:
 
 @pytest.mark.l1
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
-@pytest.mark.parametrize("kind, cfg", [pytest.param(kind, cfg, id=f"{kind}-{cfg.short()}")
+@pytest.mark.parametrize("kind, cfg", [pytest.param(kind, cfg, id=f"{kind}-{cfg.short()}", marks=_known(kind, cfg))
                                        for kind, cfg in _kernels()])
 def test_no_serialized_wgmma(ptxas, kind, cfg):
     out = ptxas[kind, cfg]
@@ -102,8 +111,8 @@ ptxas info    : Used 168 registers, used 2 barriers, 1024 bytes smem"""
 @pytest.mark.l1
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 def test_ds_first_compiles_without_serialized_wgmma():
-    """D64's dq-first main backward with ``ds_first=True`` (dS^T into dP^T's registers before P^T is
-    rounded; the default since perf-log v35) compiles without C7512, which the old order has (v20)."""
+    """The fix of :func:`_known`'s kernel, not yet the default: D64's dq-first main backward with
+    ``ds_first=True`` (dS^T into dP^T's registers before P^T is rounded) compiles without C7512."""
     from flashsink.kernel_config import bwd_tiles
     from flashsink.ops.kernels.bwd_ws import build_bwd_ws
 

@@ -293,24 +293,12 @@ def bwd_split(cfg: KernelConfig) -> int:
 
 def bwd_head_major(cfg: KernelConfig) -> bool:
     """Whether the hand warp-specialized main backward's split kernel (:func:`bwd_split`) is launched head
-    by head (``bwd_ws.build_bwd_ws(head_major=True)``, FlashAttention-4's grid), in FlashAttention-3's order
-    (:func:`bwd_fa3_order`): fast, padded layouts, head dims above 64 up to 128, and head dim 64 where
-    :func:`bwd_dq_first`. On an H100 at causal D128 N4096 H64/8 it moves 0.49 GB of DRAM against the
-    tile-major unsplit kernel's 3.6 GB, main kernel 1.85 -> 1.55 ms (perf-log v33); at D64 it is the faster
-    kernel only once its wgmma are no longer serialized (v33: +3% in the old order; v34: -9% in FA3's)."""
+    by head (``bwd_ws.build_bwd_ws(head_major=True)``, FlashAttention-4's grid): fast, head dims above 64
+    up to 128, padded layouts. On an H100 at causal D128 N4096 H64/8 it moves 0.49 GB of DRAM against the
+    tile-major unsplit kernel's 3.6 GB, main kernel 1.85 -> 1.55 ms; at D64 N8192 the 128-row dQ-first
+    kernel stays faster unsplit (3.46 ms against 3.50-3.96: its traffic was never its limit), perf-log v33."""
     return (bwd_ws(cfg) and cfg.precision == "fast" and not cfg.deterministic and cfg.head_dim == cfg.head_dim_v
-            and (64 < cfg.head_dim <= 128 or bwd_dq_first(cfg)) and cfg.layout != "thd")
-
-
-def bwd_fa3_order(cfg: KernelConfig, split: int) -> dict:
-    """``bwd_ws.build_bwd_ws``'s ``dq_first``, ``ds_first`` and ``dk_in_flight`` for ``split`` programs
-    per KV tile: FlashAttention-3's order (dQ's product first, dS^T into dP^T's registers, dK's product
-    running into the next tile) in the head-major split kernel (``split > 1``, perf-log v34: D128 -10%,
-    D64 -9%); unsplit, :func:`bwd_dq_first` with ``ds_first`` (D64 SWA -8%, no C7512); elsewhere the
-    order of perf-log v10 (dK's product drained each tile: ``dk_in_flight`` serializes it there, C7515)."""
-    head_major = split > 1 and bwd_head_major(cfg)
-    dq_first = bwd_dq_first(cfg) or head_major
-    return {"dq_first": dq_first, "ds_first": dq_first, "dk_in_flight": head_major}
+            and 64 < cfg.head_dim <= 128 and cfg.layout != "thd")
 
 
 #: the split main backward runs when the rows one KV tile can see reach this many (perf-log v6)

@@ -32,7 +32,7 @@ import tilelang.language as T
 from ..tir.block_range import full_kv_blocks_for_rows, full_row_blocks_for_keys, kv_blocks_for_rows, row_blocks_for_keys
 from .bwd_entry import main_bwd_entry, main_bwd_shapes
 from .bwd_ws import build_bwd_ws
-from ...kernel_config import (ROW_BLOCK, KernelConfig, bwd_branch, bwd_dq_bulk, bwd_fa3_order, bwd_overlap, bwd_split,
+from ...kernel_config import (ROW_BLOCK, KernelConfig, bwd_branch, bwd_dq_bulk, bwd_dq_first, bwd_overlap, bwd_split,
                      bwd_swap, bwd_tiles, bwd_ws, dq_tiles, pre_branch, pre_lpt, pre_o32_tiles, pre_tiles)
 from ..tir.layout import (acc_tile, clear_acc_rows, kernel, optional, prologue_load, qkv_shapes, row_runs, sequence, stage_stat,
                      staged_stat, stat_at, stat_shape, stat_tile, store_rows, store_stat, tile, varlen_params)
@@ -301,7 +301,7 @@ def build_bwd(cfg: KernelConfig, split: int = 1):
     t = bwd_tiles(cfg)
     if bwd_ws(cfg):
         # the ws kernel is split only where it runs head-major (config.bwd_split, bwd_head_major)
-        return build_bwd_ws(cfg, t, split, head_major=split > 1, **bwd_fa3_order(cfg, split))
+        return build_bwd_ws(cfg, t, split, bwd_dq_first(cfg), head_major=split > 1)
     return build_bwd_pipelined(cfg, t, split, bwd_branch(cfg), bwd_swap(cfg), bwd_dq_bulk(cfg), bwd_overlap(cfg))
 
 
