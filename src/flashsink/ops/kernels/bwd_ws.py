@@ -199,99 +199,90 @@ def build_bwd_ws(cfg: KernelConfig, t, split: int, dq_first: bool, ds_first: boo
 
             if tx >= CONSUMER_THREADS:
                 T.set_max_nreg(PRODUCER_REGS, 0)
-                # the ring's loads, and each tile's dQ added while the consumers work on the next one;
-                # the tiles as (head, row block) loops: no division by the runtime row count
-                dq_head = T.alloc_var("int32")  # the tile whose dQ the consumers hand over next
-                dq_row = T.alloc_var("int32")
-                for hh in T.serial(per_prog):
-                    for r in T.serial(n_rows):
-                        it = hh * n_rows + r
-                        s = it % stages
-                        head = head0 + hh
-                        row0 = (lo_blk + r) * bm
-                        T.mbarrier_wait_parity(empty[s], ((it // stages) & 1) ^ 1)
-                        T.tma_copy(tile(Q, layout, b, head, q_base + row0, bm), q_r[s, :, :], barrier=full[s])
-                        T.tma_copy(tile(dO, layout, b, head, q_base + row0, bm), do_r[s, :, :], barrier=full[s])
-                        if not packed:
-                            T.tma_copy(stat_tile(LSE, layout, b, head, row0, bm), lse_r[s, :], barrier=full[s])
-                            T.tma_copy(stat_tile(Delta, layout, b, head, row0, bm), delta_r[s, :], barrier=full[s])
-                        else:
-                            _stage_packed_stats(LSE, Delta, lse_r, delta_r, s, head, q_base + row0,
-                                                tx - CONSUMER_THREADS, bm)
-                        T.barrier_arrive(full[s])
-                        if with_dq:
-                            if it > 0:  # the previous tile's dQ, while the consumers work on this one
-                                T.mbarrier_wait_parity(dq_full, (it - 1) & 1)
-                                T.atomic_add(acc_tile(dQAcc, layout, b, dq_head, q_base + dq_row, bm), dq_s,
-                                             annotations={"use_tma": 1})
-                                T.barrier_arrive(dq_empty)
-                            dq_head = head
-                            dq_row = row0
+                # the ring's loads, and each tile's dQ added while the consumers work on the next one
+                for it in T.serial(n_it):
+                    s = it % stages
+                    head = head0 + it // n_rows
+                    row0 = (lo_blk + it % n_rows) * bm
+                    T.mbarrier_wait_parity(empty[s], ((it // stages) & 1) ^ 1)
+                    T.tma_copy(tile(Q, layout, b, head, q_base + row0, bm), q_r[s, :, :], barrier=full[s])
+                    T.tma_copy(tile(dO, layout, b, head, q_base + row0, bm), do_r[s, :, :], barrier=full[s])
+                    if not packed:
+                        T.tma_copy(stat_tile(LSE, layout, b, head, row0, bm), lse_r[s, :], barrier=full[s])
+                        T.tma_copy(stat_tile(Delta, layout, b, head, row0, bm), delta_r[s, :], barrier=full[s])
+                    else:
+                        _stage_packed_stats(LSE, Delta, lse_r, delta_r, s, head, q_base + row0, tx - CONSUMER_THREADS, bm)
+                    T.barrier_arrive(full[s])
+                    if with_dq:
+                        if it > 0:  # the previous tile's dQ, while the consumers work on this one
+                            prev = it - 1
+                            T.mbarrier_wait_parity(dq_full, prev & 1)
+                            T.atomic_add(acc_tile(dQAcc, layout, b, head0 + prev // n_rows, q_base + (lo_blk + prev % n_rows) * bm, bm),
+                                         dq_s, annotations={"use_tma": 1})
+                            T.barrier_arrive(dq_empty)
                 if with_dq:
                     if n_it > 0:
-                        T.mbarrier_wait_parity(dq_full, (n_it - 1) & 1)
-                        T.atomic_add(acc_tile(dQAcc, layout, b, dq_head, q_base + dq_row, bm),
+                        last = n_it - 1
+                        T.mbarrier_wait_parity(dq_full, last & 1)
+                        T.atomic_add(acc_tile(dQAcc, layout, b, head0 + last // n_rows, q_base + (lo_blk + last % n_rows) * bm, bm),
                                      dq_s, annotations={"use_tma": 1})
             else:
                 T.set_max_nreg(CONSUMER_REGS, 1)
                 T.clear(dk)
                 T.clear(dv)
-                for hh in T.serial(per_prog):
-                    for r in T.serial(n_rows):
-                        it = hh * n_rows + r
-                        blk = lo_blk + r
-                        s = it % stages
-                        row0 = blk * bm
-                        T.mbarrier_wait_parity(full[s], (it // stages) & 1)
-                        # S^T and dP^T back to back; P while dP^T runs
-                        T.wgmma_gemm(k_s, q_r[s, :, :], pT, transpose_B=True, clear_accum=True,
-                                     policy=T.GemmWarpPolicy.FullRow)
-                        T.wgmma_gemm(v_s, do_r[s, :, :], dpT, transpose_B=True, clear_accum=True,
-                                     policy=T.GemmWarpPolicy.FullRow)
-                        T.wait_wgmma(1)  # S^T (and the previous tile's dK, when in flight)
-                        if defer and it > 0:
-                            T.barrier_arrive(empty[(it - 1) % stages])  # its last reader, dK, is done
-                        # the per-element mask only where this row block is not wholly visible
-                        branch_tile(probs_t, in_blocks(blk, (full_lo, full_hi)),
-                                    pT, lse_r, s, row0, key0, sq, sk, window, scale_log2)
+                for it in T.serial(n_it):
+                    s = it % stages
+                    head = head0 + it // n_rows
+                    row0 = (lo_blk + it % n_rows) * bm
+                    T.mbarrier_wait_parity(full[s], (it // stages) & 1)
+                    # S^T and dP^T back to back; P while dP^T runs
+                    T.wgmma_gemm(k_s, q_r[s, :, :], pT, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                    T.wgmma_gemm(v_s, do_r[s, :, :], dpT, transpose_B=True, clear_accum=True,
+                                 policy=T.GemmWarpPolicy.FullRow)
+                    T.wait_wgmma(1)  # S^T (and the previous tile's dK, when in flight)
+                    if defer and it > 0:
+                        T.barrier_arrive(empty[(it - 1) % stages])  # its last reader, dK, is done
+                    # the per-element mask only where this row block is not wholly visible
+                    branch_tile(probs_t, in_blocks(lo_blk + it % n_rows, (full_lo, full_hi)),
+                                pT, lse_r, s, row0, key0, sq, sk, window, scale_log2)
+                    T.wait_wgmma(0)
+                    # dS^T, selected (not multiplied): a masked slot adds an exact 0 (bwd.py)
+                    if ds_first:  # into dP^T, so P^T's fp32 registers die at its rounding; then dV
+                        branch_tile(dscores_t, in_blocks(lo_blk + it % n_rows, (full_lo, full_hi)),
+                                    pT, dpT, dpT, delta_r, s, row0, key0, sq, sk, window, scale)
+                        rounded(pT, p_h, p_l)
+                        rounded(dpT, ds_h, ds_l)
+                        product(p_h, p_l, do_r[s, :, :], dv)
+                    else:  # dV += P^T dO, running while dS^T is computed into P^T
+                        rounded(pT, p_h, p_l)
+                        product(p_h, p_l, do_r[s, :, :], dv)
+                        branch_tile(dscores_t, in_blocks(lo_blk + it % n_rows, (full_lo, full_hi)),
+                                    pT, dpT, pT, delta_r, s, row0, key0, sq, sk, window, scale)
+                        rounded(pT, ds_h, ds_l)
+                    if with_dq:
+                        # dS^T to shared memory for dQ = dS K, which needs both consumers' keys
+                        T.copy(ds_h, ds_s[it % 2, :, :])
+                        if not fast:
+                            T.copy(ds_l, ds_lo_s[it % 2, :, :])
+                        T.fence_proxy_async()
+                        # the one meeting of the consumers per tile; it also orders this tile's
+                        # write of ds_s[it % 2] after the other's read of it two tiles ago
+                        T.sync_threads(CONSUMER_BARRIER, CONSUMER_THREADS)
+                    # dK += dS^T Q and dQ = dS K; dq_first: dQ's product first, handed off while dK's runs
+                    early = dq_first and with_dq
+                    if early:
+                        dq_product(ds_s, ds_lo_s, k_s, dq, it)
+                    product(ds_h, ds_l, q_r[s, :, :], dk)
+                    if early:
+                        T.wait_wgmma(1 if fast else 2)  # all but dK's product(s)
+                        hand_dq(dq, dq_s, dq_full, dq_empty, it)
+                    elif with_dq:
+                        dq_product(ds_s, ds_lo_s, k_s, dq, it)
+                    if not defer:
                         T.wait_wgmma(0)
-                        # dS^T, selected (not multiplied): a masked slot adds an exact 0 (bwd.py)
-                        if ds_first:  # into dP^T, so P^T's fp32 registers die at its rounding; then dV
-                            branch_tile(dscores_t, in_blocks(blk, (full_lo, full_hi)),
-                                        pT, dpT, dpT, delta_r, s, row0, key0, sq, sk, window, scale)
-                            rounded(pT, p_h, p_l)
-                            rounded(dpT, ds_h, ds_l)
-                            product(p_h, p_l, do_r[s, :, :], dv)
-                        else:  # dV += P^T dO, running while dS^T is computed into P^T
-                            rounded(pT, p_h, p_l)
-                            product(p_h, p_l, do_r[s, :, :], dv)
-                            branch_tile(dscores_t, in_blocks(blk, (full_lo, full_hi)),
-                                        pT, dpT, pT, delta_r, s, row0, key0, sq, sk, window, scale)
-                            rounded(pT, ds_h, ds_l)
-                        if with_dq:
-                            # dS^T to shared memory for dQ = dS K, which needs both consumers' keys
-                            T.copy(ds_h, ds_s[it % 2, :, :])
-                            if not fast:
-                                T.copy(ds_l, ds_lo_s[it % 2, :, :])
-                            T.fence_proxy_async()
-                            # the one meeting of the consumers per tile; it also orders this tile's
-                            # write of ds_s[it % 2] after the other's read of it two tiles ago
-                            T.sync_threads(CONSUMER_BARRIER, CONSUMER_THREADS)
-                        # dK += dS^T Q and dQ = dS K; dq_first: dQ's product first, handed off while dK's runs
-                        early = dq_first and with_dq
-                        if early:
-                            dq_product(ds_s, ds_lo_s, k_s, dq, it)
-                        product(ds_h, ds_l, q_r[s, :, :], dk)
-                        if early:
-                            T.wait_wgmma(1 if fast else 2)  # all but dK's product(s)
-                            hand_dq(dq, dq_s, dq_full, dq_empty, it)
-                        elif with_dq:
-                            dq_product(ds_s, ds_lo_s, k_s, dq, it)
-                        if not defer:
-                            T.wait_wgmma(0)
-                            T.barrier_arrive(empty[s])  # Q, dO, lse, Delta of this slot read
-                        if with_dq and not early:
-                            hand_dq(dq, dq_s, dq_full, dq_empty, it)
+                        T.barrier_arrive(empty[s])  # Q, dO, lse, Delta of this slot read
+                    if with_dq and not early:
+                        hand_dq(dq, dq_s, dq_full, dq_empty, it)
                 if defer:
                     T.wait_wgmma(0)  # the last tile's dK
 
