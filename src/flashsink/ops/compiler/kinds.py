@@ -121,6 +121,7 @@ KINDS: dict = {
                          route="decode", build_s=2.5, precompiled_when=_kvcache),
 }
 
+
 def builders() -> dict:
     """Each kind of :data:`KINDS` whose row names no builder: its builder in ``ops/kernels``. Imported here,
     when a kernel is built: the kernels import tilelang, and importing flashsink must not."""

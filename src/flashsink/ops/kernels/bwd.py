@@ -453,7 +453,7 @@ def build_bwd_pipelined(cfg: KernelConfig, t, split: int, branch: bool, swap: bo
 def build_bwd_split(cfg: KernelConfig):
     """The main backward with a GQA group's query heads over ``config.bwd_split(cfg)`` programs per
     KV tile (fp32 dK/dV accumulators): for problems whose KV tiles see many rows, where the unsplit
-    kernel has too few programs (``dense._backward`` chooses)."""
+    kernel has too few programs (``dense.backward`` chooses)."""
     return build_bwd(cfg, split=bwd_split(cfg))
 
 
