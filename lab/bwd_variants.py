@@ -41,7 +41,7 @@ PROBE_TIMEOUT_S, PROBE_START_S = 60, 240
 
 def _variants(d: int, only: str = "") -> list:
     """(label, Tiles fields, (dq_bulk, overlap, split, ws, precision, branch, swap, dq_first, ds_first[, head_major[,
-    dk_in_flight]])) of the main backward for head dim ``d``. ``ws``: ``bwd_ws.build_bwd_ws(cfg, tiles, split,
+    dk_in_flight[, tma_epilogue]]])) of the main backward for head dim ``d``. ``ws``: ``bwd_ws.build_bwd_ws(cfg, tiles, split,
     dq_first, ds_first, head_major=, dk_in_flight=)``
     (``t.stages`` is its ring's depth); otherwise ``bwd.build_bwd_pipelined(cfg, tiles, split, branch, swap, dq_bulk, overlap)``,
     TileLang's kernel (None: the config's choice for ``dq_bulk``, ``overlap`` and ``branch``)."""
@@ -102,6 +102,12 @@ def _variants(d: int, only: str = "") -> list:
                ("ws 128x128/s2/dqfirst/dkflight", t128,
                 (None, None, 1, True, "fast", None, False, True, False, False, True))]
     out += kf
+    # dK/dV added by bulk reduce-adds from shared memory (``build_bwd_ws(tma_epilogue=True)``, the 12th option;
+    # FlashAttention-4's epilogue) in FlashAttention-3's head-major kernel, instead of per-thread atomics
+    fa3 = (None, None, 8, True, "fast", None, False, True, True, True, True)
+    out += [("ws 64x128/s2/dqfirst/dsfirst/dkflight/split8/hm/tmaepi", t, fa3 + (True,))]
+    if d <= 64:
+        out += [("ws 128x128/s2/dqfirst/dsfirst/dkflight/split8/hm/tmaepi", t128, fa3 + (True,))]
     # FlashAttention-3's order of the last two products: dQ's, then dK's, dQ handed off while dK's runs
     out += [("ws 64x128/s2/dqfirst", t, (None, None, 1, True, "fast", None, False, True, False))]
     if d <= 64:
@@ -197,7 +203,8 @@ def _func(job):
         cfg, t = _cfg(dtype, d, prec), Tiles(*tiles)
         if ws:
             return bwd_ws.build_bwd_ws(cfg, t, split, dq_first, ds_first, head_major=bool(rest and rest[0]),
-                                       dk_in_flight=len(rest) > 1 and bool(rest[1]))
+                                       dk_in_flight=len(rest) > 1 and bool(rest[1]),
+                                       tma_epilogue=len(rest) > 2 and bool(rest[2]))
         return bwd.build_bwd_pipelined(cfg, t, split, config.bwd_branch(cfg) if branch is None else branch, swap,
                                        config.bwd_dq_bulk(cfg) if dq_bulk is None else dq_bulk,
                                        config.bwd_overlap(cfg) if overlap is None else overlap)

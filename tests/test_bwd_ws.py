@@ -179,6 +179,40 @@ def test_dk_in_flight_leaves_dk_running_into_the_next_tile():
         bwd_ws.build_bwd_ws(cfg, t, 8, False, True, head_major=True, dk_in_flight=True)
 
 
+@pytest.mark.parametrize("d", [128, 64])
+def test_tma_epilogue_adds_dk_dv_by_bulk_reduce(d):
+    """``build_bwd_ws(tma_epilogue=True)`` (the split kernel's dK/dV by bulk reduce-adds from shared memory,
+    FlashAttention-4's epilogue; lab/bwd_variants.py's /tmaepi rows, perf-log v36): the same kernel up to the
+    last wait, one fp32 [bn, dim / 2] staging tile more, and in place of the two per-thread atomic adds four
+    bulk adds (dK's and dV's column halves, in that order), only where the program saw a row; unsplit, refused."""
+    cfg = _cfg(d=d)
+    t = config.bwd_tiles(cfg)
+    fa3 = dict(dq_first=True, ds_first=True, head_major=True, dk_in_flight=True)  # FlashAttention-3's order
+    old = bwd_ws.build_bwd_ws(cfg, t, 8, **fa3).script().splitlines()
+    new = bwd_ws.build_bwd_ws(cfg, t, 8, **fa3, tma_epilogue=True).script().splitlines()
+    last = max(i for i, line in enumerate(old) if line.strip() == "T.wait_wgmma(0)")
+    stage = [line for line in new if "kv_stage = T.sblock_alloc_buffer" in line]
+    assert [line.strip() for line in stage] == [f'kv_stage = T.sblock_alloc_buffer(({t.block_n}, {d // 2}), scope="shared.dyn")']
+    assert [line for line in new if line not in stage][: last + 1] == old[: last + 1]
+    assert [line.strip() for line in old[last + 1 :] if "T.atomicadd" in line] == [
+        f"T.atomicadd(T.region({acc}[0, 0], 1, {t.block_n}, {d}), T.region({grad}[by, kv_head, key0, 0], 2, 1, 1, {t.block_n}, {d}))"
+        for acc, grad in (("dk", "dK"), ("dv", "dV"))]
+    tail = [line.strip() for line in new[last + 3 :]]  # (new has the stage's line more, before the loop)
+    assert new[last + 2].strip() == "if n_it > 0:"
+    adds = [line for line in tail if line.startswith("T.atomicadd")]
+    assert adds == [f"T.atomicadd(T.region(kv_stage[0, 0], 1, {t.block_n}, {d // 2}), T.region({grad}[by, kv_head, key0, "
+                    f"{c0}], 2, 1, 1, {t.block_n}, {d // 2}), use_tma=1)" for grad in ("dK", "dV") for c0 in (0, d // 2)]
+    copies = [line for line in tail if line.startswith("T.copy")]
+    assert copies == [f"T.copy(T.region({acc}[0, {c0}], 1, {t.block_n}, {d // 2}), T.region(kv_stage[0, 0], 2, {t.block_n}, "
+                      f"{d // 2}))" for acc in ("dk", "dv") for c0 in (0, d // 2)]
+    # each write of the stage after the first waits at the consumers' barrier for the add before it
+    for i, line in enumerate(tail):
+        if line.startswith("T.copy") and line != copies[0]:
+            assert tail[i - 1] == 'T.tvm_storage_sync("shared", 1, 256)'
+    with pytest.raises(NotImplementedError, match="tma_epilogue is the split kernel's"):
+        bwd_ws.build_bwd_ws(cfg, t, 1, True, True, tma_epilogue=True)
+
+
 def test_strict_preprocess_branches_and_goes_longest_first_on_hopper():
     """``config.pre_branch`` / ``pre_lpt``: Hopper's strict preprocess skips the mask on wholly visible KV
     tiles and issues its query tiles longest first (padded layouts); sm_80 and the fast preprocess do not."""

@@ -21,7 +21,7 @@ import pytest
 pytest.importorskip("tilelang")
 
 from flashsink.ops.compiler import compile as keys, kinds, compile as lowering  # noqa: E402
-from flashsink.kernel_config import KernelConfig, bwd_dq_first  # noqa: E402
+from flashsink.kernel_config import KernelConfig, Tiles, bwd_dq_first  # noqa: E402
 
 #: (precision, deterministic)
 MODES = (("fast", False), ("strict", False), ("fast", True), ("strict", True))
@@ -136,6 +136,24 @@ def test_dk_in_flight_compiles_without_serialized_wgmma():
 
     cfg = KernelConfig("sm_90a", "bfloat16", 128, 128, 8, True, True, "bhsd", False, "fast")
     func = build_bwd_ws(cfg, bwd_tiles(cfg), 8, True, ds_first=True, head_major=True, dk_in_flight=True)
+    args = keys.compile_args(func)
+    out = lowering.ptxas_output(lowering.device_source(func, cfg, args), cfg.arch, args)
+    assert not lowering.ptxas_usage(out).startswith("?"), out
+    assert not lowering.serialized_wgmma(out), lowering.serialized_wgmma(out)
+
+
+@pytest.mark.l1
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+@pytest.mark.parametrize("d", [128, 64])
+def test_tma_epilogue_compiles_without_serialized_wgmma(d):
+    """The head-major kernel in FlashAttention-3's order with dK/dV added by bulk reduce-adds (``tma_epilogue``,
+    perf-log v36) compiles without a serialized wgmma and fits shared memory; with dk and dv read on the path of a
+    program that sees no row, ptxas serialized every wgmma (C7515)."""
+    from flashsink.ops.kernels.bwd_ws import build_bwd_ws
+
+    cfg = KernelConfig("sm_90a", "bfloat16", d, d, 8, True, True, "bhsd", False, "fast")
+    t = Tiles(64, 128, 256, 2) if d == 128 else Tiles(128, 128, 256, 2)  # the head-major kernels' tiles (v34)
+    func = build_bwd_ws(cfg, t, 8, True, ds_first=True, head_major=True, dk_in_flight=True, tma_epilogue=True)
     args = keys.compile_args(func)
     out = lowering.ptxas_output(lowering.device_source(func, cfg, args), cfg.arch, args)
     assert not lowering.ptxas_usage(out).startswith("?"), out

@@ -54,7 +54,7 @@ def _stage_packed_stats(LSE, Delta, lse_r, delta_r, s, head, row, p, bm: int):
 
 
 def build_bwd_ws(cfg: KernelConfig, t, split: int, dq_first: bool, ds_first: bool = False,
-                 head_major: bool = False, dk_in_flight: bool = False):
+                 head_major: bool = False, dk_in_flight: bool = False, tma_epilogue: bool = False):
     """The warp-specialized main backward for tiles ``t`` (``t.threads`` consumer threads, 256;
     ``t.stages`` ring slots) and ``split`` programs per KV tile (``bwd.build_bwd_pipelined``), its KV
     tiles issued longest first (``schedule.by_work``), the per-element mask only on the row blocks not
@@ -74,9 +74,19 @@ def build_bwd_ws(cfg: KernelConfig, t, split: int, dq_first: bool, ds_first: boo
 
     ``dk_in_flight`` (with ``dq_first``): a tile's dK product is left running into the next tile, waited for
     with that tile's S^T (FlashAttention-3's order), so the tensor cores are not idle while dQ is handed
-    over and the next tile's products are issued; the ring slot it reads is released one tile later."""
+    over and the next tile's products are issued; the ring slot it reads is released one tile later.
+
+    ``tma_epilogue`` (with ``split > 1``): dK and dV added into their fp32 accumulators by bulk reduce-adds
+    from shared memory (FlashAttention-4's epilogue), half a tile at a time through one fp32 [bn, dim / 2]
+    staging tile (32 KB at D128: what shared memory has left), instead of per-thread atomics from registers
+    (128 a thread, each behind its bounds tests: 3,840 -> 2,216 SASS instructions in the D128 head-major
+    kernel, perf-log v36). A view over the dead K and V tiles cannot be used: TileLang gives a buffer and
+    its views one layout, and the tiles' bf16 swizzle is not one the bulk add can encode as fp32."""
     if dk_in_flight and not dq_first:
         raise NotImplementedError("dk_in_flight needs dq_first (dQ's product must be waited for before dK's)")
+    if tma_epilogue and (split == 1 or cfg.head_dim != cfg.head_dim_v):
+        raise NotImplementedError("tma_epilogue is the split kernel's (fp32 dK/dV accumulators): split > 1 "
+                                  f"and head_dim == head_dim_v only; got split {split}, {cfg.short()}")
     if not cfg.hopper or t.threads != CONSUMER_THREADS or t.stages < 1:
         raise NotImplementedError(f"the warp-specialized main backward supports Hopper (sm_90a) "
                                   f"and {CONSUMER_THREADS} consumer threads; got {cfg.short()}, {t}")
@@ -141,6 +151,18 @@ def build_bwd_ws(cfg: KernelConfig, t, split: int, dq_first: bool, ds_first: boo
         T.barrier_arrive(dq_full)
 
     @T.macro
+    def bulk_add(acc, stage, dst, c0: int, first: bool):
+        """``dst`` (a region of an fp32 accumulator, [bn, dim / 2]) += ``acc``'s columns ``c0 .. c0 + dim / 2``
+        by a bulk reduce-add through ``stage`` (shared memory); past the ``first``, the consumers meet before
+        they write it, so the previous add has read it (its one issuing thread waits for that)."""
+        if not first:
+            T.sync_threads(CONSUMER_BARRIER, CONSUMER_THREADS)
+        T.copy(acc[:, c0 : c0 + dim // 2], stage)
+        T.fence_proxy_async()
+        T.sync_threads(CONSUMER_BARRIER, CONSUMER_THREADS)
+        T.atomic_add(dst, stage, annotations={"use_tma": 1})
+
+    @T.macro
     def body(Q, K, V, dO, LSE, Delta, CuQ, CuK, window, scale, dQAcc, dK, dV, n_tiles, n_seqs):
         with T.Kernel(n_tiles * heads_kv * split, n_seqs, threads=CONSUMER_THREADS + 128) as (p, b):
             # the program's coordinates and row-block ranges are computed once, into local variables:
@@ -168,6 +190,8 @@ def build_bwd_ws(cfg: KernelConfig, t, split: int, dq_first: bool, ds_first: boo
             dv = T.alloc_fragment([bn, dim_v], accum)
             full = T.alloc_barrier(arrive_count=[128] * stages)  # slot loaded (producer + TMA bytes)
             empty = T.alloc_barrier(arrive_count=[CONSUMER_THREADS] * stages)  # slot read by both consumers
+            if tma_epilogue:  # fp32 dK/dV staged for their bulk adds, half a tile at a time (32 KB at D128)
+                kv_stage = T.alloc_shared([bn, dim // 2], accum)
             if with_dq:
                 # dS^T of two consecutive tiles: a consumer writes tile it+1's while the other may
                 # still read tile it's in its dQ product
@@ -286,7 +310,17 @@ def build_bwd_ws(cfg: KernelConfig, t, split: int, dq_first: bool, ds_first: boo
                 if defer:
                     T.wait_wgmma(0)  # the last tile's dK
 
-                if split > 1:
+                if tma_epilogue:
+                    # (a program no row sees adds nothing; ptxas serializes every wgmma if dk and dv are read
+                    # on that path too, C7515, the zeros it puts there counted as defining accumulators)
+                    if n_it > 0:
+                        for c0, first in ((0, True), (dim // 2, False)):
+                            bulk_add(dk, kv_stage, acc_tile(dK, layout, b, kv_head, k_base + key0, bn, c0, c0 + dim // 2),
+                                     c0, first)
+                        for c0 in (0, dim // 2):
+                            bulk_add(dv, kv_stage, acc_tile(dV, layout, b, kv_head, k_base + key0, bn, c0, c0 + dim // 2),
+                                     c0, False)
+                elif split > 1:
                     # fp32 adds straight from registers (an fp32 staging tile would not fit in
                     # shared memory); rows past the sequence hold exact zeros (P, dS selected to 0)
                     T.atomic_add(acc_tile(dK, layout, b, kv_head, k_base + key0, bn), dk)

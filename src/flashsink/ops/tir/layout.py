@@ -119,12 +119,13 @@ def stat_tile(x, layout, b, h, r0, n):
     return x[b, h, r0 : r0 + n]
 
 
-def acc_tile(x, layout, b, h, r0, n):
+def acc_tile(x, layout, b, h, r0, n, c0=None, c1=None):
     """Rows ``r0 .. r0+n`` of an fp32 ``[.., rows_pad, D]`` accumulator (dQ; dK/dV when the main
-    backward splits a GQA group), for head ``h``."""
+    backward splits a GQA group), for head ``h``; columns ``c0 .. c1`` where given."""
+    cols = slice(None) if c0 is None else slice(c0, c1)
     if layout == "thd":
-        return x[h, r0 : r0 + n, :]
-    return x[b, h, r0 : r0 + n, :]
+        return x[h, r0 : r0 + n, cols]
+    return x[b, h, r0 : r0 + n, cols]
 
 
 def stat_at(x, layout, b, h, r):
