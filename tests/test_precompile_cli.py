@@ -313,6 +313,25 @@ def test_bundle_packs_the_cache_for_the_unpack_script(tmp_path, monkeypatch, cap
     assert "--bundle" in capsys.readouterr().err and not (tmp_path / "no").exists()
 
 
+def test_record_kernels_records_instead_of_building(tmp_path, monkeypatch):
+    """pytest --record-kernels (tests/conftest.py): every kernel a launch asks for is appended to the file
+    and the call stops; the file is what `flashsink precompile --recorded` reads."""
+    from conftest import KernelRecorded, record_kernels
+
+    from flashsink.ops.compiler import registry
+    from flashsink.ops.compiler.precompile import read_kernels
+    from flashsink.ops.launch import dense
+
+    path = tmp_path / "recorded.jsonl"
+    record_kernels(path, monkeypatch)
+    with pytest.raises(KernelRecorded, match="recorded fwd_window"):
+        dense.get_kernel("fwd_window", REC)  # bound in the launch module at its import
+    with pytest.raises(KernelRecorded, match="recorded merge_splits"):
+        registry.get_kernel("merge_splits", REC)  # looked up in the registry at the call (decode.py)
+    assert read_kernels(path) == [("fwd_window", REC), ("merge_splits", REC)]
+    assert ("bwd", REC) in read_kernels(path, recorded=True)
+
+
 @pytest.mark.parametrize("layout", ["folder", "contents", "dot"])
 def test_the_bundle_unpacks_into_the_cache_whatever_its_root(tmp_path, layout):
     """tools/unpack_kernel_bundle.sh: an archive of the cache folder (``tar -cJf .fscache.tar.xz

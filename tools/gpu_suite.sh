@@ -34,12 +34,12 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv 
 echo "${FLASHSINK_COMMIT:-$(git rev-parse HEAD 2>/dev/null)}" > "$out/commit.txt"
 
 # The other GPU tests (torch.compile, Hugging Face, inputs) build kernels of their own: run them
-# once with every kernel launch recorded instead of compiled (in parallel with the suite matrix's
-# precompile), then build what they asked for.
+# once with every kernel launch recorded instead of compiled (pytest --record-kernels, in parallel with
+# the suite matrix's precompile), then build what they asked for.
 phase=${PHASE:-all}
 pc=skipped
 if [ "$phase" != test ]; then
-FLASHSINK_RECORD_KERNELS="$out/recorded.jsonl" timeout 200 python -m pytest tests -m gpu -q -p no:cacheprovider \
+timeout 200 python -m pytest tests -m gpu -q -p no:cacheprovider --record-kernels "$out/recorded.jsonl" \
   --ignore=tests/test_kernels_gpu.py --ignore=tests/test_varlen_gpu.py >"$out/record.log" 2>&1 &
 rec=$!
 timeout "$(left)" python tools/precompile_gpu_cases.py sm_90a > "$dest/precompile.log" 2>&1

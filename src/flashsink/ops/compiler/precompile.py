@@ -125,7 +125,7 @@ def _kernel(obj, recorded: bool) -> tuple:
 
 def read_kernels(path, *, recorded: bool = False) -> list:
     """The (kind, KernelConfig) pairs a JSONL file lists, in order, each once: one JSON object a line,
-    ``kind`` and the KernelConfig fields (what a test run's record mode writes); blank lines skipped.
+    ``kind`` and the KernelConfig fields (what ``pytest --record-kernels`` writes); blank lines skipped.
 
     ``recorded``: the file is a test run's record, where every call stopped at the first kernel it asked
     for, so a recorded forward (``fwd``, ``fwd_window``) brings the rest of its configuration's kernels
@@ -319,8 +319,8 @@ def add_parser(sub) -> None:
                    help="instead of the options above: exactly the kernels these JSONL files list (one JSON object "
                    'a line: "kind" and the KernelConfig fields)')
     p.add_argument("--recorded", nargs="+", metavar="FILE",
-                   help="instead of the options above: the kernels a test run recorded (flashsink's tests: "
-                   "FLASHSINK_RECORD_KERNELS=FILE), and with each recorded forward its configuration's other kernels")
+                   help="instead of the options above: the kernels a test run recorded (flashsink's tests: pytest "
+                   "--record-kernels FILE), and with each recorded forward its configuration's other kernels")
     p.add_argument("--bundle", metavar="PATH",
                    help="then pack the cache's kernels into PATH, a tar.xz archive with kernels/... at its root, for "
                    "another machine: unpacked into its empty cache (tar -xJf PATH -C CACHE_DIR), every entry is "
