@@ -148,46 +148,6 @@ def _tool(name):
     return mod
 
 
-def test_cpu_bundle_lists_the_suite_the_recorded_and_the_bench_kernels(tmp_path, monkeypatch):
-    """tools/precompile_cpu_bundle.py: the suite matrix's kernels, a recorded run's (a kind since
-    removed read as the forward that replaced it, with its configuration's other kernels), and the
-    bench presets' fast, strict and deterministic configurations, each once, for sm_90a."""
-    import dataclasses
-    import json
-
-    from flashsink.ops.compiler import precompile as precompile_mod
-    from flashsink.kernel_config import KernelConfig
-    from flashsink.ops.compiler.kinds import kinds_for
-
-    tool = _tool("precompile_cpu_bundle")
-    rec = KernelConfig("sm_90a", "float16", 64, 64, 3, True, True, "bshd", False, "fast")
-    fields = {k: getattr(rec, k) for k in ("arch", "dtype", "head_dim", "head_dim_v", "groups", "causal",
-                                            "has_sinks", "layout", "deterministic", "precision")}
-    path = tmp_path / "recorded.jsonl"
-    path.write_text("".join(json.dumps({"kind": k, **fields}) + "\n" for k in ("fwd_window", "bwd")))
-    got = {}
-    monkeypatch.setattr(precompile_mod, "precompile", lambda configs, pairs=(), jobs=None: got.update(
-        pairs=list(pairs), jobs=jobs) or [])
-    monkeypatch.setattr("sys.argv", ["precompile_cpu_bundle.py", "--jobs", "3", str(path)])
-    assert tool.main() == 0
-    pairs = got["pairs"]
-    assert got["jobs"] == 3 and len(pairs) == len(set(pairs))
-    assert {cfg.arch for _, cfg in pairs} == {"sm_90a"}
-    assert {(k, rec) for k in kinds_for(rec)} <= set(pairs)  # the recorded forward's whole configuration
-    golden = KernelConfig("sm_90a", "float16", 128, 128, 8, True, True, "bhsd", False, "fast")
-    for cfg in (golden, dataclasses.replace(golden, precision="strict"),
-                dataclasses.replace(golden, deterministic=True)):
-        assert {(k, cfg) for k in kinds_for(cfg)} <= set(pairs), cfg.short()
-    # without an argument: the suite's own recorded configurations, committed beside the tool
-    monkeypatch.setattr("sys.argv", ["precompile_cpu_bundle.py", "--jobs", "3"])
-    assert tool.main() == 0
-    from precompile_recorded import recorded_pairs
-
-    committed = recorded_pairs(tool.RECORDED)
-    assert committed and set(committed) <= set(got["pairs"])
-    assert not {(k, rec) for k in kinds_for(rec)} <= set(got["pairs"])  # the temporary file's: not read
-
-
 def _jsonl(path, rows):
     import json
 
@@ -237,6 +197,30 @@ def test_the_suites_recorded_kernels_load():
     path = Path(__file__).resolve().parents[1] / "tools" / "suite_recorded.jsonl"
     pairs = read_kernels(path, recorded=True)
     assert len(pairs) > len(path.read_text().splitlines()) and {cfg.arch for _, cfg in pairs} == {"sm_90a"}
+
+
+def test_gpu_kernels_lists_the_suite_and_the_bench(tmp_path, monkeypatch, capsys):
+    """tools/gpu_kernels.py: the GPU test matrix's kernels, with --bench the bench presets' fast, strict and
+    deterministic configurations, each once, as lines `--kernels` reads back."""
+    from flashsink.ops.compiler.precompile import read_kernels
+
+    tool = _tool("gpu_kernels")
+    monkeypatch.setattr("sys.argv", ["gpu_kernels.py"])
+    assert tool.main() == 0
+    suite = capsys.readouterr().out
+    monkeypatch.setattr("sys.argv", ["gpu_kernels.py", "--bench"])
+    assert tool.main() == 0
+    both = capsys.readouterr().out
+    lines = both.splitlines()
+    assert suite.splitlines() == lines[:len(suite.splitlines())] and len(lines) == len(set(lines))
+    (tmp_path / "kernels.jsonl").write_text(both)
+    pairs = read_kernels(tmp_path / "kernels.jsonl")
+    assert len(pairs) == len(lines) and {cfg.arch for _, cfg in pairs} == {"sm_90a"}
+    assert ("merge_splits", tool.suite_pairs("sm_90a")[-1][1]) in pairs
+    golden = KernelConfig("sm_90a", "float16", 128, 128, 8, True, True, "bhsd", False, "fast")
+    for cfg in (golden, dataclasses.replace(golden, precision="strict"),
+                dataclasses.replace(golden, deterministic=True)):
+        assert {(k, cfg) for k in kinds_for(cfg)} <= set(pairs), cfg.short()
 
 
 @pytest.mark.boundary
