@@ -287,19 +287,21 @@ def cmd_precompile(args) -> int:
     return 1 if failures else 0
 
 
+HELP = "compile kernels ahead of time into the kernel cache (no GPU needed)"
+DESCRIPTION = (
+    "Compile the kernels for every combination of the options below, or those listed in --kernels and "
+    "--recorded files, in parallel processes, into flashsink's kernel cache (FLASHSINK_CACHE_DIR, default "
+    "~/.cache/flashsink; see `flashsink cache info`), so a later process loads them instead of compiling on "
+    "its first call. Kernels already cached are checked and kept. Works on a machine without a GPU (nvcc is "
+    "needed). Sequence lengths, batch, window size and scale are runtime values: they need no kernels of "
+    "their own. Exit code 1 if any kernel fails to build."
+)
+
+
 def add_parser(sub) -> None:
     from ..._argtypes import add_command, positive_int
 
-    p = add_command(
-        sub, "precompile", cmd_precompile,
-        help="compile kernels ahead of time into the kernel cache (no GPU needed)",
-        description="Compile the kernels for every combination of the options below, or those listed in "
-        "--kernels and --recorded files, in parallel processes, into flashsink's kernel cache "
-        "(FLASHSINK_CACHE_DIR, default ~/.cache/flashsink; see `flashsink cache info`), so a later process loads "
-        "them instead of compiling on its first call. Kernels already cached are checked and kept. Works on a "
-        "machine without a GPU (nvcc is needed). Sequence lengths, batch, window size and scale are runtime "
-        "values: they need no kernels of their own. Exit code 1 if any kernel fails to build.",
-    )
+    p = add_command(sub, "precompile", cmd_precompile, help=HELP, description=DESCRIPTION)
     p.add_argument("--arch", nargs="+", choices=SUPPORTED_ARCHS, help="default sm_90a")
     p.add_argument("--dtype", nargs="+", choices=tuple(_DTYPES), help="default bf16 fp16")
     p.add_argument("--head-dim", nargs="+", type=int, help="default 64 128")
