@@ -1,12 +1,15 @@
-"""Shared test setup: private caches, the `gpu` skip and NaN-poisoned `torch.empty`.
+"""Shared test setup: private caches, the `gpu` skip, NaN-poisoned `torch.empty` and `--record-kernels`.
 
 Markers (l0, l1, l2, boundary, gpu) are registered in pyproject.toml.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import shutil
+import sys
 import tempfile
 
 # The suite leaves nothing in the user's home: unless the environment names them (tools/gpu_suite.sh
@@ -26,7 +29,47 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--record-kernels", metavar="FILE",
+        help="append every kernel a test asks flashsink for to FILE (one JSON object a line, what `flashsink "
+        "precompile --recorded FILE` builds) instead of building it: the call stops there (KernelRecorded). "
+        "tools/gpu_suite.sh runs the GPU tests once this way to learn which kernels to precompile.")
+
+
+class KernelRecorded(RuntimeError):
+    """Raised instead of building a kernel under ``--record-kernels``."""
+
+
+def record_kernels(path, monkeypatch) -> None:
+    """Replace ``registry.get_kernel``, where flashsink's modules look it up, by one that appends its
+    ``(kind, cfg)`` to ``path`` (``kind`` and the KernelConfig fields) and raises KernelRecorded. A module
+    imported later takes the replacement from ``registry`` itself."""
+    from flashsink.ops.compiler import registry
+
+    real = registry.get_kernel
+
+    def get_kernel(kind, cfg):
+        with open(path, "a") as f:
+            f.write(json.dumps({"kind": kind, **dataclasses.asdict(cfg)}) + "\n")
+        raise KernelRecorded(f"--record-kernels: recorded {kind} {cfg.short()}")
+
+    for name, module in list(sys.modules.items()):
+        if name.split(".")[0] == "flashsink" and getattr(module, "get_kernel", None) is real:
+            monkeypatch.setattr(module, "get_kernel", get_kernel)
+
+
+_session_patch = pytest.MonkeyPatch()
+
+
+def pytest_configure(config):
+    path = config.getoption("--record-kernels")
+    if path:
+        record_kernels(path, _session_patch)
+
+
 def pytest_unconfigure(config):
+    _session_patch.undo()
     if _made_caches is not None:
         shutil.rmtree(_made_caches, ignore_errors=True)
 

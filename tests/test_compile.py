@@ -2,7 +2,7 @@
 
 TileLang lowers and nvcc builds with an explicit target, so CI (CPU only) proves each kernel
 and each architecture-specific code path builds. One variant per kernel and arch here; the
-full matrix is `tools/precompile_gpu_cases.py` (and, later, `flashsink precompile`).
+full matrix is `tools/gpu_kernels.py`'s, built by `flashsink precompile --kernels`.
 """
 
 import shutil

@@ -86,7 +86,6 @@ def fake_build(monkeypatch):
     monkeypatch.setattr(parallel, "compile_one", compile_one)
     monkeypatch.setattr(parallel, "executor", executor)
     monkeypatch.setattr(registry.os, "cpu_count", lambda: 16)
-    monkeypatch.delenv("FLASHSINK_RECORD_KERNELS", raising=False)
     return state
 
 

@@ -1,5 +1,7 @@
-"""`flashsink precompile`: the configurations it plans, its errors, and one real build (no GPU)."""
+"""`flashsink precompile`: the configurations it plans, the kernel lists it reads, its errors, the bundle it
+packs, and one real build (no GPU)."""
 
+import dataclasses
 import io
 import os
 import shutil
@@ -8,6 +10,8 @@ from pathlib import Path
 import pytest
 
 from flashsink.cli import main
+from flashsink.kernel_config import KernelConfig
+from flashsink.ops.compiler.kinds import kinds_for
 
 
 @pytest.mark.l0
@@ -144,44 +148,172 @@ def _tool(name):
     return mod
 
 
-def test_cpu_bundle_lists_the_suite_the_recorded_and_the_bench_kernels(tmp_path, monkeypatch):
-    """tools/precompile_cpu_bundle.py: the suite matrix's kernels, a recorded run's (a kind since
-    removed read as the forward that replaced it, with its configuration's other kernels), and the
-    bench presets' fast, strict and deterministic configurations, each once, for sm_90a."""
-    import dataclasses
+def _jsonl(path, rows):
     import json
 
-    from flashsink.ops.compiler import precompile as precompile_mod
-    from flashsink.kernel_config import KernelConfig
-    from flashsink.ops.compiler.kinds import kinds_for
+    path.write_text("".join(json.dumps({"kind": k, **dataclasses.asdict(cfg)}) + "\n" for k, cfg in rows))
+    return path
 
-    tool = _tool("precompile_cpu_bundle")
-    rec = KernelConfig("sm_90a", "float16", 64, 64, 3, True, True, "bshd", False, "fast")
-    fields = {k: getattr(rec, k) for k in ("arch", "dtype", "head_dim", "head_dim_v", "groups", "causal",
-                                            "has_sinks", "layout", "deterministic", "precision")}
-    path = tmp_path / "recorded.jsonl"
-    path.write_text("".join(json.dumps({"kind": k, **fields}) + "\n" for k in ("fwd_window", "bwd")))
+
+def _planned(monkeypatch):
+    """What `flashsink precompile` hands to ``precompile`` (which builds nothing here)."""
+    from flashsink.ops.compiler import precompile as pc
+
     got = {}
-    monkeypatch.setattr(precompile_mod, "precompile", lambda configs, pairs=(), jobs=None: got.update(
-        pairs=list(pairs), jobs=jobs) or [])
-    monkeypatch.setattr("sys.argv", ["precompile_cpu_bundle.py", "--jobs", "3", str(path)])
+    monkeypatch.setattr(pc, "precompile", lambda configs, kinds=None, pairs=(), jobs=None, out=None: got.update(
+        configs=list(configs), pairs=list(pairs), jobs=jobs) or [])
+    return got
+
+
+REC = KernelConfig("sm_90a", "float16", 64, 64, 3, True, True, "bshd", False, "fast")
+
+
+@pytest.mark.l0
+def test_kernels_and_recorded_files(tmp_path, monkeypatch, capsys):
+    """--kernels builds exactly what its file lists; --recorded also the rest of each recorded forward's
+    configuration (the recording call stopped at its forward), a forward kind since removed read as
+    ``fwd``; no configuration of the option product besides."""
+    got = _planned(monkeypatch)
+    exact = _jsonl(tmp_path / "kernels.jsonl", [("fwd_window", REC), ("bwd", REC), ("fwd_window", REC)])
+    assert main(["precompile", "--kernels", str(exact), "--jobs", "3"]) == 0
+    assert got == {"configs": [], "pairs": [("fwd_window", REC), ("bwd", REC)], "jobs": 3}
+    assert f"{exact}: 2 kernels" in capsys.readouterr().out
+    recorded = _jsonl(tmp_path / "recorded.jsonl", [("fwd_window", REC), ("merge_splits", REC)])
+    with recorded.open("a") as f:  # an older run's forward kind
+        f.write(recorded.read_text().splitlines()[0].replace('"fwd_window"', '"fwd_pipelined"') + "\n\n")
+    assert main(["precompile", "--recorded", str(recorded)]) == 0
+    assert got["configs"] == [] and got["pairs"][:3] == [("fwd_window", REC), ("merge_splits", REC), ("fwd", REC)]
+    assert set(got["pairs"]) == {("merge_splits", REC)} | {(k, REC) for k in kinds_for(REC)}
+    # the dry run lists them per configuration
+    assert main(["precompile", "--dry-run", "--kernels", str(exact)]) == 0
+    out = capsys.readouterr().out
+    assert f"{REC.short():<60} fwd_window bwd" in out and "1 configurations, 2 kernels" in out
+
+
+def test_the_suites_recorded_kernels_load():
+    """tools/suite_recorded.jsonl (the GPU suite's record, read by the kernel bundle) loads as written."""
+    from flashsink.ops.compiler.precompile import read_kernels
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "suite_recorded.jsonl"
+    pairs = read_kernels(path, recorded=True)
+    assert len(pairs) > len(path.read_text().splitlines()) and {cfg.arch for _, cfg in pairs} == {"sm_90a"}
+
+
+def test_gpu_kernels_lists_the_suite_and_the_bench(tmp_path, monkeypatch, capsys):
+    """tools/gpu_kernels.py: the GPU test matrix's kernels, with --bench the bench presets' fast, strict and
+    deterministic configurations, each once, as lines `--kernels` reads back."""
+    from flashsink.ops.compiler.precompile import read_kernels
+
+    tool = _tool("gpu_kernels")
+    monkeypatch.setattr("sys.argv", ["gpu_kernels.py"])
     assert tool.main() == 0
-    pairs = got["pairs"]
-    assert got["jobs"] == 3 and len(pairs) == len(set(pairs))
-    assert {cfg.arch for _, cfg in pairs} == {"sm_90a"}
-    assert {(k, rec) for k in kinds_for(rec)} <= set(pairs)  # the recorded forward's whole configuration
+    suite = capsys.readouterr().out
+    monkeypatch.setattr("sys.argv", ["gpu_kernels.py", "--bench"])
+    assert tool.main() == 0
+    both = capsys.readouterr().out
+    lines = both.splitlines()
+    assert suite.splitlines() == lines[:len(suite.splitlines())] and len(lines) == len(set(lines))
+    (tmp_path / "kernels.jsonl").write_text(both)
+    pairs = read_kernels(tmp_path / "kernels.jsonl")
+    assert len(pairs) == len(lines) and {cfg.arch for _, cfg in pairs} == {"sm_90a"}
+    assert ("merge_splits", tool.suite_pairs("sm_90a")[-1][1]) in pairs
     golden = KernelConfig("sm_90a", "float16", 128, 128, 8, True, True, "bhsd", False, "fast")
     for cfg in (golden, dataclasses.replace(golden, precision="strict"),
                 dataclasses.replace(golden, deterministic=True)):
         assert {(k, cfg) for k in kinds_for(cfg)} <= set(pairs), cfg.short()
-    # without an argument: the suite's own recorded configurations, committed beside the tool
-    monkeypatch.setattr("sys.argv", ["precompile_cpu_bundle.py", "--jobs", "3"])
-    assert tool.main() == 0
-    from precompile_recorded import recorded_pairs
 
-    committed = recorded_pairs(tool.RECORDED)
-    assert committed and set(committed) <= set(got["pairs"])
-    assert not {(k, rec) for k in kinds_for(rec)} <= set(got["pairs"])  # the temporary file's: not read
+
+@pytest.mark.boundary
+@pytest.mark.parametrize("text, needle", [
+    (b"\xff\xfe\n", ":1: not UTF-8 text"),
+    (b"\n{oops\n", ":2: not JSON"),
+    (b"[1, 2]\n", ":1: expected a JSON object, got list"),
+    (b'{"arch": "sm_90a"}\n', ':1: "kind" must be a kernel kind'),
+    (b'{"kind": "fwd_pipelined"}\n', ":1: unknown kernel kind 'fwd_pipelined'"),
+    (b'{"kind": "fwd"}\n', ":1: missing arch, dtype"),
+    (None, ":1: head_dim must be an int >= 1, got '64'"),
+    (None, ":1: unknown extra"),
+])
+def test_a_damaged_file_is_reported_not_raised(text, needle, tmp_path, monkeypatch, capsys):
+    """A damaged or foreign line is a usage error (exit 2) naming the option, the file and the line; nothing
+    is built."""
+    import json
+
+    got = _planned(monkeypatch)
+    if text is None:
+        row = {"kind": "fwd", **dataclasses.asdict(REC)}
+        row.update({"head_dim": "64"} if "head_dim" in needle else {"extra": 1})
+        text = (json.dumps(row) + "\n").encode()
+    path = tmp_path / "k.jsonl"
+    path.write_bytes(text)
+    assert main(["precompile", "--kernels", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"flashsink precompile: --kernels {path}{needle}" in err and "Traceback" not in err
+    assert main(["precompile", "--recorded", str(tmp_path / "none.jsonl")]) == 2
+    assert "none.jsonl: cannot read it (No such file or directory)" in capsys.readouterr().err
+    assert got == {}
+
+
+@pytest.mark.boundary
+def test_files_take_no_configuration_options(tmp_path, monkeypatch, capsys):
+    path = _jsonl(tmp_path / "k.jsonl", [("bwd", REC)])
+    assert main(["precompile", "--kernels", str(path), "--arch", "sm_90a", "--varlen"]) == 2
+    assert "--arch --varlen cannot be added" in capsys.readouterr().err
+    from flashsink.ops.compiler.precompile import pack_bundle, read_kernels
+
+    with pytest.raises(TypeError, match="path must be a path"):
+        read_kernels(3)
+    with pytest.raises(TypeError, match="path must be a path"):
+        pack_bundle(None)
+
+
+def test_bundle_packs_the_cache_for_the_unpack_script(tmp_path, monkeypatch, capsys):
+    """--bundle: the cache's kernels/ in an archive tools/unpack_kernel_bundle.sh unpacks into another
+    machine's empty cache; an archive that cannot be written is a message and exit 1."""
+    import subprocess
+
+    if shutil.which("bash") is None or shutil.which("xz") is None:
+        pytest.skip("needs bash and xz")
+    from flashsink.ops.compiler import diskcache
+
+    monkeypatch.setenv("FLASHSINK_CACHE_DIR", str(tmp_path / "cache"))
+    entry = diskcache.ensure_cache_dir() / "kernels" / "bwd-0123"
+    entry.mkdir()
+    (entry / "params.json").write_text("{}")
+    _planned(monkeypatch)
+    work = tmp_path / "gpu"
+    work.mkdir()
+    path = _jsonl(tmp_path / "k.jsonl", [("bwd", REC)])
+    assert main(["precompile", "--kernels", str(path), "--bundle", str(work / ".fscache.tar.xz")]) == 0
+    assert f"bundle: 1 kernels in {work / '.fscache.tar.xz'}" in capsys.readouterr().out
+    assert sorted(p.name for p in work.iterdir()) == [".fscache.tar.xz"]  # no .part left
+    script = Path(__file__).resolve().parents[1] / "tools" / "unpack_kernel_bundle.sh"
+    env = {"PATH": os.environ["PATH"], "FLASHSINK_CACHE_DIR": str(work / ".fscache")}
+    run = subprocess.run(["bash", "-c", f"set -uo pipefail; source {script}"], cwd=work, env=env,
+                         capture_output=True, text=True, check=True)
+    assert "1 entries unpacked" in run.stdout
+    assert (work / ".fscache" / "kernels" / "bwd-0123" / "params.json").read_text() == "{}"
+    assert main(["precompile", "--kernels", str(path), "--bundle", str(tmp_path / "no" / "b.tar.xz")]) == 1
+    assert "--bundle" in capsys.readouterr().err and not (tmp_path / "no").exists()
+
+
+def test_record_kernels_records_instead_of_building(tmp_path, monkeypatch):
+    """pytest --record-kernels (tests/conftest.py): every kernel a launch asks for is appended to the file
+    and the call stops; the file is what `flashsink precompile --recorded` reads."""
+    from conftest import KernelRecorded, record_kernels
+
+    from flashsink.ops.compiler import registry
+    from flashsink.ops.compiler.precompile import read_kernels
+    from flashsink.ops.launch import dense
+
+    path = tmp_path / "recorded.jsonl"
+    record_kernels(path, monkeypatch)
+    with pytest.raises(KernelRecorded, match="recorded fwd_window"):
+        dense.get_kernel("fwd_window", REC)  # bound in the launch module at its import
+    with pytest.raises(KernelRecorded, match="recorded merge_splits"):
+        registry.get_kernel("merge_splits", REC)  # looked up in the registry at the call (decode.py)
+    assert read_kernels(path) == [("fwd_window", REC), ("merge_splits", REC)]
+    assert ("bwd", REC) in read_kernels(path, recorded=True)
 
 
 @pytest.mark.parametrize("layout", ["folder", "contents", "dot"])

@@ -819,7 +819,7 @@ def test_kvcache_fullgraph_dynamic_gpu(counter, cache):
     the eager kernels' (the op's CUDA implementation is the same launches), and under the precision standard
     against the float64 reference; one graph. The configurations are tests/gpu_cases.py's kvcache_cases
     ("decode-p16": bf16, G8, D64, sinks; "chunk16-contiguous": fp16, G3, D64, sinks), which the GPU suite
-    precompiles (tools/precompile_gpu_cases.py): no new kernels."""
+    precompiles (tools/gpu_kernels.py): no new kernels."""
     if cache == "paged":  # decode (S_q = 1), page size and page count new in the second call
         dims, window = (64, 8, 64, torch.bfloat16), None
         calls = [((3000, 777, 2), 48, 1, True), ((100, 5000, 9, 1, 257), 16, 1, True)]

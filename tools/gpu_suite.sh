@@ -34,18 +34,19 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv 
 echo "${FLASHSINK_COMMIT:-$(git rev-parse HEAD 2>/dev/null)}" > "$out/commit.txt"
 
 # The other GPU tests (torch.compile, Hugging Face, inputs) build kernels of their own: run them
-# once with every kernel launch recorded instead of compiled (in parallel with the suite matrix's
-# precompile), then build what they asked for.
+# once with every kernel launch recorded instead of compiled (pytest --record-kernels, in parallel with
+# the precompile of the suite matrix, tools/gpu_kernels.py), then build what they asked for.
 phase=${PHASE:-all}
 pc=skipped
 if [ "$phase" != test ]; then
-FLASHSINK_RECORD_KERNELS="$out/recorded.jsonl" timeout 200 python -m pytest tests -m gpu -q -p no:cacheprovider \
+timeout 200 python -m pytest tests -m gpu -q -p no:cacheprovider --record-kernels "$out/recorded.jsonl" \
   --ignore=tests/test_kernels_gpu.py --ignore=tests/test_varlen_gpu.py >"$out/record.log" 2>&1 &
 rec=$!
-timeout "$(left)" python tools/precompile_gpu_cases.py sm_90a > "$dest/precompile.log" 2>&1
+{ python tools/gpu_kernels.py --arch sm_90a > "$out/suite-kernels.jsonl" \
+  && timeout "$(left)" python -m flashsink precompile --kernels "$out/suite-kernels.jsonl"; } > "$dest/precompile.log" 2>&1
 pc=$?
 wait $rec
-[ -f "$out/recorded.jsonl" ] && timeout "$(left)" python tools/precompile_recorded.py "$out/recorded.jsonl" 2>&1 \
+[ -f "$out/recorded.jsonl" ] && timeout "$(left)" python -m flashsink precompile --recorded "$out/recorded.jsonl" 2>&1 \
   | tail -n 3 >> "$dest/precompile.log"
 echo "precompiled at ${SECONDS}s" >> "$dest/precompile.log"
 fi

@@ -1,5 +1,5 @@
 # Sourced by tools/gpu_suite.sh, tools/gpu_bench.sh, lab/gpu_perf.sh and lab/gpu_bwd_traffic.sh after FLASHSINK_CACHE_DIR is set: a kernel
-# cache built on a machine without a GPU (tools/precompile_cpu_bundle.py) and carried as
+# cache built on a machine without a GPU (`flashsink precompile ... --bundle`, tools/gpu_kernels.py) and carried as
 # .fscache.tar.xz is unpacked once into an empty cache. Each entry is verified (key, sha256 of every
 # file) and loaded when first used; one this machine cannot load is rebuilt here, so the bundle can
 # only save compile time. `flashsink precompile` then reports the entries it found as "cached".

@@ -10,7 +10,6 @@ worker processes (:func:`executor`: TileLang's lowering is Python and holds the 
 from __future__ import annotations
 
 import concurrent.futures as cf
-import dataclasses
 import multiprocessing as mp
 import os
 import threading
@@ -36,9 +35,6 @@ def get_kernel(kind: str, cfg: KernelConfig):
 
 
 def _first_use(kind: str, cfg: KernelConfig):
-    record = os.environ.get("FLASHSINK_RECORD_KERNELS")
-    if record:
-        _record_and_stop(record, kind, cfg)
     with _lock:
         if (kind, cfg) not in _cache:
             _build_config(kind, cfg)
@@ -137,21 +133,6 @@ def _launcher(kernel):
         except Exception:  # noqa: BLE001  (a module without one: its own call)
             pass
     return executable
-
-
-class KernelRecorded(RuntimeError):
-    """Raised instead of compiling when ``FLASHSINK_RECORD_KERNELS`` is set (see below)."""
-
-
-def _record_and_stop(path: str, kind: str, cfg: KernelConfig) -> None:
-    """Test-suite tooling: append the configuration a call needs to ``path`` (one JSON object per
-    line) and stop the call. ``tools/gpu_suite.sh`` runs tests once this way to learn which
-    kernels they need, precompiles those in parallel, then runs the tests for real."""
-    import json
-
-    with open(path, "a") as f:
-        f.write(json.dumps({"kind": kind, **dataclasses.asdict(cfg)}) + "\n")
-    raise KernelRecorded(f"FLASHSINK_RECORD_KERNELS: recorded {kind} {cfg.short()}")
 
 
 def cache_size() -> int:
