@@ -135,8 +135,6 @@ def bwd_tiles(cfg: KernelConfig) -> Tiles:
         if d <= 128:
             return Tiles(64, 128, 256, 2)
         return Tiles(32, 128, 256, 1)
-    if d <= 128:
-        return Tiles(32, 64, 128, 1)
     return Tiles(32, 64, 128, 1)
 
 
