@@ -119,11 +119,11 @@ def _calls(device: str, b, h, hk, n, d, window, dtype, varlen_seqs: int, seq_q=N
         def attn(q, k, v, s):
             if varlen_seqs:
                 spec = api.validate_varlen(q, k, v, cu, cu, m, m, s, window=window, causal=True, scale=None)
-                api._check_flags(False, False)
+                api.check_flags(return_lse=False, deterministic=False)
                 # pad_head_dims: as on CUDA (its default there is q.is_cuda)
                 return kernel_attention_varlen(spec, q, k, v, cu, cu, s, pad_head_dims=True)
             spec = api.validate_attention(q, k, v, s, window=window, causal=True, scale=None, layout="bhsd")
-            api._check_flags(False, False)
+            api.check_flags(return_lse=False, deterministic=False)
             return api.kernel_attention(spec, q, k, v, s)
 
     def fwd():

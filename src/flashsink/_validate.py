@@ -95,17 +95,23 @@ def shape_text(t: torch.Tensor) -> str:
     return "[" + ", ".join(str(s) for s in t.shape) + "]"
 
 
-def check_flag(name: str, value) -> None:
-    """TypeError unless ``value`` is a bool (``return_lse="no"`` is truthy: never guess)."""
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__} ({value!r})")
+def check_flags(**flags) -> None:
+    """TypeError unless every value is a bool (``return_lse="no"`` is truthy: never guess)."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, got {type(value).__name__} ({value!r})")
+
+
+def check_choice(name: str, value, choices: tuple) -> None:
+    """ValueError naming the choices unless ``value`` is one of them (a str)."""
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
 
 
 def check_precision(precision) -> str:
     """``precision`` as given, or ValueError naming the choices (shared by the functions, the module,
     the integrations and the custom ops)."""
-    if not isinstance(precision, str) or precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    check_choice("precision", precision, PRECISIONS)
     return precision
 
 
@@ -137,7 +143,7 @@ def check_tensor(name: str, t, *, floating: bool = True) -> None:
 
 
 def check_options(window, causal, scale) -> None:
-    check_flag("causal", causal)
+    check_flags(causal=causal)
     if window is not None:
         if isinstance(window, bool) or not isinstance(window, (numbers.Integral, torch.SymInt)):
             raise TypeError(
@@ -275,8 +281,7 @@ def _validate_attention(q, k, v, sinks, *, window, causal, scale, layout) -> Att
     if sinks is not None:
         check_tensor("sinks", sinks)
     check_options(window, causal, scale)
-    if not isinstance(layout, str) or layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    check_choice("layout", layout, LAYOUTS)
     what = "[B, H, S, D]" if layout == "bhsd" else "[B, S, H, D]"
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
@@ -555,7 +560,7 @@ def check_varlen_bwd_op(do, q, k, v, sinks, lse, dlse, cu_seqlens_q, cu_seqlens_
 def check_op_options(deterministic, precision, o=None) -> None:
     """The ops' arguments beyond the public functions' checks: ``deterministic`` a bool, ``precision``
     one of the modes, the saved output ``o`` (backward ops) a tensor or None."""
-    check_flag("deterministic", deterministic)
+    check_flags(deterministic=deterministic)
     check_precision(precision)
     if o is not None:
         check_tensor("o", o)

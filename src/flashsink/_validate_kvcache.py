@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ._validate import (LAYOUTS, check_heads, check_options, check_same_dtype_device, check_sinks, check_tensor,
-                        shape_text, spec_window, check_strided)
+from ._validate import (LAYOUTS, check_choice, check_flags, check_heads, check_options, check_same_dtype_device,
+                        check_sinks, check_strided, check_tensor, shape_text, spec_window)
 
 
 #: the fp8 cache format (OCP E4M3, vLLM's and FlashInfer's "fp8"), and the query dtypes that go with it
@@ -186,10 +186,8 @@ def validate_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, sinks, *, 
     if sinks is not None:
         check_tensor("sinks", sinks)
     check_options(window, True, scale)
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__} ({return_lse!r})")
-    if not isinstance(layout, str) or layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS} (as flashsink.attention's), got {layout!r}")
+    check_flags(return_lse=return_lse)
+    check_choice("layout", layout, LAYOUTS)
     paged = block_table is not None
     q_what, what = _cache_layouts(layout, paged)
     if q.dim() != 4:

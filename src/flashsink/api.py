@@ -5,17 +5,12 @@ from __future__ import annotations
 import torch
 
 from . import reference
-from ._validate import check_flag, check_precision, validate_attention, validate_varlen  # noqa: F401 (check_precision: api's name too)
-from ._validate_kvcache import check_cache_values, validate_kvcache
+from ._validate import check_flags, check_precision, validate_attention, validate_varlen
+from ._validate_kvcache import validate_kvcache
 from .ops.launch.attention import kernel_attention, kernel_attention_varlen  # registers the ops; never imports tilelang
 from .ops.launch.kvcache import kernel_attention_kvcache
 
 __all__ = ["attention", "attention_kvcache", "attention_varlen"]
-
-
-def _check_flags(return_lse, deterministic) -> None:
-    check_flag("return_lse", return_lse)
-    check_flag("deterministic", deterministic)
 
 
 def attention(
@@ -54,7 +49,7 @@ def attention(
     ``torch.compile(fullgraph=True, dynamic=True)``.
     """
     spec = validate_attention(q, k, v, sinks, window=window, causal=causal, scale=scale, layout=layout)
-    _check_flags(return_lse, deterministic)
+    check_flags(return_lse=return_lse, deterministic=deterministic)
     check_precision(precision)
     if q.is_cuda:
         return kernel_attention(
@@ -97,7 +92,7 @@ def attention_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks,
         window=window, causal=causal, scale=scale,
     )
-    _check_flags(return_lse, deterministic)
+    check_flags(return_lse=return_lse, deterministic=deterministic)
     check_precision(precision)
     if q.is_cuda or torch.compiler.is_compiling() or q.device.type == "meta":
         # The ops flashsink::varlen_fwd/bwd: the kernels on CUDA; elsewhere the reference, read
@@ -106,9 +101,7 @@ def attention_varlen(
             spec, q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, return_lse=return_lse, deterministic=deterministic,
             precision=precision,
         )
-    cu_q = cu_seqlens_q.detach().cpu().tolist()
-    cu_k = cu_seqlens_k.detach().cpu().tolist()
-    return reference.attention_varlen_validated(q, k, v, cu_q, cu_k, sinks, spec, return_lse=return_lse)
+    return reference.attention_varlen_validated(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, spec, return_lse=return_lse)
 
 
 def attention_kvcache(
@@ -176,6 +169,5 @@ def attention_kvcache(
         o, lse = torch.ops.flashsink.kvcache_fwd(q, k_cache, v_cache, cache_seqlens, block_table, sinks, spec.window,
                                                  spec.scale, spec.layout, k_scale, v_scale)
         return (o, lse) if return_lse else o
-    lengths, pages = check_cache_values(spec, cache_seqlens, block_table, k_scale, v_scale)
-    return reference.attention_kvcache_validated(q, k_cache, v_cache, lengths, pages, sinks, spec, return_lse=return_lse,
-                                        k_scale=k_scale, v_scale=v_scale)
+    return reference.attention_kvcache_validated(q, k_cache, v_cache, cache_seqlens, block_table, sinks, spec,
+                                                 return_lse=return_lse, k_scale=k_scale, v_scale=v_scale)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from ._validate import LAYOUTS, check_tensor, shape_text
+from ._validate import LAYOUTS, check_choice, check_flags, check_tensor, shape_text
 
 __all__ = ["combine"]
 
@@ -58,10 +58,8 @@ def _validate(outs, lses, sinks, layout, return_lse):
         raise ValueError(
             f"outs and lses must have one entry per partial result, got {len(outs)} outs and {len(lses)} lses"
         )
-    if not isinstance(layout, str) or layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__} ({return_lse!r})")
+    check_choice("layout", layout, LAYOUTS)
+    check_flags(return_lse=return_lse)
 
     what = "[B, H, S, D]" if layout == "bhsd" else "[B, S, H, D]"
     o0 = outs[0]

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from ._validate import AttnSpec, check_flag, make_spec, validate_attention, validate_varlen
+from ._validate import AttnSpec, check_flags, make_spec, validate_attention, validate_varlen
 from ._validate_kvcache import KVCacheSpec, check_cache_values, from_bshd, to_bshd, validate_kvcache
 from .visibility import last_key, position, window_edge
 
@@ -158,13 +158,15 @@ def attention(
         in float64).
     """
     spec = validate_attention(q, k, v, sinks, window=window, causal=causal, scale=scale, layout=layout)
-    check_flag("return_lse", return_lse)
+    check_flags(return_lse=return_lse)
     return attention_validated(q, k, v, sinks, spec, return_lse=return_lse, compute_dtype=compute_dtype)
 
 
-def attention_varlen_validated(q, k, v, cu_q: list[int], cu_k: list[int], sinks, spec: AttnSpec, *, return_lse, compute_dtype=None):
+def attention_varlen_validated(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, spec: AttnSpec, *, return_lse,
+                               compute_dtype=None):
     """Varlen reference on a validated problem: one dense reference call per sequence."""
     cdt = resolve_compute_dtype(q.dtype, compute_dtype)
+    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     outs, lses = [], []
     for i in range(spec.batch):
         qi = q[cu_q[i]:cu_q[i + 1]].unsqueeze(0)  # [1, Sq_i, H, D]
@@ -210,10 +212,9 @@ def attention_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks,
         window=window, causal=causal, scale=scale,
     )
-    check_flag("return_lse", return_lse)
-    cu_q = cu_seqlens_q.detach().cpu().tolist()
-    cu_k = cu_seqlens_k.detach().cpu().tolist()
-    return attention_varlen_validated(q, k, v, cu_q, cu_k, sinks, spec, return_lse=return_lse, compute_dtype=compute_dtype)
+    check_flags(return_lse=return_lse)
+    return attention_varlen_validated(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, spec, return_lse=return_lse,
+                                      compute_dtype=compute_dtype)
 
 
 def gather_kvcache(cache: torch.Tensor, length: int, pages: list[int] | None = None, row: int = 0) -> torch.Tensor:
@@ -235,12 +236,13 @@ def dequantize_kvcache(cache: torch.Tensor, scale: torch.Tensor, dtype: torch.dt
     return torch.mul(wide, scale.reshape(-1, 1), out=torch.empty(wide.shape, dtype=dtype, device=wide.device))
 
 
-def attention_kvcache_validated(q, k_cache, v_cache, lengths, pages, sinks, spec: KVCacheSpec, *, return_lse,
-                       compute_dtype=None, k_scale=None, v_scale=None):
-    """KV-cache reference on a validated problem: gather each sequence's keys (dequantized in the
-    compute dtype for an fp8 cache), then the dense reference (causal, bottom-right aligned: the S_q
-    queries are the last S_q of the sequence). Works in "bshd" (views of q and the caches in the call's
-    layout); o comes back in that layout."""
+def attention_kvcache_validated(q, k_cache, v_cache, cache_seqlens, block_table, sinks, spec: KVCacheSpec, *,
+                                return_lse, compute_dtype=None, k_scale=None, v_scale=None):
+    """KV-cache reference on a validated problem: the values of the lengths, pages and scales checked
+    (ValueError), each sequence's keys gathered (dequantized in the compute dtype for an fp8 cache),
+    then the dense reference (causal, bottom-right aligned: the S_q queries are the last S_q of the
+    sequence). Works in "bshd" (views of q and the caches in the call's layout); o comes back in that layout."""
+    lengths, pages = check_cache_values(spec, cache_seqlens, block_table, k_scale, v_scale)
     cdt = resolve_compute_dtype(q.dtype, compute_dtype)
     q, k_cache, v_cache = to_bshd(spec, q, k_cache, v_cache)
     outs, lses = [], []
@@ -294,6 +296,6 @@ def attention_kvcache(
     when computing in float64)."""
     spec = validate_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, sinks, window=window, scale=scale,
                             return_lse=return_lse, layout=layout, k_scale=k_scale, v_scale=v_scale)
-    lengths, pages = check_cache_values(spec, cache_seqlens, block_table, k_scale, v_scale)
-    return attention_kvcache_validated(q, k_cache, v_cache, lengths, pages, sinks, spec, return_lse=return_lse,
-                              compute_dtype=compute_dtype, k_scale=k_scale, v_scale=v_scale)
+    return attention_kvcache_validated(q, k_cache, v_cache, cache_seqlens, block_table, sinks, spec,
+                                       return_lse=return_lse, compute_dtype=compute_dtype, k_scale=k_scale,
+                                       v_scale=v_scale)

@@ -65,7 +65,7 @@ from torch import Tensor
 from ... import reference
 from ... import _validate
 from ..._validate import AttnSpec
-from ..._validate_kvcache import check_cache_values, check_kvcache_op, refuse_grad
+from ..._validate_kvcache import check_kvcache_op, refuse_grad
 from . import dense
 from ...kernel_config import NATIVE_HEAD_DIMS, padded_rows, varlen_rows
 from .kvcache import kernel_attention_kvcache
@@ -318,8 +318,8 @@ def _varlen_fwd_reference(
     spec = _validate.check_varlen_op(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window,
                                      causal, scale)
     _validate.check_op_options(deterministic, precision)
-    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()  # inside the op: never in a graph
-    o, lse = reference.attention_varlen_validated(q, k, v, cu_q, cu_k, sinks, spec, return_lse=True)
+    # the offsets are read inside the op: never in a graph
+    o, lse = reference.attention_varlen_validated(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, spec, return_lse=True)
     total = q.shape[0]
     return o.contiguous(), torch.nn.functional.pad(lse, (0, varlen_rows(total) - total))
 
@@ -467,10 +467,9 @@ def _kvcache_fwd_reference(
     the host."""
     spec = check_kvcache_op(q, k_cache, v_cache, cache_seqlens, block_table, sinks, window, scale, layout, k_scale,
                             v_scale)
-    # inside the op: never in a graph
-    lengths, pages = check_cache_values(spec, cache_seqlens, block_table, k_scale, v_scale)
-    o, lse = reference.attention_kvcache_validated(q, k_cache, v_cache, lengths, pages, sinks, spec, return_lse=True,
-                                          k_scale=k_scale, v_scale=v_scale)
+    # the values are read inside the op: never in a graph
+    o, lse = reference.attention_kvcache_validated(q, k_cache, v_cache, cache_seqlens, block_table, sinks, spec,
+                                                   return_lse=True, k_scale=k_scale, v_scale=v_scale)
     return o.contiguous(), lse.contiguous()
 
 
