@@ -9,11 +9,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .._validate import validate_attention
 from ..api import attention
 from ..combine import merge_partials  # the partials are ours: no per-step check (no host sync)
 from ..visibility import first_key, first_query, query_end
-from .sharding import segments
+from .sharding import check_local_args, gather_same_shapes, group_size_rank, segments
 
 
 # -- the mask of one (query segment, key segment) pair, as flashsink.attention calls ------------
@@ -378,54 +377,19 @@ def ring_attention(
     ops; on CPU everything is the PyTorch reference. Every rank of the group must call it (and
     run its backward) with the same shapes and options.
     """
-    spec = validate_attention(q, k, v, sinks, window=window, causal=causal, scale=scale, layout=layout)
-    if not isinstance(zigzag, bool):
-        raise TypeError(f"zigzag must be a bool, got {type(zigzag).__name__} ({zigzag!r})")
-    if not isinstance(deterministic, bool):
-        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__} ({deterministic!r})")
-    if spec.seq_kv != spec.seq_q:
-        raise ValueError(
-            f"k: local sequence length ({spec.seq_kv}) must equal q's ({spec.seq_q}); ring_attention "
-            f"shards one sequence (self-attention) across the ranks"
-        )
+    spec = check_local_args("ring_attention", q, k, v, sinks, window=window, causal=causal, scale=scale,
+                            layout=layout, zigzag=zigzag, deterministic=deterministic)
     n = spec.seq_q
     if zigzag and n % 2 != 0:
         raise ValueError(
             f"q: zig-zag sharding needs an even local sequence length (two chunks of S/(2P) tokens "
             f"per rank, S divisible by 2P), got {n}; pad the sequence, or pass zigzag=False"
         )
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError("group: torch.distributed is not initialized (call init_process_group first)")
-    not_member = ValueError(
-        "group: this process is not a member of the given process group (new_group gave it "
-        "GroupMember.NON_GROUP_MEMBER); call ring_attention only on the group's ranks"
-    )
-    if group is dist.GroupMember.NON_GROUP_MEMBER:
-        raise not_member
-    if group is not None and not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
-    p = dist.get_world_size(group)
-    rank = dist.get_rank(group)
-    if rank < 0:
-        raise not_member
-
-    # Every rank must agree on shapes and options (else the ring would mismatch or hang); all
-    # ranks see the same gathered values, so all of them raise together.
-    mine = torch.tensor(
-        [spec.batch, n, spec.heads, spec.kv_heads, spec.head_dim, spec.head_dim_v,
-         -1 if window is None else spec.window, int(causal), int(zigzag), spec.scale],
-        dtype=torch.float64, device=q.device,
-    )
-    allv = [torch.empty_like(mine) for _ in range(p)]
-    dist.all_gather(allv, mine, group=group)
-    rows = [t.tolist() for t in allv]
-    shapes = [tuple(int(x) for x in r[:6]) for r in rows]
-    if any(s != shapes[0] for s in shapes):
-        raise ValueError(
-            "q: every rank must pass the same local shapes (equal sequence shards); got "
-            f"(B, S_local, H, H_kv, D, D_v) per rank = {shapes}"
-        )
-    opts = [(None if r[6] < 0 else int(r[6]), bool(r[7]), bool(r[8]), r[9]) for r in rows]
+    p, rank = group_size_rank("ring_attention", group)
+    # every rank must agree on the options too (else the ring would mismatch or hang)
+    rows = gather_same_shapes(spec, group, p, q.device,
+                              (-1 if window is None else spec.window, int(causal), int(zigzag), spec.scale))
+    opts = [(None if r[0] < 0 else int(r[0]), bool(r[1]), bool(r[2]), r[3]) for r in rows]
     if any(o != opts[0] for o in opts):
         raise ValueError(
             f"window, causal, zigzag and scale must be the same on every rank; got (window, causal, "

@@ -4,7 +4,9 @@ shards (contiguous, as Ulysses takes, or zig-zag, ring attention's default).
 A rank's tokens are one or two segments of the global sequence, each described as (global start,
 local start, length). Contiguous: rank r holds [r*n, (r+1)*n) with n = S/P. Zig-zag: with c =
 S/(2P), rank r holds chunk r ([r*c, (r+1)*c)) then chunk 2P-1-r, so that under a causal mask every
-rank has the same amount of work (an early chunk and its mirror late chunk).
+rank has the same amount of work (an early chunk and its mirror late chunk). Also the checks that
+:func:`ring_attention` and :func:`ulysses_attention` share: their arguments, the process group, and
+that every rank passes the same shapes.
 """
 
 from __future__ import annotations
@@ -12,6 +14,9 @@ from __future__ import annotations
 import numbers
 
 import torch
+import torch.distributed as dist
+
+from .._validate import AttnSpec, check_flags, validate_attention
 
 
 def segments(rank: int, p: int, local_len: int, zigzag: bool) -> tuple[tuple[int, int, int], ...]:
@@ -30,8 +35,7 @@ def _check_rank_args(rank, world_size, zigzag) -> None:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, world_size) = [0, {world_size}), got {rank}")
-    if not isinstance(zigzag, bool):
-        raise TypeError(f"zigzag must be a bool, got {type(zigzag).__name__} ({zigzag!r})")
+    check_flags(zigzag=zigzag)
 
 
 def _check_seq_len(name: str, seq_len: int, world_size: int, zigzag: bool) -> int:
@@ -96,8 +100,7 @@ def unshard_sequence(chunks, *, dim=1, zigzag=True) -> torch.Tensor:
     for i, c in enumerate(chunks):
         if not isinstance(c, torch.Tensor):
             raise TypeError(f"chunks[{i}] must be a torch.Tensor, got {type(c).__name__}")
-    if not isinstance(zigzag, bool):
-        raise TypeError(f"zigzag must be a bool, got {type(zigzag).__name__} ({zigzag!r})")
+    check_flags(zigzag=zigzag)
     dim = _check_dim(chunks[0], dim)
     shape0 = chunks[0].shape
     for i, c in enumerate(chunks):
@@ -117,3 +120,55 @@ def unshard_sequence(chunks, *, dim=1, zigzag=True) -> torch.Tensor:
     first = [x.narrow(dim, 0, c) for x in chunks]
     second = [x.narrow(dim, c, c) for x in reversed(chunks)]
     return torch.cat(first + second, dim=dim)
+
+
+# -- the checks of ring_attention and ulysses_attention --------------------------------------------
+
+
+def check_local_args(name: str, q, k, v, sinks, *, window, causal, scale, layout, **flags) -> AttnSpec:
+    """``flashsink.attention``'s checks of a rank's shards, its boolean ``flags``, and one sequence
+    (self-attention): k's local length equals q's."""
+    spec = validate_attention(q, k, v, sinks, window=window, causal=causal, scale=scale, layout=layout)
+    check_flags(**flags)
+    if spec.seq_kv != spec.seq_q:
+        raise ValueError(
+            f"k: local sequence length ({spec.seq_kv}) must equal q's ({spec.seq_q}); {name} shards one "
+            f"sequence (self-attention) across the ranks"
+        )
+    return spec
+
+
+def group_size_rank(name: str, group) -> tuple[int, int]:
+    """The size of ``group`` (None: the default group) and this process's rank in it."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("group: torch.distributed is not initialized (call init_process_group first)")
+    not_member = ValueError(
+        "group: this process is not a member of the given process group (new_group gave it "
+        f"GroupMember.NON_GROUP_MEMBER); call {name} only on the group's ranks"
+    )
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise not_member
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise not_member
+    return dist.get_world_size(group), rank
+
+
+def gather_same_shapes(spec: AttnSpec, group, p: int, device, options=()) -> list:
+    """Every rank's ``(B, S_local, H, H_kv, D, D_v)`` and ``options`` (numbers), gathered: ValueError on
+    every rank at once unless the shapes are equal (else a collective would mismatch or hang). Returns
+    each rank's options."""
+    shapes = (spec.batch, spec.seq_q, spec.heads, spec.kv_heads, spec.head_dim, spec.head_dim_v)
+    mine = torch.tensor([*shapes, *options], dtype=torch.float64, device=device)
+    rows = [torch.empty_like(mine) for _ in range(p)]
+    dist.all_gather(rows, mine, group=group)
+    rows = [t.tolist() for t in rows]
+    got = [tuple(int(x) for x in r[:6]) for r in rows]
+    if any(s != got[0] for s in got):
+        raise ValueError(
+            "q: every rank must pass the same local shapes (equal sequence shards); got "
+            f"(B, S_local, H, H_kv, D, D_v) per rank = {got}"
+        )
+    return [r[6:] for r in rows]

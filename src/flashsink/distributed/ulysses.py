@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .._validate import validate_attention
 from ..api import attention
+from .sharding import check_local_args, gather_same_shapes, group_size_rank
 
 
 # -- all-to-all between sequence sharding and head sharding ------------------------------------
@@ -174,41 +174,14 @@ def ulysses_attention(
     sum (in float32) of per-rank partials that the local backward has already rounded to the input
     dtype.
     """
-    validate_attention(q, k, v, sinks, window=window, causal=causal, scale=scale, layout=layout)
-    if not isinstance(deterministic, bool):
-        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__} ({deterministic!r})")
-    if layout not in ("bshd", "bhsd"):  # validate_attention already enforces this; kept explicit
-        raise ValueError(f"layout must be 'bshd' or 'bhsd', got {layout!r}")
+    spec = check_local_args("ulysses_attention", q, k, v, sinks, window=window, causal=causal, scale=scale,
+                            layout=layout, deterministic=deterministic)
     if layout == "bhsd":
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-    b, sl, h, d = q.shape
-    skl, hk = k.shape[1], k.shape[2]
-    if skl != sl:
-        raise ValueError(
-            f"k: local sequence length ({skl}) must equal q's ({sl}); ulysses_attention shards one "
-            f"sequence (self-attention) across the ranks"
-        )
-
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError("group: torch.distributed is not initialized (call init_process_group first)")
-    if group is not None and not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
-    p = dist.get_world_size(group)
+    h, hk = spec.heads, spec.kv_heads
+    p, rank = group_size_rank("ulysses_attention", group)
     mode = _kv_mode(h, hk, p)
-
-    # Every rank must hold the same local shapes (else the all-to-alls would mismatch or hang).
-    # All ranks see the same gathered values, so all of them raise together.
-    mine = torch.tensor([b, sl, h, hk, d, v.shape[3]], dtype=torch.int64, device=q.device)
-    allv = [torch.empty_like(mine) for _ in range(p)]
-    dist.all_gather(allv, mine, group=group)
-    shapes = [tuple(t.tolist()) for t in allv]
-    if any(s != shapes[0] for s in shapes):
-        raise ValueError(
-            "q: every rank must pass the same local shapes (equal sequence chunks, S divisible by the "
-            f"group size); got (B, S_local, H, H_kv, D, D_v) per rank = {shapes}"
-        )
-
-    rank = dist.get_rank(group)
+    gather_same_shapes(spec, group, p, q.device)
     hl = h // p
 
     if p == 1:
