@@ -5,18 +5,8 @@
 They make the CUDA path of ``flashsink.attention`` traceable by ``torch.compile`` (``fullgraph=True``,
 dynamic shapes): the TileLang launches are opaque to the compiler, so each direction is one op with
 a fake implementation (output shapes, dtypes and strides from the inputs' shapes only) and the
-forward op has an autograd formula that calls the backward op.
-
-    flashsink::fwd(q, k, v, sinks?, window?, causal, scale, layout, deterministic, precision="fast") -> (o, lse)
-    flashsink::bwd(do, q, k, v, sinks?, lse, dlse?, window?, causal, scale, layout, deterministic,
-                   precision="fast", o?=None) -> (dq, dk, dv, dsink)
-    flashsink::varlen_fwd(q, k, v, sinks?, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                          window?, causal, scale, deterministic, precision="fast") -> (o, lse)
-    flashsink::varlen_bwd(do, q, k, v, sinks?, lse, dlse?, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                          max_seqlen_k, window?, causal, scale, deterministic, precision="fast", o?=None)
-        -> (dq, dk, dv, dsink)
-    flashsink::kvcache_fwd(q, k_cache, v_cache, cache_seqlens, block_table?, sinks?, window?, scale, layout,
-                           k_scale?=None, v_scale?=None) -> (o, lse)
+forward op has an autograd formula that calls the backward op. Each op's schema is the ``schema=`` of
+its ``custom_op`` below.
 
 Arguments are tensors and primitives only; the kernels' static configuration and the problem's
 ``AttnSpec`` are rebuilt from them inside.
@@ -57,10 +47,7 @@ and the CPU tests of the autograd wiring do.
 Importing this module registers the ops; it never imports tilelang (kernels build on first launch).
 """
 
-from typing import Optional, Tuple
-
 import torch
-from torch import Tensor
 
 from ... import reference
 from ... import _validate
@@ -104,18 +91,7 @@ def _kernel_inputs(spec: AttnSpec, deterministic: bool, precision: str, q, k, v,
 # Forward
 
 
-def _fwd_reference(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    sinks: Optional[Tensor],
-    window: Optional[int],
-    causal: bool,
-    scale: float,
-    layout: str,
-    deterministic: bool,
-    precision: str = "fast",
-) -> Tuple[Tensor, Tensor]:
+def _fwd_reference(q, k, v, sinks, window, causal, scale, layout, deterministic, precision="fast"):
     """Reference implementation (every device but CUDA): o and the row-padded lse (``precision`` changes
     nothing here: the reference is exact in its compute dtype)."""
     spec = _validate.check_op(q, k, v, sinks, window, causal, scale, layout)  # the ops are public names
@@ -125,7 +101,9 @@ def _fwd_reference(
     return o.contiguous(), torch.nn.functional.pad(lse, (0, rows - spec.seq_q))
 
 
-fwd = torch.library.custom_op("flashsink::fwd", _fwd_reference, mutates_args=())
+fwd = torch.library.custom_op("flashsink::fwd", _fwd_reference, mutates_args=(), schema=(
+    '(Tensor q, Tensor k, Tensor v, Tensor? sinks, SymInt? window, bool causal, float scale, str layout, '
+    'bool deterministic, str precision="fast") -> (Tensor, Tensor)'))
 
 
 @fwd.register_kernel("cuda")
@@ -154,22 +132,8 @@ def _fwd_fake(q, k, v, sinks, window, causal, scale, layout, deterministic, prec
 # Backward
 
 
-def _bwd_reference(
-    do: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    sinks: Optional[Tensor],
-    lse: Tensor,
-    dlse: Optional[Tensor],
-    window: Optional[int],
-    causal: bool,
-    scale: float,
-    layout: str,
-    deterministic: bool,
-    precision: str = "fast",
-    o: Optional[Tensor] = None,
-) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+def _bwd_reference(do, q, k, v, sinks, lse, dlse, window, causal, scale, layout, deterministic, precision="fast",
+                   o=None):
     """Reference implementation (every device but CUDA): the closed-form gradient (o is not read)."""
     spec = _validate.check_bwd_op(do, q, k, v, sinks, lse, dlse, window, causal, scale, layout)
     _validate.check_op_options(deterministic, precision, o)
@@ -177,7 +141,10 @@ def _bwd_reference(
     return _reference_backward(do, q, k, v, sinks, dlse, spec)
 
 
-bwd = torch.library.custom_op("flashsink::bwd", _bwd_reference, mutates_args=())
+bwd = torch.library.custom_op("flashsink::bwd", _bwd_reference, mutates_args=(), schema=(
+    '(Tensor do, Tensor q, Tensor k, Tensor v, Tensor? sinks, Tensor lse, Tensor? dlse, SymInt? window, '
+    'bool causal, float scale, str layout, bool deterministic, str precision="fast", '
+    'Tensor? o=None) -> (Tensor, Tensor, Tensor, Tensor)'))
 
 
 @bwd.register_kernel("cuda")
@@ -299,21 +266,8 @@ def _varlen_empty(spec: AttnSpec, q, k) -> bool:
     return 0 in (spec.batch, q.shape[0], k.shape[0])
 
 
-def _varlen_fwd_reference(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    sinks: Optional[Tensor],
-    cu_seqlens_q: Tensor,
-    cu_seqlens_k: Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    window: Optional[int],
-    causal: bool,
-    scale: float,
-    deterministic: bool,
-    precision: str = "fast",
-) -> Tuple[Tensor, Tensor]:
+def _varlen_fwd_reference(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window, causal,
+                          scale, deterministic, precision="fast"):
     """Reference implementation (every device but CUDA): the varlen reference, lse row-padded."""
     spec = _validate.check_varlen_op(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window,
                                      causal, scale)
@@ -324,7 +278,10 @@ def _varlen_fwd_reference(
     return o.contiguous(), torch.nn.functional.pad(lse, (0, varlen_rows(total) - total))
 
 
-varlen_fwd = torch.library.custom_op("flashsink::varlen_fwd", _varlen_fwd_reference, mutates_args=())
+varlen_fwd = torch.library.custom_op("flashsink::varlen_fwd", _varlen_fwd_reference, mutates_args=(), schema=(
+    '(Tensor q, Tensor k, Tensor v, Tensor? sinks, Tensor cu_seqlens_q, Tensor cu_seqlens_k, '
+    'SymInt max_seqlen_q, SymInt max_seqlen_k, SymInt? window, bool causal, float scale, bool deterministic, '
+    'str precision="fast") -> (Tensor, Tensor)'))
 
 
 @varlen_fwd.register_kernel("cuda")
@@ -355,25 +312,8 @@ def _varlen_fwd_fake(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
     return o, lse
 
 
-def _varlen_bwd_reference(
-    do: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    sinks: Optional[Tensor],
-    lse: Tensor,
-    dlse: Optional[Tensor],
-    cu_seqlens_q: Tensor,
-    cu_seqlens_k: Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    window: Optional[int],
-    causal: bool,
-    scale: float,
-    deterministic: bool,
-    precision: str = "fast",
-    o: Optional[Tensor] = None,
-) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+def _varlen_bwd_reference(do, q, k, v, sinks, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                          window, causal, scale, deterministic, precision="fast", o=None):
     """Reference implementation (every device but CUDA): the closed-form gradient, one sequence at a time."""
     spec = _validate.check_varlen_bwd_op(do, q, k, v, sinks, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                          max_seqlen_k, window, causal, scale)
@@ -397,7 +337,11 @@ def _varlen_bwd_reference(
     return dq, dk, dv, dsink.to(sinks.dtype)
 
 
-varlen_bwd = torch.library.custom_op("flashsink::varlen_bwd", _varlen_bwd_reference, mutates_args=())
+varlen_bwd = torch.library.custom_op("flashsink::varlen_bwd", _varlen_bwd_reference, mutates_args=(), schema=(
+    '(Tensor do, Tensor q, Tensor k, Tensor v, Tensor? sinks, Tensor lse, Tensor? dlse, Tensor cu_seqlens_q, '
+    'Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, SymInt? window, bool causal, '
+    'float scale, bool deterministic, str precision="fast", Tensor? o=None) -> (Tensor, Tensor, Tensor, '
+    'Tensor)'))
 
 
 @varlen_bwd.register_kernel("cuda")
@@ -421,7 +365,8 @@ def _varlen_bwd_fake(do, q, k, v, sinks, lse, dlse, cu_seqlens_q, cu_seqlens_k, 
                                   max_seqlen_k, window, causal, scale, values=False)
     _validate.check_op_options(deterministic, precision, o)
     dsink_dtype = torch.float32 if sinks is None else sinks.dtype
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), q.new_empty((q.shape[1],), dtype=dsink_dtype)
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+            q.new_empty((q.shape[1],), dtype=dsink_dtype))
 
 
 def _varlen_setup_context(ctx, inputs, output):
@@ -450,19 +395,8 @@ varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_conte
 # graph: batch, S_q, the number of pages, the page size and max_pages are sizes (SymInts when traced).
 
 
-def _kvcache_fwd_reference(
-    q: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    cache_seqlens: Tensor,
-    block_table: Optional[Tensor],
-    sinks: Optional[Tensor],
-    window: Optional[int],
-    scale: float,
-    layout: str,
-    k_scale: Optional[Tensor] = None,
-    v_scale: Optional[Tensor] = None,
-) -> Tuple[Tensor, Tensor]:
+def _kvcache_fwd_reference(q, k_cache, v_cache, cache_seqlens, block_table, sinks, window, scale, layout,
+                           k_scale=None, v_scale=None):
     """Reference implementation (every device but CUDA), the values of the lengths, pages and scales checked on
     the host."""
     spec = check_kvcache_op(q, k_cache, v_cache, cache_seqlens, block_table, sinks, window, scale, layout, k_scale,
@@ -473,7 +407,9 @@ def _kvcache_fwd_reference(
     return o.contiguous(), lse.contiguous()
 
 
-kvcache_fwd = torch.library.custom_op("flashsink::kvcache_fwd", _kvcache_fwd_reference, mutates_args=())
+kvcache_fwd = torch.library.custom_op("flashsink::kvcache_fwd", _kvcache_fwd_reference, mutates_args=(), schema=(
+    '(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, Tensor? block_table, Tensor? sinks, '
+    'SymInt? window, float scale, str layout, Tensor? k_scale=None, Tensor? v_scale=None) -> (Tensor, Tensor)'))
 
 
 @kvcache_fwd.register_kernel("cuda")
