@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from flashsink._validate import make_spec, validate_attention, validate_varlen
+from flashsink._validate import AttnSpec, validate_attention, validate_varlen
 from flashsink.cli import main
 from flashsink import kernel_config as config
 from flashsink.ops.launch import custom_ops, dense
@@ -19,7 +19,7 @@ from flashsink.kernel_config import NATIVE_HEAD_DIMS, kernel_head_dim
 def _spec(d=64, dv=64, **kw):
     args = dict(window=None, causal=True, scale=None, layout="bshd", dtype=torch.bfloat16, has_sinks=True)
     args.update(kw)
-    return make_spec(2, 8, 2, 100, 120, d, dv, **args)
+    return AttnSpec(2, 8, 2, 100, 120, d, dv, **args)
 
 
 @pytest.mark.l0
@@ -84,13 +84,13 @@ def test_kernel_key_holds_no_length(monkeypatch):
 @pytest.mark.l0
 def test_validators_and_one_sequence_build_the_same_spec():
     """validate_attention, validate_varlen and the per-sequence specs of a packed batch all go through
-    make_spec: the default scale and the window clamp are applied once, the same way."""
+    AttnSpec: the default scale and the window clamp are applied once, the same way."""
     g = torch.Generator().manual_seed(3)
     q = torch.randn(2, 5, 4, 32, generator=g)
     k = torch.randn(2, 7, 2, 32, generator=g)
     spec = validate_attention(q, k, k, None, window=2**70, causal=True, scale=None, layout="bshd")
-    assert spec == make_spec(2, 4, 2, 5, 7, 32, 32, window=2**70, causal=True, scale=None, layout="bshd",
-                             dtype=q.dtype, has_sinks=False)
+    assert spec == AttnSpec(2, 4, 2, 5, 7, 32, 32, window=2**70, causal=True, scale=None, layout="bshd",
+                            dtype=q.dtype, has_sinks=False)
     assert spec.scale == 1 / math.sqrt(32) and spec.window < 2**63  # clamped to what int64 holds
     cu = torch.tensor([0, 5, 10], dtype=torch.int32)
     cuk = torch.tensor([0, 7, 14], dtype=torch.int32)

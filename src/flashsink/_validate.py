@@ -32,7 +32,7 @@ _MAX_WINDOW = 1 << 62
 
 @dataclass(frozen=True)
 class AttnSpec:
-    """Static description of one attention problem.
+    """Static description of one attention problem, of checked arguments (every validator ends here).
 
     For varlen problems (``layout == "thd"``) ``batch`` is the number of sequences and
     ``seq_q`` / ``seq_kv`` are ``max_seqlen_q`` / ``max_seqlen_k``.
@@ -52,6 +52,13 @@ class AttnSpec:
     dtype: torch.dtype
     has_sinks: bool
 
+    def __post_init__(self):
+        # on the type, so no spec escapes them: the default scale 1/sqrt(head_dim), and the window
+        # clamped to what the masks' integer arithmetic holds
+        object.__setattr__(self, "window", spec_window(self.window))
+        scale = 1.0 / math.sqrt(self.head_dim) if self.scale is None else float(self.scale)
+        object.__setattr__(self, "scale", scale)
+
     @property
     def groups(self) -> int:
         """Query heads per KV head (the GQA ratio)."""
@@ -68,27 +75,6 @@ class AttnSpec:
         ``deterministic`` and ``precision``): never a length, so one configuration serves every length."""
         return (self.dtype, self.head_dim, self.head_dim_v, self.heads // self.kv_heads, self.causal,
                 self.has_sinks, self.layout)
-
-
-def make_spec(batch, heads, kv_heads, seq_q, seq_kv, head_dim, head_dim_v, *, window, causal, scale, layout, dtype,
-              has_sinks: bool) -> AttnSpec:
-    """The :class:`AttnSpec` of checked arguments (every validator ends here): the default scale
-    ``1/sqrt(head_dim)`` and the window clamped to what the masks' integer arithmetic holds."""
-    return AttnSpec(
-        batch=batch,
-        heads=heads,
-        kv_heads=kv_heads,
-        seq_q=seq_q,
-        seq_kv=seq_kv,
-        head_dim=head_dim,
-        head_dim_v=head_dim_v,
-        window=spec_window(window),
-        causal=causal,
-        scale=1.0 / math.sqrt(head_dim) if scale is None else float(scale),
-        layout=layout,
-        dtype=dtype,
-        has_sinks=has_sinks,
-    )
 
 
 def shape_text(t: torch.Tensor) -> str:
@@ -312,8 +298,8 @@ def _validate_attention(q, k, v, sinks, *, window, causal, scale, layout) -> Att
     check_heads(h, hk, d, dv, lambda: f"layout={layout!r}, q {shape_text(q)}, k {shape_text(k)}, v {shape_text(v)}")
     check_sinks(sinks, h, q.device)
 
-    return make_spec(b, h, hk, sq, skv, d, dv, window=window, causal=causal, scale=scale, layout=layout,
-                     dtype=q.dtype, has_sinks=sinks is not None)
+    return AttnSpec(b, h, hk, sq, skv, d, dv, window=window, causal=causal, scale=scale, layout=layout,
+                    dtype=q.dtype, has_sinks=sinks is not None)
 
 
 def _tracing() -> bool:
@@ -456,8 +442,8 @@ def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
         )
     _check_max_seqlen_type("max_seqlen_q", max_seqlen_q)
     _check_max_seqlen_type("max_seqlen_k", max_seqlen_k)
-    return make_spec(cu_seqlens_q.shape[0] - 1, h, hk, _int(max_seqlen_q), _int(max_seqlen_k), d, dv, window=window,
-                     causal=causal, scale=scale, layout="thd", dtype=q.dtype, has_sinks=sinks is not None)
+    return AttnSpec(cu_seqlens_q.shape[0] - 1, h, hk, _int(max_seqlen_q), _int(max_seqlen_k), d, dv, window=window,
+                    causal=causal, scale=scale, layout="thd", dtype=q.dtype, has_sinks=sinks is not None)
 
 
 def validate_varlen(

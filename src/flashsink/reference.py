@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from ._validate import AttnSpec, check_flags, make_spec, validate_attention, validate_varlen
+from ._validate import AttnSpec, check_flags, validate_attention, validate_varlen
 from ._validate_kvcache import KVCacheSpec, check_cache_values, from_bshd, to_bshd, validate_kvcache
 from .visibility import last_key, position, window_edge
 
@@ -251,9 +251,9 @@ def attention_kvcache_validated(q, k_cache, v_cache, cache_seqlens, block_table,
         v = gather_kvcache(v_cache, n, None if pages is None else pages[b], b).unsqueeze(0)
         if spec.fp8:  # the rows a sequence uses only, not the whole cache
             k, v = dequantize_kvcache(k, k_scale, cdt), dequantize_kvcache(v, v_scale, cdt)
-        sub = make_spec(1, spec.heads, spec.kv_heads, spec.seq_q, n, spec.head_dim, spec.head_dim_v,
-                        window=spec.window, causal=True, scale=spec.scale, layout="bshd", dtype=spec.dtype,
-                        has_sinks=spec.has_sinks)
+        sub = AttnSpec(1, spec.heads, spec.kv_heads, spec.seq_q, n, spec.head_dim, spec.head_dim_v,
+                       window=spec.window, causal=True, scale=spec.scale, layout="bshd", dtype=spec.dtype,
+                       has_sinks=spec.has_sinks)
         o, lse = attention_validated(q[b : b + 1], k, v, sinks, sub, return_lse=True, compute_dtype=cdt)
         outs.append(o)
         lses.append(lse)
