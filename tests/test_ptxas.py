@@ -4,7 +4,7 @@ ptxas serializes a function's warpgroup products when they do not fit its regist
 non-wgmma instruction touches an accumulator inside a pipeline stage (C7514): every wgmma then waits for
 the one before it, and the kernel still runs, correct and slower (perf-log v11, v20). Only ptxas says so,
 so every default kernel (``kinds.precompile_kinds``) of the representative configurations below is lowered
-and compiled for sm_90a here, without a GPU (``lowering.ptxas_output``), and fails with its kind and
+and compiled for sm_90a here, without a GPU (:func:`ptxas_output`), and fails with its kind and
 configuration if ptxas reports a serialized wgmma.
 """
 
@@ -14,14 +14,70 @@ import concurrent.futures
 import hashlib
 import itertools
 import os
+import re
 import shutil
+import subprocess
+import tempfile
+from pathlib import Path
 
 import pytest
 
-pytest.importorskip("tilelang")
+tilelang = pytest.importorskip("tilelang")
 
-from flashsink.ops.compiler import compile as keys, kinds, compile as lowering  # noqa: E402
+from flashsink.ops.compiler import compile as keys, kinds  # noqa: E402
 from flashsink.kernel_config import KernelConfig, Tiles, bwd_dq_first  # noqa: E402
+
+
+def device_source(func, cfg, args) -> str:
+    """``func``'s CUDA source after TileLang's whole lowering, without nvcc: what ``compile.jit`` hands
+    nvcc (``kernel.get_kernel_source()`` of the compiled kernel)."""
+    import tvm
+
+    with tvm.transform.PassContext(opt_level=3, config=args.pass_configs), tvm.target.Target(cfg.target()):
+        return tilelang.lower(func, target=cfg.target()).kernel_source
+
+
+def ptxas_output(source: str, arch: str, args) -> str:
+    """What nvcc and ptxas print (``-Xptxas -v``: registers, spills) compiling ``source`` to a cubin for
+    ``arch`` with the options TileLang's own compile passes (its include paths and ``compile_flags``,
+    ``--use_fast_math`` under the fast-math pass config): TileLang keeps that output to itself, so the
+    source is compiled once more here. RuntimeError if nvcc fails."""
+    from tilelang.contrib import nvcc
+
+    options = nvcc.default_compile_options(args.compile_flags)
+    if args.pass_configs.get(tilelang.PassConfigKey.TL_ENABLE_FAST_MATH):
+        options.append("--use_fast_math")
+    with tempfile.TemporaryDirectory(prefix="flashsink-ptxas-") as d:
+        cu, cubin = Path(d) / "kernel.cu", Path(d) / "kernel.cubin"
+        cu.write_text(source)
+        cmd = [nvcc.get_nvcc_compiler(), "--cubin", "-O3", "-lineinfo", f"-arch={arch}", *options,
+               "-Xptxas", "-v", "-o", str(cubin), str(cu)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+    out = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        raise RuntimeError(f"nvcc failed ({proc.returncode}): {' '.join(cmd)}\n{out[-4000:]}")
+    return out
+
+
+#: ptxas's notes that a function's wgmma run one at a time ("Potential Performance Loss: wgmma.mma_async
+#: instructions are serialized due to ..."): C7512 (registers), C7514 (a non-wgmma instruction reads an
+#: accumulator inside a pipeline stage) and their siblings, by code or by text
+_SERIALIZED = re.compile(r"^.*(?:\(C751[24]\)|wgmma.*serialized).*$", re.MULTILINE)
+
+
+def serialized_wgmma(output: str) -> list:
+    """The lines of ``output`` (:func:`ptxas_output`) where ptxas serializes a function's wgmma: every
+    product then waits for the one before it (perf-log v11, v20)."""
+    return [line.strip() for line in _SERIALIZED.findall(output)]
+
+
+def ptxas_usage(output: str) -> str:
+    """ptxas's registers and spills in ``output``, one line: "168 registers, 0 B spill stores, 0 B spill loads"."""
+    regs = re.findall(r"Used (\d+) registers", output)
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", output)
+    st, ld = spills[-1] if spills else ("?", "?")
+    return f"{regs[-1] if regs else '?'} registers, {st} B spill stores, {ld} B spill loads"
+
 
 #: (precision, deterministic)
 MODES = (("fast", False), ("strict", False), ("fast", True), ("strict", True))
@@ -55,8 +111,8 @@ def _ptxas_all(pairs) -> dict:
             text = func.script(show_meta=True)
             key = (hashlib.sha256(text.encode()).hexdigest(), repr(args), cfg.arch)
             if key not in done:
-                source = lowering.device_source(func, cfg, args) if "gemm" in text else ""
-                done[key] = pool.submit(lowering.ptxas_output, source, cfg.arch, args) if "wgmma" in source else None
+                source = device_source(func, cfg, args) if "gemm" in text else ""
+                done[key] = pool.submit(ptxas_output, source, cfg.arch, args) if "wgmma" in source else None
             out[kind, cfg] = done[key]
     return {pair: "" if f is None else f.result() for pair, f in out.items()}
 
@@ -84,8 +140,8 @@ def ptxas(request) -> dict:
                                        for kind, cfg in _kernels()])
 def test_no_serialized_wgmma(ptxas, kind, cfg):
     out = ptxas[kind, cfg]
-    lines = lowering.serialized_wgmma(out)
-    assert not lines, f"ptxas serializes the wgmma of {kind} for {cfg.short()} ({lowering.ptxas_usage(out)}): {lines}"
+    lines = serialized_wgmma(out)
+    assert not lines, f"ptxas serializes the wgmma of {kind} for {cfg.short()} ({ptxas_usage(out)}): {lines}"
 
 
 @pytest.mark.l0
@@ -97,14 +153,14 @@ insufficient register resources for the function 'k'
 ptxas info    : Function properties for k
     0 bytes stack frame, 8 bytes spill stores, 12 bytes spill loads
 ptxas info    : Used 168 registers, used 2 barriers, 1024 bytes smem"""
-    assert lowering.serialized_wgmma(out) == [out.splitlines()[1].strip()]
-    assert lowering.ptxas_usage(out) == "168 registers, 8 B spill stores, 12 B spill loads"
+    assert serialized_wgmma(out) == [out.splitlines()[1].strip()]
+    assert ptxas_usage(out) == "168 registers, 8 B spill stores, 12 B spill loads"
     c7514 = ("ptxas info : (C7514) Potential Performance Loss: wgmma.mma_async instructions are serialized due to "
              "non wgmma instructions reading accumulator registers of  a wgmma")
-    assert lowering.serialized_wgmma(c7514) == [c7514]
+    assert serialized_wgmma(c7514) == [c7514]
     other = "ptxas warning : (C7514) another wording"
-    assert lowering.serialized_wgmma(other) == [other]
-    assert lowering.serialized_wgmma(out.replace("serialized", "issued").replace("C7512", "C7599")) == []
+    assert serialized_wgmma(other) == [other]
+    assert serialized_wgmma(out.replace("serialized", "issued").replace("C7512", "C7599")) == []
     assert len(_kernels()) == len(set(_kernels()))
 
 
@@ -120,9 +176,9 @@ def test_ds_first_compiles_without_serialized_wgmma():
     assert bwd_dq_first(cfg)
     func = build_bwd_ws(cfg, bwd_tiles(cfg), 1, True, ds_first=True)
     args = keys.compile_args(func)
-    out = lowering.ptxas_output(lowering.device_source(func, cfg, args), cfg.arch, args)
-    assert not lowering.ptxas_usage(out).startswith("?"), out  # ptxas ran and reported its registers
-    assert not lowering.serialized_wgmma(out), lowering.serialized_wgmma(out)
+    out = ptxas_output(device_source(func, cfg, args), cfg.arch, args)
+    assert not ptxas_usage(out).startswith("?"), out  # ptxas ran and reported its registers
+    assert not serialized_wgmma(out), serialized_wgmma(out)
 
 
 @pytest.mark.l1
@@ -137,9 +193,9 @@ def test_dk_in_flight_compiles_without_serialized_wgmma():
     cfg = KernelConfig("sm_90a", "bfloat16", 128, 128, 8, True, True, "bhsd", False, "fast")
     func = build_bwd_ws(cfg, bwd_tiles(cfg), 8, True, ds_first=True, head_major=True, dk_in_flight=True)
     args = keys.compile_args(func)
-    out = lowering.ptxas_output(lowering.device_source(func, cfg, args), cfg.arch, args)
-    assert not lowering.ptxas_usage(out).startswith("?"), out
-    assert not lowering.serialized_wgmma(out), lowering.serialized_wgmma(out)
+    out = ptxas_output(device_source(func, cfg, args), cfg.arch, args)
+    assert not ptxas_usage(out).startswith("?"), out
+    assert not serialized_wgmma(out), serialized_wgmma(out)
 
 
 @pytest.mark.l1
@@ -155,6 +211,6 @@ def test_tma_epilogue_compiles_without_serialized_wgmma(d):
     t = Tiles(64, 128, 256, 2) if d == 128 else Tiles(128, 128, 256, 2)  # the head-major kernels' tiles (v34)
     func = build_bwd_ws(cfg, t, 8, True, ds_first=True, head_major=True, dk_in_flight=True, tma_epilogue=True)
     args = keys.compile_args(func)
-    out = lowering.ptxas_output(lowering.device_source(func, cfg, args), cfg.arch, args)
-    assert not lowering.ptxas_usage(out).startswith("?"), out
-    assert not lowering.serialized_wgmma(out), lowering.serialized_wgmma(out)
+    out = ptxas_output(device_source(func, cfg, args), cfg.arch, args)
+    assert not ptxas_usage(out).startswith("?"), out
+    assert not serialized_wgmma(out), serialized_wgmma(out)
