@@ -1,16 +1,13 @@
 """Compiling one kernel through the disk cache: :func:`compile_kernel`.
 
-One compiled kernel per (kernel kind, ``KernelConfig``); lengths, batch, window and scale are runtime
-arguments, so a new length never recompiles. Only nvcc is needed, not a GPU (``cfg.arch`` names the
-target). Three levels: this process's dict (``registry.get_kernel``), flashsink's verified disk cache
-(``diskcache``), and TileLang's compiler through ``JITKernel`` directly (:func:`jit`), never through
-TileLang's own disk cache, which loads files it has not checked. The key is :func:`cache_key`; a failed
-compile raises :class:`flashsink.CompileError` after ``COMPILE_RETRIES`` retries of transient failures.
+One kernel per (kind, ``KernelConfig``): lengths, batch, window and scale are runtime arguments. The
+levels are ``registry``'s dict, flashsink's verified disk cache (``diskcache``) under :func:`cache_key`,
+and TileLang's compiler through ``JITKernel`` (:func:`jit`), never TileLang's own disk cache, which
+loads files nobody checked. nvcc is needed, a GPU is not (``cfg.arch`` is the target).
 
-A compile never runs in the caller's process: it points the process's temporary directory at the
-cache's (``diskcache.private_tmp``), which must not happen under another thread of the user's program.
-:func:`compile_kernel` hands it to a fresh interpreter (:func:`_run_compile_child`) that compiles,
-stores the entry and exits; flashsink's worker processes (``registry``) compile in place.
+A compile points the process's temporary directory at the cache's (``diskcache.private_tmp``), which
+must not happen under another thread of the user's program: :func:`compile_kernel` runs it in a fresh
+interpreter (:func:`_run_compile_child`); ``registry``'s worker processes compile in place.
 """
 
 from __future__ import annotations
@@ -35,11 +32,6 @@ from ...errors import CacheDirError, CompileError, tail
 from ...kernel_config import KernelConfig
 from . import diskcache, kinds
 
-
-
-# ----------------------------------------------------------------------------------------------
-# the "flashsink" logger and FLASHSINK_LOG
-
 log = logging.getLogger("flashsink")
 
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "warn": logging.WARNING,
@@ -48,10 +40,8 @@ _logging_done = False
 
 
 def configure_logging() -> None:
-    """Apply ``FLASHSINK_LOG`` (debug, info, warning, error, off) to the "flashsink" logger, once
-    per process. Without it the level is info, unless the application set the logger's level
-    itself. When the application has not configured logging (no handler on the root logger), a
-    stderr handler is added so the lines are seen."""
+    """Apply ``FLASHSINK_LOG`` to the "flashsink" logger once per process; without it info, unless the
+    application set the level. A stderr handler only where the application configured no logging."""
     global _logging_done
     if _logging_done:
         return
@@ -72,7 +62,7 @@ def configure_logging() -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# what a kernel is: its PrimFunc, its compile arguments, its disk-cache key
+# a kernel: its PrimFunc, compile arguments and disk-cache key
 
 EXECUTION_BACKEND = "tvm_ffi"
 
@@ -83,7 +73,7 @@ def build_prim_func(kind: str, cfg: KernelConfig):
 
 
 def pass_configs() -> dict:
-    """Pass configs for every kernel: exp2/log2 through the fast hardware approximations."""
+    """Every kernel's pass configs: exp2/log2 through the fast hardware approximations."""
     import tilelang
 
     return {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
@@ -97,7 +87,7 @@ class CompileArgs:
 
 
 def compile_args(func) -> CompileArgs:
-    """What ``tilelang.compile`` would pass to ``JITKernel``: function-level attrs merged with ours."""
+    """What ``tilelang.compile`` would pass to ``JITKernel``: the function's attrs merged with ours."""
     attrs = func.attrs
     has = (lambda name: attrs is not None and name in attrs)  # noqa: E731
     out_idx = [int(i) for i in attrs["tilelang_out_idx"]] if has("tilelang_out_idx") else None
@@ -141,8 +131,8 @@ def versions() -> dict:
 
 
 def _tiles(kind: str, cfg) -> dict:
-    """The tile choice kind ``kind`` makes for ``cfg`` (its tile function, by name; none for a kind of fixed
-    blocks). Only its own, so that a change to one tile function leaves the other kinds' entries valid."""
+    """Kind ``kind``'s own tile choice for ``cfg`` (none for fixed blocks): a change to one tile function
+    leaves the other kinds' entries valid."""
     fn = kinds.check_kind(kind).tiles
     if fn is None:
         return {}
@@ -153,8 +143,8 @@ def _tiles(kind: str, cfg) -> dict:
 
 
 def cache_key(kind: str, cfg, func, args: CompileArgs) -> dict:
-    """The disk-cache key: the static configuration, the tiles, the kernel's TIR (so an edit to a
-    kernel's code is a new key even at the same version), compile arguments and versions."""
+    """The disk-cache key: the configuration, the tiles, the kernel's TIR (an edit to a kernel is a new
+    key at the same version), compile arguments and versions."""
     config = dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else repr(cfg)
     return {
         "kind": kind,
@@ -172,12 +162,12 @@ def cache_key(kind: str, cfg, func, args: CompileArgs) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------
-# one TileLang compile, and the checks of its CUDA source
+# one TileLang compile, retried on transient failures
 
 def jit(func, cfg, args: CompileArgs):
-    """One TileLang compile (lowering + nvcc + host library), not through TileLang's caches: its binary
-    cache (``~/.tilelang/cache``) would load a cubin nobody checked into a kernel flashsink then stores as
-    verified, so it is off for the compile (a global switch: this runs in compile processes only)."""
+    """One TileLang compile (lowering, nvcc, host library) with TileLang's binary cache off: it would load
+    a cubin nobody checked into a kernel flashsink then stores as verified (a global switch: compile
+    processes only)."""
     import tilelang
     from tilelang.jit import JITKernel
 
@@ -197,14 +187,13 @@ _ELECT = re.compile(r"tl_shuffle_elect<(\d+)>")
 
 
 def narrow_elections(source: str) -> list[int]:
-    """The extents of ``tl_shuffle_elect<extent>`` (``elect.sync`` over the full warp, for a bulk copy or
-    barrier setup) under a branch of fewer than 32 threads: the elected lane waits for lanes that never
-    come and the kernel hangs (docs/perf-log.md v18). 0 means the whole block and is fine."""
+    """The extents of ``tl_shuffle_elect<extent>`` under 32 threads in a kernel's CUDA: ``elect.sync``
+    there waits for lanes that never come and the kernel hangs (perf-log v18); 0 is the whole block."""
     return sorted({int(n) for n in _ELECT.findall(source) if 0 < int(n) < 32})
 
 
 def check_source(source: str) -> None:
-    """Raise ``RuntimeError`` if ``source`` (a kernel's CUDA) would hang: :func:`narrow_elections`."""
+    """RuntimeError if the kernel's CUDA ``source`` would hang (:func:`narrow_elections`)."""
     narrow = narrow_elections(source)
     if narrow:
         raise RuntimeError(
@@ -213,10 +202,7 @@ def check_source(source: str) -> None:
             f"branch of whole warps (the copy elects one lane itself)")
 
 
-# ----------------------------------------------------------------------------------------------
-# compile failures: transient ones retried, the rest a CompileError
-
-#: extra attempts after a transient failure (so at most 1 + COMPILE_RETRIES compiles)
+#: extra attempts after a transient failure
 COMPILE_RETRIES = 2
 RETRY_DELAY_S = 1.0
 
@@ -228,15 +214,15 @@ _TRANSIENT_TEXT = ("No space left on device", "Disk quota exceeded", "Cannot all
 
 
 def compiler_output(exc: BaseException) -> str:
-    """The exception text without the CUDA source TileLang puts in front of nvcc's output."""
+    """The exception's text without the CUDA source TileLang puts before nvcc's output."""
     text = str(exc)
     marker = "Compilation error:"
     return text[text.rfind(marker):] if marker in text else text
 
 
 def is_transient(exc: BaseException) -> bool:
-    """Failures worth another try: the compiler was killed or timed out, or the machine ran out
-    of disk, memory or file handles. Errors in the kernel or the compiler's verdict are not."""
+    """Whether another try may succeed: the compiler was killed or timed out, or the machine ran out of
+    disk, memory or file handles (anywhere in the exception's chain); never a verdict on the kernel."""
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
@@ -251,16 +237,15 @@ def is_transient(exc: BaseException) -> bool:
 
 
 def error_text(exc: BaseException) -> str:
-    """What a :class:`flashsink.CompileError` reports of ``exc``: nvcc's output, or the lowering's message."""
-    if "Compilation error:" in str(exc):  # nvcc's verdict: its output is what matters
+    """What a :class:`flashsink.CompileError` reports: nvcc's output, else the message and where it was raised."""
+    if "Compilation error:" in str(exc):
         return tail(compiler_output(exc))
-    # a lowering or front-end error: the message and where it was raised
     return tail("".join(traceback.format_exception(type(exc), exc, exc.__traceback__, limit=-4)))
 
 
 def compile_with_retries(kind: str, cfg, func, args: CompileArgs, root: Path):
-    """:func:`jit` in the cache's private temp directory, then :func:`check_source`;
-    transient failures retried, the rest raised as :class:`flashsink.CompileError`."""
+    """:func:`jit` in the cache's private temporary directory, then :func:`check_source`; a failure that
+    is not transient, or the last one, is a :class:`flashsink.CompileError`."""
     attempt = 0
     while True:
         attempt += 1
@@ -281,14 +266,15 @@ def compile_with_retries(kind: str, cfg, func, args: CompileArgs, root: Path):
 
 
 # ----------------------------------------------------------------------------------------------
-# compile_kernel: through the disk cache (TileLang's tvm_ffi files, our verification), in a compile process
+# compile_kernel: the disk cache's entry, else a compile in a compile process
 
-_compile_process = False  # enter_compile_process(): this process is one of flashsink's compile processes
+_compile_process = False  # set by enter_compile_process
 
-#: what compile_kernel did in this process: "compiled", "disk" (loaded a verified entry),
-#: "rebuilt" (an entry failed verification and was replaced). Read by tests and precompile.
+#: what compile_kernel did in this process: "compiled", "disk" (a verified entry loaded), "rebuilt" (an
+#: entry that failed verification replaced); read by precompile's workers and the tests
 counts: collections.Counter = collections.Counter()
 
+# the files TileLang's own tvm_ffi cache writes for a kernel
 _SO = "executable.so"
 _DEVICE = "device_kernel.cu"
 _HOST = "host_kernel.cu"
@@ -296,7 +282,7 @@ _PARAMS = "params.json"
 
 
 def _write_kernel(kernel, d: Path) -> None:
-    """The files TileLang's own tvm_ffi cache writes, exported as it exports them on Linux
+    """An entry's files, exported as TileLang's tvm_ffi cache exports them on Linux
     (tests/test_tilelang_api.py fails if a TileLang upgrade changes that)."""
     from tilelang.engine.param import dump_kernel_params
 
@@ -307,8 +293,8 @@ def _write_kernel(kernel, d: Path) -> None:
 
 
 def _load_kernel(files: dict, func, cfg, args: CompileArgs, root: Path):
-    """A kernel from an entry's verified bytes: the library is loaded from a private copy of
-    exactly the bytes that were hashed (removed once loaded)."""
+    """A kernel from an entry's verified bytes: the library is loaded from a private copy of exactly the
+    bytes that were hashed, never from the entry's own file."""
     from tilelang.engine.param import load_kernel_params
     from tilelang.jit import JITKernel
     from tilelang.jit.adapter.base import CachedTextSource
@@ -333,9 +319,9 @@ def _load_kernel(files: dict, func, cfg, args: CompileArgs, root: Path):
 
 
 def compile_kernel(kind: str, cfg: KernelConfig, *, load_only: bool = False):
-    """The kernel for ``(kind, cfg)``: loaded from the disk cache when a verified entry exists,
-    compiled (and saved) otherwise (``load_only``: None then). Raises :class:`flashsink.CompileError`
-    if it cannot be built and :class:`flashsink.errors.CacheDirError` if the cache directory is unsafe."""
+    """The kernel for ``(kind, cfg)``: a verified disk-cache entry loaded, else compiled and saved
+    (``load_only``: None then). Raises :class:`flashsink.CompileError` if it cannot be built and
+    :class:`flashsink.errors.CacheDirError` if the cache directory is unsafe."""
     configure_logging()
     root = diskcache.ensure_cache_dir()
     kinds.check_kind(kind)
@@ -347,8 +333,9 @@ def compile_kernel(kind: str, cfg: KernelConfig, *, load_only: bool = False):
     args = compile_args(func)
     key = cache_key(kind, cfg, func, args)
     name = diskcache.entry_name(kind, key)
+    entry = root / "kernels" / name
     with diskcache.key_lock(root, name):
-        entry_existed = (root / "kernels" / name).exists()
+        entry_existed = entry.exists()
         start = time.perf_counter()
         hit = diskcache.load(root, name, key)
         if hit is not None:
@@ -356,12 +343,12 @@ def compile_kernel(kind: str, cfg: KernelConfig, *, load_only: bool = False):
                 kernel = _load_kernel(hit[1], func, cfg, args, root)
             except Exception as exc:  # e.g. written by an incompatible runtime: rebuild it
                 log.warning("flashsink: could not load cache entry %s (%s: %s); rebuilding it",
-                            root / "kernels" / name, type(exc).__name__, exc)
-                diskcache.discard(root, root / "kernels" / name)
+                            entry, type(exc).__name__, exc)
+                diskcache.discard(root, entry)
             else:
                 counts["disk"] += 1
                 log.debug("flashsink: loaded the %s kernel for %s from the disk cache %s in %.2f s",
-                          kind, cfg.short(), root / "kernels" / name, time.perf_counter() - start)
+                          kind, cfg.short(), entry, time.perf_counter() - start)
                 return kernel
         if load_only:
             return None
@@ -374,10 +361,9 @@ def compile_kernel(kind: str, cfg: KernelConfig, *, load_only: bool = False):
         if _compile_process:
             kernel, unsaved = _compile_and_store(job)
             if unsaved is None:
-                kernel = _reload(kernel, root, name, key, func, cfg, args)
+                kernel = _reload(kernel, job)
         else:
-            # the child rebuilds the PrimFunc from (kind, cfg): a pickled one loses its layout annotations
-            # (TileLang then cannot evaluate them: "the forward map must be injective")
+            # the child builds the PrimFunc again: a pickled one loses its layout annotations
             handed = _run_compile_child((kind, cfg, None, args, root, name, key))
             unsaved = handed and handed[0]
             kernel = _load_compiled(job, handed and handed[1])
@@ -390,9 +376,8 @@ def compile_kernel(kind: str, cfg: KernelConfig, *, load_only: bool = False):
 
 
 def enter_compile_process() -> None:
-    """Make this process one of flashsink's compile processes (the child below, ``registry``'s workers):
-    :func:`compile_kernel` compiles in it, pointing its temporary directory at the cache's (nothing else
-    runs in such a process); its log shows warnings only unless ``FLASHSINK_LOG`` says otherwise (the
+    """Make this process a compile process (the child below, ``registry``'s workers), where
+    :func:`compile_kernel` compiles in place; warnings only unless ``FLASHSINK_LOG`` says otherwise (the
     process that started it prints the progress)."""
     global _compile_process
     _compile_process = True
@@ -400,8 +385,8 @@ def enter_compile_process() -> None:
 
 
 def _compile_and_store(job) -> tuple:
-    """In a compile process: compile ``job`` (retries), then store its entry. Returns (kernel, None), or
-    (kernel, why) if the entry could not be stored."""
+    """In a compile process: (kernel, None) once compiled and stored, (kernel, why) if the entry could
+    not be stored."""
     kind, cfg, func, args, root, name, key = job
     start = time.perf_counter()
     kernel = compile_with_retries(kind, cfg, func, args, root)
@@ -416,9 +401,9 @@ def _compile_and_store(job) -> tuple:
 
 
 def _child_build(job) -> tuple | None:
-    """What the compile child runs: :func:`_compile_and_store`, its PrimFunc built here from (kind, cfg) and
-    checked against the caller's key (the same code: the same kernel). Returns None once the entry is
-    stored, else (why, {file name: bytes}): the kernel's files, for the caller to load."""
+    """The compile child's work: :func:`_compile_and_store`, with the PrimFunc built here and checked
+    against the caller's key (the same code: the same kernel). None once stored, else (why, {file name:
+    bytes}) for the caller to load."""
     kind, cfg, _, args, root, name, key = job
     diskcache.ensure_cache_dir(root)
     try:
@@ -428,19 +413,17 @@ def _child_build(job) -> tuple | None:
     if cache_key(kind, cfg, func, args) != key:
         raise CompileError(kind, cfg, cfg.target(), "the compile process built another kernel than the caller "
                            "keyed (its flashsink or TileLang differs from the caller's)")
-    job = (kind, cfg, func, args, root, name, key)
-    kernel, unsaved = _compile_and_store(job)
+    kernel, unsaved = _compile_and_store((kind, cfg, func, args, root, name, key))
     if unsaved is None:
         return None
-    with diskcache.private_tmp(job[4]) as d:
+    with diskcache.private_tmp(root) as d:
         _write_kernel(kernel, d)
         return unsaved, {p.name: p.read_bytes() for p in d.iterdir() if p.name != diskcache.TMP_MARKER}
 
 
-# A fresh interpreter with this process's sys.path reads (the function, the job) pickled from its stdin
-# and writes (status, result) pickled to its stdout, which is a copy of fd 1 taken before fd 1 is pointed
-# at stderr: what the compiler prints cannot mix into the result. Not multiprocessing's spawn, which
-# would run the top of the user's main script again in the child.
+# The child reads (function, job) pickled from its stdin and writes (status, result) to a copy of fd 1
+# taken before fd 1 is pointed at stderr, so what the compiler prints cannot mix into the result. Not
+# multiprocessing's spawn, which would run the top of the user's main script again.
 _CHILD_MAIN = ("import pickle, sys; sys.path[:] = pickle.load(sys.stdin.buffer); "
                "from flashsink.ops.compiler.compile import _child_main; _child_main()")
 
@@ -465,9 +448,8 @@ def _child_main() -> None:
 
 
 def _run_compile_child(job) -> tuple | None:
-    """:func:`_child_build` of ``job`` in a fresh interpreter; returns its result, raises its error (a
-    :class:`flashsink.CompileError`; anything else becomes one). The child's temporary directory and
-    environment are its own: this process's stay as they are (no thread of it sees them change)."""
+    """:func:`_child_build` of ``job`` in a fresh interpreter with this process's ``sys.path``; its result,
+    or its error raised (anything but a CompileError or CacheDirError becomes a CompileError)."""
     kind, cfg = job[0], job[1]
     payload = pickle.dumps(list(sys.path)) + pickle.dumps((_child_build, job))
     env = {**os.environ, "FLASHSINK_LOG": os.environ.get("FLASHSINK_LOG", "warning")}
@@ -485,8 +467,8 @@ def _run_compile_child(job) -> tuple | None:
 
 
 def _load_compiled(job, files: dict | None):
-    """The kernel the compile child just built: loaded from its verified entry, or (it could not be
-    stored) from the files it handed back."""
+    """The kernel the compile child built: from its verified entry, or from the files it handed back
+    when it could not store them."""
     kind, cfg, func, args, root, name, key = job
     try:
         if files is None:
@@ -502,9 +484,10 @@ def _load_compiled(job, files: dict | None):
                            f"{type(exc).__name__}: {exc}") from exc
 
 
-def _reload(kernel, root: Path, name: str, key: dict, func, cfg, args: CompileArgs):
-    """The kernel just stored, loaded back from its verified entry: already linked (the compiled one's
-    host code would be linked again by g++ at its first call, 0.3-0.7 s). Else the compiled kernel."""
+def _reload(kernel, job):
+    """The kernel just stored, loaded back from its entry, whose host code is linked already (the
+    compiled one's is linked again by g++ at its first call, 0.3-0.7 s); else the compiled kernel."""
+    kind, cfg, func, args, root, name, key = job
     try:
         hit = diskcache.load(root, name, key)
         if hit is not None:
