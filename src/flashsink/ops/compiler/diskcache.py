@@ -1,12 +1,11 @@
 """The on-disk kernel cache: a private directory of verified entries (docs/caching.md, "Security model").
 
 ``$FLASHSINK_CACHE_DIR`` (default ``$XDG_CACHE_HOME/flashsink``, else ``~/.cache/flashsink``) holds
-``kernels/<kind>-<digest>/`` (TileLang's files plus ENTRY_MANIFEST), ``locks/<kind>-<digest>.lock`` (one
-flock per key: one compile per key across processes) and ``tmp/`` (staging and build directories).
-An entry holds a shared library that is loaded into the process, so its manifest records the full key
-and every file's sha256 under a checksum of its own; an entry is loaded only from the bytes that were
-hashed, published with one atomic rename, and one that fails is moved away and rebuilt. Only what a
-valid flashsink marker names is ever deleted. The directory's trust checks are ``cachedir``'s.
+``kernels/<kind>-<digest>/`` (TileLang's files and ENTRY_MANIFEST), ``locks/<kind>-<digest>.lock`` (one
+compile per key across processes) and ``tmp/``. An entry holds a shared library that is loaded into the
+process, so its sealed manifest records the full key and every file's sha256; it is loaded only from
+the bytes that were hashed, published with one rename, and moved away and rebuilt if it fails. Only
+what a valid flashsink marker names is ever deleted. The directory's trust checks are ``cachedir``'s.
 """
 
 from __future__ import annotations
@@ -31,39 +30,31 @@ from .cachedir import ENV_DIR, SUBDIRS, read_regular
 
 log = logging.getLogger("flashsink")
 
-__all__ = ["ENV_DIR", "SUBDIRS", "cache_dir", "ensure_cache_dir", "load", "store", "clear", "entries"]
-
-#: 2: the manifest carries a checksum over its own fields (1 had none: such entries are rebuilt)
+#: 2: the manifest is sealed (a checksum over its own fields); 1's entries are rebuilt
 FORMAT = 2
 ENTRY_MANIFEST = "flashsink-entry.json"
-#: the marker file of a directory flashsink made in tmp/ (a build, a staging or a load directory)
+#: the marker file of a directory flashsink made in tmp/
 TMP_MARKER = "flashsink-tmp.json"
-#: the first line of every lock file flashsink made (what ``clear`` needs to find to remove it)
+#: the first line of every lock file flashsink made (``clear`` removes only those)
 LOCK_MARKER = b"flashsink kernel-cache lock\n"
-#: a staging/build directory whose process is gone and that is older than this is removed
+#: a tmp/ directory whose process is gone and that is older than this is removed
 STALE_TMP_SECONDS = 600
 _MANIFEST_LIMIT = 1 << 20  # a manifest is a few KiB; a bigger file is not one of ours
 
 
-def default_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "flashsink"
-
-
 def cache_dir() -> Path:
-    """The cache directory this process uses (``FLASHSINK_CACHE_DIR`` or the default)."""
+    """The cache directory this process uses: ``FLASHSINK_CACHE_DIR``, else the XDG default."""
     given = os.environ.get(ENV_DIR)
-    return Path(os.path.expanduser(given)).absolute() if given else default_cache_dir().absolute()
+    if given:
+        return Path(os.path.expanduser(given)).absolute()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return (Path(base) / "flashsink").absolute()
 
 
 def ensure_cache_dir(path: Path | None = None) -> Path:
-    """Create (mode 0700) and check the cache directory and its subdirectories (``cachedir.trusted_root``:
-    every call compares with the last walk and walks again on any change); returns the resolved directory."""
+    """The resolved cache directory, created (mode 0700) and checked (``cachedir.trusted_root``)."""
     return cachedir.trusted_root(path if path is not None else cache_dir())
 
-
-# ----------------------------------------------------------------------------------------------
-# keys
 
 def canonical(key: dict) -> str:
     return json.dumps(key, sort_keys=True, separators=(",", ":"), default=str)
@@ -93,32 +84,26 @@ def _open_lock(path: Path) -> int:
 
 @contextlib.contextmanager
 def key_lock(root: Path, name: str):
-    """Hold the per-key lock. Yields True if it had to wait for another process (or thread)."""
+    """Hold the per-key lock: one compile per key across processes and threads."""
     fd = _open_lock(root / "locks" / f"{name}.lock")
     try:
-        waited = False
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            waited = True
             log.info("flashsink: another process is compiling %s; waiting for it", name)
             fcntl.flock(fd, fcntl.LOCK_EX)
         if os.fstat(fd).st_size == 0:  # new: mark it as ours (under the lock: written once)
             os.write(fd, LOCK_MARKER)
-        yield waited
+        yield
     finally:
         os.close(fd)  # closing releases the flock
 
 
 # ----------------------------------------------------------------------------------------------
-# manifests and markers: JSON with a checksum over its own fields, checked against a schema
+# manifests and markers: sealed JSON (a checksum over the other fields), checked against a schema
 
 def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
-
-
-def _is_hex64(x) -> bool:
-    return isinstance(x, str) and len(x) == 64 and all(c in "0123456789abcdef" for c in x)
 
 
 def _seal(record: dict) -> str:
@@ -139,8 +124,8 @@ def _types_of(record: dict, schema: dict) -> str | None:
     return None
 
 
-#: how deep a manifest's or marker's JSON may nest (ours: 4); deeper is not one of ours, and refusing it
-#: here keeps every later step (the checksum's json.dumps, the key's digest) clear of RecursionError
+#: how deep a manifest's or marker's JSON may nest (ours: 4): refusing deeper keeps every later step
+#: (the checksum's json.dumps, the key's digest) clear of RecursionError
 _MAX_DEPTH = 32
 
 
@@ -156,9 +141,8 @@ def _too_deep(value) -> bool:
 
 
 def _unseal(blob: bytes, schema: dict) -> dict:
-    """The record in ``blob`` if it is JSON of the current format whose fields have the schema's types
-    and whose checksum matches; raises ValueError saying what is wrong (never anything else: the
-    bytes are whatever was found on disk)."""
+    """The record in ``blob``: JSON of the current format, the schema's types, its checksum matching.
+    ValueError saying what is wrong, never another exception: the bytes are whatever was on disk."""
     try:
         record = json.loads(blob)
     except (UnicodeDecodeError, ValueError) as exc:
@@ -201,7 +185,7 @@ def _check_files(files: dict) -> None:
         if not _plain_name(name):
             raise ValueError(f"manifest lists a bad file name {name[:80]!r}")
         if (not isinstance(meta, dict) or _types_of(meta, {"size": int, "sha256": str}) or meta["size"] < 0
-                or not _is_hex64(meta["sha256"])):
+                or len(meta["sha256"]) != 64 or not set(meta["sha256"]) <= set("0123456789abcdef")):
             raise ValueError(f"manifest's record of {name!r} is not {{'size': int >= 0, 'sha256': hex digest}}: "
                              f"{meta!r:.200}")
 
@@ -215,18 +199,14 @@ def parse_manifest(blob: bytes, name: str) -> dict:
     return manifest
 
 
-def _read_manifest(dir_fd: int, name: str) -> dict:
-    try:
-        return parse_manifest(read_regular(ENTRY_MANIFEST, dir_fd, _MANIFEST_LIMIT), name)
-    except ValueError as exc:
-        raise ValueError(f"manifest unreadable: {exc}") from None
-
-
 # ----------------------------------------------------------------------------------------------
 # entries
 
 def _verify_fd(fd: int, name: str, key: dict | None) -> tuple[dict, dict]:
-    manifest = _read_manifest(fd, name)
+    try:
+        manifest = parse_manifest(read_regular(ENTRY_MANIFEST, fd, _MANIFEST_LIMIT), name)
+    except ValueError as exc:
+        raise ValueError(f"manifest unreadable: {exc}") from None
     if key is not None and canonical(manifest["key"]) != canonical(key):
         raise ValueError("recorded key differs from the key asked for")
     files = manifest["files"]
@@ -244,8 +224,8 @@ def _verify_fd(fd: int, name: str, key: dict | None) -> tuple[dict, dict]:
 
 
 def verify_entry(entry: Path, key: dict | None = None) -> tuple[dict, dict]:
-    """Check one entry; returns (manifest, {file name: verified bytes}). Raises ValueError saying
-    what is wrong. ``key=None`` checks the files against the manifest only (``cache info``)."""
+    """(manifest, {file name: verified bytes}) of one entry, or ValueError saying what is wrong.
+    ``key=None`` checks the files against the manifest only (``cache info``)."""
     try:
         fd = cachedir.open_entry(entry)
     except (OSError, CacheDirError) as exc:
@@ -259,8 +239,8 @@ def verify_entry(entry: Path, key: dict | None = None) -> tuple[dict, dict]:
 
 
 def _sealed(path: Path, file: str, parse) -> dict | None:
-    """``parse(bytes)`` of the file ``file`` in directory ``path`` (a real, private directory of ours:
-    never followed if it is a link), or None if any of that fails."""
+    """``parse(bytes)`` of ``file`` in the directory ``path`` (private and ours, never a link followed),
+    or None if any of that fails."""
     try:
         fd = cachedir.open_entry(path)
     except (OSError, CacheDirError):
@@ -279,15 +259,14 @@ def _valid_manifest(path: Path, name: str | None = None) -> dict | None:
 
 
 def _marked_files(path: Path, name: str) -> list | None:
-    """The files of the entry directory ``path`` that a valid manifest of entry ``name`` names (manifest
-    last), or None without one."""
+    """The files a valid manifest of entry ``name`` in ``path`` names, the manifest last; None without one."""
     manifest = _valid_manifest(path, name)
     return None if manifest is None else [*sorted(manifest["files"]), ENTRY_MANIFEST]
 
 
 def _remove_marked(path: Path, files: list) -> list:
-    """Remove the regular files ``files`` of directory ``path``, then the directory if that emptied it;
-    returns what is left in it (nothing is followed: a link or a directory named in ``files`` stays)."""
+    """Remove the regular files ``files`` of ``path``, then ``path`` if that emptied it; returns what is
+    left (a link or a directory named in ``files`` stays)."""
     for f in files:
         with contextlib.suppress(OSError):
             if stat.S_ISREG(os.lstat(path / f).st_mode):
@@ -302,9 +281,8 @@ def _remove_marked(path: Path, files: list) -> list:
 
 
 def discard(root: Path, path: Path) -> None:
-    """Take the entry ``path`` out of ``kernels/`` (renamed into ``tmp/``, atomically), then delete the
-    files its manifest names; what flashsink did not write stays in ``tmp/discard-*`` (``clear`` lists
-    it) and a link is never followed."""
+    """Take the entry ``path`` out of ``kernels/`` (one rename into ``tmp/``), then delete the files its
+    manifest names; what flashsink did not write stays in ``tmp/discard-*`` (``clear`` lists it)."""
     files = _marked_files(path, path.name)
     trash = root / "tmp" / f"discard-{os.getpid()}-{path.name}-{uuid.uuid4().hex[:8]}"
     try:
@@ -326,11 +304,9 @@ def discard(root: Path, path: Path) -> None:
 
 
 def load(root: Path, name: str, key: dict) -> tuple[dict, dict] | None:
-    """The verified (manifest, files) of entry ``name`` for ``key``, or None on a miss.
-
-    The cache directory is checked again first (``cachedir.recheck``: :class:`CacheDirError` if it is
-    no longer safe). An entry that fails verification is a miss: it is logged as a warning and moved
-    away, so the caller rebuilds it. Call with the key's lock held."""
+    """The verified (manifest, files) of entry ``name`` for ``key``, or None on a miss; with the key's
+    lock held. The directory is checked again first (``cachedir.recheck``: :class:`CacheDirError`); an
+    entry that fails verification is a miss, logged and moved away, so the caller rebuilds it."""
     cachedir.recheck(root)
     entry = root / "kernels" / name
     if not os.path.lexists(entry):
@@ -354,21 +330,21 @@ def _fsync(path: Path) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# tmp/: only directories with flashsink's marker, removed only when their process is gone
+# tmp/: directories with flashsink's marker, removed only once their process is gone
 
 _TMP_SCHEMA = {"format": int, "name": str, "pid": int, "host": str}
 
 
 def _tmp_marker(path: Path) -> dict | None:
-    """The valid marker of the tmp/ directory ``path`` (a real directory of ours), or None."""
+    """The valid marker of the tmp/ directory ``path``, or None."""
     marker = _sealed(path, TMP_MARKER, lambda blob: _unseal(blob, _TMP_SCHEMA))
     if marker is None or marker["name"] != path.name or not 0 < marker["pid"] < 1 << 31:
-        return None  # a pid os.kill cannot take (0, -1 and huge ones) is not one a process of ours had
+        return None  # a pid os.kill cannot take (0, -1, huge) was no process of ours
     return marker
 
 
 def _alive(marker: dict) -> bool:
-    """Whether the process that made a tmp/ directory may still be running (another host's: assumed so)."""
+    """Whether the process that made a tmp/ directory may still run (another host's: assumed so)."""
     if marker["host"] != os.uname().nodename:
         return True
     try:
@@ -381,8 +357,7 @@ def _alive(marker: dict) -> bool:
 
 
 def sweepable(path: Path, older_than: float | None = None) -> bool:
-    """Whether tmp/``path`` is flashsink's (its marker), its process gone and (``older_than``) untouched
-    for that many seconds."""
+    """Whether tmp/``path`` is flashsink's, its process gone and (``older_than``) untouched that long."""
     marker = _tmp_marker(path)
     if marker is None or _alive(marker):
         return False
@@ -400,7 +375,7 @@ def _rmtree(path: Path) -> None:
 
 
 def _listed(path: Path) -> list:
-    """The items of the cache subdirectory ``path``, sorted; none if it is missing (a partial cache)."""
+    """The items of the cache subdirectory ``path``, sorted; none if it is missing."""
     try:
         return sorted(path.iterdir())
     except FileNotFoundError:
@@ -408,8 +383,7 @@ def _listed(path: Path) -> list:
 
 
 def _clean_stale_tmp(root: Path) -> None:
-    """Remove what killed processes left in tmp/: flashsink's directories whose process is gone and that
-    were not touched for a while. Nothing without a marker is touched."""
+    """Remove flashsink's tmp/ directories whose process is gone and that were not touched for a while."""
     for p in _listed(root / "tmp"):
         if sweepable(p, STALE_TMP_SECONDS):
             _rmtree(p)
@@ -433,9 +407,8 @@ def scratch(root: Path, prefix: str):
 
 
 def store(root: Path, name: str, key: dict, write_files, *, kind: str, summary: str, extra: dict | None = None) -> Path:
-    """Publish a new entry: ``write_files(staging_dir)`` writes the kernel's files, then their
-    checksums and the key go into the manifest and the directory is renamed into place. Call with
-    the key's lock held. Returns the entry path."""
+    """Publish a new entry, with the key's lock held: ``write_files(staging_dir)`` writes the kernel's
+    files, their checksums and the key go into the manifest, and one rename puts it in place."""
     _clean_stale_tmp(root)
     with scratch(root, f"stage-{name}") as staging:
         write_files(staging)
@@ -457,7 +430,7 @@ def store(root: Path, name: str, key: dict, write_files, *, kind: str, summary: 
             f.write(_seal(manifest))
             f.flush()
             os.fsync(f.fileno())
-        os.unlink(staging / TMP_MARKER)  # an entry now (from here until the rename it is unmarked)
+        os.unlink(staging / TMP_MARKER)  # an entry now, unmarked until the rename
         os.chmod(staging, 0o700)
         _fsync(staging)
         final = root / "kernels" / name
@@ -468,7 +441,7 @@ def store(root: Path, name: str, key: dict, write_files, *, kind: str, summary: 
         except OSError:
             if not os.path.lexists(final):
                 raise
-            # another writer (one that did not hold our lock) published first: keep theirs
+            # a writer that did not hold our lock published first: keep theirs
         _fsync(root / "kernels")
         return final
 
@@ -476,9 +449,8 @@ def store(root: Path, name: str, key: dict, write_files, *, kind: str, summary: 
 @contextlib.contextmanager
 def private_tmp(root: Path):
     """A build directory in ``tmp/`` that is the process's temporary directory (``tempfile`` and
-    ``TMPDIR``, which nvcc uses) while the block runs; removed afterwards, success or failure, so a
-    failed or killed compile leaves no files behind. Process-wide, so only for flashsink's own compile
-    processes (``compile.enter_compile_process``), never the user's: compile.py's docstring."""
+    ``TMPDIR``, which nvcc uses) while the block runs, removed afterwards: a failed compile leaves no
+    files. Process-wide, so for flashsink's compile processes only (compile.py's docstring)."""
     old_tempdir, old_env = tempfile.tempdir, os.environ.get("TMPDIR")
     with scratch(root, "build") as build:
         tempfile.tempdir = str(build)
@@ -508,8 +480,8 @@ class EntryInfo:
 
 
 def _entry_size(path: Path) -> int:
-    """Bytes of the regular files in the entry directory ``path`` (an entry is flat); 0 if ``path`` is not
-    a directory itself: a link is never followed, nothing below the entry is walked."""
+    """Bytes of the regular files in the entry directory ``path`` (flat; no link followed); 0 if ``path``
+    is not a directory itself."""
     try:
         fd = cachedir.open_dir(path)
     except OSError:
@@ -576,9 +548,8 @@ def _clear_lock(p: Path, kept: list) -> None:
 
 
 def clear(root: Path) -> Cleared:
-    """Remove every entry, leftover temporary directory and unused lock that flashsink wrote (a valid
-    marker names it); everything else in the cache is left alone and listed in ``Cleared.kept``.
-    ``root`` must have passed ``cachedir.trusted_root``. Only the cache's subdirectories are looked at."""
+    """Remove every entry, leftover tmp/ directory and unused lock that a valid flashsink marker names;
+    the rest stays, listed in ``Cleared.kept``. ``root`` must have passed ``cachedir.trusted_root``."""
     cachedir.recheck(root)
     done = Cleared()
     for entry in _listed(root / "kernels"):
