@@ -3,8 +3,8 @@
 
 :func:`trusted_root` walks the path from ``/`` with ``lstat``: every directory above the cache owned by
 this user or root and not writable by others unless sticky, every symlink owned by them too, the cache
-and its subdirectories real directories of this user's only; :func:`recheck` compares that walk before
-every load. :func:`open_entry` and :func:`read_regular` never follow a link or wait on a FIFO.
+and its subdirectories real directories of this user's only; :func:`recheck` repeats that before every
+load. :func:`open_entry` and :func:`read_regular` never follow a link or wait on a FIFO.
 """
 
 from __future__ import annotations
@@ -115,8 +115,8 @@ class Walk:
 
 
 def walk(given, *, create: bool = True) -> Walk | None:
-    """Resolve ``given`` from ``/`` checking every component (module docstring); create what is missing
-    (``create``) or return None if the cache directory does not exist. Raises :class:`CacheDirError`."""
+    """``given`` resolved from ``/``, every component checked (module docstring); what is missing created
+    (``create``), else None. Raises :class:`CacheDirError`."""
     me = os.geteuid()
     text = os.path.abspath(os.fspath(given))
     try:
@@ -175,9 +175,9 @@ _walks: dict = {}  # the path walked (given or resolved) -> its Walk
 
 
 def trusted_root(given, *, create: bool = True) -> Path | None:
-    """The resolved cache directory for ``given``, created (``create``) and checked: at the first call a
-    full walk, later a comparison with it (a full walk again on any difference). None without
-    ``create`` if it does not exist. Raises :class:`CacheDirError` if it is not safe."""
+    """The resolved cache directory for ``given``, created (``create``; else None if missing) and checked:
+    a full walk, later calls comparing with it and walking again on any difference. Raises
+    :class:`CacheDirError` if it is not safe."""
     if not isinstance(given, (str, os.PathLike)) or not isinstance(os.fspath(given), str):
         raise TypeError(f"path: the cache directory must be a str or os.PathLike path, got "
                         f"{type(given).__name__} {given!r:.80}")
@@ -195,16 +195,15 @@ def trusted_root(given, *, create: bool = True) -> Path | None:
 
 
 def recheck(root: Path) -> None:
-    """Before a load: ``root`` (a resolved root :func:`trusted_root` returned) still passes its walk.
-    Cheap when nothing changed; raises :class:`CacheDirError` if it no longer passes."""
+    """Before a load: ``root`` (from :func:`trusted_root`) still passes its walk; :class:`CacheDirError`
+    if not. Cheap when nothing changed."""
     if trusted_root(root, create=False) is None:
         raise CacheDirError(f"flashsink cache directory {root} disappeared while in use")
 
 
 def open_entry(path: Path) -> int:
-    """An fd of the entry directory ``path`` (no link followed), checked private; the caller closes it.
-    Raises :class:`CacheDirError` for an entry that is not a private directory of ours, OSError if it
-    cannot be opened (FileNotFoundError: gone)."""
+    """An fd of the entry directory ``path`` (no link followed), checked private (:class:`CacheDirError`);
+    OSError if it cannot be opened. The caller closes it."""
     fd = open_dir(path)
     try:
         check_private(path, os.fstat(fd), "entry is")
@@ -220,9 +219,9 @@ def open_dir(path) -> int:
 
 
 def read_regular(name: str, dir_fd: int | None = None, limit: int | None = None) -> bytes:
-    """The bytes of the regular file ``name`` (relative to ``dir_fd``), opened without following a
-    link or waiting on a FIFO. Raises ValueError saying why it was not read; ``limit``: at most that
-    many bytes are ever read (a bigger file, or one that grows past it while read, is a ValueError)."""
+    """The bytes of the regular file ``name`` (relative to ``dir_fd``), no link followed, no FIFO waited
+    on; ValueError saying why not. ``limit``: never more bytes read (a bigger or growing file is a
+    ValueError)."""
     try:
         fd = os.open(name, READ_FLAGS, dir_fd=dir_fd)
     except OSError as exc:

@@ -1,12 +1,10 @@
 """The registry of kernel kinds: one row per kernel, read by everything that lists, selects or builds
-kernels (first use, ``flashsink precompile``, the disk cache's key, the forward's choice per call
-(:func:`forward_kind`), the tests and the tools).
+kernels (first use, ``flashsink precompile``, the disk cache's key, :func:`forward_kind`, the tests).
 
-A kind is its builder (:func:`builders`, imported when a kernel is built: the kernels import tilelang),
-its tile function (``kernel_config``; part of the disk-cache key), the configurations that need it and
-those it builds for, its route (a first launch builds the kernels of its route, in parallel;
-``flashsink precompile`` builds every route), and the configuration fields its code never reads (one
-build then serves every value of them). Adding one: docs/architecture.md, "Adding a kernel kind".
+A row is the kernel's builder (:func:`builders`), tile function (part of the disk-cache key), the
+configurations that launch it and those it builds for, its route (a first launch builds its route's
+kernels) and the configuration fields its code never reads (one build serves every value of them).
+Adding one: docs/architecture.md, "Adding a kernel kind".
 """
 
 from __future__ import annotations
@@ -25,8 +23,7 @@ def _always(cfg: KernelConfig) -> bool:
 
 
 def _split_kernel(cfg: KernelConfig) -> bool:
-    # where a split-KV forward builds: Hopper (sm_80's code generator rejects it), padded layouts
-    # (packed varlen batches never split)
+    # Hopper (sm_80's code generator rejects the split-KV forward), padded layouts (varlen never splits)
     return cfg.hopper and cfg.layout != "thd"
 
 
@@ -45,9 +42,7 @@ def _postprocess(cfg: KernelConfig) -> bool:
 
 
 def _kvcache(cfg: KernelConfig) -> bool:
-    """Configurations ``attention_kvcache`` runs with (``ops/launch/kvcache.py``): causal bshd, the kernels'
-    head dims, not deterministic. Its kernels are not launched by attention's forward or backward, so
-    a first use does not build them; ``flashsink precompile`` does (:func:`precompile_kinds`)."""
+    """Configurations ``attention_kvcache`` runs with: causal bshd, its head dims, not deterministic."""
     return (cfg.layout == "bshd" and cfg.causal and not cfg.deterministic and cfg.head_dim in KVCACHE_HEAD_DIMS
             and cfg.head_dim_v in KVCACHE_HEAD_DIMS)
 
@@ -67,25 +62,21 @@ def _window_call(cfg: KernelConfig, window: int, scale: float) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class Kind:
-    #: the builder (``KernelConfig -> PrimFunc``); None: the kernels' own, :func:`builders`
-    builder: Optional[Callable]
+    builder: Optional[Callable]  # KernelConfig -> PrimFunc; None: the kernels' own (:func:`builders`)
     tiles: Optional[Callable]  # the kernel_config tile function, or None (fixed blocks)
     needed: Callable[[KernelConfig], bool]  # does a configuration's forward + backward launch it?
     ignores: tuple = ()  # KernelConfig fields the kernel's code does not read
     #: does it build for a configuration at all (``flashsink precompile --kinds`` refuses the others)?
     builds: Callable[[KernelConfig], bool] = _always
-    #: which calls launch it: "dense" (attention's forward over its rows and the backward) or
-    #: "decode" (few query rows against a long cache: the split-KV forward, attention_kvcache); a first
-    #: use builds the kernels of its own route only (:func:`first_use_kinds`)
+    #: "dense" (attention's forward and backward) or "decode" (few query rows against a long cache): a
+    #: first use builds its own route's kernels only (:func:`first_use_kinds`)
     route: str = "dense"
-    #: about how many seconds one build takes, serially (lab/compile_time.py; docs/perf-log.md "First use:
-    #: where the compile time goes"): parallel builds start the longest first, so only their order matters
+    #: about how many seconds one build takes (lab/compile_time.py): parallel builds start the longest first
     build_s: float = 5.0
-    #: a forward the dense route may launch instead of "fwd": ``(cfg, window, scale) -> bool``, asked in
-    #: the registry's order by :func:`forward_kind` (None: not such a forward)
+    #: a forward the dense route launches instead of "fwd" where ``(cfg, window, scale) -> bool`` says so
+    #: (asked in the registry's order by :func:`forward_kind`)
     chosen_when: Optional[Callable] = None
-    #: configurations ``flashsink precompile`` builds it for beyond :attr:`needed` (attention_kvcache's
-    #: kernels, which no forward or backward of ``attention`` launches)
+    #: configurations ``flashsink precompile`` builds it for beyond :attr:`needed` (attention_kvcache's)
     precompiled_when: Optional[Callable[[KernelConfig], bool]] = None
 
 
@@ -123,8 +114,8 @@ KINDS: dict = {
 
 
 def builders() -> dict:
-    """Each kind of :data:`KINDS` whose row names no builder: its builder in ``ops/kernels``. Imported here,
-    when a kernel is built: the kernels import tilelang, and importing flashsink must not."""
+    """The builders in ``ops/kernels`` of the rows that name none, imported when a kernel is built: the
+    kernels import tilelang, and importing flashsink must not."""
     from ..kernels import bwd, fwd, fwd_kvcache, fwd_split, merge_splits
 
     return {
@@ -142,8 +133,7 @@ def builder(name: str) -> Callable:
 
 
 #: the value a kind's ignored field takes in the configuration it is built and cached for (:func:`canonical`);
-#: fixed here, not a KernelConfig default (KernelConfig has none for these), so the disk-cache keys stay
-#: those of every earlier release
+#: these values keep the disk-cache keys of earlier releases
 CANONICAL = {"deterministic": False, "precision": "strict"}
 #: the forward the dense route launches unless a row's ``chosen_when`` takes the call
 DEFAULT_FORWARD = "fwd"
@@ -156,17 +146,15 @@ def kinds_for(cfg: KernelConfig) -> tuple:
 
 def first_use_kinds(name: str, cfg: KernelConfig) -> tuple:
     """What the first launch of kernel ``name`` for ``cfg`` builds, in parallel: ``name`` and the other
-    kernels of :func:`kinds_for` on its route. A training step's first call builds the forward and
-    backward kernels, not the split-KV decode pair, which compiles the slowest of all (~23 s on the
-    H200's host, docs/perf-log.md v9) and which a training step never launches; the first decode call
-    builds that pair. (``flashsink precompile`` builds every route at once.)"""
+    kernels of :func:`kinds_for` on its route. A training step never launches the split-KV decode pair,
+    the slowest to compile (~23 s on the H200's host, perf-log v9), so it does not wait for it."""
     route = KINDS[name].route
     return tuple(dict.fromkeys((name, *(k for k in kinds_for(cfg) if KINDS[k].route == route))))
 
 
 def longest_first(names) -> list:
-    """``names`` ordered by :attr:`Kind.build_s`, longest first (ties keep their order): the order a
-    parallel build starts them in, so the longest ones are not left for last."""
+    """``names`` by :attr:`Kind.build_s`, longest first (ties keep their order): the order a parallel
+    build starts them in, so that none of the longest is left for last."""
     return sorted(names, key=lambda name: -KINDS[name].build_s)
 
 
