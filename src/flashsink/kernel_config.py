@@ -1,10 +1,8 @@
-"""Static kernel configuration and the per-architecture tile table: the base module that every layer
-(``_validate``, ``ops.launch``, ``ops.compiler``, ``ops.kernels``, ``ops.tir``) imports, importing nothing of
-flashsink itself.
+"""Static kernel configuration and the per-architecture tile table: the base module every layer imports
+(it imports nothing of flashsink). Why each choice: docs/architecture.md, "Configuration choices".
 
-Everything in :class:`KernelConfig` is baked into a compiled kernel and is therefore
-part of the compile-cache key. Batch, sequence lengths, the window size and the
-softmax scale are runtime arguments: a new length never recompiles.
+Everything in :class:`KernelConfig` is baked into a compiled kernel, so it is part of the compile-cache
+key; batch, lengths, window and scale are runtime arguments: a new length never recompiles.
 """
 
 from __future__ import annotations
@@ -26,8 +24,7 @@ MAX_HEAD_DIM = 256
 NATIVE_HEAD_DIMS = (32, 64, 128, 256)
 #: the head dims :func:`kernel_head_dim` takes, for messages
 HEAD_DIM_RULE = f"multiples of 16 up to {MAX_HEAD_DIM}"
-#: head dims with attention_kvcache kernels (ops/launch/kvcache.py: the cache is never padded, that would copy it
-#: every call)
+#: head dims with attention_kvcache kernels (its cache is never padded: that would copy it every call)
 KVCACHE_HEAD_DIMS = (64, 128)
 
 
@@ -44,13 +41,11 @@ def kernel_head_dim(d: int) -> int | None:
 #: log2(e): scores are kept in base 2 (one exp2 each), so the host folds it into the scale
 LOG2E = 1.4426950408889634
 
-# A window larger than any sequence: used when the caller asked for no window, so one
-# kernel serves windowed and full causal attention (the window is a runtime value).
+# A window larger than any sequence, for calls without one: one kernel serves both (a runtime value).
 NO_WINDOW = 1 << 30
 
-# Row statistics (lse, Delta) and the fp32 dQ accumulator are allocated with this many
-# rows per multiple: every kernel's row tile is then in bounds, and the row stride of
-# an fp32 [.., rows] tensor stays 16-byte aligned as the bulk-copy engine requires.
+# Row statistics (lse, Delta) and the fp32 dQ accumulator have a multiple of this many rows: every
+# kernel's row tile is in bounds, and an fp32 [.., rows] row stride 16-byte aligned (bulk copies).
 ROW_PAD = 128
 
 
@@ -80,9 +75,8 @@ class KernelConfig:
     has_sinks: bool
     layout: str  # "bhsd", "bshd" or "thd" (packed varlen, cu_seqlens at runtime)
     deterministic: bool
-    # "fast": single-term fp16/bf16 products and Delta = rowsum(dO * O) (FA4/FLA/flex's error class);
-    # "strict": two-term products and Delta from P * dP (the seed's precision standard). No default:
-    # every configuration names its mode (the public functions' default is "fast")
+    # "fast": single-term fp16/bf16 products, Delta = rowsum(dO * O) (FA4/FLA/flex's error class);
+    # "strict": two-term products, Delta from P * dP (the precision standard). No default here
     precision: str
 
     @property
@@ -139,20 +133,18 @@ def bwd_tiles(cfg: KernelConfig) -> Tiles:
 
 
 def bwd_dq_bulk(cfg: KernelConfig) -> bool:
-    """Whether TileLang's main backward adds its dQ tiles by one bulk (TMA) reduce-add from shared
-    memory instead of per-thread atomics (perf-log v6)."""
+    """Whether TileLang's main backward adds dQ by one bulk (TMA) reduce-add per tile, not atomics (perf-log v6)."""
     return cfg.hopper and max(cfg.head_dim, cfg.head_dim_v) <= 128
 
 
 def bwd_overlap(cfg: KernelConfig) -> bool:
-    """Whether TileLang's main backward issues S^T and dP^T asynchronously back to back and computes P
-    while the second runs (perf-log v6)."""
+    """Whether TileLang's main backward issues S^T and dP^T back to back, computing P meanwhile (perf-log v6)."""
     return cfg.hopper and max(cfg.head_dim, cfg.head_dim_v) <= 128
 
 
 def bwd_ws(cfg: KernelConfig) -> bool:
-    """Whether the main backward is ``bwd_ws.py``'s hand warp-specialized kernel: Hopper, fast at head
-    dims up to 128, strict at head dim 64 only (perf-log v7, v10, v13)."""
+    """Whether the main backward is ``bwd_ws.py``'s: Hopper, fast up to head dim 128, strict at 64 (perf-log
+    v7, v10, v13)."""
     if not cfg.hopper:
         return False
     if cfg.precision == "strict":
@@ -161,22 +153,19 @@ def bwd_ws(cfg: KernelConfig) -> bool:
 
 
 def bwd_dq_first(cfg: KernelConfig) -> bool:
-    """Whether the hand warp-specialized main backward issues each tile's dQ product before its dK
-    product and hands dQ over while dK's runs, with 128-row tiles (:func:`bwd_tiles`): fast, head dim
-    64, causal, padded layouts (perf-log v12)."""
+    """Whether ``bwd_ws.py`` issues each tile's dQ product before dK's, handing dQ over while dK's runs,
+    on 128-row tiles: fast, head dim 64, causal, padded layouts (perf-log v12)."""
     return (bwd_ws(cfg) and cfg.precision == "fast" and cfg.head_dim == cfg.head_dim_v == 64 and cfg.causal
             and cfg.layout != "thd")
 
 
 def bwd_branch(cfg: KernelConfig) -> bool:
-    """Whether TileLang's main backward (where not :func:`bwd_ws`) skips the per-element mask on wholly
-    visible row blocks: Hopper's strict kernel (perf-log v11). The hand kernel always does (v10)."""
+    """Whether TileLang's main backward skips the per-element mask on wholly visible row blocks (perf-log v11)."""
     return cfg.hopper and cfg.precision == "strict"
 
 
 def bwd_swap(cfg: KernelConfig) -> bool:
-    """Whether TileLang's main backward issues its KV tiles longest first from its grid's layout (KV
-    heads along x, KV tiles along y): padded layouts (perf-log v10, v11)."""
+    """Whether TileLang's main backward takes its KV tiles longest first from the grid's layout (perf-log v10, v11)."""
     return cfg.layout != "thd"
 
 
@@ -187,8 +176,7 @@ def fwd_mask(cfg: KernelConfig) -> str:
 
 
 def fwd_ws(cfg: KernelConfig) -> bool:
-    """Whether the forward is ``fwd_ws.py``'s hand warp-specialized kernel: Hopper, equal head dims 64
-    or 128 (80 and 96 run padded to 128)."""
+    """Whether the forward is ``fwd_ws.py``'s: Hopper, equal head dims 64 or 128 (perf-log v9)."""
     return cfg.hopper and cfg.head_dim == cfg.head_dim_v and cfg.head_dim in (64, 128)
 
 
@@ -200,20 +188,17 @@ def pack_gqa_fits(cfg: KernelConfig, block_m: int) -> bool:
     return cfg.head_dim in (64, 128) and g >= 2 and block_m % g == 0 and (block_m // g) % 8 == 0
 
 
-#: the windowed kind's rows at head dim 64 (:func:`fwd_window_tiles`) where the group packs into them (perf-log
-#: v28, v29); 192 restores the earlier kernels
+#: the windowed kind's rows at head dim 64 where the group packs into them (perf-log v28, v29)
 FWD_WINDOW_ROWS_D64 = 256
 
-#: the widest window that launches the forward's windowed tiles (the kind ``fwd_window``); wider windows
-#: keep :func:`fwd_tiles`
+#: the widest window that launches the kind ``fwd_window`` (perf-log v19)
 WINDOW_TILES_MAX = 128
 
 
 def fwd_window_tiles(cfg: KernelConfig) -> Tiles:
-    """Forward tiles for a window of at most :data:`WINDOW_TILES_MAX` keys (the kind ``fwd_window``):
-    64-key tiles, three K/V ring slots, the rows (:data:`FWD_WINDOW_ROWS_D64` or 192 at head dim 64, 128
-    at 128) the first the GQA group packs into (:func:`pack_gqa_fits`); causal, and at head dim 128
-    padded layouts only; elsewhere :func:`fwd_tiles`."""
+    """``fwd_window``'s tiles: 64 keys, three K/V ring slots, the first rows the GQA group packs into
+    (:data:`FWD_WINDOW_ROWS_D64` or 192 at head dim 64, 128 at 128); causal, and at head dim 128 padded
+    layouts only; elsewhere :func:`fwd_tiles` (perf-log v19, v24)."""
     if fwd_ws(cfg) and cfg.causal and (cfg.head_dim == 64 or cfg.layout != "thd"):
         rows = dict.fromkeys([FWD_WINDOW_ROWS_D64, 192]) if cfg.head_dim == 64 else [128]
         for bm in rows:  # the first that the group packs into
@@ -224,8 +209,8 @@ def fwd_window_tiles(cfg: KernelConfig) -> Tiles:
 
 @functools.lru_cache(maxsize=None)
 def fwd_windowed(cfg: KernelConfig) -> bool:
-    """Whether a call with a window of at most :data:`WINDOW_TILES_MAX` keys launches ``fwd_window``:
-    where its tiles differ from the forward's. (Cached: asked on every call.)"""
+    """Whether a window of at most :data:`WINDOW_TILES_MAX` keys launches ``fwd_window``: where its tiles
+    differ from the forward's (cached: asked on every call)."""
     return fwd_window_tiles(cfg) != fwd_tiles(cfg)
 
 
@@ -247,27 +232,25 @@ def fwd_ws_options(cfg: KernelConfig, tiles: Tiles | None = None, window: bool =
 
 
 def _window_epilogue(cfg: KernelConfig) -> str:
-    """The windowed kind's epilogue: "tma" in padded layouts, "wg" in packed batches (a TMA box past one
-    sequence's last row would write into the next sequence's)."""
+    """The windowed kind's epilogue: "tma", but "wg" in packed batches (a TMA box past one sequence's last
+    row would write into the next's)."""
     return "wg" if cfg.layout == "thd" else "tma"
 
 
 def fwd_o32(cfg: KernelConfig) -> bool:
-    """Whether strict's forward, when a backward follows, is the kind ``fwd_o32`` (two-term P @ V, the
-    output also in fp32 for the kind ``preprocess_o32``'s Delta): strict, :func:`fwd_ws`, padded layouts.
-    A call with ``scale <= 0`` and the torch.compile route keep the strict ``preprocess``."""
+    """Whether strict's forward, when a backward follows, is ``fwd_o32`` (two-term P @ V, O in fp32 too for
+    ``preprocess_o32``'s Delta): strict, :func:`fwd_ws`, padded layouts (perf-log v13)."""
     return cfg.precision == "strict" and fwd_ws(cfg) and cfg.layout != "thd"
 
 
 def fwd_o32_tiles(cfg: KernelConfig) -> Tiles:
-    """``fwd_o32``'s tiles: two consumer warpgroups at both head dims (D64's three spill with P's second
-    term)."""
+    """``fwd_o32``'s tiles: two consumer warpgroups (D64's three spill with P's second term)."""
     return Tiles(128, 128, 256, 2)
 
 
 def fwd_fold(cfg: KernelConfig) -> bool:
-    """Whether the forward folds the scale into the exponent's FMA, ``exp2(s * scale_log2 - m * scale_log2)``:
-    :func:`fwd_ws`. Right for a positive scale only; a call with ``scale <= 0`` launches ``fwd_unfolded``."""
+    """Whether the forward folds the scale into the exponent's FMA (:func:`fwd_ws`); right for a positive
+    scale only: ``scale <= 0`` launches ``fwd_unfolded`` (perf-log v10, v11)."""
     return fwd_ws(cfg)
 
 
@@ -277,11 +260,10 @@ MAX_BWD_SPLIT = 8
 
 
 def bwd_split(cfg: KernelConfig) -> int:
-    """Programs per (KV tile, KV head) of the ``bwd_split`` kernel, each streaming ``groups / split``
-    query heads: the largest divisor of the group up to :data:`MAX_BWD_SPLIT`; 1 (no split kernel)
-    for groups of one head, strict or deterministic configurations, head_dim != head_dim_v, off
-    Hopper, and where :func:`bwd_ws` runs unsplit (perf-log v6, v10); where it runs head-major
-    (:func:`bwd_head_major`), its split kernel is that one."""
+    """Programs per (KV tile, KV head) of ``bwd_split``, each streaming ``groups / split`` query heads: the
+    largest divisor of the group up to :data:`MAX_BWD_SPLIT`; 1 (no split kernel) for strict or
+    deterministic configurations, unequal head dims, off Hopper, and where :func:`bwd_ws` runs unsplit
+    (perf-log v6, v10)."""
     if cfg.deterministic or cfg.precision != "fast" or cfg.head_dim != cfg.head_dim_v or not cfg.hopper:
         return 1
     if bwd_ws(cfg) and not bwd_head_major(cfg):
@@ -290,11 +272,8 @@ def bwd_split(cfg: KernelConfig) -> int:
 
 
 def bwd_head_major(cfg: KernelConfig) -> bool:
-    """Whether the hand warp-specialized main backward's split kernel (:func:`bwd_split`) is launched head
-    by head (``bwd_ws.build_bwd_ws(head_major=True)``, FlashAttention-4's grid): fast, head dims above 64
-    up to 128, padded layouts. On an H100 at causal D128 N4096 H64/8 it moves 0.49 GB of DRAM against the
-    tile-major unsplit kernel's 3.6 GB, main kernel 1.85 -> 1.55 ms; at D64 N8192 the 128-row dQ-first
-    kernel stays faster unsplit (3.46 ms against 3.50-3.96: its traffic was never its limit), perf-log v33."""
+    """Whether ``bwd_ws.py``'s split kernel is launched head by head (FlashAttention-4's grid): fast,
+    padded layouts, head dims above 64 up to 128 (perf-log v33)."""
     return (bwd_ws(cfg) and cfg.precision == "fast" and not cfg.deterministic and cfg.head_dim == cfg.head_dim_v
             and 64 < cfg.head_dim <= 128 and cfg.layout != "thd")
 
@@ -304,14 +283,12 @@ BWD_SPLIT_MIN_ROWS = 1024
 
 
 def pre_branch(cfg: KernelConfig) -> bool:
-    """Whether the strict preprocess (Delta from P and dP) skips the per-element mask on the KV tiles
-    wholly visible to its query tile: Hopper (perf-log v12)."""
+    """Whether the strict preprocess skips the per-element mask on wholly visible KV tiles (perf-log v12)."""
     return cfg.hopper and cfg.precision == "strict"
 
 
 def pre_lpt(cfg: KernelConfig) -> bool:
-    """Whether the strict preprocess issues its causal query tiles with the most keys first, from its
-    grid's layout (``schedule.grid_dims``): with :func:`pre_branch`, padded layouts (perf-log v12)."""
+    """Whether the strict preprocess takes its causal query tiles most keys first (perf-log v12)."""
     return pre_branch(cfg) and cfg.layout != "thd"
 
 
@@ -327,7 +304,7 @@ def pre_tiles(cfg: KernelConfig) -> Tiles:
 
 
 def pre_o32_tiles(cfg: KernelConfig) -> Tiles:
-    """``preprocess_o32``'s tiles: the fast preprocess's (the same memory-bound pass over an fp32 O)."""
+    """``preprocess_o32``'s tiles: the fast preprocess's (the same memory-bound pass, over an fp32 O)."""
     return pre_tiles(dataclasses.replace(cfg, precision="fast"))
 
 
