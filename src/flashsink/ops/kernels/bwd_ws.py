@@ -79,7 +79,7 @@ def build_bwd_ws(cfg: KernelConfig, t, split: int, dq_first: bool, ds_first: boo
     ``tma_epilogue`` (with ``split > 1``): dK and dV added into their fp32 accumulators by bulk reduce-adds
     from shared memory (FlashAttention-4's epilogue), half a tile at a time through one fp32 [bn, dim / 2]
     staging tile (32 KB at D128: what shared memory has left), instead of per-thread atomics from registers
-    (128 a thread, each behind its bounds tests: 3,840 -> 2,216 SASS instructions in the D128 head-major
+    (128 a thread, each behind its bounds tests: 3,864 -> 2,232 SASS instructions in the D128 head-major
     kernel, perf-log v36). A view over the dead K and V tiles cannot be used: TileLang gives a buffer and
     its views one layout, and the tiles' bf16 swizzle is not one the bulk add can encode as fp32."""
     if dk_in_flight and not dq_first:
@@ -93,6 +93,7 @@ def build_bwd_ws(cfg: KernelConfig, t, split: int, dq_first: bool, ds_first: boo
     fast = cfg.precision == "fast"
     per_prog = cfg.groups // split
     stages = t.stages
+    half = cfg.head_dim // 2  # tma_epilogue's staging tile: dK/dV's columns in two halves
     bm, bn = t.block_m, t.block_n
     dim, dim_v, groups, layout = cfg.head_dim, cfg.head_dim_v, cfg.groups, cfg.layout
     dtype, accum = cfg.dtype, "float32"
@@ -152,12 +153,12 @@ def build_bwd_ws(cfg: KernelConfig, t, split: int, dq_first: bool, ds_first: boo
 
     @T.macro
     def bulk_add(acc, stage, dst, c0: int, first: bool):
-        """``dst`` (a region of an fp32 accumulator, [bn, dim / 2]) += ``acc``'s columns ``c0 .. c0 + dim / 2``
+        """``dst`` (a region of an fp32 accumulator, [bn, half]) += ``acc``'s columns ``c0 .. c0 + half``
         by a bulk reduce-add through ``stage`` (shared memory); past the ``first``, the consumers meet before
         they write it, so the previous add has read it (its one issuing thread waits for that)."""
         if not first:
             T.sync_threads(CONSUMER_BARRIER, CONSUMER_THREADS)
-        T.copy(acc[:, c0 : c0 + dim // 2], stage)
+        T.copy(acc[:, c0 : c0 + half], stage)
         T.fence_proxy_async()
         T.sync_threads(CONSUMER_BARRIER, CONSUMER_THREADS)
         T.atomic_add(dst, stage, annotations={"use_tma": 1})
@@ -191,7 +192,7 @@ def build_bwd_ws(cfg: KernelConfig, t, split: int, dq_first: bool, ds_first: boo
             full = T.alloc_barrier(arrive_count=[128] * stages)  # slot loaded (producer + TMA bytes)
             empty = T.alloc_barrier(arrive_count=[CONSUMER_THREADS] * stages)  # slot read by both consumers
             if tma_epilogue:  # fp32 dK/dV staged for their bulk adds, half a tile at a time (32 KB at D128)
-                kv_stage = T.alloc_shared([bn, dim // 2], accum)
+                kv_stage = T.alloc_shared([bn, half], accum)
             if with_dq:
                 # dS^T of two consecutive tiles: a consumer writes tile it+1's while the other may
                 # still read tile it's in its dQ product
@@ -313,16 +314,17 @@ def build_bwd_ws(cfg: KernelConfig, t, split: int, dq_first: bool, ds_first: boo
                 if tma_epilogue:
                     # (a program no row sees adds nothing; ptxas serializes every wgmma if dk and dv are read
                     # on that path too, C7515, the zeros it puts there counted as defining accumulators)
+                    # (buffers are named in the loops, not bound to loop variables: a bound buffer takes its name)
                     if n_it > 0:
-                        for c0, first in ((0, True), (dim // 2, False)):
-                            bulk_add(dk, kv_stage, acc_tile(dK, layout, b, kv_head, k_base + key0, bn, c0, c0 + dim // 2),
-                                     c0, first)
-                        for c0 in (0, dim // 2):
-                            bulk_add(dv, kv_stage, acc_tile(dV, layout, b, kv_head, k_base + key0, bn, c0, c0 + dim // 2),
+                        for c0 in (0, half):
+                            bulk_add(dk, kv_stage, acc_tile(dK, layout, b, kv_head, k_base + key0, bn, c0, c0 + half),
+                                     c0, c0 == 0)
+                        for c0 in (0, half):
+                            bulk_add(dv, kv_stage, acc_tile(dV, layout, b, kv_head, k_base + key0, bn, c0, c0 + half),
                                      c0, False)
                 elif split > 1:
-                    # fp32 adds straight from registers (an fp32 staging tile would not fit in
-                    # shared memory); rows past the sequence hold exact zeros (P, dS selected to 0)
+                    # fp32 adds straight from registers (a whole fp32 staging tile does not fit in shared
+                    # memory; tma_epilogue stages halves); rows past the sequence hold exact zeros (P, dS selected to 0)
                     T.atomic_add(acc_tile(dK, layout, b, kv_head, k_base + key0, bn), dk)
                     T.atomic_add(acc_tile(dV, layout, b, kv_head, k_base + key0, bn), dv)
                 else:
